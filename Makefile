@@ -1,0 +1,25 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv and install first.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench soak clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m pgcdc_assets.demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.decode
+
+clean:
+	rm -rf $(VENV) lake .pytest_cache
