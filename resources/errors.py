@@ -7,6 +7,9 @@ specific subclasses; ``explain`` turns driver errors into them.
 
 from __future__ import annotations
 
+import getpass
+import os
+
 
 class PgcdcError(Exception):
     """A one-line, actionable failure: ``cause: fix``."""
@@ -31,3 +34,87 @@ class ConnectionFailure(PgcdcError):
 
 class ProtocolError(PgcdcError):
     """The replication stream carried something the client does not understand."""
+
+
+def mask_dsn(dsn: str) -> str:
+    """The DSN as ``user@host:port/dbname`` with no password, safe for logs and metadata."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(dsn)
+    except Exception:
+        return "<unparseable DSN>"
+    user = parts.get("user") or os.environ.get("PGUSER") or getpass.getuser()
+    host = parts.get("host") or os.environ.get("PGHOST") or "localhost"
+    port = parts.get("port") or os.environ.get("PGPORT") or "5432"
+    dbname = parts.get("dbname") or os.environ.get("PGDATABASE") or user
+    return f"{user}@{host}:{port}/{dbname}"
+
+
+def _scrub(text: str, dsn: str | None) -> str:
+    """First line of a server message, with any password from the DSN removed."""
+    line = text.strip().splitlines()[0] if text.strip() else type(text).__name__
+    if dsn:
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            password = conninfo_to_dict(dsn).get("password")
+        except Exception:
+            password = None
+        if password:
+            line = line.replace(str(password), "****")
+    return line
+
+
+def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = None) -> PgcdcError:
+    """Turn a psycopg error into an actionable ``PgcdcError``; pass others through as-is if already one."""
+    import psycopg
+
+    if isinstance(error, PgcdcError):
+        return error
+    where = mask_dsn(dsn) if dsn else "the server"
+    message = _scrub(str(error), dsn)
+    lowered = message.lower()
+    sqlstate = getattr(error, "sqlstate", None) or ""
+    slot_name = f'"{slot}"' if slot else ""
+
+    if isinstance(error, psycopg.ProgrammingError) and not sqlstate:
+        return ConfigurationError(f"invalid connection string ({message})", "pass a libpq DSN or postgresql:// URL")
+    if sqlstate == "28P01" or "password authentication failed" in lowered:
+        return ConfigurationError(
+            f"password authentication failed for {where}", "fix the password in the DSN or in PGPASSWORD/.pgpass"
+        )
+    if "no password supplied" in lowered:
+        return ConfigurationError(f"{where} requires a password", "set it in the DSN or in PGPASSWORD/.pgpass")
+    if sqlstate == "3D000" or ("database" in lowered and "does not exist" in lowered):
+        return ConfigurationError(f"database missing on {where} ({message})", "fix dbname in the DSN")
+    if "wal_level" in lowered:
+        return ConfigurationError(
+            f"logical decoding is off on {where} ({message})",
+            "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL",
+        )
+    if sqlstate == "42501" or "replication role" in lowered or "permission denied" in lowered:
+        return ConfigurationError(
+            f"missing privilege on {where} ({message})",
+            "grant it: ALTER ROLE <user> WITH REPLICATION, and SELECT on the published tables",
+        )
+    if sqlstate == "55006" or ("replication slot" in lowered and "is active" in lowered):
+        return SlotError(
+            f"replication slot {slot_name} is in use by another consumer ({message})",
+            "stop the other consumer (or wait for its run to finish) and retry",
+        )
+    if "replication slot" in lowered and "does not exist" in lowered:
+        return SlotError(
+            f"replication slot {slot_name} does not exist on {where}",
+            "create it (pgcdc changes --create-slot, or run the snapshot job) or fix the slot name",
+        )
+    if "publication" in lowered and "does not exist" in lowered:
+        return ConfigurationError(
+            f"{message} on {where}", "CREATE PUBLICATION <name> FOR TABLE ... or fix the publication name"
+        )
+    if isinstance(error, psycopg.OperationalError) and not sqlstate:
+        return ConnectionFailure(
+            f"cannot reach PostgreSQL at {where} ({message})",
+            "check host, port and that the server is running and accepts connections; retry",
+        )
+    return PgcdcError(f"PostgreSQL error on {where} ({message})", "see the server log for details")

@@ -1,0 +1,141 @@
+"""The pgcdc configuration: one YAML file named by ``PGCDC_CONFIG``.
+
+The key names are a contract with users' files, so the model forbids unknown
+keys (a typo must not silently fall back to a default) and every validation
+error names the key and how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from resources.errors import ConfigurationError, mask_dsn
+
+CONFIG_ENV_VAR = "PGCDC_CONFIG"
+
+_SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+_TABLE_NAME = re.compile(r'^(?:[A-Za-z_][A-Za-z0-9_$]*|"[^"]+")\.(?:[A-Za-z_][A-Za-z0-9_$]*|"[^"]+")$')
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PostgresSettings(_Section):
+    dsn: str = Field(description="libpq DSN or postgresql:// URL; secrets may come from PG* environment variables")
+
+    def __repr__(self) -> str:
+        return f"PostgresSettings(dsn={mask_dsn(self.dsn)!r})"
+
+    __str__ = __repr__
+
+
+class DeltaSettings(_Section):
+    root: str = Field(default="./lake", description="the Delta table of schema.table lives at <root>/<schema>/<table>")
+
+
+class SparkSettings(_Section):
+    remote: str | None = Field(default=None, description="sc://host:port of a Spark Connect server; null = embedded")
+    config: dict[str, str] = Field(default_factory=dict, description="extra Spark settings, passed through")
+
+    @field_validator("remote")
+    @classmethod
+    def _remote_is_spark_connect(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("sc://"):
+            raise ValueError("must be a Spark Connect URL like sc://host:15002, or null for the embedded engine")
+        return value
+
+
+class SnapshotSettings(_Section):
+    parallel_tables: int = Field(default=2, ge=1, le=64)
+
+
+class ScheduleSettings(_Section):
+    cron: str = Field(default="*/5 * * * *", description="when pgcdc_incremental_schedule fires")
+
+
+class SensorSettings(_Section):
+    lag_bytes: int = Field(default=64 * 1024 * 1024, ge=0, description="slot lag that triggers an incremental run")
+
+
+class CheckSettings(_Section):
+    max_lag_bytes: int = Field(default=1024 * 1024 * 1024, ge=0, description="asset check bound on slot lag")
+
+
+class PgcdcConfig(_Section):
+    postgres: PostgresSettings
+    publication: str = Field(min_length=1)
+    create_publication: bool = False
+    slot: str = "pgcdc_slot"
+    tables: list[str] = Field(default_factory=list, description="schema.table names; empty = the whole publication")
+    delta: DeltaSettings = Field(default_factory=DeltaSettings)
+    spark: SparkSettings = Field(default_factory=SparkSettings)
+    snapshot: SnapshotSettings = Field(default_factory=SnapshotSettings)
+    schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
+    sensors: SensorSettings = Field(default_factory=SensorSettings)
+    checks: CheckSettings = Field(default_factory=CheckSettings)
+
+    @field_validator("slot")
+    @classmethod
+    def _slot_name(cls, value: str) -> str:
+        if not _SLOT_NAME.match(value):
+            raise ValueError("slot names use only lower-case letters, digits and underscores (at most 63)")
+        return value
+
+    @field_validator("tables")
+    @classmethod
+    def _qualified_tables(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _TABLE_NAME.match(name):
+                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        return value
+
+    def table_path(self, schema: str, table: str) -> str:
+        """Where the Delta table of ``schema.table`` lives."""
+        return str(Path(self.delta.root).resolve() / schema / table)
+
+
+def _describe(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "<top level>"
+        if item["type"] == "extra_forbidden":
+            problems.append(f"unknown key '{key}' (remove it or fix its spelling)")
+        elif item["type"] == "missing":
+            problems.append(f"'{key}' is required")
+        else:
+            problems.append(f"'{key}': {item['msg']}")
+    return "; ".join(problems)
+
+
+def parse_config(data: Any, source: str = "configuration") -> PgcdcConfig:
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"{source} is not a YAML mapping", "write keys like 'postgres:' and 'publication:'")
+    try:
+        return PgcdcConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigurationError(f"invalid {source}: {_describe(error)}", "fix the keys named") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> PgcdcConfig:
+    """Load the file at ``path``, or at ``$PGCDC_CONFIG``."""
+    location = path or os.environ.get(CONFIG_ENV_VAR)
+    if not location:
+        raise ConfigurationError(f"{CONFIG_ENV_VAR} is not set", f"export {CONFIG_ENV_VAR}=/path/to/pgcdc.yaml")
+    try:
+        text = Path(location).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigurationError(
+            f"cannot read config {location} ({error.strerror})", f"point {CONFIG_ENV_VAR} at a readable file"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigurationError(f"config {location} is not valid YAML ({error})", "fix the YAML syntax") from None
+    return parse_config(data, f"config {location}")

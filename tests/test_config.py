@@ -1,0 +1,73 @@
+"""The configuration contract: key names, defaults, and one-line errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from resources.config import load_config, parse_config
+from resources.errors import ConfigurationError, mask_dsn
+
+MINIMAL = {"postgres": {"dsn": "postgresql://app:s3cret@db.internal:5433/shop"}, "publication": "pgcdc"}
+
+
+def test_defaults_match_the_documented_file() -> None:
+    config = parse_config(MINIMAL)
+    assert config.slot == "pgcdc_slot"
+    assert config.create_publication is False
+    assert config.tables == []
+    assert config.delta.root == "./lake"
+    assert config.spark.remote is None and config.spark.config == {}
+    assert config.snapshot.parallel_tables == 2
+    assert config.schedule.cron == "*/5 * * * *"
+    assert config.sensors.lag_bytes == 64 * 1024 * 1024
+
+
+def test_table_paths_live_under_the_root(tmp_path: Path) -> None:
+    config = parse_config({**MINIMAL, "delta": {"root": str(tmp_path)}})
+    assert config.table_path("public", "orders") == str(tmp_path / "public" / "orders")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"slott": "x"}, "unknown key 'slott'"),
+        ({"delta": {"root": "/x", "rooot": "/y"}}, "unknown key 'delta.rooot'"),
+        ({"snapshot": {"parallel_tables": 0}}, "'snapshot.parallel_tables'"),
+        ({"tables": ["orders"]}, "'tables': Value error, 'orders' is not schema.table"),
+        ({"slot": "Bad-Name"}, "'slot'"),
+        ({"spark": {"remote": "http://spark:15002"}}, "'spark.remote'"),
+        ({"publication": ""}, "'publication'"),
+    ],
+)
+def test_each_bad_key_is_named(override: dict, expected: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        parse_config({**MINIMAL, **override})
+    assert expected in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_missing_required_keys_are_named() -> None:
+    with pytest.raises(ConfigurationError, match="'postgres' is required"):
+        parse_config({"publication": "p"})
+
+
+def test_passwords_never_show(tmp_path: Path) -> None:
+    config = parse_config(MINIMAL)
+    assert "s3cret" not in repr(config) and "s3cret" not in str(config.postgres)
+    assert mask_dsn(config.postgres.dsn) == "app@db.internal:5433/shop"
+    with pytest.raises(ConfigurationError) as raised:
+        parse_config({**MINIMAL, "postgres": {"dsn": "postgresql://app:s3cret@h/db", "port": 5}})
+    assert "s3cret" not in str(raised.value)
+
+
+def test_load_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "pgcdc.yaml"
+    path.write_text("postgres:\n  dsn: postgresql://u@h/db\npublication: pub\ntables: [public.a, public.b]\n")
+    monkeypatch.setenv("PGCDC_CONFIG", str(path))
+    assert load_config().tables == ["public.a", "public.b"]
+    monkeypatch.delenv("PGCDC_CONFIG")
+    with pytest.raises(ConfigurationError, match="PGCDC_CONFIG is not set"):
+        load_config()
+    path.write_text("postgres: [unclosed\n")
+    with pytest.raises(ConfigurationError, match="not valid YAML"):
+        load_config(path)
