@@ -1,0 +1,155 @@
+"""What the publisher's catalog says about the published tables.
+
+The snapshot copies exactly what the publication publishes (its column list and
+row filter on PostgreSQL 15+), and incremental runs need each table's replica
+identity to know how rows are matched. These queries mirror the ones
+PostgreSQL's own table-sync worker runs (see the trace in the seeds).
+
+Queries use client-side parameter binding (``psycopg.ClientCursor``) because a
+``replication=database`` connection only speaks the simple query protocol, and
+the snapshot reads the catalog inside its replication transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+
+from resources.errors import ConfigurationError
+
+
+@dataclass(frozen=True, slots=True)
+class TableName:
+    schema: str
+    name: str
+
+    @classmethod
+    def parse(cls, qualified: str) -> TableName:
+        schema, _, name = qualified.partition(".")
+        return cls(schema.strip('"'), name.strip('"'))
+
+    def __str__(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def quoted(self) -> str:
+        return f"{quote_ident(self.schema)}.{quote_ident(self.name)}"
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnInfo:
+    name: str
+    attnum: int
+    type_oid: int
+    type_modifier: int
+    type_name: str  # format_type(): 'numeric(10,2)', 'integer[]', 'timestamp with time zone', ...
+    not_null: bool
+    is_identity_key: bool  # part of the replica identity index (or the primary key)
+
+
+@dataclass(frozen=True, slots=True)
+class TableInfo:
+    oid: int
+    table: TableName
+    relkind: str  # 'r' table, 'p' partitioned table
+    replica_identity: str  # 'd' default (primary key), 'i' index, 'f' full, 'n' nothing
+    columns: tuple[ColumnInfo, ...]  # the published columns, in attnum order
+    row_filter: str | None  # the publication's WHERE expression, PostgreSQL 15+
+
+    @property
+    def key_columns(self) -> tuple[str, ...]:
+        """Columns that identify a row: the identity index, all columns for FULL, none otherwise."""
+        if self.replica_identity == "f":
+            return tuple(column.name for column in self.columns)
+        return tuple(column.name for column in self.columns if column.is_identity_key)
+
+    def copy_query(self) -> str:
+        """The COPY that reads what the publication publishes, as PostgreSQL's own sync does.
+
+        ONLY keeps inheritance children out of a plain table; a partitioned root
+        published with publish_via_partition_root is read whole.
+        """
+        columns = ", ".join(quote_ident(column.name) for column in self.columns)
+        only = "ONLY " if self.relkind == "r" else ""
+        where = f" WHERE {self.row_filter}" if self.row_filter else ""
+        return f"COPY (SELECT {columns} FROM {only}{self.table.quoted}{where}) TO STDOUT WITH (FORMAT csv)"
+
+
+def quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _cursor(conn: psycopg.Connection) -> psycopg.ClientCursor:
+    return psycopg.ClientCursor(conn)
+
+
+def server_version_num(conn: psycopg.Connection) -> int:
+    row = _cursor(conn).execute("SELECT current_setting('server_version_num')::int").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def publication_exists(conn: psycopg.Connection, publication: str) -> bool:
+    row = _cursor(conn).execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
+    return row is not None
+
+
+def published_tables(conn: psycopg.Connection, publication: str) -> list[TableName]:
+    """The tables a publication publishes, as pg_publication_tables lists them."""
+    if not publication_exists(conn, publication):
+        raise ConfigurationError(
+            f'publication "{publication}" does not exist',
+            f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE ... (or set create_publication: true)",
+        )
+    rows = _cursor(conn).execute(
+        "SELECT DISTINCT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1, 2",
+        (publication,),
+    )
+    return [TableName(schema, name) for schema, name in rows.fetchall()]
+
+
+def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> TableInfo:
+    """The relation as the publication publishes it; fails if the table is not published."""
+    cursor = _cursor(conn)
+    relation = cursor.execute(
+        "SELECT c.oid::int, c.relkind::text, c.relreplident::text FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+        (table.schema, table.name),
+    ).fetchone()
+    if relation is None:
+        raise ConfigurationError(f"table {table} does not exist", "fix the table name in the configuration")
+    oid, relkind, replica_identity = relation
+
+    modern = server_version_num(conn) >= 150000
+    published = cursor.execute(
+        (
+            "SELECT attnames, rowfilter FROM pg_publication_tables"
+            if modern
+            else "SELECT NULL::name[], NULL::text FROM pg_publication_tables"
+        )
+        + " WHERE pubname = %s AND schemaname = %s AND tablename = %s",
+        (publication, table.schema, table.name),
+    ).fetchall()
+    if not published:
+        raise ConfigurationError(
+            f'table {table} is not in publication "{publication}"',
+            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE {table.quoted}, or remove it from 'tables'",
+        )
+    column_list: list[str] | None = published[0][0]
+    row_filter: str | None = published[0][1]
+
+    rows = cursor.execute(
+        "SELECT a.attname, a.attnum::int, a.atttypid::int, a.atttypmod, format_type(a.atttypid, a.atttypmod),"
+        " a.attnotnull, coalesce(a.attnum = ANY(i.indkey), false)"
+        " FROM pg_attribute a"
+        " LEFT JOIN pg_index i ON i.indexrelid = pg_get_replica_identity_index(%s)"
+        " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+        (oid, oid),
+    ).fetchall()
+    columns = tuple(
+        ColumnInfo(name, attnum, type_oid, typmod, type_name, not_null, is_key)
+        for name, attnum, type_oid, typmod, type_name, not_null, is_key in rows
+        if (name in column_list if column_list is not None else True)
+    )
+    return TableInfo(oid, table, relkind, replica_identity, columns, row_filter)
