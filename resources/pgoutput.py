@@ -1,0 +1,841 @@
+"""Decoder for the pgoutput logical replication protocol, versions 1 to 4.
+
+Follows PostgreSQL's "Logical Replication Message Formats"
+(protocol-logicalrep-message-formats) and ``src/backend/replication/logical/proto.c``.
+
+One ``PgOutputDecoder`` decodes the payloads of one replication session in order:
+it is stateful because, between Stream Start and Stream Stop (protocol 2+), the
+messages Relation, Type, Insert, Update, Delete, Truncate and Message carry an
+extra Int32 xid right after the type byte.
+
+Every message carries ``wal_start``: the start LSN of the XLogData frame (or the
+``lsn`` column of ``pg_logical_slot_*_binary_changes``) it arrived in. The
+decoder stores the object it is given, so passing an ``LSN`` costs nothing.
+
+Column values stay ``bytes`` (text or binary form as sent); NULL is ``None`` and
+an unchanged TOASTed value is the ``UNCHANGED_TOAST`` sentinel.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Final, TypeAlias
+
+from resources.errors import ProtocolError
+from resources.lsn import LSN
+
+__all__ = [
+    "UNCHANGED_TOAST",
+    "Begin",
+    "BeginPrepare",
+    "Commit",
+    "CommitPrepared",
+    "Delete",
+    "Insert",
+    "Message",
+    "Origin",
+    "PgOutputDecoder",
+    "PgOutputMessage",
+    "Prepare",
+    "Relation",
+    "RelationCache",
+    "RelationColumn",
+    "RollbackPrepared",
+    "StreamAbort",
+    "StreamCommit",
+    "StreamPrepare",
+    "StreamStart",
+    "StreamStop",
+    "Truncate",
+    "TupleData",
+    "Type",
+    "TypeCache",
+    "Update",
+    "pg_timestamp",
+]
+
+PG_EPOCH: Final = datetime(2000, 1, 1, tzinfo=timezone.utc)
+MIN_PROTO_VERSION: Final = 1
+MAX_PROTO_VERSION: Final = 4
+
+
+def pg_timestamp(microseconds: int) -> datetime:
+    """A PostgreSQL TimestampTz (microseconds since 2000-01-01 UTC) as an aware datetime."""
+    return PG_EPOCH + timedelta(microseconds=microseconds)
+
+
+class _UnchangedToast:
+    """Type of ``UNCHANGED_TOAST``: a TOASTed value the server did not resend."""
+
+    __slots__ = ()
+    _instance: _UnchangedToast | None = None
+
+    def __new__(cls) -> _UnchangedToast:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNCHANGED_TOAST"
+
+    def __reduce__(self) -> str:
+        return "UNCHANGED_TOAST"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNCHANGED_TOAST: Final = _UnchangedToast()
+"""Column kind 'u': unchanged TOASTed value; the actual value is not sent."""
+
+ColumnValue: TypeAlias = "bytes | None | _UnchangedToast"
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(slots=True, frozen=True)
+class TupleData:
+    """A row image. ``values[i]`` is bytes (text or binary form), None (NULL) or UNCHANGED_TOAST."""
+
+    values: tuple[ColumnValue, ...]
+    #: True if at least one value was sent in binary form (kind 'b').
+    binary: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class RelationColumn:
+    flags: int
+    name: str
+    type_oid: int
+    type_modifier: int
+
+    @property
+    def is_key(self) -> bool:
+        """Part of the replica identity (flag bit 1; every column under REPLICA IDENTITY FULL)."""
+        return bool(self.flags & 1)
+
+
+@dataclass(slots=True, frozen=True)
+class Begin:
+    wal_start: LSN
+    final_lsn: LSN
+    commit_time: datetime
+    xid: int
+
+
+@dataclass(slots=True, frozen=True)
+class Message:
+    wal_start: LSN
+    xid: int | None
+    transactional: bool
+    lsn: LSN
+    prefix: str
+    content: bytes
+
+
+@dataclass(slots=True, frozen=True)
+class Commit:
+    wal_start: LSN
+    flags: int
+    commit_lsn: LSN
+    end_lsn: LSN
+    commit_time: datetime
+
+
+@dataclass(slots=True, frozen=True)
+class Origin:
+    wal_start: LSN
+    commit_lsn: LSN
+    name: str
+
+
+@dataclass(slots=True, frozen=True)
+class Relation:
+    wal_start: LSN
+    xid: int | None
+    oid: int
+    #: Schema name; the protocol's empty string is reported as "pg_catalog".
+    namespace: str
+    name: str
+    #: relreplident: 'd' default, 'n' nothing, 'f' full, 'i' index.
+    replica_identity: str
+    columns: tuple[RelationColumn, ...]
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        return tuple(column.name for column in self.columns)
+
+
+@dataclass(slots=True, frozen=True)
+class Type:
+    wal_start: LSN
+    xid: int | None
+    oid: int
+    #: Schema of the (base) type; the protocol's empty string is reported as "pg_catalog".
+    namespace: str
+    #: Name of the base type (for a domain, the type it is over).
+    name: str
+
+
+@dataclass(slots=True, frozen=True)
+class Insert:
+    wal_start: LSN
+    xid: int | None
+    relation_oid: int
+    new: TupleData
+
+
+@dataclass(slots=True, frozen=True)
+class Update:
+    wal_start: LSN
+    xid: int | None
+    relation_oid: int
+    #: Old replica identity key ('K'), sent when the key changed.
+    key: TupleData | None
+    #: Old row ('O'), sent under REPLICA IDENTITY FULL.
+    old: TupleData | None
+    new: TupleData
+
+
+@dataclass(slots=True, frozen=True)
+class Delete:
+    wal_start: LSN
+    xid: int | None
+    relation_oid: int
+    key: TupleData | None
+    old: TupleData | None
+
+
+@dataclass(slots=True, frozen=True)
+class Truncate:
+    wal_start: LSN
+    xid: int | None
+    relation_oids: tuple[int, ...]
+    cascade: bool
+    restart_identity: bool
+
+
+@dataclass(slots=True, frozen=True)
+class StreamStart:
+    wal_start: LSN
+    xid: int
+    first_segment: bool
+
+
+@dataclass(slots=True, frozen=True)
+class StreamStop:
+    wal_start: LSN
+
+
+@dataclass(slots=True, frozen=True)
+class StreamCommit:
+    wal_start: LSN
+    xid: int
+    flags: int
+    commit_lsn: LSN
+    end_lsn: LSN
+    commit_time: datetime
+
+
+@dataclass(slots=True, frozen=True)
+class StreamAbort:
+    wal_start: LSN
+    xid: int
+    #: Equal to ``xid`` when the whole transaction aborted, else the aborted subtransaction.
+    subxid: int
+    #: Protocol 4 with streaming = parallel only; None otherwise.
+    abort_lsn: LSN | None = None
+    abort_time: datetime | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class BeginPrepare:
+    wal_start: LSN
+    prepare_lsn: LSN
+    end_lsn: LSN
+    prepare_time: datetime
+    xid: int
+    gid: str
+
+
+@dataclass(slots=True, frozen=True)
+class Prepare:
+    wal_start: LSN
+    flags: int
+    prepare_lsn: LSN
+    end_lsn: LSN
+    prepare_time: datetime
+    xid: int
+    gid: str
+
+
+@dataclass(slots=True, frozen=True)
+class CommitPrepared:
+    wal_start: LSN
+    flags: int
+    commit_lsn: LSN
+    end_lsn: LSN
+    commit_time: datetime
+    xid: int
+    gid: str
+
+
+@dataclass(slots=True, frozen=True)
+class RollbackPrepared:
+    wal_start: LSN
+    flags: int
+    prepare_end_lsn: LSN
+    rollback_end_lsn: LSN
+    prepare_time: datetime
+    rollback_time: datetime
+    xid: int
+    gid: str
+
+
+@dataclass(slots=True, frozen=True)
+class StreamPrepare:
+    wal_start: LSN
+    flags: int
+    prepare_lsn: LSN
+    end_lsn: LSN
+    prepare_time: datetime
+    xid: int
+    gid: str
+
+
+PgOutputMessage: TypeAlias = (
+    Begin
+    | Message
+    | Commit
+    | Origin
+    | Relation
+    | Type
+    | Insert
+    | Update
+    | Delete
+    | Truncate
+    | StreamStart
+    | StreamStop
+    | StreamCommit
+    | StreamAbort
+    | BeginPrepare
+    | Prepare
+    | CommitPrepared
+    | RollbackPrepared
+    | StreamPrepare
+)
+
+#: Type byte -> human name, for errors.
+MESSAGE_NAMES: Final[dict[int, str]] = {
+    ord("B"): "Begin",
+    ord("M"): "Message",
+    ord("C"): "Commit",
+    ord("O"): "Origin",
+    ord("R"): "Relation",
+    ord("Y"): "Type",
+    ord("I"): "Insert",
+    ord("U"): "Update",
+    ord("D"): "Delete",
+    ord("T"): "Truncate",
+    ord("S"): "Stream Start",
+    ord("E"): "Stream Stop",
+    ord("c"): "Stream Commit",
+    ord("A"): "Stream Abort",
+    ord("b"): "Begin Prepare",
+    ord("P"): "Prepare",
+    ord("K"): "Commit Prepared",
+    ord("r"): "Rollback Prepared",
+    ord("p"): "Stream Prepare",
+}
+
+#: Lowest protocol version that may send each message type.
+_SINCE_VERSION: Final[dict[int, int]] = {
+    ord("S"): 2,
+    ord("E"): 2,
+    ord("c"): 2,
+    ord("A"): 2,
+    ord("b"): 3,
+    ord("P"): 3,
+    ord("K"): 3,
+    ord("r"): 3,
+    ord("p"): 3,
+}
+
+
+# --------------------------------------------------------------------------- caches
+
+
+class RelationCache:
+    """Relation oid -> latest Relation message; a new Relation message for an oid replaces the entry."""
+
+    __slots__ = ("_by_oid",)
+
+    def __init__(self) -> None:
+        self._by_oid: dict[int, Relation] = {}
+
+    def update(self, relation: Relation) -> None:
+        self._by_oid[relation.oid] = relation
+
+    def get(self, oid: int, lsn: LSN | int | None = None) -> Relation:
+        """The relation ``oid``; ``ProtocolError`` if no Relation message described it."""
+        try:
+            return self._by_oid[oid]
+        except KeyError:
+            where = f" at {LSN(lsn)}" if lsn is not None else ""
+            raise ProtocolError(
+                f"change{where} names relation oid {oid}, which no Relation message described",
+                "decode the session from its start (the server sends Relation before the first change of each table)",
+            ) from None
+
+    def __contains__(self, oid: object) -> bool:
+        return oid in self._by_oid
+
+    def __len__(self) -> int:
+        return len(self._by_oid)
+
+    def clear(self) -> None:
+        self._by_oid.clear()
+
+
+class TypeCache:
+    """Type oid -> latest Type message."""
+
+    __slots__ = ("_by_oid",)
+
+    def __init__(self) -> None:
+        self._by_oid: dict[int, Type] = {}
+
+    def update(self, type_: Type) -> None:
+        self._by_oid[type_.oid] = type_
+
+    def get(self, oid: int) -> Type | None:
+        """The Type message for ``oid``, or None (built-in types are never described)."""
+        return self._by_oid.get(oid)
+
+    def __contains__(self, oid: object) -> bool:
+        return oid in self._by_oid
+
+    def __len__(self) -> int:
+        return len(self._by_oid)
+
+    def clear(self) -> None:
+        self._by_oid.clear()
+
+
+# --------------------------------------------------------------------------- decoder
+
+_U8 = struct.Struct(">B")
+_I16 = struct.Struct(">H")
+_I32 = struct.Struct(">I")
+_S32 = struct.Struct(">i")
+_I64 = struct.Struct(">Q")
+_Q_Q = struct.Struct(">QQ")
+_BEGIN = struct.Struct(">QqI")  # final_lsn, commit_time, xid
+_COMMIT = struct.Struct(">BQQq")  # flags, commit_lsn, end_lsn, commit_time
+_STREAM_START = struct.Struct(">IB")
+_STREAM_COMMIT = struct.Struct(">IBQQq")
+_STREAM_ABORT = struct.Struct(">II")
+_STREAM_ABORT_V4 = struct.Struct(">IIQq")
+_BEGIN_PREPARE = struct.Struct(">QQqI")  # prepare_lsn, end_lsn, prepare_time, xid
+_PREPARE = struct.Struct(">BQQqI")  # flags, prepare_lsn, end_lsn, prepare_time, xid
+_ROLLBACK_PREPARED = struct.Struct(">BQQqqI")
+_MESSAGE_HEAD = struct.Struct(">BQ")  # flags, lsn
+_RELATION_COLUMN_TAIL = struct.Struct(">Ii")  # type oid, type modifier
+_TRUNCATE_HEAD = struct.Struct(">IB")
+_REL_KIND = struct.Struct(">IB")  # relation oid, tuple kind byte
+
+_u8 = _U8.unpack_from
+_u16 = _I16.unpack_from
+_u32 = _I32.unpack_from
+_s32 = _S32.unpack_from
+
+_KIND_NULL = ord("n")
+_KIND_UNCHANGED = ord("u")
+_KIND_TEXT = ord("t")
+_KIND_BINARY = ord("b")
+_TUPLE_NEW = ord("N")
+_TUPLE_KEY = ord("K")
+_TUPLE_OLD = ord("O")
+
+
+class _Malformed(Exception):
+    """Internal: the message bytes do not follow the layout; the argument says how."""
+
+
+class _Truncated(_Malformed):
+    """Internal: a read ran past the end of the message."""
+
+
+class PgOutputDecoder:
+    """Stateful decoder of pgoutput payloads for one replication session.
+
+    ``decode(data, wal_start)`` returns one message per payload. Relation and
+    Type messages update ``relations`` and ``types``; an Insert, Update, Delete
+    or Truncate naming a relation no Relation message described raises
+    ``ProtocolError``.
+    """
+
+    __slots__ = ("proto_version", "relations", "types", "_in_stream", "_stream_xid", "_dispatch")
+
+    def __init__(self, proto_version: int) -> None:
+        if not MIN_PROTO_VERSION <= proto_version <= MAX_PROTO_VERSION:
+            raise ValueError(f"pgoutput protocol version {proto_version} is not supported (1 to 4)")
+        self.proto_version = proto_version
+        self.relations = RelationCache()
+        self.types = TypeCache()
+        self._in_stream = False
+        self._stream_xid: int | None = None
+        self._dispatch = {
+            ord("B"): self._begin,
+            ord("M"): self._message,
+            ord("C"): self._commit,
+            ord("O"): self._origin,
+            ord("R"): self._relation,
+            ord("Y"): self._type,
+            ord("I"): self._insert,
+            ord("U"): self._update,
+            ord("D"): self._delete,
+            ord("T"): self._truncate,
+        }
+        if proto_version >= 2:
+            self._dispatch.update(
+                {
+                    ord("S"): self._stream_start,
+                    ord("E"): self._stream_stop,
+                    ord("c"): self._stream_commit,
+                    ord("A"): self._stream_abort,
+                }
+            )
+        if proto_version >= 3:
+            self._dispatch.update(
+                {
+                    ord("b"): self._begin_prepare,
+                    ord("P"): self._prepare,
+                    ord("K"): self._commit_prepared,
+                    ord("r"): self._rollback_prepared,
+                    ord("p"): self._stream_prepare,
+                }
+            )
+
+    # -- state
+
+    @property
+    def in_stream(self) -> bool:
+        """True between Stream Start and Stream Stop."""
+        return self._in_stream
+
+    @property
+    def stream_xid(self) -> int | None:
+        """The xid of the open stream block, or None."""
+        return self._stream_xid
+
+    # -- entry point
+
+    def decode(self, data: bytes | bytearray | memoryview, wal_start: LSN | int) -> PgOutputMessage:
+        """Decode one pgoutput message; ``wal_start`` is the LSN of the frame that carried it."""
+        if type(data) is not bytes:
+            data = bytes(data)
+        if type(wal_start) is not LSN:
+            wal_start = LSN(wal_start)
+        if not data:
+            raise ProtocolError(f"empty pgoutput message at {wal_start}", "check that the slot uses the pgoutput plugin")
+        kind = data[0]
+        handler = self._dispatch.get(kind)
+        if handler is None:
+            raise self._unknown(kind, wal_start)
+        try:
+            message, end = handler(data, wal_start)
+        except UnicodeDecodeError as exc:
+            raise self._error(kind, wal_start, f"has a name that is not UTF-8 ({exc.reason})") from None
+        except (struct.error, IndexError, ValueError, _Truncated):
+            raise self._error(kind, wal_start, f"is truncated ({len(data)} bytes)") from None
+        except _Malformed as exc:
+            raise self._error(kind, wal_start, str(exc)) from None
+        if end != len(data):
+            if end > len(data):
+                raise self._error(kind, wal_start, f"is truncated ({len(data)} bytes)")
+            raise self._error(kind, wal_start, f"has {len(data) - end} trailing bytes")
+        return message
+
+    # -- errors
+
+    def _unknown(self, kind: int, wal_start: LSN) -> ProtocolError:
+        name = MESSAGE_NAMES.get(kind)
+        if name is not None:
+            return ProtocolError(
+                f"pgoutput {name} message (type byte {chr(kind)!r}) at {wal_start} is not part of protocol version "
+                f"{self.proto_version} (needs {_SINCE_VERSION.get(kind, 1)})",
+                "decode with the proto_version the replication was started with",
+            )
+        return ProtocolError(
+            f"unknown pgoutput message type byte {chr(kind)!r} (0x{kind:02x}) at {wal_start}",
+            "check that the slot uses the pgoutput plugin and that pgcdc supports the server's protocol version",
+        )
+
+    @staticmethod
+    def _error(kind: int, wal_start: LSN, problem: str) -> ProtocolError:
+        name = MESSAGE_NAMES.get(kind, "unknown")
+        return ProtocolError(
+            f"pgoutput {name} message (type byte {chr(kind)!r}) at {wal_start} {problem}",
+            "the replication stream is corrupt or from an unsupported pgoutput version; restart replication",
+        )
+
+    def _stream_state_error(self, kind: int, wal_start: LSN, problem: str) -> ProtocolError:
+        name = MESSAGE_NAMES[kind]
+        return ProtocolError(
+            f"pgoutput {name} message (type byte {chr(kind)!r}) at {wal_start} {problem}",
+            "decode every message of the session in order with one decoder",
+        )
+
+    # -- helpers
+
+    def _xid(self, data: bytes) -> tuple[int | None, int]:
+        """The streamed-transaction xid after the type byte (inside a stream block), and the next offset."""
+        if self._in_stream:
+            return _u32(data, 1)[0], 5
+        return None, 1
+
+    def _check_relation(self, kind: int, oid: int, wal_start: LSN) -> None:
+        if oid not in self.relations:
+            raise ProtocolError(
+                f"pgoutput {MESSAGE_NAMES[kind]} message at {wal_start} names relation oid {oid}, "
+                "which no Relation message described",
+                "decode the session from its start (the server sends Relation before the first change of each table)",
+            )
+
+    # -- transaction messages
+
+    def _begin(self, data: bytes, wal_start: LSN) -> tuple[Begin, int]:
+        final_lsn, commit_time, xid = _BEGIN.unpack_from(data, 1)
+        return Begin(wal_start, LSN(final_lsn), pg_timestamp(commit_time), xid), 21
+
+    def _commit(self, data: bytes, wal_start: LSN) -> tuple[Commit, int]:
+        flags, commit_lsn, end_lsn, commit_time = _COMMIT.unpack_from(data, 1)
+        return Commit(wal_start, flags, LSN(commit_lsn), LSN(end_lsn), pg_timestamp(commit_time)), 26
+
+    def _origin(self, data: bytes, wal_start: LSN) -> tuple[Origin, int]:
+        (commit_lsn,) = _I64.unpack_from(data, 1)
+        name, pos = _string(data, 9)
+        return Origin(wal_start, LSN(commit_lsn), name), pos
+
+    def _message(self, data: bytes, wal_start: LSN) -> tuple[Message, int]:
+        xid, pos = self._xid(data)
+        flags, lsn = _MESSAGE_HEAD.unpack_from(data, pos)
+        prefix, pos = _string(data, pos + 9)
+        (size,) = _u32(data, pos)
+        pos += 4
+        content = data[pos : pos + size]
+        pos += size
+        return Message(wal_start, xid, bool(flags & 1), LSN(lsn), prefix, content), pos
+
+    # -- schema messages
+
+    def _relation(self, data: bytes, wal_start: LSN) -> tuple[Relation, int]:
+        xid, pos = self._xid(data)
+        (oid,) = _u32(data, pos)
+        namespace, pos = _string(data, pos + 4)
+        name, pos = _string(data, pos)
+        replica_identity = chr(data[pos])
+        (ncols,) = _u16(data, pos + 1)
+        pos += 3
+        columns = []
+        for _ in range(ncols):
+            flags = data[pos]
+            column_name, pos = _string(data, pos + 1)
+            type_oid, type_modifier = _RELATION_COLUMN_TAIL.unpack_from(data, pos)
+            pos += 8
+            columns.append(RelationColumn(flags, column_name, type_oid, type_modifier))
+        relation = Relation(
+            wal_start, xid, oid, namespace or "pg_catalog", name, replica_identity, tuple(columns)
+        )
+        self.relations.update(relation)
+        return relation, pos
+
+    def _type(self, data: bytes, wal_start: LSN) -> tuple[Type, int]:
+        xid, pos = self._xid(data)
+        (oid,) = _u32(data, pos)
+        namespace, pos = _string(data, pos + 4)
+        name, pos = _string(data, pos)
+        type_ = Type(wal_start, xid, oid, namespace or "pg_catalog", name)
+        self.types.update(type_)
+        return type_, pos
+
+    # -- data messages
+
+    def _insert(self, data: bytes, wal_start: LSN) -> tuple[Insert, int]:
+        if self._in_stream:
+            xid, oid, kind = _STREAM_REL_KIND(data, 1)
+            pos = 10
+        else:
+            xid = None
+            oid, kind = _REL_KIND.unpack_from(data, 1)
+            pos = 6
+        if kind != _TUPLE_NEW:
+            raise self._error(ord("I"), wal_start, f"has tuple kind {chr(kind)!r} where 'N' was expected")
+        if oid not in self.relations._by_oid:
+            self._check_relation(ord("I"), oid, wal_start)
+        new, pos = _tuple(data, pos)
+        return Insert(wal_start, xid, oid, new), pos
+
+    def _update(self, data: bytes, wal_start: LSN) -> tuple[Update, int]:
+        xid, pos = self._xid(data)
+        oid, kind = _REL_KIND.unpack_from(data, pos)
+        pos += 5
+        self._check_relation(ord("U"), oid, wal_start)
+        key = old = None
+        if kind == _TUPLE_KEY:
+            key, pos = _tuple(data, pos)
+            kind = data[pos]
+            pos += 1
+        elif kind == _TUPLE_OLD:
+            old, pos = _tuple(data, pos)
+            kind = data[pos]
+            pos += 1
+        if kind != _TUPLE_NEW:
+            raise self._error(ord("U"), wal_start, f"has tuple kind {chr(kind)!r} where 'N' was expected")
+        new, pos = _tuple(data, pos)
+        return Update(wal_start, xid, oid, key, old, new), pos
+
+    def _delete(self, data: bytes, wal_start: LSN) -> tuple[Delete, int]:
+        xid, pos = self._xid(data)
+        oid, kind = _REL_KIND.unpack_from(data, pos)
+        pos += 5
+        self._check_relation(ord("D"), oid, wal_start)
+        if kind == _TUPLE_KEY:
+            key, pos = _tuple(data, pos)
+            return Delete(wal_start, xid, oid, key, None), pos
+        if kind == _TUPLE_OLD:
+            old, pos = _tuple(data, pos)
+            return Delete(wal_start, xid, oid, None, old), pos
+        raise self._error(ord("D"), wal_start, f"has tuple kind {chr(kind)!r} where 'K' or 'O' was expected")
+
+    def _truncate(self, data: bytes, wal_start: LSN) -> tuple[Truncate, int]:
+        xid, pos = self._xid(data)
+        count, flags = _TRUNCATE_HEAD.unpack_from(data, pos)
+        pos += 5
+        end = pos + 4 * count
+        if end > len(data):
+            raise _Truncated
+        oids = struct.unpack_from(f">{count}I", data, pos)
+        for oid in oids:
+            self._check_relation(ord("T"), oid, wal_start)
+        return Truncate(wal_start, xid, oids, bool(flags & 1), bool(flags & 2)), end
+
+    # -- streaming (protocol 2+)
+
+    def _stream_start(self, data: bytes, wal_start: LSN) -> tuple[StreamStart, int]:
+        if self._in_stream:
+            raise self._stream_state_error(ord("S"), wal_start, f"arrived inside the stream of xid {self._stream_xid}")
+        xid, first = _STREAM_START.unpack_from(data, 1)
+        if len(data) == 6:  # state changes only for a well-formed message
+            self._in_stream = True
+            self._stream_xid = xid
+        return StreamStart(wal_start, xid, first == 1), 6
+
+    def _stream_stop(self, data: bytes, wal_start: LSN) -> tuple[StreamStop, int]:
+        if not self._in_stream:
+            raise self._stream_state_error(ord("E"), wal_start, "arrived outside a stream block")
+        if len(data) == 1:
+            self._in_stream = False
+            self._stream_xid = None
+        return StreamStop(wal_start), 1
+
+    def _stream_commit(self, data: bytes, wal_start: LSN) -> tuple[StreamCommit, int]:
+        xid, flags, commit_lsn, end_lsn, commit_time = _STREAM_COMMIT.unpack_from(data, 1)
+        message = StreamCommit(wal_start, xid, flags, LSN(commit_lsn), LSN(end_lsn), pg_timestamp(commit_time))
+        return message, 1 + _STREAM_COMMIT.size
+
+    def _stream_abort(self, data: bytes, wal_start: LSN) -> tuple[StreamAbort, int]:
+        # abort_lsn and abort_time exist since protocol 4, and only when streaming = parallel:
+        # the length tells which layout the server sent.
+        if self.proto_version >= 4 and len(data) > 1 + _STREAM_ABORT.size:
+            xid, subxid, abort_lsn, abort_time = _STREAM_ABORT_V4.unpack_from(data, 1)
+            return StreamAbort(wal_start, xid, subxid, LSN(abort_lsn), pg_timestamp(abort_time)), 25
+        xid, subxid = _STREAM_ABORT.unpack_from(data, 1)
+        return StreamAbort(wal_start, xid, subxid), 9
+
+    # -- two-phase commit (protocol 3+)
+
+    def _begin_prepare(self, data: bytes, wal_start: LSN) -> tuple[BeginPrepare, int]:
+        prepare_lsn, end_lsn, prepare_time, xid = _BEGIN_PREPARE.unpack_from(data, 1)
+        gid, pos = _string(data, 29)
+        return BeginPrepare(wal_start, LSN(prepare_lsn), LSN(end_lsn), pg_timestamp(prepare_time), xid, gid), pos
+
+    def _prepare_common(self, data: bytes) -> tuple[int, LSN, LSN, datetime, int, str, int]:
+        flags, lsn, end_lsn, time, xid = _PREPARE.unpack_from(data, 1)
+        gid, pos = _string(data, 30)
+        return flags, LSN(lsn), LSN(end_lsn), pg_timestamp(time), xid, gid, pos
+
+    def _prepare(self, data: bytes, wal_start: LSN) -> tuple[Prepare, int]:
+        *fields, pos = self._prepare_common(data)
+        return Prepare(wal_start, *fields), pos
+
+    def _commit_prepared(self, data: bytes, wal_start: LSN) -> tuple[CommitPrepared, int]:
+        *fields, pos = self._prepare_common(data)
+        return CommitPrepared(wal_start, *fields), pos
+
+    def _stream_prepare(self, data: bytes, wal_start: LSN) -> tuple[StreamPrepare, int]:
+        *fields, pos = self._prepare_common(data)
+        return StreamPrepare(wal_start, *fields), pos
+
+    def _rollback_prepared(self, data: bytes, wal_start: LSN) -> tuple[RollbackPrepared, int]:
+        flags, prepare_end, rollback_end, prepare_time, rollback_time, xid = _ROLLBACK_PREPARED.unpack_from(data, 1)
+        gid, pos = _string(data, 38)
+        message = RollbackPrepared(
+            wal_start,
+            flags,
+            LSN(prepare_end),
+            LSN(rollback_end),
+            pg_timestamp(prepare_time),
+            pg_timestamp(rollback_time),
+            xid,
+            gid,
+        )
+        return message, pos
+
+
+_STREAM_REL_KIND = struct.Struct(">IIB").unpack_from
+
+
+def _string(data: bytes, pos: int) -> tuple[str, int]:
+    """A NUL-terminated string at ``pos`` and the offset after its terminator."""
+    end = data.index(0, pos)  # ValueError when unterminated: reported as truncated
+    return data[pos:end].decode(), end + 1
+
+
+def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
+    """TupleData at ``pos``: Int16 column count, then per column a kind byte and, for 't'/'b', Int32 length + bytes."""
+    (ncols,) = _u16(data, pos)
+    pos += 2
+    values: list[ColumnValue] = []
+    append = values.append
+    binary = False
+    for _ in range(ncols):
+        kind = data[pos]
+        if kind == _KIND_TEXT:
+            (size,) = _s32(data, pos + 1)
+            pos += 5
+            end = pos + size
+            append(data[pos:end])
+            pos = end
+        elif kind == _KIND_NULL:
+            append(None)
+            pos += 1
+        elif kind == _KIND_UNCHANGED:
+            append(UNCHANGED_TOAST)
+            pos += 1
+        elif kind == _KIND_BINARY:
+            (size,) = _s32(data, pos + 1)
+            pos += 5
+            end = pos + size
+            append(data[pos:end])
+            pos = end
+            binary = True
+        else:
+            raise _Malformed(f"has unknown column kind {chr(kind)!r} at offset {pos}")
+    if pos > len(data):
+        raise _Truncated
+    return TupleData(tuple(values), binary), pos
