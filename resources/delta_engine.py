@@ -1,0 +1,319 @@
+"""Delta Lake I/O through PySpark only, so the same code runs on embedded Sail and real Spark.
+
+Findings that shaped this module (details and timings in ``docs/engine-notes.md``):
+
+* Arrow goes to Spark with ``spark.createDataFrame(arrow_table, schema=...)``: no Python rows.
+  The explicit schema matters: without it PySpark turns naive timestamps into
+  ``timestamp`` (local time zone) instead of ``timestamp_ntz``.
+* ``DESCRIBE HISTORY`` is missing in Sail, and JSON sources there expose no file name, so
+  commit metadata is read from ``_delta_log`` with the ``binaryFile`` source, whose ``path``
+  column gives each commit's version. That is plain Spark and works on any Delta writer.
+* Sail records the ``userMetadata`` writer option, but a SQL ``MERGE`` has no writer options
+  and Sail ignores ``spark.databricks.delta.commitInfo.userMetadata``; an empty append makes
+  no commit at all. So only snapshot writes carry pgcdc's marker atomically; CDC progress has
+  to be kept by the caller (replaying a keyed MERGE batch is harmless).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+
+if TYPE_CHECKING:
+    from pysail.spark import SparkConnectServer
+
+OP_COLUMN = "_pgcdc_op"
+"""Merge source column holding 'I', 'U' or 'D' for each change."""
+UNCHANGED_PREFIX = "_pgcdc_unchanged_"
+"""Merge source columns ``_pgcdc_unchanged_<col>``: True keeps the target's value (unchanged TOAST)."""
+STAGING_DIRECTORY = "_pgcdc_staging"
+"""Inside a table directory; Delta readers and VACUUM ignore directories starting with '_'."""
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+"""Arrow bytes sent per createDataFrame: bounds client memory and stays under Spark Connect's
+local-relation cache threshold (64 MiB by default)."""
+
+DELTA_CLASSIC_CONFIG: dict[str, str] = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+}
+
+
+class SparkEngine:
+    """A Spark session and, in embedded mode, the Sail server behind it; close() stops both."""
+
+    def __init__(self, spark: SparkSession, server: SparkConnectServer | None = None) -> None:
+        self.spark = spark
+        self._server = server
+
+    @classmethod
+    def embedded(cls, config: Mapping[str, str] | None = None) -> SparkEngine:
+        """Start Sail in this process on a free loopback port and connect to it."""
+        from pysail.spark import SparkConnectServer
+
+        server = SparkConnectServer(ip="127.0.0.1", port=0)
+        server.start(background=True)
+        _, port = server.listening_address
+        try:
+            spark = _with_config(SparkSession.builder.remote(f"sc://127.0.0.1:{port}"), config).getOrCreate()
+        except BaseException:
+            server.stop()
+            raise
+        return cls(spark, server)
+
+    @classmethod
+    def remote(cls, url: str, config: Mapping[str, str] | None = None) -> SparkEngine:
+        """Connect to a running Spark Connect server (``sc://host:port``)."""
+        return cls(_with_config(SparkSession.builder.remote(url), config).getOrCreate())
+
+    def close(self) -> None:
+        self.spark.stop()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def __enter__(self) -> SparkEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _with_config(builder: SparkSession.Builder, config: Mapping[str, str] | None) -> SparkSession.Builder:
+    for key, value in (config or {}).items():
+        builder = builder.config(key, value)
+    return builder
+
+
+def classic_delta_config(user_config: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Spark configuration for a classic (JVM) session with Delta; user settings win."""
+    return {**DELTA_CLASSIC_CONFIG, **(user_config or {})}
+
+
+def classic_session_builder(app_name: str, user_config: Mapping[str, str] | None = None) -> SparkSession.Builder:
+    """A classic session builder with the Delta jars matching the installed delta-spark.
+
+    Needs the ``classic`` extra (delta-spark) and Maven access for the jars.
+    """
+    from delta.pip_utils import configure_spark_with_delta_pip
+
+    builder = _with_config(SparkSession.builder.appName(app_name), classic_delta_config(user_config))
+    return configure_spark_with_delta_pip(builder)
+
+
+def nullable_schema(schema: pa.Schema) -> pa.Schema:
+    """Every Delta column pgcdc writes is nullable.
+
+    Sail 0.7.2 silently ignores ``mergeSchema`` on a table with a NOT NULL column, so
+    columns could never be added; and a source dropping NOT NULL later would need an
+    ALTER that Sail lacks. PostgreSQL already enforces the constraint upstream.
+    """
+    return pa.schema([field.with_nullable(True) for field in schema])
+
+
+def spark_dataframe(spark: SparkSession, table: pa.Table) -> DataFrame:
+    """Arrow to Spark without Python rows, keeping naive timestamps as timestamp_ntz."""
+    table = table.cast(nullable_schema(table.schema))
+    return spark.createDataFrame(table, schema=from_arrow_schema(table.schema, prefer_timestamp_ntz=True))
+
+
+def _chunks(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, chunk_bytes: int) -> Iterator[pa.Table]:
+    """Regroup batches into tables of about ``chunk_bytes``; always yields at least one."""
+    batches = data.to_batches() if isinstance(data, pa.Table) else data
+    pending: list[pa.RecordBatch] = []
+    pending_bytes = 0
+    yielded = False
+    for batch in batches:
+        pending.append(batch)
+        pending_bytes += batch.nbytes
+        if pending_bytes >= chunk_bytes:
+            yield pa.Table.from_batches(pending, schema)
+            yielded = True
+            pending, pending_bytes = [], 0
+    if pending or not yielded:
+        yield pa.Table.from_batches(pending, schema)
+
+
+def write_snapshot(
+    spark: SparkSession,
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    path: str,
+    user_metadata: str,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> int:
+    """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
+
+    Readers see the old table or the whole new one, never a prefix: a snapshot that fits in
+    one chunk is written directly; a larger one is first appended chunk by chunk to a
+    staging table inside ``path`` and then copied over in a single overwrite, so memory
+    stays bounded by ``chunk_bytes`` and a crash leaves only staging debris. The one commit
+    carries ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without
+    the data.
+    """
+    chunks = _chunks(data, schema, chunk_bytes)
+    first = next(chunks)
+    second = next(chunks, None)
+    if second is None:
+        _overwrite(spark_dataframe(spark, first), path, user_metadata)
+    else:
+        staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
+        _overwrite(spark_dataframe(spark, first), staging, None)
+        _append(spark_dataframe(spark, second), staging)
+        for chunk in chunks:
+            _append(spark_dataframe(spark, chunk), staging)
+        _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
+        _remove_local_staging(staging)
+    return _version_with_metadata(spark, path, user_metadata)
+
+
+def _overwrite(frame: DataFrame, path: str, user_metadata: str | None) -> None:
+    writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+    if user_metadata is not None:
+        writer = writer.option("userMetadata", user_metadata)
+    writer.save(path)
+
+
+def _append(frame: DataFrame, path: str) -> None:
+    frame.write.format("delta").mode("append").save(path)
+
+
+def _remove_local_staging(staging: str) -> None:
+    """Staging data is useless after the copy; object-store paths are left to lifecycle rules,
+    since Spark offers no portable way to delete files."""
+    local = staging.removeprefix("file://")
+    if "://" not in local:
+        shutil.rmtree(Path(local).parent)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """One Delta commit as recorded in ``_delta_log``."""
+
+    version: int
+    timestamp_ms: int
+    operation: str
+    user_metadata: str | None
+
+
+_COMMIT_INFO_SCHEMA = "commitInfo STRUCT<timestamp: BIGINT, operation: STRING, userMetadata: STRING>"
+
+
+def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = None) -> list[CommitRecord]:
+    """Commits of the table at ``path``, newest first, read from its log through Spark.
+
+    Commits removed by log cleanup (after a checkpoint and ``delta.logRetentionDuration``)
+    are gone; keep that retention longer than the longest a table may sit idle.
+    """
+    commits = (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.json")
+        .load(f"{path.rstrip('/')}/_delta_log")
+        .select(
+            F.regexp_extract("path", r"(\d+)\.json$", 1).cast("bigint").alias("version"),
+            F.explode(F.split(F.col("content").cast("string"), "\n")).alias("line"),
+        )
+        .where(F.col("line").startswith('{"commitInfo"'))
+        .select("version", F.from_json("line", _COMMIT_INFO_SCHEMA).alias("action"))
+        .select("version", "action.commitInfo.*")
+        .orderBy(F.desc("version"))
+    )
+    if limit is not None:
+        commits = commits.limit(limit)
+    return [
+        CommitRecord(row["version"], row["timestamp"], row["operation"], row["userMetadata"])
+        for row in commits.collect()
+    ]
+
+
+def _version_with_metadata(spark: SparkSession, path: str, user_metadata: str) -> int:
+    """Our commit's version, found by its marker so a concurrent writer cannot be mistaken for it."""
+    for commit in read_commit_metadata(spark, path):
+        if commit.user_metadata == user_metadata:
+            return commit.version
+    raise RuntimeError(f"no commit with userMetadata {user_metadata!r} in {path}")
+
+
+def unchanged_flag_column(column: str) -> str:
+    return f"{UNCHANGED_PREFIX}{column}"
+
+
+def _quote(identifier: str) -> str:
+    return "`" + identifier.replace("`", "``") + "`"
+
+
+def merge_batch(
+    spark: SparkSession,
+    path: str,
+    source: pa.Table,
+    key_columns: Sequence[str],
+    *,
+    null_safe_keys: bool = False,
+) -> None:
+    """Apply one batch of changes, at most one per key, with a single MERGE.
+
+    ``source`` holds the row values, :data:`OP_COLUMN` and optional boolean
+    ``_pgcdc_unchanged_<col>`` columns: where True, an update keeps the target's value
+    (PostgreSQL does not resend unchanged TOASTed values). ``null_safe_keys`` matches keys
+    with ``<=>``, needed when every column is the key (REPLICA IDENTITY FULL) and may be NULL.
+    The MERGE rejects two changes for one key, so callers fold a batch per key first.
+    """
+    value_columns = [
+        name for name in source.column_names if name != OP_COLUMN and not name.startswith(UNCHANGED_PREFIX)
+    ]
+    flags = {name for name in source.column_names if name.startswith(UNCHANGED_PREFIX)}
+    view = f"pgcdc_merge_{uuid.uuid4().hex}"
+    spark_dataframe(spark, source).createOrReplaceTempView(view)
+    equals = "<=>" if null_safe_keys else "="
+    on = " AND ".join(f"t.{_quote(key)} {equals} s.{_quote(key)}" for key in key_columns)
+    updates = ", ".join(
+        f"{_quote(name)} = "
+        + (
+            f"CASE WHEN s.{_quote(unchanged_flag_column(name))} THEN t.{_quote(name)} ELSE s.{_quote(name)} END"
+            if unchanged_flag_column(name) in flags
+            else f"s.{_quote(name)}"
+        )
+        for name in value_columns
+        if name not in key_columns
+    )
+    insert_columns = ", ".join(_quote(name) for name in value_columns)
+    insert_values = ", ".join(f"s.{_quote(name)}" for name in value_columns)
+    matched_update = f"WHEN MATCHED THEN UPDATE SET {updates}" if updates else ""
+    try:
+        spark.sql(
+            f"MERGE INTO delta.{_quote(path)} t USING {view} s ON {on} "
+            f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN DELETE "
+            f"{matched_update} "
+            f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
+        ).collect()
+    finally:
+        spark.catalog.dropTempView(view)
+
+
+def add_columns(spark: SparkSession, path: str, new_columns: pa.Schema) -> None:
+    """Add nullable columns to the table: an empty append with mergeSchema.
+
+    Sail has no ``ALTER TABLE ... ADD COLUMNS``; an append of an empty Arrow frame with the
+    widened schema commits the new schema (an empty list or query result commits nothing there),
+    and Delta on a JVM Spark accepts it the same way.
+    """
+    existing = to_arrow_schema(spark.read.format("delta").load(path).schema)
+    frame = spark_dataframe(spark, pa.schema([*existing, *new_columns]).empty_table())
+    frame.write.format("delta").mode("append").option("mergeSchema", "true").save(path)
+
+
+def delete_all_rows(spark: SparkSession, path: str) -> None:
+    """Empty the table keeping its schema and history (Sail has no TRUNCATE TABLE)."""
+    spark.sql(f"DELETE FROM delta.{_quote(path)}").collect()

@@ -1,0 +1,168 @@
+"""Delta writes through the embedded Sail engine, read back with delta-rs as an independent reader."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+from pathlib import Path
+
+import deltalake
+import pyarrow as pa
+import pytest
+from pyspark.sql import SparkSession
+
+from resources.delta_engine import (
+    OP_COLUMN,
+    STAGING_DIRECTORY,
+    SparkEngine,
+    add_columns,
+    classic_delta_config,
+    delete_all_rows,
+    merge_batch,
+    nullable_schema,
+    read_commit_metadata,
+    unchanged_flag_column,
+    write_snapshot,
+)
+from resources.pgtypes import TIMESTAMP_POSITIVE_INFINITY, PgColumnType, arrow_schema, to_arrow
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+SCHEMA = pa.schema([
+    pa.field("id", pa.int64(), nullable=False),
+    pa.field("name", pa.string()),
+    pa.field("amount", pa.decimal128(10, 2)),
+    pa.field("seen", pa.timestamp("us")),
+    pa.field("at", pa.timestamp("us", tz="UTC")),
+    pa.field("tags", pa.list_(pa.int32())),
+    pa.field("blob", pa.binary()),
+])
+
+
+def rows(ids: list[int]) -> pa.Table:
+    return pa.table({
+        "id": pa.array(ids, pa.int64()),
+        "name": pa.array([f"n{i}" for i in ids]),
+        "amount": pa.array([Decimal(i) / 100 for i in ids], pa.decimal128(10, 2)),
+        "seen": pa.array([dt.datetime(2024, 1, 1) + dt.timedelta(microseconds=i) for i in ids], pa.timestamp("us")),
+        "at": pa.array([i * 1_000_001 for i in ids], pa.timestamp("us", tz="UTC")),
+        "tags": pa.array([[i, None] for i in ids], pa.list_(pa.int32())),
+        "blob": pa.array([bytes([i % 256]) for i in ids], pa.binary()),
+    }, schema=SCHEMA)
+
+
+def expected(ids: list[int]) -> pa.Table:
+    """What Delta holds for ``rows(ids)``: the same values, every column nullable."""
+    return rows(ids).cast(nullable_schema(SCHEMA))
+
+
+def read_back(path: Path) -> pa.Table:
+    return deltalake.DeltaTable(str(path)).to_pyarrow_table().sort_by("id")
+
+
+def test_classic_config_adds_delta_and_keeps_user_settings() -> None:
+    assert classic_delta_config({"spark.sql.shuffle.partitions": "4"}) == {
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        "spark.sql.shuffle.partitions": "4",
+    }
+
+
+def test_embedded_engine_stops_cleanly() -> None:
+    with SparkEngine.embedded() as engine:
+        assert engine.spark.range(3).count() == 3
+
+
+def test_snapshot_round_trips_exact_values_and_records_metadata(spark: SparkSession, tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    version = write_snapshot(spark, rows([1, 2, 3]), SCHEMA, str(path), '{"snapshot_lsn": "0/16B3748"}')
+    assert version == 0
+    table = read_back(path)
+    assert table.schema == nullable_schema(SCHEMA)
+    assert table.equals(expected([1, 2, 3]))
+    assert read_commit_metadata(spark, str(path))[0].user_metadata == '{"snapshot_lsn": "0/16B3748"}'
+    assert deltalake.DeltaTable(str(path)).history(1)[0]["userMetadata"] == '{"snapshot_lsn": "0/16B3748"}'
+
+
+def test_chunked_snapshot_lands_in_one_commit(spark: SparkSession, tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    write_snapshot(spark, rows([9]), SCHEMA, str(path), "old")
+    batches = (batch for part in range(5) for batch in rows(list(range(part * 100, part * 100 + 100))).to_batches())
+    version = write_snapshot(spark, batches, SCHEMA, str(path), "new", chunk_bytes=1)
+    assert version == 1
+    assert read_back(path).equals(expected(list(range(500))))
+    assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path))] == [(1, "new"), (0, "old")]
+    assert not (path / STAGING_DIRECTORY).exists()
+
+
+def test_empty_snapshot_keeps_schema(spark: SparkSession, tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    write_snapshot(spark, [], SCHEMA, str(path), "empty")
+    table = read_back(path)
+    assert table.num_rows == 0 and table.schema.names == SCHEMA.names
+
+
+def test_converted_postgres_values_survive_delta(spark: SparkSession, tmp_path: Path) -> None:
+    """Infinity and BC timestamps are written and read back bit for bit."""
+    column = PgColumnType(column="valid_to", type_oid=1184, type_name="timestamp with time zone",
+                          base_name="timestamptz")
+    values = to_arrow(pa.array(["infinity", "0044-03-15 12:00:00+00 BC", "-infinity", None]), column)
+    table = pa.table({"valid_to": values}, schema=arrow_schema([column]))
+    write_snapshot(spark, table, table.schema, str(tmp_path / "t"), "m")
+    back = deltalake.DeltaTable(str(tmp_path / "t")).to_pyarrow_table()["valid_to"]
+    assert back.cast(pa.int64()).to_pylist() == [TIMESTAMP_POSITIVE_INFINITY, -63517780800000000, -(2**63), None]
+
+
+def changes(ops: list[str], ids: list[int], names: list[str | None], keep_name: list[bool]) -> pa.Table:
+    base = rows(ids).set_column(1, "name", pa.array(names, pa.string()))
+    return base.append_column(OP_COLUMN, pa.array(ops)).append_column(
+        unchanged_flag_column("name"), pa.array(keep_name))
+
+
+def test_merge_inserts_updates_deletes_and_keeps_unchanged_toast(spark: SparkSession, tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    write_snapshot(spark, rows([1, 2, 3, 4]), SCHEMA, str(path), "snap")
+    batch = changes(
+        ops=["U", "U", "D", "I", "D"],
+        ids=[1, 2, 3, 10, 99],
+        names=["renamed", None, None, "new", None],
+        keep_name=[False, True, False, False, False],
+    )
+    merge_batch(spark, str(path), batch, ["id"])
+    table = read_back(path)
+    assert table["id"].to_pylist() == [1, 2, 4, 10]
+    assert table["name"].to_pylist() == ["renamed", "n2", "n4", "new"]
+    assert table.drop_columns(["name"]).equals(expected([1, 2, 4, 10]).drop_columns(["name"]))
+
+
+def test_merge_matches_null_keys_null_safely(spark: SparkSession, tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    schema = pa.schema([("a", pa.int32()), ("b", pa.string())])
+    write_snapshot(spark, pa.table({"a": [1, None], "b": ["x", None]}, schema=schema), schema, str(path), "s")
+    batch = pa.table({"a": pa.array([None], pa.int32()), "b": pa.array([None], pa.string()), OP_COLUMN: ["D"]})
+    merge_batch(spark, str(path), batch, ["a", "b"], null_safe_keys=True)
+    assert deltalake.DeltaTable(str(path)).to_pyarrow_table().to_pylist() == [{"a": 1, "b": "x"}]
+
+
+def test_add_column_then_rows_carry_it(spark: SparkSession, tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    write_snapshot(spark, rows([1]), SCHEMA, str(path), "s")
+    add_columns(spark, str(path), pa.schema([("note", pa.string()), ("when", pa.timestamp("us"))]))
+    table = read_back(path)
+    assert table.schema.names == [*SCHEMA.names, "note", "when"]
+    assert table.schema.field("when").type == pa.timestamp("us")
+    assert table["note"].to_pylist() == [None]
+    batch = rows([2]).append_column("note", pa.array(["hello"])).append_column(
+        "when", pa.array([None], pa.timestamp("us"))).append_column(OP_COLUMN, pa.array(["I"]))
+    merge_batch(spark, str(path), batch, ["id"])
+    assert read_back(path)["note"].to_pylist() == [None, "hello"]
+
+
+def test_delete_all_rows_keeps_schema_and_history(spark: SparkSession, tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    write_snapshot(spark, rows([1, 2]), SCHEMA, str(path), "s")
+    delete_all_rows(spark, str(path))
+    table = read_back(path)
+    assert table.num_rows == 0 and table.schema.names == SCHEMA.names
+    latest = read_commit_metadata(spark, str(path), limit=1)
+    assert [(c.version, c.operation) for c in latest] == [(1, "DELETE")]
