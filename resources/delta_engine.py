@@ -64,7 +64,7 @@ class SparkEngine:
         server.start(background=True)
         _, port = server.listening_address
         try:
-            spark = _with_config(SparkSession.builder.remote(f"sc://127.0.0.1:{port}"), config).getOrCreate()
+            spark = _with_config(SparkSession.builder.remote(f"sc://127.0.0.1:{port}"), config).create()
         except BaseException:
             server.stop()
             raise
@@ -73,7 +73,7 @@ class SparkEngine:
     @classmethod
     def remote(cls, url: str, config: Mapping[str, str] | None = None) -> SparkEngine:
         """Connect to a running Spark Connect server (``sc://host:port``)."""
-        return cls(_with_config(SparkSession.builder.remote(url), config).getOrCreate())
+        return cls(_with_config(SparkSession.builder.remote(url), config).create())
 
     def close(self) -> None:
         self.spark.stop()
@@ -135,14 +135,25 @@ def _chunks(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, chunk_
     pending_bytes = 0
     yielded = False
     for batch in batches:
-        pending.append(batch)
-        pending_bytes += batch.nbytes
-        if pending_bytes >= chunk_bytes:
-            yield pa.Table.from_batches(pending, schema)
-            yielded = True
-            pending, pending_bytes = [], 0
+        for piece in _slices(batch, chunk_bytes):
+            pending.append(piece)
+            pending_bytes += piece.nbytes
+            if pending_bytes >= chunk_bytes:
+                yield pa.Table.from_batches(pending, schema)
+                yielded = True
+                pending, pending_bytes = [], 0
     if pending or not yielded:
         yield pa.Table.from_batches(pending, schema)
+
+
+def _slices(batch: pa.RecordBatch, chunk_bytes: int) -> Iterator[pa.RecordBatch]:
+    """Zero-copy slices of at most about ``chunk_bytes``, so one huge batch cannot defeat the bound."""
+    if batch.nbytes <= chunk_bytes or batch.num_rows <= 1:
+        yield batch
+        return
+    rows_per_slice = max(1, batch.num_rows * chunk_bytes // batch.nbytes)
+    for start in range(0, batch.num_rows, rows_per_slice):
+        yield batch.slice(start, rows_per_slice)
 
 
 def write_snapshot(

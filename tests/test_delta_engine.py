@@ -68,9 +68,11 @@ def test_classic_config_adds_delta_and_keeps_user_settings() -> None:
     }
 
 
-def test_embedded_engine_stops_cleanly() -> None:
+def test_second_engine_is_independent_and_stops_cleanly(spark: SparkSession) -> None:
     with SparkEngine.embedded() as engine:
+        assert engine.spark is not spark
         assert engine.spark.range(3).count() == 3
+    assert spark.range(2).count() == 2
 
 
 def test_snapshot_round_trips_exact_values_and_records_metadata(spark: SparkSession, tmp_path: Path) -> None:
@@ -93,6 +95,9 @@ def test_chunked_snapshot_lands_in_one_commit(spark: SparkSession, tmp_path: Pat
     assert read_back(path).equals(expected(list(range(500))))
     assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path))] == [(1, "new"), (0, "old")]
     assert not (path / STAGING_DIRECTORY).exists()
+    one_big_batch = rows(list(range(300)))
+    version = write_snapshot(spark, one_big_batch, SCHEMA, str(path), "sliced", chunk_bytes=one_big_batch.nbytes // 3)
+    assert version == 2 and read_back(path).equals(expected(list(range(300))))
 
 
 def test_empty_snapshot_keeps_schema(spark: SparkSession, tmp_path: Path) -> None:
