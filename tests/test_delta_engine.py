@@ -8,7 +8,6 @@ from pathlib import Path
 
 import deltalake
 import pyarrow as pa
-import pytest
 from pyspark.sql import SparkSession
 
 from resources.delta_engine import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pytest
@@ -24,6 +25,9 @@ from resources.pgtypes import (
     spark_ddl_type,
     to_arrow,
 )
+
+if TYPE_CHECKING:
+    from tests.conftest import PgDatabase
 
 
 def numeric_typmod(precision: int, scale: int) -> int:
@@ -240,7 +244,7 @@ def test_session_settings_fix_the_text_forms() -> None:
                                 "extra_float_digits": "3", "bytea_output": "hex"}
 
 
-def test_catalog_query_resolves_domains_arrays_and_enums(pg: object) -> None:
+def test_catalog_query_resolves_domains_arrays_and_enums(pg: PgDatabase) -> None:
     """The catalog SQL against a real server, then the values it describes round-tripped."""
     pg.execute("CREATE DOMAIN price AS numeric(12,3)")
     pg.execute("CREATE DOMAIN cheap_price AS price CHECK (VALUE < 10)")
