@@ -573,6 +573,7 @@ class ReplicationStream:
         self.bytes = 0
         self.keepalives = 0
         self.status_updates = 0
+        self.discarded = 0  # frames thrown away by stop()
 
     # -- progress
 
@@ -718,6 +719,7 @@ class ReplicationStream:
             while True:
                 nbytes, _ = pgconn.get_copy_data(1)
                 if nbytes > 0:
+                    self.discarded += 1
                     continue
                 if nbytes == 0:
                     self._wait_readable(deadline)
