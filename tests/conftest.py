@@ -11,7 +11,6 @@ import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -50,13 +49,14 @@ class PgDatabase:
 
 
 @pytest.fixture(scope="session", params=POSTGRES_VERSIONS, ids=lambda v: f"pg{v}")
-def pg_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
-    base_dir = Path(tmp_path_factory.mktemp(f"pg{request.param}"))
-    server = start_local_postgres(request.param, TEST_SERVER_SETTINGS, base_dir=base_dir)
+def pg_server(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
+    # Not under pytest's tmp_path: pytest prunes old basetemp directories, which
+    # would delete a live server's data directory when runs overlap.
+    server = start_local_postgres(request.param, TEST_SERVER_SETTINGS)
     try:
         yield server
     finally:
-        server.stop("immediate")
+        server.destroy()
 
 
 @pytest.fixture

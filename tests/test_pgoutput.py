@@ -460,7 +460,12 @@ def test_streamed_subtransaction_abort(pg: PgDatabase) -> None:
 
 def test_parallel_streaming_abort_carries_abort_lsn(pg: PgDatabase) -> None:
     if pg.major < 16:
-        pytest.skip("streaming = parallel and protocol 4 exist since PostgreSQL 16")
+        # streaming = parallel and protocol 4 exist since PostgreSQL 16: older servers refuse them.
+        pg.execute("CREATE TABLE bulk (id int PRIMARY KEY)")
+        make_slot(pg)
+        with pytest.raises(psycopg.errors.SyntaxError, match="streaming requires a Boolean value"):
+            peek(pg, streaming="parallel", proto=3)
+        return
     xid, started, in_progress, after_abort = stream_then_abort(pg, "parallel")
     assert_in_progress_stream(in_progress, xid)
     abort = the_abort(after_abort, xid)
