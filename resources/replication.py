@@ -567,7 +567,6 @@ class ReplicationStream:
         self._in_block = False
         self._pending: XLogData | None = None  # a frame peeked at by drain but not handed out
         self._pending_start = 0
-        self._ended = False  # drain reached its end; frames may still be in flight
         # progress counters
         self.frames = 0
         self.bytes = 0
@@ -652,7 +651,6 @@ class ReplicationStream:
         self._received = max(floor, int(start_lsn))
         self._in_txn = self._in_block = False
         self._pending = None
-        self._ended = False
 
         pgconn = self._pgconn
         command = f"START_REPLICATION SLOT {quote_ident(slot)} LOGICAL {LSN(start_lsn)} {rendered}"
