@@ -1,0 +1,163 @@
+"""Snapshot throughput: pgcdc's end-to-end copy into Delta against PostgreSQL's raw COPY.
+
+Run ``python -m bench.snapshot [--narrow-rows N] [--wide-rows N] [--runs N]``. It starts a
+throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measures
+
+* the baseline: ``psql -c "COPY t TO STDOUT" > /dev/null`` with the server's own psql, the
+  fastest a client can take the rows out (text format, no parsing);
+* pgcdc: ``snapshot_table`` into a fresh Delta table through the embedded Sail engine,
+  the whole path: temporary slot, COPY, CSV -> typed Arrow, Spark write, atomic commit.
+
+Both take the best of ``--runs``, after one warm-up each (page cache, Sail's first write).
+A final pgcdc run with tracemalloc on gives the Python heap's peak; it is not timed,
+because tracemalloc slows every allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import subprocess
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+
+from resources.catalog import TableName
+from resources.delta_engine import SparkEngine
+from resources.local_postgres import LocalPostgres, start_local_postgres
+from resources.snapshot import SnapshotResult, ensure_slot, snapshot_table
+
+PUBLICATION = "bench_pub"
+SLOT = "bench_slot"
+
+NARROW_DDL = "CREATE TABLE narrow (id bigint PRIMARY KEY, n int, label text, at timestamptz)"
+NARROW_LOAD = (
+    "INSERT INTO narrow SELECT g, g % 100000, substr(md5(g::text), 1, 20),"
+    " timestamptz '2024-01-01 00:00:00+00' + g * interval '1.5 second' FROM generate_series(1, %s) g"
+)
+_WIDE_BLOCK = (
+    "i{k} int, b{k} bigint, f{k} float8, d{k} numeric(12,2), t{k} text, ts{k} timestamptz, dt{k} date, ok{k} bool"
+)
+_WIDE_VALUES = (
+    "g % 1000 + {k}, g * 31 + {k}, g / 7.0 + {k}, round((g % 100000) / 3.0, 2), 'text ' || (g + {k}),"
+    " timestamptz '2024-01-01 00:00:00+00' + (g + {k}) * interval '1 minute', date '2020-01-01' + (g + {k}) % 3000,"
+    " (g + {k}) % 3 = 0"
+)
+WIDE_DDL = "CREATE TABLE wide (id bigint PRIMARY KEY, " + ", ".join(_WIDE_BLOCK.format(k=k) for k in range(4)) + ")"
+WIDE_LOAD = (
+    "INSERT INTO wide SELECT g, " + ", ".join(_WIDE_VALUES.format(k=k) for k in range(4))
+    + " FROM generate_series(1, %s) g"
+)
+
+
+@dataclass
+class Measurement:
+    table: str
+    rows: int
+    columns: int
+    csv_bytes: int
+    copy_s: float
+    pgcdc_s: float
+
+    @property
+    def copy_rate(self) -> float:
+        return self.rows / self.copy_s
+
+    @property
+    def pgcdc_rate(self) -> float:
+        return self.rows / self.pgcdc_s
+
+
+def load_tables(server: LocalPostgres, narrow_rows: int, wide_rows: int) -> None:
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        conn.execute(NARROW_DDL)
+        conn.execute(NARROW_LOAD.replace("%s", str(narrow_rows)))
+        conn.execute(WIDE_DDL)
+        conn.execute(WIDE_LOAD.replace("%s", str(wide_rows)))
+        conn.execute("VACUUM (FREEZE, ANALYZE) narrow, wide")
+        conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE narrow, wide")
+
+
+def psql_copy_seconds(server: LocalPostgres, table: str) -> float:
+    """Wall time of psql copying the table to /dev/null, psql's start-up included (~10 ms)."""
+    command = [str(server.binary("psql")), "-X", "-q", server.dsn(), "-c", f"COPY {table} TO STDOUT"]
+    with open("/dev/null", "wb") as sink:
+        started = time.perf_counter()
+        subprocess.run(command, stdout=sink, check=True)
+        return time.perf_counter() - started
+
+
+def best_of(runs: int, action: Callable[[], float]) -> float:
+    action()  # warm-up
+    return min(action() for _ in range(runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--narrow-rows", type=int, default=1_000_000)
+    parser.add_argument("--wide-rows", type=int, default=200_000)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    lake = Path(tempfile.mkdtemp(prefix="pgcdc-bench-lake-"))
+    server = start_local_postgres(18)
+    try:
+        print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
+        load_tables(server, args.narrow_rows, args.wide_rows)
+        ensure_slot(server.dsn(), SLOT)
+        with SparkEngine.embedded() as engine:
+            measurements = []
+            results: dict[str, SnapshotResult] = {}
+
+            for table in ("narrow", "wide"):
+                def pgcdc_seconds(table: str = table) -> float:
+                    started = time.perf_counter()
+                    results[table] = snapshot_table(
+                        server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
+                        str(lake / table), slot=SLOT,
+                    )
+                    return time.perf_counter() - started
+
+                copy_s = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table))
+                pgcdc_s = best_of(args.runs, pgcdc_seconds)
+                with psycopg.connect(server.dsn()) as conn:
+                    (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
+                result = results[table]
+                measurements.append(
+                    Measurement(table, result.rows, len(result.columns), int(csv_bytes), copy_s, pgcdc_s)
+                )
+
+            rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
+            tracemalloc.start()
+            snapshot_table(
+                server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, str(lake / "narrow"), slot=SLOT
+            )
+            _, heap_peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+    finally:
+        server.destroy()
+        shutil.rmtree(lake, ignore_errors=True)
+
+    print()
+    print(f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'pgcdc s':>8} {'pgcdc rows/s':>13} {'ratio':>6}")
+    for m in measurements:
+        print(
+            f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f}"
+            f" {m.pgcdc_s:>8.3f} {m.pgcdc_rate:>13,.0f} {m.pgcdc_rate / m.copy_rate:>6.0%}"
+        )
+    print()
+    print(f"peak RSS of this process (PostgreSQL client, Arrow, Sail engine): {rss_mib:,.0f} MiB")
+    print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")
+    print(f"peak Python heap during a narrow snapshot (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,619 @@
+"""Initial snapshot of published tables into Delta, the way PostgreSQL's own table sync does it.
+
+Per table, on a replication connection of its own (trace in ``/work/shared/seeds/001_*``):
+``BEGIN READ ONLY ISOLATION LEVEL REPEATABLE READ``, then a *temporary* slot created with
+``SNAPSHOT 'use'``, which makes the transaction's snapshot exactly the slot's consistent
+point; the COPY inside it therefore holds every change committed before that LSN and none
+after. The consistent point becomes the table's snapshot LSN: incremental runs, reading the
+permanent slot (created earlier, so positioned at or before every table's point), skip the
+table's changes up to it.
+
+The permanent slot exists before any table is copied (:func:`ensure_slot`) so that no change
+committed after a table's snapshot can fall into a gap between the copy and the stream.
+
+Memory stays bounded whatever the table size: COPY rows are gathered into pieces of at most
+``chunk_bytes`` / ``chunk_rows``, parsed by Arrow's C++ CSV reader and converted column-wise by
+``resources.pgtypes``, while the Spark write of the previous piece runs on the caller's thread
+(a producer thread reads PostgreSQL; a queue of :data:`PREFETCH_PIECES` pieces decouples them).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import psycopg
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+from psycopg import pq
+from pyspark.errors import AnalysisException
+from pyspark.sql import SparkSession
+
+from resources.catalog import TableInfo, TableName, published_tables, publication_exists, quote_ident, read_table
+from resources.config import PgcdcConfig
+from resources.delta_engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
+from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
+from resources.lsn import LSN
+from resources.pgtypes import (
+    SESSION_SETTINGS,
+    PgColumnType,
+    PgValueError,
+    arrow_schema,
+    column_type_from_catalog,
+    pg_type_catalog_query,
+    spark_ddl_type,
+    to_arrow,
+)
+from resources.replication import CreatedSlot, ReplicationConnection, SlotState
+
+__all__ = [
+    "LSN_COLUMN",
+    "SnapshotError",
+    "SnapshotProgress",
+    "SnapshotResult",
+    "ensure_publication",
+    "ensure_slot",
+    "read_snapshot_lsn",
+    "snapshot_table",
+    "snapshot_tables",
+]
+
+LSN_COLUMN = "_pgcdc_lsn"
+"""Delta column holding the LSN that last wrote the row: the snapshot LSN for copied rows."""
+DEFAULT_CHUNK_ROWS = 1_000_000
+"""Rows per parsed piece; the byte bound usually closes a piece first."""
+PARSE_BYTES = 16 * 1024 * 1024
+"""CSV bytes per parsed piece (unless ``chunk_bytes`` is smaller): small enough to overlap
+reading PostgreSQL with writing Spark, large enough that per-piece overhead is noise."""
+PREFETCH_PIECES = 2
+"""Parsed pieces waiting for the writer; with the piece being parsed and the chunk being
+written this bounds memory to a few chunks."""
+_POLL_SECONDS = 1.0
+
+
+class SnapshotError(PgcdcError):
+    """A table could not be copied: a value the mapping refuses, or the Delta write failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotProgress:
+    """Reported after each piece handed to the writer, so long copies show life and speed."""
+
+    table: TableName
+    rows: int
+    bytes: int  # CSV bytes received from PostgreSQL so far
+    elapsed_s: float
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotResult:
+    """One table's finished snapshot: what Dagster records as materialization metadata."""
+
+    table: TableName
+    snapshot_lsn: LSN
+    rows: int
+    path: str
+    delta_version: int
+    duration_s: float
+    columns: list[tuple[str, str, str]]  # (name, PostgreSQL type, Delta type) of the published columns
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.duration_s if self.duration_s > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- publication and slot
+
+
+def ensure_publication(config: PgcdcConfig) -> list[TableName]:
+    """Make sure the publication exists and covers the configured tables; return what it publishes.
+
+    A publication pgcdc creates publishes partitioned tables via their root, so one Delta
+    table per configured (root) table receives the changes of all its partitions.
+    """
+    publication = config.publication
+    configured = [TableName.parse(name) for name in config.tables]
+    try:
+        with psycopg.connect(config.postgres.dsn, autocommit=True, application_name="pgcdc") as conn:
+            if not publication_exists(conn, publication):
+                if not config.create_publication:
+                    raise ConfigurationError(
+                        f'publication "{publication}" does not exist',
+                        f"run CREATE PUBLICATION {quote_ident(publication)} FOR TABLE ... "
+                        "or set create_publication: true",
+                    )
+                if not configured:
+                    raise ConfigurationError(
+                        f'create_publication is true but no tables are configured for "{publication}"',
+                        "list the tables to publish under 'tables'",
+                    )
+                _create_publication(conn, publication, configured)
+            published = published_tables(conn, publication)
+    except psycopg.Error as exc:
+        raise explain(exc, config.postgres.dsn) from None
+    if not published:
+        raise ConfigurationError(
+            f'publication "{publication}" publishes no tables',
+            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE ...",
+        )
+    missing = [table for table in configured if table not in published]
+    if missing:
+        names = ", ".join(str(table) for table in missing)
+        raise ConfigurationError(
+            f'{names} not published by "{publication}"',
+            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE {', '.join(t.quoted for t in missing)}, "
+            "or remove them from 'tables' (a partitioned table needs publish_via_partition_root = true)",
+        )
+    return published
+
+
+def _create_publication(conn: psycopg.Connection, publication: str, tables: Sequence[TableName]) -> None:
+    try:
+        conn.execute(
+            f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE {', '.join(t.quoted for t in tables)}"
+            " WITH (publish_via_partition_root = true)"
+        )
+    except psycopg.errors.UndefinedTable as exc:
+        raise ConfigurationError(
+            f'cannot create publication "{publication}": {exc.diag.message_primary}',
+            "create the table or fix its name in 'tables'",
+        ) from None
+    except psycopg.errors.DuplicateObject:
+        pass  # created concurrently by another run: use it as it is
+
+
+def ensure_slot(dsn: str, slot: str) -> CreatedSlot | SlotState:
+    """Create the permanent pgoutput slot if missing; refuse one that cannot serve pgcdc.
+
+    Run before any table is copied: every table's snapshot LSN is then at or after the
+    slot's start, so the stream covers every change a snapshot misses.
+    """
+    with ReplicationConnection(dsn, application_name="pgcdc") as conn:
+        state = conn.read_slot(slot)
+        if state is None:
+            return conn.create_slot(slot, snapshot="nothing")
+        (database,), = conn.execute("SELECT current_database()")
+        invalidation = _invalidation_reason(conn, slot)
+    if state.slot_type != "logical":
+        raise SlotError(
+            f'replication slot "{slot}" is a physical slot',
+            "choose another slot name in 'slot' (pgcdc needs a logical pgoutput slot)",
+        )
+    if state.database != database:
+        raise SlotError(
+            f'replication slot "{slot}" belongs to database "{state.database}", not "{database}"',
+            "choose another slot name in 'slot' or point the DSN at that database",
+        )
+    if state.plugin != "pgoutput":
+        raise SlotError(
+            f'replication slot "{slot}" uses output plugin {state.plugin}, not pgoutput',
+            "choose another slot name in 'slot', or drop that slot if nothing else uses it",
+        )
+    if state.temporary:
+        raise SlotError(
+            f'replication slot "{slot}" is a temporary slot of another session',
+            "choose another slot name in 'slot'",
+        )
+    if state.wal_status == "lost" or invalidation is not None:
+        reason = f"wal_status {state.wal_status}" + (f", {invalidation}" if invalidation else "")
+        raise SlotError(
+            f'replication slot "{slot}" is invalidated ({reason}): changes since its position are gone',
+            f"drop it (SELECT pg_drop_replication_slot('{slot}')) and run the snapshot again, "
+            "which recreates it and copies every table afresh",
+        )
+    return state
+
+
+def _invalidation_reason(conn: ReplicationConnection, slot: str) -> str | None:
+    """PostgreSQL 17+ names why a slot was invalidated, also for reasons wal_status misses."""
+    if conn.server_version_num < 170000:
+        return None
+    rows = psycopg.ClientCursor(conn.connection).execute(
+        "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    ).fetchall()
+    return rows[0][0] if rows else None
+
+
+# --------------------------------------------------------------------------- one table
+
+
+def snapshot_table(
+    dsn: str,
+    publication: str,
+    table: TableName,
+    spark: SparkSession,
+    path: str,
+    *,
+    slot: str,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    on_progress: Callable[[SnapshotProgress], None] | None = None,
+) -> SnapshotResult:
+    """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path``.
+
+    One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
+    table. ``slot`` is the permanent slot the marker names; create it first
+    (:func:`ensure_slot`). ``chunk_bytes`` bounds each Spark write and each parsed piece,
+    ``chunk_rows`` each parsed piece. ``on_progress`` runs on the calling thread.
+    """
+    started = time.monotonic()
+    try:
+        return _snapshot_table(
+            dsn, publication, table, spark, path, slot, max(1, chunk_rows), max(1, chunk_bytes), on_progress, started
+        )
+    except PgcdcError as exc:
+        raise _naming_table(exc, table) from exc
+    except PgValueError as exc:
+        raise SnapshotError(
+            f"cannot snapshot {table}: {exc}", "replicate that column as text or fix the value in PostgreSQL"
+        ) from exc
+    except psycopg.Error as exc:
+        raise _naming_table(explain(exc, dsn), table) from exc
+    except Exception as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SnapshotError(
+            f"cannot snapshot {table} into {path}: {first_line}",
+            "check the Spark engine and the Delta location, then run the snapshot again",
+        ) from exc
+
+
+def _naming_table(exc: PgcdcError, table: TableName) -> PgcdcError:
+    if str(table) in exc.cause:
+        return exc
+    try:
+        return type(exc)(f"{table}: {exc.cause}", exc.fix)
+    except TypeError:  # a subclass with another constructor
+        return SnapshotError(f"{table}: {exc.cause}", exc.fix)
+
+
+def _snapshot_table(
+    dsn: str,
+    publication: str,
+    table: TableName,
+    spark: SparkSession,
+    path: str,
+    slot: str,
+    chunk_rows: int,
+    chunk_bytes: int,
+    on_progress: Callable[[SnapshotProgress], None] | None,
+    started: float,
+) -> SnapshotResult:
+    with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
+        # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
+        # first command: look it up before BEGIN.
+        temp_slot = f"pgcdc_sync_{_table_oid(conn, table)}_{secrets.token_hex(6)}"
+        conn.begin_snapshot_transaction()
+        created = conn.create_slot(temp_slot, temporary=True, snapshot="use")
+        snapshot_lsn = created.consistent_point
+        info = read_table(conn.connection, publication, table)
+        columns = _column_types(conn, info)
+        schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
+        marker = json.dumps(
+            {"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": str(table)}}
+        )
+        counted = {"rows": 0, "bytes": 0}
+
+        def copied() -> None:
+            """The COPY is complete: end the transaction and free the slot before Spark finishes."""
+            conn.commit()
+            conn.drop_slot(temp_slot)
+
+        def pieces() -> Iterator[pa.RecordBatch]:
+            parse = _PieceParser(columns, schema, snapshot_lsn)
+            piece_bytes = min(chunk_bytes, PARSE_BYTES)
+            source = _copy_pieces(conn.pgconn, info.copy_query(), parse, piece_bytes, chunk_rows)
+            prefetch = _prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{table}")
+            try:
+                for batch, nbytes in prefetch:
+                    counted["rows"] += batch.num_rows
+                    counted["bytes"] += nbytes
+                    if on_progress is not None:
+                        elapsed = time.monotonic() - started
+                        on_progress(SnapshotProgress(table, counted["rows"], counted["bytes"], elapsed))
+                    yield batch
+            finally:
+                prefetch.close()  # stops the reader thread before the connection closes
+            copied()
+
+        stream = pieces()
+        try:
+            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes)
+        finally:
+            stream.close()
+    return SnapshotResult(
+        table=table,
+        snapshot_lsn=snapshot_lsn,
+        rows=counted["rows"],
+        path=path,
+        delta_version=version,
+        duration_s=time.monotonic() - started,
+        columns=[(col.column, col.type_name, spark_ddl_type(col)) for col in columns],
+    )
+
+
+def _table_oid(conn: ReplicationConnection, table: TableName) -> int:
+    row = psycopg.ClientCursor(conn.connection).execute(
+        "SELECT c.oid::int FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = %s",
+        (table.schema, table.name),
+    ).fetchone()
+    if row is None:
+        raise ConfigurationError(f"table {table} does not exist", "fix the table name in the configuration")
+    return int(row[0])
+
+
+def _column_types(conn: ReplicationConnection, info: TableInfo) -> list[PgColumnType]:
+    if not info.columns:
+        raise ConfigurationError(f"table {info.table} has no published columns", "publish at least one column")
+    rows = psycopg.ClientCursor(conn.connection).execute(
+        pg_type_catalog_query(),
+        {"type_oids": [c.type_oid for c in info.columns], "typmods": [c.type_modifier for c in info.columns]},
+    ).fetchall()
+    return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]
+
+
+# --------------------------------------------------------------------------- COPY -> Arrow
+
+
+class _PieceParser:
+    """PostgreSQL CSV rows -> one typed Arrow batch with the snapshot LSN column.
+
+    In PostgreSQL's CSV a NULL is an unquoted empty field and an empty string is ``""``;
+    the options below keep that distinction, read every field as text for ``to_arrow``, and
+    keep empty lines (the NULL row of a one-column table). Each piece is parsed as a single
+    block sized to it, so a row of any size (TOASTed values up to 1 GB) never straddles blocks.
+    """
+
+    def __init__(self, columns: Sequence[PgColumnType], schema: pa.Schema, snapshot_lsn: LSN) -> None:
+        self._columns = list(columns)
+        self._schema = schema
+        self._names = [f"c{i}" for i in range(len(columns))]
+        self._parse_options = pa_csv.ParseOptions(newlines_in_values=True, ignore_empty_lines=False)
+        self._convert_options = pa_csv.ConvertOptions(
+            column_types={name: pa.string() for name in self._names},
+            null_values=[""],
+            strings_can_be_null=True,
+            quoted_strings_can_be_null=False,
+        )
+        self._lsn_bytes = struct.pack("<q", int(snapshot_lsn))
+
+    def __call__(self, data: bytearray, rows: int) -> pa.RecordBatch:
+        read_options = pa_csv.ReadOptions(column_names=self._names, block_size=len(data) + 1, use_threads=False)
+        text = pa_csv.read_csv(pa.py_buffer(data), read_options, self._parse_options, self._convert_options)
+        if text.num_rows != rows:
+            raise ProtocolError(
+                f"COPY sent {rows} rows but {text.num_rows} parsed", "report this with the table definition"
+            )
+        arrays = [to_arrow(text.column(i), col) for i, col in enumerate(self._columns)]
+        arrays.append(pa.Array.from_buffers(pa.int64(), rows, [None, pa.py_buffer(self._lsn_bytes * rows)]))
+        return pa.RecordBatch.from_arrays(arrays, schema=self._schema)
+
+
+def _copy_pieces(
+    pgconn: pq.abc.PGconn,
+    query: str,
+    parse: Callable[[bytearray, int], pa.RecordBatch],
+    piece_bytes: int,
+    piece_rows: int,
+) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """Run the COPY and yield (batch, CSV bytes) pieces; at least one, possibly empty.
+
+    Straight on libpq: psycopg's Copy costs microseconds per row, which is most of the
+    budget for narrow rows. The protocol guarantees that each CopyData message the server
+    sends is one whole row, so pieces always end on row boundaries. Non-blocking reads
+    wait in select(), releasing the GIL for the writer thread.
+    """
+    pgconn.send_query(query.encode())
+    result = _next_result(pgconn)
+    if result is None or result.status != pq.ExecStatus.COPY_OUT:
+        error = _result_error(result, query)
+        _drain_results(pgconn)
+        raise error
+    get_copy_data = pgconn.get_copy_data
+    buffer = bytearray()
+    rows = size = 0
+    yielded = False
+    try:
+        while True:
+            nbytes, data = get_copy_data(1)
+            if nbytes > 0:
+                buffer += data
+                rows += 1
+                size += nbytes
+                if size >= piece_bytes or rows >= piece_rows:
+                    yield parse(buffer, rows), size
+                    yielded = True
+                    buffer = bytearray()
+                    rows = size = 0
+            elif nbytes == 0:
+                select.select([pgconn.socket], [], [], _POLL_SECONDS)
+                pgconn.consume_input()
+            else:
+                break
+    except psycopg.OperationalError as exc:
+        raise ConnectionFailure(f"COPY interrupted: {exc}", "check the server, then run the snapshot again") from None
+    error = _drain_results(pgconn)
+    if error is not None:
+        raise error
+    if rows or not yielded:
+        yield parse(buffer, rows), size
+
+
+def _next_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
+    while True:
+        pgconn.consume_input()
+        if not pgconn.is_busy():
+            return pgconn.get_result()
+        select.select([pgconn.socket], [], [], _POLL_SECONDS)
+
+
+def _drain_results(pgconn: pq.abc.PGconn) -> PgcdcError | None:
+    """Read the results after COPY (leaving the connection usable); the first error, if any."""
+    error: PgcdcError | None = None
+    while (result := _next_result(pgconn)) is not None:
+        if result.status == pq.ExecStatus.FATAL_ERROR and error is None:
+            error = _result_error(result, "COPY")
+    return error
+
+
+def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
+    if result is None:
+        return ProtocolError(f"no result for {query[:80]}", "check the server log")
+    if result.status != pq.ExecStatus.FATAL_ERROR:
+        return ProtocolError(f"unexpected {result.status.name} answer to {query[:80]}", "check the server version")
+    primary = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or result.error_message or b""
+    return SnapshotError(
+        f"COPY failed: {primary.decode('utf-8', 'replace')}", "fix the cause named by PostgreSQL, then run the snapshot again"
+    )
+
+
+_END = object()
+
+
+def _prefetched(source: Iterator[tuple[pa.RecordBatch, int]], depth: int, name: str) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """Run ``source`` in a thread, ``depth`` items ahead of the consumer.
+
+    When the consumer stops early (the write failed), the producer notices at its next
+    hand-over and closes ``source``; the caller then closes the connection it was reading.
+    """
+    handover: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def offer(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                handover.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in source:
+                if not offer(item):
+                    break
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            failure.append(exc)
+        finally:
+            source.close()
+            offer(_END)
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := handover.get()) is not _END:
+            yield item  # type: ignore[misc]
+        thread.join()
+        if failure:
+            raise failure[0]
+    finally:
+        stop.set()
+        thread.join()
+
+
+# --------------------------------------------------------------------------- many tables
+
+
+def snapshot_tables(
+    config: PgcdcConfig,
+    spark: SparkSession,
+    tables: Sequence[TableName] | None = None,
+    on_progress: Callable[[SnapshotProgress], None] | None = None,
+) -> list[SnapshotResult]:
+    """Snapshot ``tables`` (default: ``config.tables``, or the whole publication), in parallel.
+
+    ``config.snapshot.parallel_tables`` tables copy at once, each on its own connection and
+    temporary slot, all writing through the one Spark session. A failing table does not stop
+    the others; once all have finished, the first failure is raised (later ones are attached
+    as notes). ``on_progress`` is called from the worker threads.
+    """
+    published = ensure_publication(config)
+    ensure_slot(config.postgres.dsn, config.slot)
+    if tables is not None:
+        selected = list(tables)
+    elif config.tables:
+        selected = [TableName.parse(name) for name in config.tables]
+    else:
+        selected = published
+    unpublished = [table for table in selected if table not in published]
+    if unpublished:
+        raise ConfigurationError(
+            f"{', '.join(str(t) for t in unpublished)} not published by \"{config.publication}\"",
+            f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only published tables",
+        )
+    if not selected:
+        return []
+    workers = min(config.snapshot.parallel_tables, len(selected))
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(table: TableName) -> SnapshotResult:
+        try:
+            return snapshot_table(
+                config.postgres.dsn,
+                config.publication,
+                table,
+                spark,
+                config.table_path(table.schema, table.name),
+                slot=config.slot,
+                on_progress=on_progress,
+            )
+        except BaseException as exc:
+            with lock:
+                failures.append(exc)
+            raise
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
+        futures: list[Future[SnapshotResult]] = [pool.submit(run, table) for table in selected]
+        wait(futures)
+    if failures:
+        first = failures[0]
+        for later in failures[1:]:
+            first.add_note(f"also failed: {later}")
+        raise first
+    return [future.result() for future in futures]
+
+
+# --------------------------------------------------------------------------- reading the marker
+
+
+def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
+    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker."""
+    try:
+        commits = read_commit_metadata(spark, path)
+    except AnalysisException as exc:
+        if exc.getCondition() == "PATH_NOT_FOUND":  # JVM Spark; Sail lists no commits instead
+            return None
+        raise
+    for commit in commits:
+        lsn = _snapshot_lsn(commit.user_metadata)
+        if lsn is not None:
+            return lsn
+    return None
+
+
+def _snapshot_lsn(user_metadata: str | None) -> LSN | None:
+    if not user_metadata:
+        return None
+    try:
+        marker = json.loads(user_metadata)
+    except ValueError:
+        return None  # another writer's free-form metadata
+    pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
+    if not isinstance(pgcdc, dict) or pgcdc.get("kind") != "snapshot":
+        return None
+    return LSN.parse(pgcdc["snapshot_lsn"])
