@@ -1,0 +1,181 @@
+"""Dagster resources: the PostgreSQL source and the Spark session that writes Delta.
+
+Both are built from the pgcdc configuration file. The PostgreSQL resource keeps only the
+*path* of that file as Dagster config and reads the DSN from it when used: Dagster shows
+resource config in its UI and in run config snapshots, and a DSN may carry a password.
+Its ``repr`` shows the masked DSN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import psycopg
+from dagster import ConfigurableResource, InitResourceContext
+from dagster_pyspark import PySparkResource
+from pydantic import Field, PrivateAttr
+from pyspark.sql import SparkSession
+
+from resources.catalog import TableName, published_tables
+from resources.config import PgcdcConfig, load_config
+from resources.delta_engine import SparkEngine, classic_delta_config, classic_session_builder
+from resources.errors import ConfigurationError, explain, mask_dsn
+from resources.lsn import LSN
+from resources.replication import SlotState, quote_literal, validate_slot_name
+
+SparkMode = Literal["embedded", "remote", "classic"]
+
+
+class SparkDeltaResource(PySparkResource):
+    """A Spark session able to read and write Delta, stopped when the run (or step) ends.
+
+    ``embedded`` starts a Sail Spark Connect server inside this process on a free loopback
+    port, so a laptop needs no cluster; ``remote`` connects to ``sc://host:port``;
+    ``classic`` builds a JVM session with the Delta jars (needs the ``classic`` extra).
+    ``spark_config`` is passed to the session in every mode.
+    """
+
+    spark_config: dict[str, Any] = Field(default_factory=dict, description="Spark settings for the session")
+    mode: SparkMode = Field(default="embedded", description="embedded (Sail in-process), remote or classic")
+    remote: str | None = Field(default=None, description="sc://host:port of the Spark Connect server (remote mode)")
+    app_name: str = Field(default="pgcdc", description="Spark application name (classic mode)")
+
+    _engine: SparkEngine | None = PrivateAttr(default=None)
+
+    @classmethod
+    def _is_dagster_maintained(cls) -> bool:
+        return False
+
+    @classmethod
+    def from_pgcdc_config(cls, config: PgcdcConfig) -> SparkDeltaResource:
+        """Embedded unless the configuration names a Spark Connect server."""
+        return cls(
+            spark_config=dict(config.spark.config),
+            mode="remote" if config.spark.remote else "embedded",
+            remote=config.spark.remote,
+        )
+
+    def session_config(self) -> dict[str, str]:
+        """The settings the session is built with: a classic session also needs Delta's extension and catalog."""
+        settings = {key: str(value) for key, value in self.spark_config.items()}
+        return classic_delta_config(settings) if self.mode == "classic" else settings
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        self._engine = self._start()
+        self._spark_session = self._engine.spark
+
+    def teardown_after_execution(self, context: InitResourceContext) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+            self._spark_session = None
+
+    def _start(self) -> SparkEngine:
+        if self.mode == "embedded":
+            return SparkEngine.embedded(self.session_config())
+        if self.mode == "remote":
+            if not self.remote:
+                raise ConfigurationError("Spark mode 'remote' without a URL", "set spark.remote: sc://host:port")
+            return SparkEngine.remote(self.remote, self.session_config())
+        try:
+            builder = classic_session_builder(self.app_name, self.spark_config)
+        except ImportError:
+            raise ConfigurationError(
+                "classic Spark needs delta-spark, which is not installed", "pip install 'pgcdc[classic]'"
+            ) from None
+        return SparkEngine(builder.getOrCreate())
+
+    @property
+    def spark_session(self) -> SparkSession:
+        if self._spark_session is None:
+            raise RuntimeError("the Spark resource is used outside of a run: it has no session")
+        return self._spark_session
+
+
+class PostgresResource(ConfigurableResource):
+    """The source database and the pgcdc settings, read from the configuration file.
+
+    Only ``config_file`` is Dagster config, so the DSN (and any password in it) never shows
+    in Dagster's UI; ``repr`` and every metadata value use the masked DSN.
+    """
+
+    config_file: str = Field(description="path of the pgcdc YAML configuration (what PGCDC_CONFIG names)")
+
+    _config: PgcdcConfig | None = PrivateAttr(default=None)
+
+    @property
+    def config(self) -> PgcdcConfig:
+        if self._config is None:
+            self._config = load_config(self.config_file)
+        return self._config
+
+    @property
+    def dsn(self) -> str:
+        return self.config.postgres.dsn
+
+    @property
+    def masked_dsn(self) -> str:
+        return mask_dsn(self.dsn)
+
+    def __repr__(self) -> str:
+        return f"PostgresResource(config_file={self.config_file!r}, dsn={self.masked_dsn!r})"
+
+    __str__ = __repr__
+
+    @contextmanager
+    def connect(self) -> Iterator[psycopg.Connection]:
+        """An autocommit connection; driver errors become one-line ``PgcdcError``s naming the fix."""
+        try:
+            conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10, application_name="pgcdc-dagster")
+        except psycopg.Error as error:
+            raise explain(error, self.dsn) from None
+        try:
+            with conn:
+                yield conn
+        except psycopg.Error as error:
+            raise explain(error, self.dsn, slot=self.config.slot) from None
+
+    def read_slot(self) -> SlotState | None:
+        """The configured slot's row in pg_replication_slots.
+
+        A plain query over a normal connection: watching the slot never opens a walsender
+        and never moves the slot.
+        """
+        slot = validate_slot_name(self.config.slot)
+        with self.connect() as conn:
+            row = conn.execute(
+                "SELECT slot_name::text, plugin::text, slot_type, database::text, temporary, active, active_pid,"
+                " restart_lsn::text, confirmed_flush_lsn::text, wal_status, two_phase"
+                f" FROM pg_catalog.pg_replication_slots WHERE slot_name = {quote_literal(slot)}"
+            ).fetchone()
+        if row is None:
+            return None
+        name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, two_phase = row
+        return SlotState(
+            name, plugin, slot_type, database, temporary, active, pid,
+            None if restart is None else LSN.parse(restart),
+            None if confirmed is None else LSN.parse(confirmed),
+            wal_status, two_phase,
+        )  # fmt: skip
+
+    def wal_lsn(self) -> LSN:
+        """The server's current WAL write position, which a slot's lag is measured against."""
+        with self.connect() as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert row is not None
+        return LSN.parse(row[0])
+
+    def slot_lag_bytes(self, state: SlotState) -> int:
+        """WAL bytes the slot has not confirmed yet: what the next drain has to read."""
+        if state.confirmed_flush_lsn is None:
+            raise ConfigurationError(
+                f'replication slot "{state.slot_name}" is not a logical slot', "use a logical pgoutput slot"
+            )
+        return max(0, self.wal_lsn() - state.confirmed_flush_lsn)
+
+    def publication_tables(self) -> list[TableName]:
+        """What the publication publishes right now."""
+        with self.connect() as conn:
+            return published_tables(conn, self.config.publication)

@@ -1,0 +1,169 @@
+"""Sensors that watch the replication slot and the publication without ever draining the slot.
+
+They only read ``pg_replication_slots`` and the catalog (plus, for new tables, the Delta
+snapshot marker), so a sensor tick can never move the slot or compete with a drain.
+"""
+
+# No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
+
+from collections.abc import Mapping, Sequence
+
+from dagster import (
+    AssetKey,
+    DefaultSensorStatus,
+    RunRequest,
+    RunsFilter,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+
+from pgcdc_assets.common import INCREMENTAL_JOB, PENDING_RUN_STATUSES, RESNAPSHOT_JOB, SNAPSHOT_JOB
+from resources.catalog import TableName
+from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from resources.errors import SlotError
+
+LAG_SENSOR = "pgcdc_slot_lag_sensor"
+NEW_TABLES_SENSOR = "pgcdc_new_tables_sensor"
+SLOT_HEALTH_SENSOR = "pgcdc_slot_health_sensor"
+
+
+def _pending_runs(context: SensorEvaluationContext, job_names: Sequence[str]) -> list[str]:
+    """Ids of runs of these jobs that are queued or in flight."""
+    run_ids: list[str] = []
+    for job_name in job_names:
+        runs = context.instance.get_runs(RunsFilter(job_name=job_name, statuses=PENDING_RUN_STATUSES))
+        run_ids.extend(run.run_id for run in runs)
+    return run_ids
+
+
+def build_slot_lag_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
+    """Request a drain when the slot has more unconfirmed WAL than ``sensors.lag_bytes``.
+
+    Between schedule ticks a burst of writes would otherwise pile up WAL on the source;
+    this starts the drain early. It skips while a drain is queued or running (or the slot
+    is held by any consumer), so bursts never stack runs on one slot.
+    """
+
+    @sensor(
+        name=LAG_SENSOR,
+        job_name=INCREMENTAL_JOB,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=DefaultSensorStatus.STOPPED,
+        description="Requests a pgcdc_incremental run when the slot's lag exceeds sensors.lag_bytes.",
+    )
+    def pgcdc_slot_lag_sensor(context: SensorEvaluationContext, postgres: PostgresResource) -> RunRequest | SkipReason:
+        config = postgres.config
+        state = postgres.read_slot()
+        if state is None:
+            return SkipReason(f'replication slot "{config.slot}" does not exist: run the {SNAPSHOT_JOB} job')
+        lag = postgres.slot_lag_bytes(state)
+        threshold = config.sensors.lag_bytes
+        if lag <= threshold:
+            return SkipReason(f'slot "{config.slot}" lags {lag} bytes, at or below sensors.lag_bytes={threshold}')
+        pending = _pending_runs(context, [INCREMENTAL_JOB])
+        if pending:
+            return SkipReason(f"slot lags {lag} bytes but a {INCREMENTAL_JOB} run is already pending: {pending[0]}")
+        if state.active:
+            return SkipReason(f"slot lags {lag} bytes but is in use by PID {state.active_pid}")
+        return RunRequest(tags={"pgcdc/trigger": "slot_lag", "pgcdc/slot_lag_bytes": str(lag)})
+
+    return pgcdc_slot_lag_sensor
+
+
+def build_new_tables_sensor(
+    snapshot_keys: Mapping[TableName, AssetKey],
+    minimum_interval_seconds: int = 300,
+) -> SensorDefinition:
+    """Request snapshots for defined tables that have none yet; name the ones that need a reload.
+
+    Assets are fixed when the code location loads, so a table added to the publication
+    afterwards has no asset until the location is reloaded; the sensor can only report it.
+    Once defined (after the reload), a table with no snapshot in Dagster's records and no
+    snapshot marker in its Delta log gets a snapshot run for just that table. Spark is
+    started only when Dagster has no record of a table's snapshot, so quiet ticks stay cheap.
+    """
+
+    @sensor(
+        name=NEW_TABLES_SENSOR,
+        job_name=SNAPSHOT_JOB,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=DefaultSensorStatus.STOPPED,
+        description="Snapshots published tables that have no Delta snapshot; reports tables needing a reload.",
+    )
+    def pgcdc_new_tables_sensor(
+        context: SensorEvaluationContext, postgres: PostgresResource, spark: SparkDeltaResource
+    ) -> SensorResult | SkipReason:
+        from resources.snapshot import read_snapshot_lsn
+
+        config = postgres.config
+        published = postgres.publication_tables()
+        undefined = [table for table in published if table not in snapshot_keys]
+        reload_note = (
+            f"{len(undefined)} published table(s) have no asset, reload the code location to add them: "
+            + ", ".join(str(table) for table in undefined)
+            if undefined
+            else ""
+        )
+        unrecorded = [
+            table
+            for table in published
+            if table in snapshot_keys and context.instance.get_latest_materialization_event(snapshot_keys[table]) is None
+        ]
+        missing = [
+            table
+            for table in unrecorded
+            if read_snapshot_lsn(spark.spark_session, config.table_path(table.schema, table.name)) is None
+        ]
+        if not missing:
+            return SkipReason(reload_note or "every published table has a snapshot")
+        pending = _pending_runs(context, [SNAPSHOT_JOB, RESNAPSHOT_JOB])
+        if pending:
+            return SkipReason(f"{len(missing)} table(s) need a snapshot but snapshot run {pending[0]} is pending")
+        if reload_note:
+            context.log.warning(reload_note)
+        return SensorResult(
+            run_requests=[
+                RunRequest(
+                    asset_selection=[snapshot_keys[table] for table in missing],
+                    tags={"pgcdc/trigger": "new_tables"},
+                )
+            ]
+        )
+
+    return pgcdc_new_tables_sensor
+
+
+def build_slot_health_sensor(minimum_interval_seconds: int = 60) -> SensorDefinition:
+    """Fail the tick, with the one-line cause and fix, when the slot is missing or lost.
+
+    A failed tick is red on the sensor's page and in the overview, where a skipped tick's
+    message is easy to miss; nothing is requested, because recovering a lost slot means
+    re-snapshotting every table, which an operator should start (pgcdc_resnapshot).
+    """
+
+    @sensor(
+        name=SLOT_HEALTH_SENSOR,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=DefaultSensorStatus.STOPPED,
+        description="Fails with the fix when the replication slot is missing or lost (wal_status='lost').",
+    )
+    def pgcdc_slot_health_sensor(context: SensorEvaluationContext, postgres: PostgresResource) -> SkipReason:
+        config = postgres.config
+        state = postgres.read_slot()
+        if state is None:
+            raise SlotError(
+                f'replication slot "{config.slot}" does not exist on {postgres.masked_dsn}',
+                f"run the {SNAPSHOT_JOB} job (it creates the slot and snapshots every table), or fix 'slot'",
+            )
+        if state.wal_status == "lost":
+            raise SlotError(
+                f'replication slot "{config.slot}" was invalidated (wal_status lost): the WAL it needed is gone',
+                f"run the {RESNAPSHOT_JOB} job with no table list: it recreates the slot and re-snapshots every table",
+            )
+        lag = postgres.slot_lag_bytes(state)
+        return SkipReason(f'slot "{config.slot}" is healthy: wal_status {state.wal_status}, lag {lag} bytes')
+
+    return pgcdc_slot_health_sensor

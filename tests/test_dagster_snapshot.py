@@ -1,0 +1,361 @@
+"""The Dagster snapshot side against real PostgreSQL 15 and 18, the real Sail engine and Delta read by delta-rs.
+
+Definitions are built from a real configuration file, as ``dagster dev`` builds them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+
+import deltalake
+import psycopg
+import pytest
+import yaml
+from dagster import (
+    AssetKey,
+    DagsterInstance,
+    Definitions,
+    ExecuteInProcessResult,
+    TableColumn,
+    TableSchema,
+)
+from pyspark.sql import SparkSession
+
+from pgcdc_assets.builder import build_definitions
+from resources.config import CONFIG_ENV_VAR
+from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from resources.errors import ConfigurationError, ConnectionFailure
+from resources.lsn import LSN
+from resources.snapshot import read_snapshot_lsn
+from tests.conftest import PgDatabase
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+REPO = Path(__file__).resolve().parent.parent
+DAGSTER = str(Path(sys.executable).with_name("dagster"))
+
+ORDERS_KEY = AssetKey(["pgcdc", "snapshot", "public", "orders"])
+NOTES_KEY = AssetKey(["pgcdc", "snapshot", "public", "notes"])
+
+
+# --------------------------------------------------------------------------- helpers shared with the incremental tests
+
+
+def write_config(tmp_path: Path, pg: PgDatabase, **overrides: object) -> Path:
+    """A pgcdc configuration file in ``tmp_path``; Delta goes to ``tmp_path/lake``."""
+    settings: dict[str, object] = {
+        "postgres": {"dsn": pg.dsn},
+        "publication": "pgcdc_pub",
+        "slot": "pgcdc_slot",
+        "delta": {"root": str(tmp_path / "lake")},
+        "snapshot": {"parallel_tables": 2},
+        **overrides,
+    }
+    path = tmp_path / "pgcdc.yaml"
+    path.write_text(yaml.safe_dump(settings), encoding="utf-8")
+    return path
+
+
+def create_shop(pg: PgDatabase) -> None:
+    """Two published tables: a keyed one with a spread of types, and a keyless one."""
+    pg.execute(
+        "CREATE TABLE orders (id bigint PRIMARY KEY, customer text, amount numeric(10,2), tags int[],"
+        " placed timestamp)"
+    )
+    pg.execute("CREATE TABLE notes (body text)")
+    pg.execute(
+        "INSERT INTO orders SELECT g, 'c' || g, g * 1.25, ARRAY[g, NULL], timestamp '2024-01-01' + g * interval '1 s'"
+        " FROM generate_series(1, 500) g"
+    )
+    pg.execute("INSERT INTO notes VALUES ('first'), (NULL), ('')")
+    pg.execute("CREATE PUBLICATION pgcdc_pub FOR TABLE orders, notes")
+
+
+def delta_rows(root: Path, table: str) -> list[tuple]:
+    """A Delta table's rows (without pgcdc's LSN column) through delta-rs, in sorted_rows order."""
+    data = deltalake.DeltaTable(str(root / "public" / table)).to_pyarrow_table()
+    columns = [name for name in data.column_names if name != "_pgcdc_lsn"]
+    return sorted_rows([tuple(record[name] for name in columns) for record in data.select(columns).to_pylist()])
+
+
+def pg_orders(pg: PgDatabase) -> list[tuple]:
+    return sorted_rows(pg.execute("SELECT id, customer, amount, tags, placed FROM orders"))
+
+
+def pg_notes(pg: PgDatabase) -> list[tuple]:
+    return sorted_rows(pg.execute("SELECT body FROM notes"))
+
+
+def sorted_rows(rows: list[tuple]) -> list[tuple]:
+    """Rows in one order whatever their source, so two sources compare with ==."""
+    return sorted(rows, key=repr)
+
+
+def materializations(result: ExecuteInProcessResult) -> dict[AssetKey, dict[str, object]]:
+    """Each materialized asset's metadata values."""
+    found = (event.event_specific_data.materialization for event in result.get_asset_materialization_events())
+    return {m.asset_key: {key: value.value for key, value in m.metadata.items()} for m in found}
+
+
+def run_cli(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The ``dagster`` CLI in a subprocess with PGCDC_CONFIG and a DAGSTER_HOME of its own."""
+    home = tmp_path / "dagster_home"
+    home.mkdir(exist_ok=True)
+    env = {**os.environ, CONFIG_ENV_VAR: str(config), "DAGSTER_HOME": str(home)}
+    return subprocess.run(
+        [DAGSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.fixture
+def shop(pg: PgDatabase) -> PgDatabase:
+    create_shop(pg)
+    return pg
+
+
+@pytest.fixture
+def instance() -> Iterator[DagsterInstance]:
+    with DagsterInstance.ephemeral() as instance:
+        yield instance
+
+
+# --------------------------------------------------------------------------- resources
+
+
+def test_postgres_resource_never_shows_the_password(pg: PgDatabase, tmp_path: Path) -> None:
+    config = write_config(tmp_path, pg, postgres={"dsn": pg.server.dsn(pg.name, password="s3cret")})
+    resource = PostgresResource(config_file=str(config))
+    assert "s3cret" not in repr(resource)
+    assert "s3cret" not in str(resource)
+    assert repr(resource) == f"PostgresResource(config_file={str(config)!r}, dsn={resource.masked_dsn!r})"
+    assert resource.masked_dsn.endswith(f"/{pg.name}")
+
+
+def test_spark_resource_modes() -> None:
+    classic = SparkDeltaResource(mode="classic", spark_config={"spark.sql.shuffle.partitions": "4"})
+    assert classic.session_config() == {
+        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+        "spark.sql.shuffle.partitions": "4",
+    }
+    embedded = SparkDeltaResource(spark_config={"spark.sql.shuffle.partitions": "4"})
+    assert embedded.session_config() == {"spark.sql.shuffle.partitions": "4"}
+
+
+def test_classic_spark_without_delta_spark_fails_with_the_fix() -> None:
+    with pytest.raises(ConfigurationError) as failure:
+        with SparkDeltaResource(mode="classic").yield_for_execution(_init_context()):
+            pass
+    assert str(failure.value) == (
+        "classic Spark needs delta-spark, which is not installed: pip install 'pgcdc[classic]'"
+    )
+
+
+def test_embedded_spark_resource_starts_and_stops_sail() -> None:
+    resource = SparkDeltaResource()
+    with resource.yield_for_execution(_init_context()) as ready:
+        session = ready.spark_session
+        assert session.range(5).count() == 5
+    assert ready._engine is None
+    with pytest.raises(Exception):
+        session.range(1).count()
+
+
+def _init_context():  # noqa: ANN202 - dagster's InitResourceContext
+    from dagster import build_init_resource_context
+
+    return build_init_resource_context()
+
+
+# --------------------------------------------------------------------------- definitions
+
+
+def test_unreachable_postgres_fails_the_load_with_one_line(tmp_path: Path, pg: PgDatabase) -> None:
+    config = write_config(tmp_path, pg, postgres={"dsn": "host=127.0.0.1 port=1 dbname=x user=u password=pw"})
+    with pytest.raises(ConnectionFailure) as failure:
+        build_definitions(config)
+    message = str(failure.value)
+    assert "\n" not in message
+    assert "pw" not in message.replace("password", "")
+    assert message.startswith("cannot reach PostgreSQL at u@127.0.0.1:1/x (")
+
+
+def test_assets_jobs_and_specs_from_the_publication(shop: PgDatabase, tmp_path: Path) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    graph = defs.resolve_asset_graph()
+    assert set(graph.get_all_asset_keys()) == {
+        ORDERS_KEY,
+        NOTES_KEY,
+        AssetKey(["pgcdc", "public", "orders"]),
+        AssetKey(["pgcdc", "public", "notes"]),
+    }
+    table = graph.get(AssetKey(["pgcdc", "public", "orders"]))
+    assert table.parent_keys == {ORDERS_KEY}
+    assert table.group_name == "pgcdc"
+    assert set(table.kinds) == {"postgres", "delta", "spark"}
+    assert table.metadata["pgcdc/delta_path"].value == str(tmp_path / "lake" / "public" / "orders")
+    assert graph.get(ORDERS_KEY).group_name == "pgcdc_snapshot"
+    for name in ("pgcdc_snapshot", "pgcdc_resnapshot", "pgcdc_incremental"):
+        assert defs.resolve_job_def(name).name == name
+    schedule = defs.resolve_schedule_def("pgcdc_incremental_schedule")
+    assert schedule.cron_schedule == "*/5 * * * *"
+    for name in ("pgcdc_slot_lag_sensor", "pgcdc_new_tables_sensor", "pgcdc_slot_health_sensor"):
+        assert defs.resolve_sensor_def(name).name == name
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+def run_snapshot(defs: Definitions, instance: DagsterInstance, job: str = "pgcdc_snapshot", **kwargs: object) -> ExecuteInProcessResult:
+    result = defs.resolve_job_def(job).execute_in_process(instance=instance, **kwargs)
+    assert result.success
+    return result
+
+
+def test_snapshot_job_copies_every_table_with_metadata(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, spark: SparkSession
+) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    result = run_snapshot(defs, instance)
+
+    lake = tmp_path / "lake"
+    assert delta_rows(lake, "orders") == pg_orders(shop)
+    assert delta_rows(lake, "notes") == pg_notes(shop)
+
+    meta = materializations(result)
+    assert set(meta) == {ORDERS_KEY, NOTES_KEY}
+    orders = meta[ORDERS_KEY]
+    path = str(lake / "public" / "orders")
+    assert orders["dagster/row_count"] == 500
+    assert meta[NOTES_KEY]["dagster/row_count"] == 3
+    assert orders["pgcdc/delta_path"] == path
+    assert orders["pgcdc/delta_version"] == deltalake.DeltaTable(path).version()
+    assert LSN.parse(orders["pgcdc/snapshot_lsn"]) == read_snapshot_lsn(spark, path)
+    assert orders["pgcdc/duration_s"] > 0
+    assert orders["pgcdc/rows_per_second"] > 0
+    assert orders["dagster/column_schema"] == TableSchema(
+        columns=[
+            TableColumn("id", "bigint", description="PostgreSQL bigint", tags={"pgcdc/postgres_type": "bigint"}),
+            TableColumn("customer", "string", description="PostgreSQL text", tags={"pgcdc/postgres_type": "text"}),
+            TableColumn(
+                "amount", "decimal(10,2)", description="PostgreSQL numeric(10,2)",
+                tags={"pgcdc/postgres_type": "numeric(10,2)"},
+            ),
+            TableColumn("tags", "array<int>", description="PostgreSQL integer[]", tags={"pgcdc/postgres_type": "integer[]"}),
+            TableColumn(
+                "placed", "timestamp_ntz", description="PostgreSQL timestamp without time zone",
+                tags={"pgcdc/postgres_type": "timestamp without time zone"},
+            ),
+            TableColumn("_pgcdc_lsn", "bigint", description="commit LSN that last wrote the row (snapshot LSN here)"),
+        ]
+    )  # fmt: skip
+    slot = shop.execute("SELECT slot_type, plugin FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
+    assert slot == [("logical", "pgoutput")]
+    assert (1, "c1", Decimal("1.25"), [1, None], datetime(2024, 1, 1, 0, 0, 1)) in delta_rows(lake, "orders")
+
+
+def test_subset_snapshots_only_the_selected_table(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    result = run_snapshot(defs, instance, asset_selection=[NOTES_KEY])
+    assert set(materializations(result)) == {NOTES_KEY}
+    assert sorted(p.name for p in (tmp_path / "lake" / "public").iterdir()) == ["notes"]
+
+
+def test_resnapshot_copies_the_listed_tables_again(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, spark: SparkSession
+) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    first = materializations(run_snapshot(defs, instance))
+    shop.execute("INSERT INTO orders VALUES (501, 'late', 1.00, NULL, NULL)")
+    shop.execute("INSERT INTO notes VALUES ('late')")
+
+    second = run_snapshot(
+        defs, instance, "pgcdc_resnapshot",
+        run_config={"ops": {"snapshot_tables": {"config": {"tables": ["public.orders"]}}}},
+    )  # fmt: skip
+    meta = materializations(second)
+    assert set(meta) == {ORDERS_KEY}
+    assert meta[ORDERS_KEY]["dagster/row_count"] == 501
+    assert LSN.parse(meta[ORDERS_KEY]["pgcdc/snapshot_lsn"]) > LSN.parse(first[ORDERS_KEY]["pgcdc/snapshot_lsn"])
+    lake = tmp_path / "lake"
+    assert delta_rows(lake, "orders") == pg_orders(shop)
+    assert len(delta_rows(lake, "notes")) == 3  # not listed: untouched
+
+
+def test_resnapshot_refuses_a_table_without_asset(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    result = defs.resolve_job_def("pgcdc_resnapshot").execute_in_process(
+        instance=instance,
+        run_config={"ops": {"snapshot_tables": {"config": {"tables": ["public.nope"]}}}},
+        raise_on_error=False,
+    )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert failure.step_failure_data.error.message.strip().endswith(
+        "no snapshot asset for public.nope: name tables of the publication as schema.table"
+        " (reload the code location after adding tables)"
+    )
+
+
+def test_lost_slot_is_recreated_and_every_table_resnapshotted(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    run_snapshot(defs, instance)
+    invalidate_slot(shop, "pgcdc_slot")
+    shop.execute("INSERT INTO orders VALUES (501, 'lost', 1.00, NULL, NULL)")
+
+    narrow = defs.resolve_job_def("pgcdc_resnapshot").execute_in_process(
+        instance=instance,
+        run_config={"ops": {"snapshot_tables": {"config": {"tables": ["public.notes"]}}}},
+        raise_on_error=False,
+    )
+    assert not narrow.success
+
+    result = run_snapshot(defs, instance, "pgcdc_resnapshot")
+    assert set(materializations(result)) == {ORDERS_KEY, NOTES_KEY}
+    (status,) = shop.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
+    assert status[0] in ("reserved", "extended")
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+
+
+def invalidate_slot(pg: PgDatabase, slot: str) -> None:
+    """Make PostgreSQL invalidate the slot the way production does: WAL past max_slot_wal_keep_size, then a checkpoint."""
+    with psycopg.connect(pg.server.dsn(), autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
+        conn.execute("SELECT pg_reload_conf()")
+        try:
+            pg.execute("CREATE TABLE filler (x text)")  # unpublished: only makes WAL
+            for _ in range(4):
+                pg.execute("INSERT INTO filler SELECT repeat('x', 100) FROM generate_series(1, 5000)")
+                pg.execute("SELECT pg_switch_wal()")
+                pg.execute("CHECKPOINT")
+            (status,) = pg.execute(f"SELECT wal_status FROM pg_replication_slots WHERE slot_name = '{slot}'")
+            assert status[0] == "lost"
+        finally:
+            conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
+            conn.execute("SELECT pg_reload_conf()")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_dagster_cli_runs_the_snapshot_job(shop: PgDatabase, tmp_path: Path) -> None:
+    config = write_config(tmp_path, shop)
+    done = run_cli(tmp_path, config, "job", "execute", "-m", "pgcdc_assets.definitions", "-j", "pgcdc_snapshot")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RUN_SUCCESS" in done.stderr + done.stdout
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+
+
+def test_definitions_validate(shop: PgDatabase, tmp_path: Path) -> None:
+    config = write_config(tmp_path, shop)
+    done = run_cli(tmp_path, config, "definitions", "validate", "-m", "pgcdc_assets.definitions")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Validation successful" in done.stdout + done.stderr
