@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type, to_arrow_schema
 
 if TYPE_CHECKING:
     from pysail.spark import SparkConnectServer
@@ -36,6 +36,9 @@ OP_COLUMN = "_pgcdc_op"
 """Merge source column holding 'I', 'U' or 'D' for each change."""
 UNCHANGED_PREFIX = "_pgcdc_unchanged_"
 """Merge source columns ``_pgcdc_unchanged_<col>``: True keeps the target's value (unchanged TOAST)."""
+OLD_KEY_PREFIX = "_pgcdc_oldkey_"
+"""Merge source columns ``_pgcdc_oldkey_<key>``: the row's key before a key-changing update, whose
+target row supplies unchanged-TOAST values when the new key has no target row yet."""
 STAGING_DIRECTORY = "_pgcdc_staging"
 """Inside a table directory; Delta readers and VACUUM ignore directories starting with '_'."""
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
@@ -277,40 +280,90 @@ def merge_batch(
 
     ``source`` holds the row values, :data:`OP_COLUMN` and optional boolean
     ``_pgcdc_unchanged_<col>`` columns: where True, an update keeps the target's value
-    (PostgreSQL does not resend unchanged TOASTed values). ``null_safe_keys`` matches keys
+    (PostgreSQL does not resend unchanged TOASTed values). With ``_pgcdc_oldkey_<key>``
+    columns, such a row that finds no target under its (new) key is inserted with the
+    values of the target row under its old key instead. ``null_safe_keys`` matches keys
     with ``<=>``, needed when every column is the key (REPLICA IDENTITY FULL) and may be NULL.
     The MERGE rejects two changes for one key, so callers fold a batch per key first.
     """
     value_columns = [
-        name for name in source.column_names if name != OP_COLUMN and not name.startswith(UNCHANGED_PREFIX)
+        name
+        for name in source.column_names
+        if name != OP_COLUMN and not name.startswith(UNCHANGED_PREFIX) and not name.startswith(OLD_KEY_PREFIX)
     ]
     flags = {name for name in source.column_names if name.startswith(UNCHANGED_PREFIX)}
+    old_keys = [name for name in source.column_names if name.startswith(OLD_KEY_PREFIX)]
     view = f"pgcdc_merge_{uuid.uuid4().hex}"
     spark_dataframe(spark, source).createOrReplaceTempView(view)
+    target = f"delta.{_quote(path)}"
+    kept = [name for name in value_columns if unchanged_flag_column(name) in flags]
+    if old_keys and kept:
+        # A key-changing update that kept TOAST values: the row under the old key holds them.
+        join = " AND ".join(f"o.{_quote(name.removeprefix(OLD_KEY_PREFIX))} = s.{_quote(name)}" for name in old_keys)
+        carried = ", ".join(f"o.{_quote(name)} AS {_quote(_carried(name))}" for name in kept)
+        using = f"(SELECT s.*, {carried} FROM {view} s LEFT JOIN {target} o ON {join})"
+    else:
+        using = view
     equals = "<=>" if null_safe_keys else "="
     on = " AND ".join(f"t.{_quote(key)} {equals} s.{_quote(key)}" for key in key_columns)
     updates = ", ".join(
         f"{_quote(name)} = "
         + (
             f"CASE WHEN s.{_quote(unchanged_flag_column(name))} THEN t.{_quote(name)} ELSE s.{_quote(name)} END"
-            if unchanged_flag_column(name) in flags
+            if name in kept
             else f"s.{_quote(name)}"
         )
         for name in value_columns
         if name not in key_columns
     )
     insert_columns = ", ".join(_quote(name) for name in value_columns)
-    insert_values = ", ".join(f"s.{_quote(name)}" for name in value_columns)
+    insert_values = ", ".join(
+        f"CASE WHEN s.{_quote(unchanged_flag_column(name))} THEN s.{_quote(_carried(name))} ELSE s.{_quote(name)} END"
+        if name in kept and using != view
+        else f"s.{_quote(name)}"
+        for name in value_columns
+    )
     matched_update = f"WHEN MATCHED THEN UPDATE SET {updates}" if updates else ""
     try:
         spark.sql(
-            f"MERGE INTO delta.{_quote(path)} t USING {view} s ON {on} "
+            f"MERGE INTO {target} t USING {using} s ON {on} "
             f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN DELETE "
             f"{matched_update} "
             f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
         ).collect()
     finally:
         spark.catalog.dropTempView(view)
+
+
+def _carried(column: str) -> str:
+    return f"_pgcdc_carried_{column}"
+
+
+def append_rows(spark: SparkSession, path: str, rows: pa.Table, user_metadata: str) -> None:
+    """Append ``rows`` in one commit carrying ``user_metadata`` (the keyless tables' progress marker)."""
+    spark_dataframe(spark, rows).write.format("delta").mode("append").option("userMetadata", user_metadata).save(path)
+
+
+def table_schema(spark: SparkSession, path: str) -> pa.Schema:
+    """The Delta table's current schema, as Arrow."""
+    return to_arrow_schema(spark.read.format("delta").load(path).schema)
+
+
+def widen_columns(spark: SparkSession, path: str, widened: Mapping[str, pa.DataType]) -> None:
+    """Rewrite the table with some columns cast to wider types, in one overwrite commit.
+
+    Neither Sail nor open-source Delta without the type-widening feature can ALTER a
+    column's type, so the table is rewritten; readers see the old or the new table whole.
+    """
+    frame = spark.read.format("delta").load(path)
+    schema = to_arrow_schema(frame.schema)
+    columns = [
+        F.col(_quote(field.name)).cast(from_arrow_type(widened[field.name])).alias(field.name)
+        if field.name in widened
+        else F.col(_quote(field.name))
+        for field in schema
+    ]
+    frame.select(*columns).write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
 
 
 def add_columns(spark: SparkSession, path: str, new_columns: pa.Schema) -> None:

@@ -1,0 +1,28 @@
+"""The one fault-injection seam: ``PGCDC_FAULT_POINT`` names a point where the process kills itself.
+
+Exactly-once has to survive a crash at any instant, and the only honest test of that is a
+real SIGKILL (no ``finally`` blocks, no flushing, no goodbye to PostgreSQL). Tests run an
+incremental drain in a child process with ``PGCDC_FAULT_POINT`` set; the first time the
+drain reaches that point the process sends itself SIGKILL. Unset (always, in production)
+the check is one dictionary lookup per chunk.
+
+Points (see ``resources/incremental.py``):
+
+* ``before_merge``: changes are decoded and batched, nothing of the chunk is in Delta yet.
+* ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
+* ``after_confirm``: the slot has been told the chunk's end position.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
+FAULT_POINTS = ("before_merge", "after_delta_commit", "after_confirm")
+
+
+def fault_point(name: str) -> None:
+    """Kill this process with SIGKILL if ``PGCDC_FAULT_POINT`` names ``name``."""
+    if os.environ.get(FAULT_POINT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,307 @@
+"""One incremental run: drain the permanent slot up to where WAL stood at the start, apply, confirm.
+
+The order that makes it exactly-once (argued in docs/contracts.md):
+
+1. Preflight, read-only: publication, slot (exists, pgoutput, this database, not lost, not
+   in use). PostgreSQL 18 streams nothing for a missing publication instead of failing,
+   so that check is ours.
+2. ``end_lsn`` = IDENTIFY_SYSTEM's xlogpos: the WAL *flush* position, i.e. everything the
+   walsender can decode right now. A transaction committed with synchronous_commit=off
+   may lie just beyond it; the next run picks it up. (pg_current_wal_lsn() could point
+   at WAL not yet flushed, making the drain wait for the WAL writer.)
+3. Stream the slot from its confirmed_flush_lsn up to end_lsn, assemble transactions
+   (``resources.transactions``), batch them per table (``resources.change_batches``).
+4. Per chunk, ending at a transaction boundary: every table's batch is committed to
+   Delta, *then* the chunk's last commit end LSN is confirmed to the slot. A crash in
+   between replays the chunk, which the Delta writes absorb (MERGE of final images per
+   key; append markers for keyless tables).
+5. At the end, with nothing left below end_lsn, confirm max(last commit end, end_lsn), so
+   an idle slot (or one whose changes are all for other tables) still advances.
+
+Tables whose Delta table has no snapshot marker yet are left alone and their changes
+skipped: confirming past them is safe because their snapshot, taken later, starts at a
+consistent point beyond everything confirmed now.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+from pyspark.sql import SparkSession
+
+from resources.catalog import TableName, publication_exists, published_tables, quote_ident
+from resources.change_batches import ChangeApplier, TableTarget, TypeResolver
+from resources.config import PgcdcConfig
+from resources.delta_engine import read_commit_metadata
+from resources.errors import ConfigurationError, SlotError, explain
+from resources.faults import fault_point
+from resources.lsn import LSN
+from resources.pgoutput import PgOutputDecoder
+from resources.pgtypes import SESSION_SETTINGS
+from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, libpq_options
+from resources.snapshot import read_snapshot_lsn
+from resources.transactions import TransactionAssembler
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
+
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+"""Payload bytes per chunk: with ``max_chunk_changes`` this bounds the run's memory."""
+PROGRESS_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class TableResult:
+    inserted: int
+    updated: int
+    deleted: int
+    truncates: int
+    #: Commit end LSN of the newest change this run applied; None when none was.
+    applied_lsn: LSN | None
+    #: The Delta table's newest version after the run.
+    delta_version: int | None
+
+
+@dataclass(frozen=True)
+class IncrementalResult:
+    #: The slot's confirmed_flush_lsn before the run.
+    start_lsn: LSN
+    #: IDENTIFY_SYSTEM xlogpos at the start: the run drains up to here.
+    end_lsn: LSN
+    #: confirmed_flush_lsn re-read from pg_replication_slots after the run.
+    confirmed_flush_lsn: LSN
+    tables: dict[str, TableResult]
+    transactions: int
+    #: Changes written to Delta (before folding per key).
+    changes: int
+    #: Changes read but not applied: tables without snapshot or not replicated, at or below a snapshot LSN, replays.
+    changes_skipped: int
+    lag_bytes_before: int
+    lag_bytes_after: int
+    duration_s: float
+    tables_without_snapshot: list[str] = field(default_factory=list)
+
+    @property
+    def changes_per_second(self) -> float:
+        return self.changes / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def run_incremental(
+    config: PgcdcConfig,
+    spark: SparkSession,
+    *,
+    log: Callable[[str], None] | None = None,
+    max_chunk_changes: int = 200_000,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    spill_dir: str | None = None,
+) -> IncrementalResult:
+    """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
+
+    ``max_chunk_changes`` / ``max_chunk_bytes`` bound a chunk (and so memory); a chunk ends
+    at a transaction boundary unless one transaction alone exceeds them. ``spill_dir``
+    holds large transactions' changes while they are assembled (default: the system
+    temporary directory).
+    """
+    say = log or (lambda message: None)
+    started = time.monotonic()
+    dsn = config.postgres.dsn
+    try:
+        conn = psycopg.connect(dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS))
+    except psycopg.Error as exc:
+        raise explain(exc, dsn) from None
+    with conn:
+        start_lsn = _preflight(conn, config)
+        targets = {
+            table: TableTarget(table, path, read_snapshot_lsn(spark, path))
+            for table in _tables(conn, config)
+            for path in [config.table_path(table.schema, table.name)]
+        }
+        without_snapshot = [str(t.table) for t in targets.values() if t.snapshot_lsn is None]
+        if without_snapshot:
+            say(
+                f"no snapshot yet for {', '.join(without_snapshot)}: their changes are skipped "
+                "(their snapshot will start after this run's position)"
+            )
+        applier = ChangeApplier(
+            spark, TypeResolver(conn), targets, max_changes=max_chunk_changes, max_bytes=max_chunk_bytes, log=say
+        )
+        with ReplicationConnection(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS) as rc:
+            end_lsn = rc.identify_system().xlogpos
+            say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
+            options = PgOutputOptions([config.publication], streaming="on")
+            stream = ReplicationStream(rc)
+            _start(stream, config.slot, options)
+            with TransactionAssembler(spill_dir) as assembler:
+                _drain(stream, PgOutputDecoder(options.resolve_proto_version(rc.server_version_num)),
+                       assembler, applier, end_lsn, say, started)
+        confirmed = _confirmed_flush(dsn, config.slot)
+        flush_now = LSN.parse(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])  # type: ignore[index]
+    tables = {
+        str(target.table): TableResult(
+            target.stats.inserted,
+            target.stats.updated,
+            target.stats.deleted,
+            target.stats.truncates,
+            target.stats.applied_lsn,
+            _delta_version(spark, target.path) if target.snapshot_lsn is not None else None,
+        )
+        for target in targets.values()
+    }
+    duration = time.monotonic() - started
+    result = IncrementalResult(
+        start_lsn=start_lsn,
+        end_lsn=end_lsn,
+        confirmed_flush_lsn=confirmed,
+        tables=tables,
+        transactions=applier.transactions,
+        changes=applier.changes_applied,
+        changes_skipped=applier.changes_skipped,
+        lag_bytes_before=max(0, end_lsn - start_lsn),
+        lag_bytes_after=max(0, flush_now - confirmed),
+        duration_s=duration,
+        tables_without_snapshot=without_snapshot,
+    )
+    say(
+        f"done: {result.transactions} transactions, {result.changes} changes applied "
+        f"({result.changes_per_second:,.0f}/s), {result.changes_skipped} skipped, slot confirmed at {confirmed}"
+    )
+    return result
+
+
+def _drain(
+    stream: ReplicationStream,
+    decoder: PgOutputDecoder,
+    assembler: TransactionAssembler,
+    applier: ChangeApplier,
+    end_lsn: LSN,
+    say: Callable[[str], None],
+    started: float,
+) -> None:
+    """The main loop; on any error the stream stops having confirmed only durable positions."""
+    decode = decoder.decode
+    feed = assembler.feed
+    confirmed = stream.confirmed_lsn
+    next_report = time.monotonic() + PROGRESS_SECONDS
+
+    def confirm(position: LSN) -> None:
+        nonlocal confirmed
+        if position > confirmed:
+            fault_point("after_delta_commit")
+            stream.confirm(position)
+            stream.send_status()
+            confirmed = position
+            fault_point("after_confirm")
+
+    try:
+        for frame in stream.drain(end_lsn, stop=False):
+            payload = frame.payload
+            txn = feed(decode(payload, frame.wal_start), len(payload))
+            if txn is None:
+                continue
+            if not applier.fits(txn):
+                applier.flush()
+                confirm(applier.durable_lsn)
+            applier.add(txn)
+            confirm(applier.durable_lsn)  # moves only when a mid-transaction flush made earlier ones durable
+            now = time.monotonic()
+            if now >= next_report:
+                next_report = now + PROGRESS_SECONDS
+                elapsed = now - started
+                say(
+                    f"{applier.transactions} transactions, {applier.changes_applied} changes applied "
+                    f"({applier.changes_applied / elapsed:,.0f}/s), {applier.pending_changes} pending, "
+                    f"at {txn.end_lsn} of {end_lsn}"
+                )
+        applier.flush()
+        # Everything committed before end_lsn has been applied: confirm at least end_lsn so an
+        # idle slot advances (see the module docstring for why this loses nothing).
+        confirm(max(applier.durable_lsn, end_lsn))
+    finally:
+        if stream.streaming:
+            stream.stop()
+
+
+def _start(stream: ReplicationStream, slot: str, options: PgOutputOptions) -> None:
+    try:
+        stream.start(slot, options=options)
+    except SlotError as exc:
+        if "active for PID" in exc.cause:
+            pid = exc.cause.rsplit(" ", 1)[-1]
+            raise SlotError(
+                f'replication slot "{slot}" in use by PID {pid}', "another run is draining it; wait for it to finish"
+            ) from None
+        raise
+
+
+def _preflight(conn: psycopg.Connection, config: PgcdcConfig) -> LSN:
+    """Refuse to start on anything that would make the run fail late or silently; returns the slot's position."""
+    publication, slot = config.publication, config.slot
+    if not publication_exists(conn, publication):
+        raise ConfigurationError(
+            f'publication "{publication}" does not exist in this database',
+            f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE ..., or fix 'publication' in the configuration",
+        )
+    invalidation = "invalidation_reason" if conn.info.server_version >= 170000 else "NULL::text"
+    row = conn.execute(
+        "SELECT plugin::text, slot_type, database::text, current_database()::text, active, active_pid,"
+        f" confirmed_flush_lsn::text, wal_status, {invalidation} FROM pg_replication_slots WHERE slot_name = %s",
+        (slot,),
+    ).fetchone()
+    if row is None:
+        raise SlotError(
+            f'replication slot "{slot}" does not exist',
+            "run the snapshot job first (it creates the slot), or fix 'slot' in the configuration",
+        )
+    plugin, slot_type, database, here, active, pid, confirmed, wal_status, reason = row
+    if slot_type != "logical" or plugin != "pgoutput":
+        raise SlotError(
+            f'replication slot "{slot}" is a {slot_type} slot with plugin {plugin}, not a pgoutput slot',
+            "choose another slot name in 'slot'",
+        )
+    if database != here:
+        raise SlotError(
+            f'replication slot "{slot}" belongs to database "{database}", not "{here}"',
+            "point the DSN at that database or choose another slot name",
+        )
+    if wal_status == "lost" or reason is not None or confirmed is None:
+        raise SlotError(
+            f'replication slot "{slot}" is invalidated (wal_status {wal_status}{", " + reason if reason else ""})',
+            "run the pgcdc_resnapshot job: it recreates the slot and copies every table afresh",
+        )
+    if active:
+        raise SlotError(
+            f'replication slot "{slot}" in use by PID {pid}', "another run is draining it; wait for it to finish"
+        )
+    return LSN.parse(confirmed)
+
+
+def _tables(conn: psycopg.Connection, config: PgcdcConfig) -> list[TableName]:
+    published = published_tables(conn, config.publication)
+    if not config.tables:
+        return published
+    wanted = [TableName.parse(name) for name in config.tables]
+    missing = [str(table) for table in wanted if table not in published]
+    if missing:
+        raise ConfigurationError(
+            f"{', '.join(missing)} not published by \"{config.publication}\"",
+            f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or remove them from 'tables'",
+        )
+    return wanted
+
+
+def _confirmed_flush(dsn: str, slot: str) -> LSN:
+    """Re-read on a new connection: what the server recorded, not what we believe we sent."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    if row is None or row[0] is None:
+        raise SlotError(f'replication slot "{slot}" disappeared during the run', "run the pgcdc_resnapshot job")
+    return LSN.parse(row[0])
+
+
+def _delta_version(spark: SparkSession, path: str) -> int | None:
+    newest = read_commit_metadata(spark, path, limit=1)
+    return newest[0].version if newest else None

@@ -1,0 +1,24 @@
+"""Run one incremental drain in its own process: the crash tests SIGKILL it at a fault point.
+
+Usage: python -m tests.incremental_child CONFIG.yaml MAX_CHUNK_CHANGES
+(set PGCDC_FAULT_POINT to make it kill itself; see resources/faults.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from resources.config import load_config
+from resources.delta_engine import SparkEngine
+from resources.incremental import run_incremental
+
+
+def main() -> None:
+    config = load_config(sys.argv[1])
+    with SparkEngine.embedded() as engine:
+        result = run_incremental(config, engine.spark, log=print, max_chunk_changes=int(sys.argv[2]))
+    print(f"confirmed {result.confirmed_flush_lsn}")
+
+
+if __name__ == "__main__":
+    main()
