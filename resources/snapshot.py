@@ -390,6 +390,8 @@ class _PieceParser:
         self._lsn_bytes = struct.pack("<q", int(snapshot_lsn))
 
     def __call__(self, data: bytearray, rows: int) -> pa.RecordBatch:
+        if rows == 0:  # Arrow's reader refuses an empty document
+            return pa.RecordBatch.from_pylist([], schema=self._schema)
         read_options = pa_csv.ReadOptions(column_names=self._names, block_size=len(data) + 1, use_threads=False)
         text = pa_csv.read_csv(pa.py_buffer(data), read_options, self._parse_options, self._convert_options)
         if text.num_rows != rows:
@@ -542,7 +544,6 @@ def snapshot_tables(
     as notes). ``on_progress`` is called from the worker threads.
     """
     published = ensure_publication(config)
-    ensure_slot(config.postgres.dsn, config.slot)
     if tables is not None:
         selected = list(tables)
     elif config.tables:
@@ -555,6 +556,7 @@ def snapshot_tables(
             f"{', '.join(str(t) for t in unpublished)} not published by \"{config.publication}\"",
             f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only published tables",
         )
+    ensure_slot(config.postgres.dsn, config.slot)
     if not selected:
         return []
     workers = min(config.snapshot.parallel_tables, len(selected))
