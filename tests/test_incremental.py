@@ -103,3 +103,362 @@ def test_inserts_updates_deletes_of_many_types(pg: PgDatabase, tmp_path: Path, s
     assert (stats.inserted, stats.updated, stats.deleted, stats.truncates) == (10, 12, 8, 0)
     assert result.confirmed_flush_lsn == slot_confirmed(pg) >= result.end_lsn
     assert result.lag_bytes_before > 0 and result.transactions == 1
+
+
+def test_key_change_and_many_changes_to_one_key_in_one_batch(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE t (id int PRIMARY KEY, v text);
+        INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 10) g;
+        CREATE PUBLICATION pub FOR TABLE t;
+    """)
+    with pg.connect() as conn:
+        conn.execute("UPDATE t SET id = 100 WHERE id = 1")  # key change: row 1 must vanish
+        conn.execute("UPDATE t SET id = 2000, v = 'moved' WHERE id = 2")
+        conn.execute("INSERT INTO t VALUES (2, 'reused key')")  # old key reused after the move
+        for step in range(5):  # one key changed five times, in five transactions
+            conn.execute("UPDATE t SET v = %s WHERE id = 3", (f"step {step}",))
+        conn.execute("INSERT INTO t VALUES (11, 'a')")
+        conn.execute("UPDATE t SET v = 'b' WHERE id = 11")
+        conn.execute("DELETE FROM t WHERE id = 11")  # inserted, updated and deleted in one batch
+        conn.execute("INSERT INTO t VALUES (12, 'x')")
+        conn.execute("DELETE FROM t WHERE id = 12")
+        conn.execute("INSERT INTO t VALUES (12, 'back')")  # deleted then re-inserted
+        conn.execute("UPDATE t SET id = 13 WHERE id = 12")
+        conn.execute("UPDATE t SET id = 12 WHERE id = 13")  # moved away and back
+    result = drain(config, spark)
+    assert same(pg, config, "public.t") == 12
+    assert result.tables["public.t"].updated == 10
+
+
+def test_unchanged_toast_keeps_the_delta_value(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE docs (id int PRIMARY KEY, body text, n int);
+        ALTER TABLE docs ALTER COLUMN body SET STORAGE EXTERNAL;
+        INSERT INTO docs SELECT g, repeat(md5(g::text), 400), 0 FROM generate_series(1, 6) g;
+        CREATE PUBLICATION pub FOR TABLE docs;
+    """)
+    # The values exist only in Delta (snapshot): every update below sends body as unchanged TOAST.
+    pg.execute("UPDATE docs SET n = 1 WHERE id IN (1, 2)")
+    pg.execute("UPDATE docs SET id = 20, n = 2 WHERE id = 3")  # key change: body comes from Delta's row 3
+    pg.execute("UPDATE docs SET n = 3 WHERE id = 20")  # ... and again, in the same batch
+    pg.execute("INSERT INTO docs VALUES (7, repeat('z', 9000), 0)")
+    pg.execute("UPDATE docs SET n = 4 WHERE id = 7")  # folded onto the insert in the same batch
+    pg.execute("UPDATE docs SET id = 70 WHERE id = 7")  # key change after an insert in the batch
+    drain(config, spark)
+    assert same(pg, config, "public.docs") == 7
+    pg.execute("UPDATE docs SET n = 5")
+    pg.execute("UPDATE docs SET id = id + 100 WHERE id IN (4, 70)")
+    drain(config, spark, max_chunk_changes=3)
+    assert same(pg, config, "public.docs") == 7
+
+
+def test_truncate_applies_in_order(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE a (id int PRIMARY KEY, v text);
+        CREATE TABLE b (id int PRIMARY KEY);
+        INSERT INTO a SELECT g, 'old' FROM generate_series(1, 5) g;
+        INSERT INTO b VALUES (1), (2);
+        CREATE PUBLICATION pub FOR TABLE a, b;
+    """)
+    with pg.connect() as conn:
+        conn.execute("INSERT INTO a VALUES (6, 'before')")
+        conn.execute("TRUNCATE a, b")
+        conn.execute("INSERT INTO a VALUES (1, 'after'), (7, 'after')")
+        conn.execute("INSERT INTO b VALUES (3)")
+    result = drain(config, spark)
+    assert same(pg, config, "public.a") == 2 and same(pg, config, "public.b") == 1
+    assert result.tables["public.a"].truncates == 1 and result.tables["public.b"].truncates == 1
+
+
+# --------------------------------------------------------------------------- schema changes
+
+
+def test_added_dropped_and_widened_columns(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE s (id int PRIMARY KEY, small int2, name varchar(5), gone text, amount numeric(6,2));
+        INSERT INTO s VALUES (1, 1, 'a', 'g1', 1.50), (2, 2, 'b', 'g2', 2.50);
+        CREATE PUBLICATION pub FOR TABLE s;
+    """)
+    with pg.connect() as conn:
+        conn.execute("INSERT INTO s VALUES (3, 3, 'c', 'g3', 3.50)")
+        conn.execute("ALTER TABLE s ADD COLUMN extra text")
+        conn.execute("INSERT INTO s VALUES (4, 4, 'd', 'g4', 4.50, 'e4')")
+        conn.execute("ALTER TABLE s DROP COLUMN gone")
+        conn.execute("UPDATE s SET extra = 'e1' WHERE id = 1")
+        conn.execute("INSERT INTO s VALUES (5, 5, 'e', 5.50, 'e5')")
+        conn.execute("ALTER TABLE s ALTER COLUMN small TYPE int8, ALTER COLUMN name TYPE text")
+        conn.execute("ALTER TABLE s ALTER COLUMN amount TYPE numeric(12,2)")
+        conn.execute("INSERT INTO s VALUES (6, 9000000000, 'longer than five', 1234567890.12, 'e6')")
+    drain(config, spark)
+    assert same(pg, config, "public.s", extra_delta_columns=["gone"]) == 6
+    table = deltalake.DeltaTable(path_of(config, "public.s")).to_pyarrow_table().sort_by("id")
+    # Dropped: kept in Delta; rows untouched since keep their value, rows written after the drop (1, 5, 6) hold NULL.
+    assert table.column("gone").to_pylist() == [None, "g2", "g3", "g4", None, None]
+    assert str(table.schema.field("small").type) == "int64"
+    assert str(table.schema.field("amount").type) == "decimal128(12, 2)"
+
+
+def test_type_change_that_is_not_a_widening_fails_with_the_resnapshot_fix(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE c (id int PRIMARY KEY, code int);
+        INSERT INTO c VALUES (1, 1);
+        CREATE PUBLICATION pub FOR TABLE c;
+    """)
+    start = slot_confirmed(pg)
+    with pg.connect() as conn:
+        conn.execute("ALTER TABLE c ALTER COLUMN code TYPE text")
+        conn.execute("INSERT INTO c VALUES (2, 'two')")
+    with pytest.raises(SchemaChangeError) as failure:
+        drain(config, spark)
+    message = str(failure.value)
+    assert "'code' of public.c changed type from int to text" in message
+    assert "pgcdc_resnapshot" in message and "\n" not in message
+    assert slot_confirmed(pg) == start  # nothing confirmed past the change that could not be applied
+
+
+# --------------------------------------------------------------------------- identities
+
+
+def test_replica_identity_full_without_key(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE f (a int, b text, c numeric(8,3));
+        ALTER TABLE f REPLICA IDENTITY FULL;
+        ALTER TABLE f ALTER COLUMN b SET STORAGE EXTERNAL;
+        INSERT INTO f VALUES (1, 'x', 1.5), (2, NULL, NULL), (3, repeat('big', 3000), 3);
+        CREATE PUBLICATION pub FOR TABLE f;
+    """)
+    with pg.connect() as conn:
+        conn.execute("UPDATE f SET c = 2.25 WHERE a = 2")  # NULLs in the old row: matched null-safe
+        conn.execute("UPDATE f SET a = 30 WHERE a = 3")  # b is unchanged TOAST: taken from the old row
+        conn.execute("DELETE FROM f WHERE a = 1")
+        conn.execute("INSERT INTO f VALUES (4, 'y', NULL)")
+        conn.execute("UPDATE f SET b = 'z' WHERE a = 4")
+    drain(config, spark)
+    assert same(pg, config, "public.f", key=()) == 3
+
+
+def test_keyless_table_appends_inserts_and_truncates(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE events (kind text, n int);
+        INSERT INTO events VALUES ('old', 1);
+        CREATE PUBLICATION pub FOR TABLE events;
+    """)
+    with pg.connect() as conn:
+        conn.execute("INSERT INTO events VALUES ('dup', 1), ('dup', 1)")
+        conn.execute("TRUNCATE events")
+        conn.execute("INSERT INTO events VALUES ('dup', 1), ('dup', 1), ('new', 2)")
+    result = drain(config, spark)
+    assert same(pg, config, "public.events", key=()) == 3
+    assert result.tables["public.events"].inserted == 5 and result.tables["public.events"].truncates == 1
+
+
+# --------------------------------------------------------------------------- streamed transactions
+
+
+def test_streamed_transactions_committed_aborted_and_with_rolled_back_savepoint(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE big (id int PRIMARY KEY, pad text);
+        INSERT INTO big VALUES (0, 'seed');
+        CREATE PUBLICATION pub FOR TABLE big;
+    """)
+    with pg.connect() as large, pg.connect() as small:
+        with large.transaction():
+            large.execute("INSERT INTO big SELECT g, repeat('p', 100) FROM generate_series(1, 4000) g")
+            small.execute("INSERT INTO big VALUES (-1, 'interleaved, committed first')")
+            large.execute("SAVEPOINT s1")
+            large.execute("INSERT INTO big SELECT g, 'rolled back' FROM generate_series(4001, 7000) g")
+            large.execute("UPDATE big SET pad = 'rolled back too' WHERE id <= 100")
+            large.execute("ROLLBACK TO SAVEPOINT s1")
+            large.execute("SAVEPOINT s2")
+            large.execute("UPDATE big SET pad = 'kept' WHERE id <= 10")
+            large.execute("RELEASE SAVEPOINT s2")
+            large.execute("DELETE FROM big WHERE id BETWEEN 11 AND 20")
+        with pytest.raises(psycopg.errors.RaiseException):
+            with large.transaction():
+                large.execute("INSERT INTO big SELECT g, repeat('a', 100) FROM generate_series(10001, 15000) g")
+                large.execute("DO $$ BEGIN RAISE 'abort the streamed transaction'; END $$")
+    (streamed,), = pg.execute(
+        "SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (SLOT,)
+    ) or [(None,)]
+    result = drain(config, spark, max_chunk_changes=1500)
+    assert same(pg, config, "public.big") == 3992
+    assert result.tables["public.big"].inserted == 4001
+    (streamed_after,), = pg.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (SLOT,))
+    assert streamed_after >= 2  # both large transactions really were streamed
+
+
+# --------------------------------------------------------------------------- snapshot boundaries
+
+
+def test_changes_up_to_the_snapshot_lsn_are_skipped(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE first (id int PRIMARY KEY);
+        INSERT INTO first VALUES (1);
+        CREATE TABLE log (line text);
+        CREATE PUBLICATION pub FOR TABLE first, log;
+    """, snapshot=["public.first"])  # creates the slot: the stream starts here
+    pg.execute("INSERT INTO log VALUES ('before the snapshot of log')")  # in the stream and in the snapshot
+    snapshot_tables(config, spark, [__import__("resources.catalog").catalog.TableName("public", "log")])
+    pg.execute("INSERT INTO log VALUES ('after')")
+    result = drain(config, spark)
+    assert same(pg, config, "public.log", key=()) == 2  # appended once, not twice
+    assert result.tables["public.log"].inserted == 1 and result.changes_skipped == 1
+
+
+def test_table_without_snapshot_is_untouched_and_reported(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE done (id int PRIMARY KEY);
+        INSERT INTO done VALUES (0);
+        CREATE TABLE later (id int PRIMARY KEY);
+        CREATE PUBLICATION pub FOR TABLE done, later;
+    """, snapshot=["public.done"])
+    pg.execute("INSERT INTO done VALUES (1); INSERT INTO later VALUES (1)")
+    result = drain(config, spark)
+    assert result.tables_without_snapshot == ["public.later"]
+    assert not os.path.exists(path_of(config, "public.later"))
+    assert result.tables["public.later"].inserted == 0 and result.tables["public.later"].delta_version is None
+    assert result.confirmed_flush_lsn >= result.end_lsn  # not blocked by the table without snapshot
+    assert same(pg, config, "public.done") == 2
+
+
+# --------------------------------------------------------------------------- slot position
+
+
+def test_idle_slot_advances_and_a_second_run_changes_nothing(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE p (id int PRIMARY KEY);
+        INSERT INTO p VALUES (0);
+        CREATE TABLE unpublished (id int);
+        CREATE PUBLICATION pub FOR TABLE p;
+    """)
+    pg.execute("INSERT INTO unpublished SELECT generate_series(1, 1000)")  # WAL, but nothing for the slot
+    first = drain(config, spark)
+    assert first.changes == 0 and first.tables["public.p"].applied_lsn is None
+    assert first.confirmed_flush_lsn == first.end_lsn > first.start_lsn
+    version = delta_version(config, "public.p")
+    second = drain(config, spark)
+    assert second.start_lsn == first.confirmed_flush_lsn
+    assert second.confirmed_flush_lsn == second.end_lsn and second.changes == 0
+    assert second.tables["public.p"].delta_version == version == delta_version(config, "public.p")
+    assert same(pg, config, "public.p") == 1
+
+
+def test_preflight_refuses_missing_publication_missing_slot_and_busy_slot(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    pg.execute("CREATE TABLE q (id int PRIMARY KEY); INSERT INTO q VALUES (1)")
+    no_publication = parse_config(settings(pg, tmp_path / "lake"))
+    with pytest.raises(ConfigurationError, match='publication "pub" does not exist'):
+        drain(no_publication, spark)
+    pg.execute("CREATE PUBLICATION pub FOR TABLE q")
+    with pytest.raises(SlotError, match=f'replication slot "{SLOT}" does not exist'):
+        drain(no_publication, spark)
+    config = setup(pg, tmp_path, spark, "SELECT 1")
+    with ReplicationConnection(pg.dsn) as other:
+        stream = ReplicationStream(other)
+        stream.start(SLOT, options=PgOutputOptions(["pub"]))
+        (pid,), = pg.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+        with pytest.raises(SlotError) as busy:
+            drain(config, spark)
+        stream.stop()
+    assert str(busy.value) == (
+        f'replication slot "{SLOT}" in use by PID {pid}: another run is draining it; wait for it to finish'
+    )
+
+
+# --------------------------------------------------------------------------- crashes
+
+
+def run_child(config: PgcdcConfig, tmp_path: Path, fault: str | None, chunk: int) -> subprocess.CompletedProcess[str]:
+    config_file = tmp_path / "pgcdc.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump()))
+    env = {key: value for key, value in os.environ.items() if key != FAULT_POINT_ENV}
+    if fault is not None:
+        env[FAULT_POINT_ENV] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "tests.incremental_child", str(config_file), str(chunk)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
+    )
+
+
+CRASH_DDL = """
+    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
+    CREATE TABLE journal (entry int, note text);
+    INSERT INTO journal VALUES (-1, 'seed');
+    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 20) g;
+    CREATE PUBLICATION pub FOR TABLE acct, journal;
+"""
+
+
+def crash_workload(pg: PgDatabase) -> None:
+    with pg.connect() as conn:
+        for i in range(30):
+            with conn.transaction():
+                conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id = %s", (f"t{i}", i % 20 + 1))
+                conn.execute("INSERT INTO journal VALUES (%s, 'credit'), (%s, 'debit')", (i, i))
+                if i % 10 == 9:
+                    conn.execute("DELETE FROM acct WHERE id = %s", (i,))
+                    conn.execute("INSERT INTO acct VALUES (%s, 100, 'reborn')", (100 + i,))
+            if i == 14:
+                conn.execute("TRUNCATE journal")
+
+
+@pytest.mark.parametrize("fault", ["after_delta_commit", "before_merge", "after_confirm"])
+def test_sigkill_at_each_fault_point_then_rerun_is_exact(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, fault: str
+) -> None:
+    config = setup(pg, tmp_path, spark, CRASH_DDL)
+    start = slot_confirmed(pg)
+    crash_workload(pg)
+    killed = run_child(config, tmp_path, fault, chunk=10)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    after_crash = slot_confirmed(pg)
+    if fault == "after_confirm":
+        assert after_crash > start
+    else:
+        assert after_crash == start  # the first chunk was never confirmed
+    rerun = run_child(config, tmp_path, None, chunk=10)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    (end,), = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
+    assert slot_confirmed(pg) == LSN.parse(end)
+    assert same(pg, config, "public.acct") == 21
+    assert same(pg, config, "public.journal", key=()) == 30  # keyless: exactly once across the crash
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE wide (id int PRIMARY KEY, pad text);
+        ALTER TABLE wide ALTER COLUMN pad SET STORAGE MAIN;
+        INSERT INTO wide VALUES (-1, 'seed');
+        CREATE PUBLICATION pub FOR TABLE wide;
+    """)
+    with pg.connect() as conn:
+        for start in range(0, 12_000, 200):
+            conn.execute(
+                "INSERT INTO wide SELECT g, repeat(md5(g::text), 64) FROM generate_series(%s::int, %s::int) g",
+                (start, start + 199),
+            )
+    backlog = 12_000 * 2048
+    tracemalloc.start()
+    try:
+        result = drain(config, spark, max_chunk_changes=1000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"peak traced Python memory {peak / 2**20:.1f} MiB for a {backlog / 2**20:.0f} MiB backlog")
+    assert result.changes == 12_000
+    assert peak < backlog / 3
+    assert same(pg, config, "public.wide") == 12_001
