@@ -1,0 +1,293 @@
+"""The Dagster incremental side, checks and sensors against real PostgreSQL 15 and 18, Sail and delta-rs."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import deltalake
+import pytest
+from dagster import (
+    AssetCheckKey,
+    AssetKey,
+    AssetSelection,
+    DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
+    Definitions,
+    ExecuteInProcessResult,
+    RunRequest,
+    SensorResult,
+    SkipReason,
+    build_sensor_context,
+    instance_for_test,
+    materialize,
+)
+from pyspark.sql import SparkSession
+
+from pgcdc_assets.builder import build_definitions
+from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from resources.errors import SlotError
+from resources.lsn import LSN
+from tests.conftest import PgDatabase
+from tests.test_dagster_snapshot import (
+    NOTES_KEY,
+    ORDERS_KEY,
+    create_shop,
+    delta_rows,
+    materializations,
+    pg_notes,
+    pg_orders,
+    run_cli,
+    write_config,
+)
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+ORDERS = AssetKey(["pgcdc", "public", "orders"])
+NOTES = AssetKey(["pgcdc", "public", "notes"])
+CHECKS = ("row_count_matches_postgres", "schema_matches_postgres", "slot_lag_within_bound")
+
+
+@pytest.fixture
+def shop(pg: PgDatabase) -> PgDatabase:
+    create_shop(pg)
+    return pg
+
+
+@pytest.fixture
+def instance() -> Iterator[DagsterInstance]:
+    with instance_for_test() as instance:
+        yield instance
+
+
+def run_job(defs: Definitions, instance: DagsterInstance, job: str, **kwargs: object) -> ExecuteInProcessResult:
+    result = defs.resolve_job_def(job).execute_in_process(instance=instance, **kwargs)
+    assert result.success
+    return result
+
+
+def check_outcomes(result: ExecuteInProcessResult) -> dict[tuple[AssetKey, str], bool]:
+    return {
+        (evaluation.asset_key, evaluation.check_name): evaluation.passed
+        for evaluation in result.get_asset_check_evaluations()
+    }
+
+
+def slot_position(pg: PgDatabase) -> LSN:
+    ((confirmed,),) = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
+    return LSN.parse(confirmed)
+
+
+def make_changes(pg: PgDatabase) -> None:
+    """Three transactions: 3 inserts, 2 updates and 1 delete on orders; 2 inserts on notes."""
+    pg.execute("INSERT INTO orders VALUES (501, 'new', 9.99, '{7}', '2025-01-01'), (502, 'n2', 0, NULL, NULL),"
+               " (503, 'n3', 1, '{}', NULL)")  # fmt: skip
+    pg.execute("UPDATE orders SET customer = 'changed', amount = amount + 1 WHERE id IN (1, 2)")
+    pg.execute("DELETE FROM orders WHERE id = 3; INSERT INTO notes VALUES ('later'), ('again')")
+
+
+def test_drain_applies_changes_and_records_metadata_and_checks(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    defs = build_definitions(write_config(tmp_path, shop, schedule={"cron": "*/7 * * * *"}))
+    assert defs.resolve_schedule_def("pgcdc_incremental_schedule").cron_schedule == "*/7 * * * *"
+    run_job(defs, instance, "pgcdc_snapshot")
+    start = slot_position(shop)
+    make_changes(shop)
+
+    result = run_job(defs, instance, "pgcdc_incremental")
+
+    lake = tmp_path / "lake"
+    assert delta_rows(lake, "orders") == pg_orders(shop)
+    assert delta_rows(lake, "notes") == pg_notes(shop)
+    meta = materializations(result)
+    assert set(meta) == {ORDERS, NOTES}
+    orders, notes = meta[ORDERS], meta[NOTES]
+    confirmed = slot_position(shop)
+    assert orders["pgcdc/confirmed_flush_lsn"] == str(confirmed)
+    assert notes["pgcdc/confirmed_flush_lsn"] == str(confirmed)
+    assert orders["pgcdc/start_lsn"] == str(start)
+    assert LSN.parse(orders["pgcdc/end_lsn"]) <= confirmed
+    assert (orders["pgcdc/inserted"], orders["pgcdc/updated"], orders["pgcdc/deleted"]) == (3, 2, 1)
+    assert (notes["pgcdc/inserted"], notes["pgcdc/updated"], notes["pgcdc/deleted"]) == (2, 0, 0)
+    assert orders["pgcdc/truncates"] == 0
+    assert orders["pgcdc/transactions_applied"] == 3
+    assert orders["pgcdc/changes_applied"] == 8
+    assert orders["pgcdc/slot_lag_bytes_before"] == LSN.parse(orders["pgcdc/end_lsn"]) - start
+    assert isinstance(orders["pgcdc/slot_lag_bytes_after"], int)
+    assert orders["pgcdc/delta_version"] == deltalake.DeltaTable(str(lake / "public" / "orders")).version()
+    assert orders["pgcdc/duration_s"] > 0
+    assert orders["pgcdc/changes_per_second"] > 0
+    assert check_outcomes(result) == {(key, name): True for key in (ORDERS, NOTES) for name in CHECKS}
+
+
+def test_checks_fail_when_delta_is_tampered_with(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, spark: SparkSession
+) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    run_job(defs, instance, "pgcdc_snapshot")
+    path = tmp_path / "lake" / "public" / "orders"
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE id = 10").collect()
+
+    result = run_job(defs, instance, "pgcdc_incremental")
+
+    outcomes = check_outcomes(result)
+    assert outcomes.pop((ORDERS, "row_count_matches_postgres")) is False
+    assert all(outcomes.values())
+    (evaluation,) = [e for e in result.get_asset_check_evaluations() if not e.passed]
+    assert evaluation.metadata["delta_rows"].value == 499
+    assert evaluation.metadata["postgres_rows"].value == 500
+
+
+def test_table_without_snapshot_is_reported_not_materialized(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    run_job(defs, instance, "pgcdc_snapshot", asset_selection=[NOTES_KEY])
+    make_changes(shop)
+
+    result = run_job(defs, instance, "pgcdc_incremental")
+
+    assert set(materializations(result)) == {NOTES}
+    (observation,) = [
+        e.event_specific_data.asset_observation for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"
+    ]
+    assert observation.asset_key == ORDERS
+    assert observation.metadata["pgcdc/skipped"].value == (
+        "public.orders has no snapshot yet: its changes were skipped; run the pgcdc_snapshot job for it"
+    )
+    assert not (tmp_path / "lake" / "public" / "orders").exists()
+    assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
+    outcomes = check_outcomes(result)
+    assert outcomes[(ORDERS, "row_count_matches_postgres")] is False
+    assert outcomes[(NOTES, "row_count_matches_postgres")] is True
+
+
+def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_path: Path) -> None:
+    config = write_config(tmp_path, shop)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    # A limit of 1 on the slot's pool, as production sets it: the drain step must still run.
+    (home / "dagster.yaml").write_text("concurrency:\n  pools:\n    default_limit: 1\n", encoding="utf-8")
+    execute = ("job", "execute", "-m", "pgcdc_assets.definitions", "-j")
+    done = run_cli(tmp_path, config, *execute, "pgcdc_snapshot")
+    assert done.returncode == 0, done.stderr[-3000:]
+    make_changes(shop)
+
+    first = run_cli(tmp_path, config, *execute, "pgcdc_incremental")
+    assert first.returncode == 0, first.stderr[-3000:]
+    lake = tmp_path / "lake"
+    assert delta_rows(lake, "orders") == pg_orders(shop)
+    assert delta_rows(lake, "notes") == pg_notes(shop)
+    versions = [deltalake.DeltaTable(str(lake / "public" / t)).version() for t in ("orders", "notes")]
+    confirmed = slot_position(shop)
+
+    second = run_cli(tmp_path, config, *execute, "pgcdc_incremental")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [deltalake.DeltaTable(str(lake / "public" / t)).version() for t in ("orders", "notes")] == versions
+    assert delta_rows(lake, "orders") == pg_orders(shop)
+    assert slot_position(shop) >= confirmed
+
+
+# --------------------------------------------------------------------------- sensors
+
+
+def sensor_resources(config: Path) -> dict[str, object]:
+    return {"postgres": PostgresResource(config_file=str(config)), "spark": SparkDeltaResource()}
+
+
+def evaluate(defs: Definitions, name: str, instance: DagsterInstance, config: Path) -> object:
+    sensor = defs.resolve_sensor_def(name)
+    with build_sensor_context(instance=instance, resources=sensor_resources(config), sensor_name=name) as context:
+        return sensor(context)
+
+
+def test_lag_sensor_requests_a_drain_only_above_the_threshold(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    config = write_config(tmp_path, shop, sensors={"lag_bytes": 200_000})
+    defs = build_definitions(config)
+    run_job(defs, instance, "pgcdc_snapshot")
+    run_job(defs, instance, "pgcdc_incremental")
+
+    quiet = evaluate(defs, "pgcdc_slot_lag_sensor", instance, config)
+    assert isinstance(quiet, SkipReason)
+    assert "at or below sensors.lag_bytes=200000" in quiet.skip_message
+
+    shop.execute("INSERT INTO orders SELECT g, repeat('x', 100) FROM generate_series(1000, 4000) g")
+    confirmed_before = slot_position(shop)
+    request = evaluate(defs, "pgcdc_slot_lag_sensor", instance, config)
+    assert isinstance(request, RunRequest)
+    assert int(request.tags["pgcdc/slot_lag_bytes"]) > 200_000
+    assert slot_position(shop) == confirmed_before  # the sensor only looks
+
+    running = DagsterRun(job_name="pgcdc_incremental", run_id=str(uuid.uuid4()), status=DagsterRunStatus.STARTED)
+    instance.add_run(running)
+    pending = evaluate(defs, "pgcdc_slot_lag_sensor", instance, config)
+    assert isinstance(pending, SkipReason)
+    assert pending.skip_message.endswith(f"a pgcdc_incremental run is already pending: {running.run_id}")
+
+
+def test_health_sensor_reports_a_missing_slot_with_the_fix(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    config = write_config(tmp_path, shop)
+    defs = build_definitions(config)
+    run_job(defs, instance, "pgcdc_snapshot")
+    healthy = evaluate(defs, "pgcdc_slot_health_sensor", instance, config)
+    assert isinstance(healthy, SkipReason)
+    assert healthy.skip_message.startswith('slot "pgcdc_slot" is healthy: wal_status reserved, lag ')
+
+    shop.execute("SELECT pg_drop_replication_slot('pgcdc_slot')")
+    with pytest.raises(SlotError) as failure:
+        evaluate(defs, "pgcdc_slot_health_sensor", instance, config)
+    masked = PostgresResource(config_file=str(config)).masked_dsn
+    assert str(failure.value) == (
+        f'replication slot "pgcdc_slot" does not exist on {masked}: run the pgcdc_snapshot job'
+        " (it creates the slot and snapshots every table), or fix 'slot'"
+    )
+
+
+def test_new_tables_sensor_snapshots_defined_tables_and_names_the_rest(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    config = write_config(tmp_path, shop)
+    defs = build_definitions(config)
+    run_job(defs, instance, "pgcdc_snapshot", asset_selection=[NOTES_KEY])
+    shop.execute("CREATE TABLE extra (id int PRIMARY KEY)")
+    shop.execute("ALTER PUBLICATION pgcdc_pub ADD TABLE extra")
+
+    result = evaluate(defs, "pgcdc_new_tables_sensor", instance, config)
+    assert isinstance(result, SensorResult)
+    (request,) = result.run_requests
+    assert request.asset_selection == [ORDERS_KEY]
+
+    run_job(defs, instance, "pgcdc_snapshot", asset_selection=[ORDERS_KEY])
+    reload = evaluate(defs, "pgcdc_new_tables_sensor", instance, config)
+    assert isinstance(reload, SkipReason)
+    assert reload.skip_message == (
+        "1 published table(s) have no asset, reload the code location to add them: public.extra"
+    )
+
+    reloaded = build_definitions(config)
+    request = evaluate(reloaded, "pgcdc_new_tables_sensor", instance, config)
+    assert isinstance(request, SensorResult)
+    assert request.run_requests[0].asset_selection == [AssetKey(["pgcdc", "snapshot", "public", "extra"])]
+
+
+def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    run_job(defs, instance, "pgcdc_snapshot")
+    before = slot_position(shop)
+    make_changes(shop)
+    result = materialize(
+        [defs.resolve_assets_def(ORDERS)],
+        selection=AssetSelection.checks(AssetCheckKey(ORDERS, "row_count_matches_postgres")),
+        instance=instance,
+    )
+    assert result.success
+    assert materializations(result) == {}
+    assert check_outcomes(result) == {(ORDERS, "row_count_matches_postgres"): False}
+    assert slot_position(shop) == before
