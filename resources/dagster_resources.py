@@ -29,7 +29,7 @@ SparkMode = Literal["embedded", "remote", "classic"]
 
 
 class SparkDeltaResource(PySparkResource):
-    """A Spark session able to read and write Delta, stopped when the run (or step) ends.
+    """A Spark session able to read and write Delta, started on first use and stopped when the run (or step) ends.
 
     ``embedded`` starts a Sail Spark Connect server inside this process on a free loopback
     port, so a laptop needs no cluster; ``remote`` connects to ``sc://host:port``;
@@ -63,8 +63,8 @@ class SparkDeltaResource(PySparkResource):
         return classic_delta_config(settings) if self.mode == "classic" else settings
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
-        self._engine = self._start()
-        self._spark_session = self._engine.spark
+        """Start nothing yet (unlike PySparkResource): the engine starts on first use of
+        ``spark_session``, so a sensor tick or step that needs no Spark pays nothing."""
 
     def teardown_after_execution(self, context: InitResourceContext) -> None:
         if self._engine is not None:
@@ -80,7 +80,7 @@ class SparkDeltaResource(PySparkResource):
                 raise ConfigurationError("Spark mode 'remote' without a URL", "set spark.remote: sc://host:port")
             return SparkEngine.remote(self.remote, self.session_config())
         try:
-            builder = classic_session_builder(self.app_name, self.spark_config)
+            builder = classic_session_builder(self.app_name, self.session_config())
         except ImportError:
             raise ConfigurationError(
                 "classic Spark needs delta-spark, which is not installed", "pip install 'pgcdc[classic]'"
@@ -89,9 +89,10 @@ class SparkDeltaResource(PySparkResource):
 
     @property
     def spark_session(self) -> SparkSession:
-        if self._spark_session is None:
-            raise RuntimeError("the Spark resource is used outside of a run: it has no session")
-        return self._spark_session
+        if self._engine is None:
+            self._engine = self._start()
+            self._spark_session = self._engine.spark
+        return self._engine.spark
 
 
 class PostgresResource(ConfigurableResource):

@@ -36,6 +36,7 @@ from tests.test_dagster_snapshot import (
     ORDERS_KEY,
     create_shop,
     delta_rows,
+    invalidate_slot,
     materializations,
     pg_notes,
     pg_orders,
@@ -165,6 +166,19 @@ def test_table_without_snapshot_is_reported_not_materialized(
     assert outcomes[(NOTES, "row_count_matches_postgres")] is True
 
 
+def test_missing_slot_fails_once_with_the_fix(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
+    defs = build_definitions(write_config(tmp_path, shop))
+    result = defs.resolve_job_def("pgcdc_incremental").execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    kinds = [event.event_type_value for event in result.all_events]
+    assert "STEP_UP_FOR_RETRY" not in kinds  # only ConnectionFailure is retried
+    (failure,) = [event for event in result.all_events if event.event_type_value == "STEP_FAILURE"]
+    assert failure.step_failure_data.error.message.strip().endswith(
+        'replication slot "pgcdc_slot" does not exist: run the snapshot job first (it creates the slot),'
+        " or fix 'slot' in the configuration"
+    )
+
+
 def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_path: Path) -> None:
     config = write_config(tmp_path, shop)
     home = tmp_path / "dagster_home"
@@ -239,6 +253,14 @@ def test_health_sensor_reports_a_missing_slot_with_the_fix(
     healthy = evaluate(defs, "pgcdc_slot_health_sensor", instance, config)
     assert isinstance(healthy, SkipReason)
     assert healthy.skip_message.startswith('slot "pgcdc_slot" is healthy: wal_status reserved, lag ')
+
+    invalidate_slot(shop, "pgcdc_slot")
+    with pytest.raises(SlotError) as lost:
+        evaluate(defs, "pgcdc_slot_health_sensor", instance, config)
+    assert str(lost.value) == (
+        'replication slot "pgcdc_slot" was invalidated (wal_status lost): the WAL it needed is gone: run the'
+        " pgcdc_resnapshot job with no table list: it recreates the slot and re-snapshots every table"
+    )
 
     shop.execute("SELECT pg_drop_replication_slot('pgcdc_slot')")
     with pytest.raises(SlotError) as failure:

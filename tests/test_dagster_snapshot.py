@@ -149,18 +149,19 @@ def test_spark_resource_modes() -> None:
 
 
 def test_classic_spark_without_delta_spark_fails_with_the_fix() -> None:
-    with pytest.raises(ConfigurationError) as failure:
-        with SparkDeltaResource(mode="classic").yield_for_execution(_init_context()):
-            pass
+    with SparkDeltaResource(mode="classic").yield_for_execution(_init_context()) as ready:
+        with pytest.raises(ConfigurationError) as failure:
+            ready.spark_session
     assert str(failure.value) == (
         "classic Spark needs delta-spark, which is not installed: pip install 'pgcdc[classic]'"
     )
 
 
 def test_embedded_spark_resource_starts_and_stops_sail() -> None:
-    resource = SparkDeltaResource()
-    with resource.yield_for_execution(_init_context()) as ready:
+    with SparkDeltaResource().yield_for_execution(_init_context()) as ready:
+        assert ready._engine is None  # nothing starts until a session is asked for
         session = ready.spark_session
+        assert ready.spark_session is session
         assert session.range(5).count() == 5
     assert ready._engine is None
     with pytest.raises(Exception):
@@ -177,12 +178,12 @@ def _init_context():  # noqa: ANN202 - dagster's InitResourceContext
 
 
 def test_unreachable_postgres_fails_the_load_with_one_line(tmp_path: Path, pg: PgDatabase) -> None:
-    config = write_config(tmp_path, pg, postgres={"dsn": "host=127.0.0.1 port=1 dbname=x user=u password=pw"})
+    config = write_config(tmp_path, pg, postgres={"dsn": "host=127.0.0.1 port=1 dbname=x user=u password=s3cret"})
     with pytest.raises(ConnectionFailure) as failure:
         build_definitions(config)
     message = str(failure.value)
     assert "\n" not in message
-    assert "pw" not in message.replace("password", "")
+    assert "s3cret" not in message
     assert message.startswith("cannot reach PostgreSQL at u@127.0.0.1:1/x (")
 
 
@@ -201,6 +202,7 @@ def test_assets_jobs_and_specs_from_the_publication(shop: PgDatabase, tmp_path: 
     assert set(table.kinds) == {"postgres", "delta", "spark"}
     assert table.metadata["pgcdc/delta_path"].value == str(tmp_path / "lake" / "public" / "orders")
     assert graph.get(ORDERS_KEY).group_name == "pgcdc_snapshot"
+    assert defs.resolve_assets_def(AssetKey(["pgcdc", "public", "orders"])).node_def.pool == "pgcdc_slot_pgcdc_slot"
     for name in ("pgcdc_snapshot", "pgcdc_resnapshot", "pgcdc_incremental"):
         assert defs.resolve_job_def(name).name == name
     schedule = defs.resolve_schedule_def("pgcdc_incremental_schedule")
@@ -227,6 +229,9 @@ def test_snapshot_job_copies_every_table_with_metadata(
     lake = tmp_path / "lake"
     assert delta_rows(lake, "orders") == pg_orders(shop)
     assert delta_rows(lake, "notes") == pg_notes(shop)
+
+    logged = [entry.user_message for entry in instance.all_logs(result.run_id)]
+    assert any(line.startswith("snapshot public.orders: 500 rows, ") and line.endswith(" rows/s)") for line in logged)
 
     meta = materializations(result)
     assert set(meta) == {ORDERS_KEY, NOTES_KEY}
