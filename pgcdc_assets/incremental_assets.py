@@ -98,10 +98,6 @@ def build_incremental_assets(
         with user_facing():
             if selected:
                 result = run_incremental(postgres.config, session, log=context.log.info)
-                context.log.info(
-                    f"drained {result.start_lsn} -> {result.end_lsn}: {result.transactions} transaction(s),"
-                    f" slot confirmed at {result.confirmed_flush_lsn}"
-                )
                 for table in selected:
                     reason = _skip_reason(result, table)
                     if reason:
