@@ -139,12 +139,15 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
     column_list: list[str] | None = published[0][0]
     row_filter: str | None = published[0][1]
 
+    # Before PostgreSQL 18 pgoutput never sends generated columns, yet pg_publication_tables
+    # lists them (on 15-17); from 18 on its attnames follow publish_generated_columns.
+    generated = "true" if server_version_num(conn) >= 180000 else "a.attgenerated = ''"
     rows = cursor.execute(
         "SELECT a.attname, a.attnum::int, a.atttypid::int, a.atttypmod, format_type(a.atttypid, a.atttypmod),"
         " a.attnotnull, coalesce(a.attnum = ANY(i.indkey), false)"
         " FROM pg_attribute a"
         " LEFT JOIN pg_index i ON i.indexrelid = pg_get_replica_identity_index(%s)"
-        " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
+        f" WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND {generated} ORDER BY a.attnum",
         (oid, oid),
     ).fetchall()
     columns = tuple(
