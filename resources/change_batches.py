@@ -1,16 +1,19 @@
 """Committed transactions -> per-table Arrow batches -> Delta (MERGE, or append for keyless tables).
 
-Changes are gathered per table as the raw tuples of ``resources.transactions`` (text bytes,
-no per-value conversion) and converted column-wise with ``pgtypes.to_arrow`` only when a
-table's batch is flushed, so the per-change cost is one tuple in a list.
+Changes are gathered per table as the undecoded tuples of ``resources.transactions`` (the
+message bytes and where its row images start). When a table's batch is flushed, all its row
+images are parsed column-wise with numpy (:func:`tuple_columns`) and converted with
+``pgtypes.to_arrow``, so the per-change Python cost is one tuple in a list.
 
 How each table is written, decided from its Relation message:
 
 * **keyed** (primary key or replica identity index): one MERGE per batch, matched on the
   key. A batch holds at most one row per key (MERGE refuses two), so it is folded first:
-  the last change per key wins (commit order, then position), an unchanged-TOAST value is
-  taken from an earlier change of that key in the batch when there is one, and an update
-  that changes the key also deletes the row under the old key.
+  the last change per key wins (commit order, then position; an Arrow group-by on the
+  parsed key columns), and an update that changes the key also deletes the row under the
+  old key. A batch with unchanged-TOAST values is folded change by change instead: such a
+  value is taken from an earlier change of that key in the batch when there is one, else
+  the MERGE keeps Delta's value (or, for a moved key, the value under the old key).
 * **full** (REPLICA IDENTITY FULL): the same, with the whole row as key, matched null-safe
   (``<=>``); unchanged-TOAST values come from the old row image, which FULL sends whole.
   Two identical rows are one key: deleting one of two equal rows deletes both in Delta.
@@ -33,11 +36,15 @@ consistent point is a record boundary, so that is exactly the set the snapshot h
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import DecimalType
@@ -179,7 +186,7 @@ def _is_safe_widening(old: pa.DataType, new: pa.DataType) -> bool:
 class ChangeApplier:
     """Routes committed transactions into per-table batches and writes them to Delta.
 
-    ``durable_lsn`` is the end LSN of the newest transaction all of whose changes are in
+    :meth:`durable_lsn` is the end LSN of the newest transaction all of whose changes are in
     Delta: the only position that may be confirmed to the slot. A transaction larger than
     the chunk bound is written in several Delta commits (readers may see part of it
     meanwhile); it becomes durable with the last one.
@@ -204,7 +211,12 @@ class ChangeApplier:
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
         self._complete_end = 0
-        self.durable_lsn = LSN(0)
+        self._durable = 0
+        # One Delta write runs in the background while the next chunk is decoded and folded
+        # (the Spark call waits on the engine, not on Python): writes stay in order, and at
+        # most one chunk is in flight besides the one being built.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgcdc-delta-write")
+        self._in_flight: deque[tuple[Future[None], int | None]] = deque()
         self.pending_changes = 0
         self.pending_bytes = 0
         self.transactions = 0
@@ -227,7 +239,7 @@ class ChangeApplier:
         end = int(txn.end_lsn)
         change_bytes = txn.nbytes // max(1, txn.change_count)
         try:
-            for seq, (op, subject, new, old) in enumerate(txn.changes()):
+            for seq, (op, subject, payload, new, old) in enumerate(txn.changes()):
                 if op == "R":
                     self._relations[subject.oid] = subject
                     self._target_by_oid[subject.oid] = self._targets.get(TableName(subject.namespace, subject.name))
@@ -253,7 +265,7 @@ class ChangeApplier:
                     if marker is not None and (end, seq) <= marker:
                         self.changes_skipped += 1
                         continue
-                target.pending.append((op, new, old, end, seq))
+                target.pending.append((op, payload, new, old, end, seq))
                 target.pending_bytes += change_bytes
                 self.pending_changes += 1
                 self.pending_bytes += change_bytes
@@ -265,11 +277,45 @@ class ChangeApplier:
         self.transactions += 1
 
     def flush(self) -> None:
-        """Write every pending batch to Delta; afterwards ``durable_lsn`` covers every completely added transaction."""
+        """Send every pending batch to Delta; once written, every completely added transaction is durable."""
         for target in self._targets.values():
             if target.pending:
                 self._flush_target(target)
-        self.durable_lsn = LSN(self._complete_end)
+        if self._in_flight:
+            self._in_flight.append((self._writer.submit(lambda: None), self._complete_end))
+        else:
+            self._durable = self._complete_end
+
+    def durable_lsn(self) -> LSN:
+        """The end LSN of the newest transaction whose changes are all committed to Delta (does not wait)."""
+        self._collect(wait=False)
+        return LSN(self._durable)
+
+    def finish(self) -> LSN:
+        """Wait for every write; returns :meth:`durable_lsn`."""
+        self._collect(wait=True)
+        return LSN(self._durable)
+
+    def close(self) -> None:
+        """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
+        self._writer.shutdown(wait=True)
+
+    def _write(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
+        """Run a Delta write in the writer thread, after those submitted before it."""
+        self._collect(wait=False)
+        while self._in_flight:
+            self._collect_one()
+        self._in_flight.append((self._writer.submit(operation, self._spark, *args, **kwargs), None))
+
+    def _collect(self, wait: bool) -> None:
+        while self._in_flight and (wait or self._in_flight[0][0].done()):
+            self._collect_one()
+
+    def _collect_one(self) -> None:
+        future, durable = self._in_flight.popleft()
+        future.result()  # a failed write fails the run here, before anything later is confirmed
+        if durable is not None:
+            self._durable = durable
 
     # -- schema
 
@@ -284,6 +330,7 @@ class ChangeApplier:
             return
         if target.pending:
             self._flush_target(target)
+        self._collect(wait=True)  # the schema is read and changed below, behind the queued writes
         columns = self._types.columns(relation)
         key_index = tuple(i for i, column in enumerate(relation.columns) if column.is_key)
         if relation.replica_identity == "f":
@@ -351,7 +398,7 @@ class ChangeApplier:
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
-        delete_all_rows(self._spark, target.path)
+        self._write(delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)
 
@@ -363,28 +410,81 @@ class ChangeApplier:
         fault_point("before_merge")
         if target.mode == APPEND:
             self._append(target, rows)
-        else:
-            self._merge(target, rows)
+        elif target.mode == FULL or not self._merge_columnar(target, rows):
+            self._merge_by_row(target, rows)
         self.changes_applied += len(rows)
-        target.stats.applied_lsn = LSN(max(rows[-1][3], target.stats.applied_lsn or 0))
+        target.stats.applied_lsn = LSN(max(rows[-1][4], target.stats.applied_lsn or 0))
 
     def _append(self, target: TableTarget, rows: list[tuple]) -> None:
-        batch = self._arrow_batch(target, [row[1] for row in rows], [row[3] for row in rows], None)
-        _, _, _, end, seq = rows[-1]
+        columns, _ = tuple_columns([row[1] for row in rows], [row[2] for row in rows], len(target.columns))
+        lsns = pa.array([row[4] for row in rows], pa.int64())
+        batch = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
+        _, _, _, _, end, seq = rows[-1]
         marker = json.dumps({"pgcdc": {"kind": "append", "applied_lsn": str(LSN(end)), "applied_seq": seq}})
-        append_rows(self._spark, target.path, batch, marker)
+        self._write(append_rows, target.path, batch, marker)
         target.append_marker = (end, seq)
         target.stats.inserted += len(rows)
 
-    def _merge(self, target: TableTarget, rows: list[tuple]) -> None:
-        """Fold to one change per key, then one MERGE."""
+    def _merge_columnar(self, target: TableTarget, rows: list[tuple]) -> bool:
+        """The fast path for keyed tables: parse every row image column-wise, keep the last per key.
+
+        Returns False, having written nothing, when a value is unchanged TOAST: folding those
+        needs the earlier images of the same key (``_merge_by_row``).
+        """
+        payloads: list[bytes] = []
+        starts: list[int] = []
+        ops: list[str] = []
+        lsns: list[int] = []
+        inserted = updated = deleted = 0
+        for op, payload, new, old, end, _ in rows:
+            if old >= 0:  # the old key's image: a delete, or the row an update moved away from
+                payloads.append(payload)
+                starts.append(old)
+                ops.append("D")
+                lsns.append(end)
+            if new >= 0:
+                payloads.append(payload)
+                starts.append(new)
+                ops.append(op)
+                lsns.append(end)
+            if op == "I":
+                inserted += 1
+            elif op == "U":
+                updated += 1
+            else:
+                deleted += 1
+        columns, unchanged = tuple_columns(payloads, starts, len(target.columns))
+        if any(mask.any() for mask in unchanged):
+            return False
+        keys = {f"k{i}": pc.cast(columns[i], pa.binary()) for i in target.key_index}
+        keys["row"] = pa.array(np.arange(len(payloads), dtype=np.int64))
+        last = pa.table(keys).group_by([f"k{i}" for i in target.key_index], use_threads=False).aggregate([("row", "max")])
+        index = pa.array(np.sort(last.column("row_max").to_numpy()))
+        batch = self._arrow_batch(
+            target, columns, [None] * len(columns), pa.array(lsns, pa.int64()).take(index), None, index
+        )
+        batch = batch.append_column(OP_COLUMN, pa.array(ops, pa.string()).take(index))
+        key_columns = [target.columns[i].column for i in target.key_index]
+        self._write(merge_batch, target.path, batch, key_columns)
+        stats = target.stats
+        stats.inserted += inserted
+        stats.updated += updated
+        stats.deleted += deleted
+        return True
+
+    def _merge_by_row(self, target: TableTarget, rows: list[tuple]) -> None:
+        """Fold change by change (unchanged TOAST, REPLICA IDENTITY FULL), then one MERGE."""
+        ncols = len(target.columns)
+        payloads = [row[1] for row in rows]
+        new_images = _row_values(*tuple_columns(payloads, [row[2] for row in rows], ncols))
+        old_images = _row_values(*tuple_columns(payloads, [row[3] for row in rows], ncols))
         index = target.key_index
         full = target.mode == FULL
         unchanged = UNCHANGED_TOAST
         final: dict[tuple, tuple] = {}
         old_key_of: dict[tuple, tuple] = {}
         inserted = updated = deleted = 0
-        for op, new, old, end, _ in rows:
+        for (op, _, new_start, old_start, end, _), new, old in zip(rows, new_images, old_images):
             if op == "I":
                 key = tuple([new[i] for i in index])
                 final[key] = ("I", new, end)
@@ -394,10 +494,10 @@ class ChangeApplier:
                 values = new
                 if unchanged in new:
                     values = list(new)
-                    if full and old is not None:
+                    if full and old_start >= 0:
                         values = [old[i] if value is unchanged else value for i, value in enumerate(values)]
                 new_key = tuple([values[i] for i in index])
-                old_key = new_key if old is None else tuple([old[i] for i in index])
+                old_key = new_key if old_start < 0 else tuple([old[i] for i in index])
                 if unchanged in values:
                     earlier = final.get(old_key)
                     if earlier is not None and earlier[0] != "D":
@@ -419,13 +519,28 @@ class ChangeApplier:
                 old_key_of.pop(key, None)
                 deleted += 1
         changes = list(final.values())
+        columns: list[pa.Array] = []
+        flags: list[pa.Array | None] = []
+        for i in range(ncols):
+            values = [change[1][i] for change in changes]
+            if unchanged in values:
+                flags.append(pa.array([value is unchanged for value in values], pa.bool_()))
+                values = [None if value is unchanged else value for value in values]
+            else:
+                flags.append(None)
+            columns.append(pa.array(values, pa.binary()))
         old_keys = None
         if old_key_of:
-            old_keys = [old_key_of.get(key) for key in final]
-        batch = self._arrow_batch(target, [change[1] for change in changes], [change[2] for change in changes], old_keys)
+            moved = [old_key_of.get(key) for key in final]
+            old_keys = [
+                pa.array([None if key is None else key[position] for key in moved], pa.binary())
+                for position in range(len(index))
+            ]
+        lsns = pa.array([change[2] for change in changes], pa.int64())
+        batch = self._arrow_batch(target, columns, flags, lsns, old_keys)
         batch = batch.append_column(OP_COLUMN, pa.array([change[0] for change in changes], pa.string()))
         key_columns = [target.columns[i].column for i in index]
-        merge_batch(self._spark, target.path, batch, key_columns, null_safe_keys=full)
+        self._write(merge_batch, target.path, batch, key_columns, null_safe_keys=full)
         stats = target.stats
         stats.inserted += inserted
         stats.updated += updated
@@ -434,46 +549,135 @@ class ChangeApplier:
     def _arrow_batch(
         self,
         target: TableTarget,
-        images: list,
-        lsns: list[int],
-        old_keys: list[tuple | None] | None,
+        columns: list[pa.Array],
+        flags: list[pa.Array | None],
+        lsns: pa.Array,
+        old_keys: list[pa.Array] | None,
+        index: pa.Array | None = None,
     ) -> pa.Table:
-        """Rows of text values -> typed columns, plus unchanged-TOAST flags, ``_pgcdc_lsn`` and dropped columns."""
-        unchanged = UNCHANGED_TOAST
-        arrays: list[pa.Array] = []
-        names: list[str] = []
-        flags: list[tuple[str, pa.Array]] = []
-        for i, column in enumerate(target.columns):
-            values = [image[i] for image in images]
-            if unchanged in values:
-                flags.append(
-                    (unchanged_flag_column(column.column), pa.array([value is unchanged for value in values], pa.bool_()))
-                )
-                values = [None if value is unchanged else value for value in values]
-            arrays.append(self._convert(target, values, column))
-            names.append(column.column)
-        if old_keys is not None and flags:
-            for position, i in enumerate(target.key_index):
-                column = target.columns[i]
-                values = [None if key is None else key[position] for key in old_keys]
-                arrays.append(self._convert(target, values, column))
-                names.append(OLD_KEY_PREFIX + column.column)
-        for name, flag in flags:
-            arrays.append(flag)
-            names.append(name)
-        arrays.append(pa.array(lsns, pa.int64()))
+        """Text columns -> typed columns (then the rows at ``index``, if given), plus unchanged-TOAST
+        flags, ``_pgcdc_lsn`` and dropped columns."""
+        arrays = [self._convert(target, values, column) for values, column in zip(columns, target.columns)]
+        if index is not None:
+            arrays = [array.take(index) for array in arrays]
+        names = [column.column for column in target.columns]
+        if old_keys is not None and any(flag is not None for flag in flags):
+            for values, i in zip(old_keys, target.key_index):
+                arrays.append(self._convert(target, values, target.columns[i]))
+                names.append(OLD_KEY_PREFIX + target.columns[i].column)
+        for flag, column in zip(flags, target.columns):
+            if flag is not None:
+                arrays.append(flag)
+                names.append(unchanged_flag_column(column.column))
+        arrays.append(lsns)
         names.append(LSN_COLUMN)
         for dropped in target.dropped:
-            arrays.append(pa.nulls(len(images), dropped.type))
+            arrays.append(pa.nulls(len(lsns), dropped.type))
             names.append(dropped.name)
         return pa.Table.from_arrays(arrays, names)
 
     @staticmethod
-    def _convert(target: TableTarget, values: Iterable[bytes | None], column: PgColumnType) -> pa.Array:
+    def _convert(target: TableTarget, values: pa.Array, column: PgColumnType) -> pa.Array:
         try:
-            return to_arrow(pa.array(values, pa.binary()), column)
+            return to_arrow(values, column)
         except PgValueError as exc:
             raise ChangeValueError(
                 f"cannot apply a change to {target.table}: {exc}",
                 "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
             ) from exc
+
+
+# --------------------------------------------------------------------------- column-wise TupleData parsing
+
+_TEXT, _BINARY, _NULL, _UNCHANGED = b"t"[0], b"b"[0], b"n"[0], b"u"[0]
+_SLICE_BYTES = 1 << 30
+"""Payload bytes parsed at once: string views address their buffer with 32-bit offsets."""
+_LANES = np.arange(12)
+
+
+def tuple_columns(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
+    """Parse the TupleData at ``starts[i]`` in ``payloads[i]`` (-1: none, all NULL) into columns.
+
+    Returns per column a ``binary_view`` array of the values' text (NULL where NULL, absent
+    or unchanged TOAST) and a boolean mask of the unchanged-TOAST cells. The work is numpy
+    over all rows per column, never Python per value: the views point into one joined
+    buffer of the payloads, and only values of at most 12 bytes are copied (inline).
+    """
+    if not payloads:
+        return [pa.array([], pa.binary_view()) for _ in range(ncols)], [np.zeros(0, bool) for _ in range(ncols)]
+    pieces: list[tuple[list[pa.Array], list[np.ndarray]]] = []
+    first = 0
+    total = 0
+    for i, payload in enumerate(payloads):
+        if total + len(payload) > _SLICE_BYTES and i > first:
+            pieces.append(_parse_slice(payloads[first:i], starts[first:i], ncols))
+            first, total = i, 0
+        total += len(payload)
+    pieces.append(_parse_slice(payloads[first:], starts[first:], ncols))
+    if len(pieces) == 1:
+        return pieces[0]
+    columns = [pa.concat_arrays([piece[0][c] for piece in pieces]) for c in range(ncols)]
+    masks = [np.concatenate([piece[1][c] for piece in pieces]) for c in range(ncols)]
+    return columns, masks
+
+
+def _parse_slice(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
+    n = len(payloads)
+    joined = b"".join(payloads)
+    buf = np.frombuffer(joined, np.uint8)
+    last = len(buf) - 1
+    sizes = np.fromiter(map(len, payloads), np.int64, n)
+    base = np.zeros(n, np.int64)
+    np.cumsum(sizes[:-1], out=base[1:])
+    start = np.asarray(starts, np.int64)
+    present = start >= 0
+    pos = base + np.where(present, start, 0) + 2
+    counts = (buf[pos - 2].astype(np.int64) << 8) | buf[pos - 1]
+    if (counts[present] != ncols).any():
+        raise PgcdcError(
+            f"a row image has {int(counts[present][counts[present] != ncols][0])} columns where its Relation message"
+            f" has {ncols}",
+            "the replication stream is inconsistent; restart replication",
+        )
+    data_buffer = pa.py_buffer(joined)
+    columns: list[pa.Array] = []
+    masks: list[np.ndarray] = []
+    for _ in range(ncols):
+        at = np.where(present, pos, 0)
+        kind = np.where(present, buf[at], _NULL)
+        has = (kind == _TEXT) | (kind == _BINARY)
+        length_bytes = buf[np.minimum(at[:, None] + np.arange(1, 5), last)].astype(np.int64)
+        size = np.where(
+            has,
+            (length_bytes[:, 0] << 24) | (length_bytes[:, 1] << 16) | (length_bytes[:, 2] << 8) | length_bytes[:, 3],
+            0,
+        )
+        data = at + 5
+        inline = buf[np.minimum(data[:, None] + _LANES, last)]
+        inline[_LANES[None, :] >= size[:, None]] = 0
+        views = np.zeros((n, 16), np.uint8)
+        views[:, 0:4] = size.astype("<i4").view(np.uint8).reshape(n, 4)
+        views[:, 4:16] = inline
+        long = size > 12
+        if long.any():
+            views[long, 8:12] = 0  # buffer index 0: the joined payloads
+            views[long, 12:16] = data[long].astype("<i4").view(np.uint8).reshape(-1, 4)
+        validity = np.packbits(has, bitorder="little")
+        columns.append(
+            pa.Array.from_buffers(pa.binary_view(), n, [pa.py_buffer(validity), pa.py_buffer(views), data_buffer])
+        )
+        masks.append(present & (kind == _UNCHANGED))
+        pos = pos + np.where(has, 5 + size, 1)
+    return columns, masks
+
+
+def _row_values(columns: list[pa.Array], masks: list[np.ndarray]) -> list[tuple]:
+    """Columns back to row tuples of bytes / None / UNCHANGED_TOAST, for the change-by-change fold."""
+    lists = []
+    for column, mask in zip(columns, masks):
+        values = column.to_pylist()
+        if mask.any():
+            for i in np.flatnonzero(mask):
+                values[i] = UNCHANGED_TOAST
+        lists.append(values)
+    return list(zip(*lists))

@@ -39,7 +39,6 @@ from resources.delta_engine import read_commit_metadata
 from resources.errors import ConfigurationError, SlotError, explain
 from resources.faults import fault_point
 from resources.lsn import LSN
-from resources.pgoutput import PgOutputDecoder
 from resources.pgtypes import SESSION_SETTINGS
 from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, libpq_options
 from resources.snapshot import read_snapshot_lsn
@@ -133,9 +132,9 @@ def run_incremental(
             options = PgOutputOptions([config.publication], streaming="on")
             stream = ReplicationStream(rc)
             _start(stream, config.slot, options)
-            with TransactionAssembler(spill_dir) as assembler:
-                _drain(stream, PgOutputDecoder(options.resolve_proto_version(rc.server_version_num)),
-                       assembler, applier, end_lsn, say, started)
+            proto = options.resolve_proto_version(rc.server_version_num)
+            with TransactionAssembler(proto, spill_dir) as assembler:
+                _drain(stream, assembler, applier, end_lsn, say, started)
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = LSN.parse(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])  # type: ignore[index]
     tables = {
@@ -172,7 +171,6 @@ def run_incremental(
 
 def _drain(
     stream: ReplicationStream,
-    decoder: PgOutputDecoder,
     assembler: TransactionAssembler,
     applier: ChangeApplier,
     end_lsn: LSN,
@@ -180,7 +178,6 @@ def _drain(
     started: float,
 ) -> None:
     """The main loop; on any error the stream stops having confirmed only durable positions."""
-    decode = decoder.decode
     feed = assembler.feed
     confirmed = stream.confirmed_lsn
     next_report = time.monotonic() + PROGRESS_SECONDS
@@ -196,15 +193,13 @@ def _drain(
 
     try:
         for frame in stream.drain(end_lsn, stop=False):
-            payload = frame.payload
-            txn = feed(decode(payload, frame.wal_start), len(payload))
+            txn = feed(frame.payload, frame.wal_start)
             if txn is None:
                 continue
             if not applier.fits(txn):
                 applier.flush()
-                confirm(applier.durable_lsn)
             applier.add(txn)
-            confirm(applier.durable_lsn)  # moves only when a mid-transaction flush made earlier ones durable
+            confirm(applier.durable_lsn())  # moves when a background Delta write completes
             now = time.monotonic()
             if now >= next_report:
                 next_report = now + PROGRESS_SECONDS
@@ -217,8 +212,9 @@ def _drain(
         applier.flush()
         # Everything committed before end_lsn has been applied: confirm at least end_lsn so an
         # idle slot advances (see the module docstring for why this loses nothing).
-        confirm(max(applier.durable_lsn, end_lsn))
+        confirm(max(applier.finish(), end_lsn))
     finally:
+        applier.close()
         if stream.streaming:
             stream.stop()
 

@@ -9,20 +9,23 @@ in memory that spills to a pickle file in a temporary directory past a byte thre
 A Stream Abort for a subtransaction marks that subxid dropped (its changes are skipped
 when the log is read back); a whole abort deletes the file, leaving no trace.
 
-A change is a plain tuple, to keep millions of them cheap:
+A change is a plain 5-tuple ``(op, subject, payload, new_start, old_start)``, to keep
+millions of them cheap: row changes are *not* decoded here. ``payload`` is the pgoutput
+message's bytes and the two offsets say where its new and old TupleData start (-1: absent);
+``resources.change_batches`` parses whole batches of them column-wise.
 
-* ``("I", relation_oid, new_values, None)``
-* ``("U", relation_oid, new_values, old_values_or_None)``: ``old_values`` is the 'K' (old
-  key, non-key columns NULL) or 'O' (REPLICA IDENTITY FULL: whole old row) image; None
-  when the key did not change.
-* ``("D", relation_oid, None, old_values)``
-* ``("T", relation_oids, None, None)``: TRUNCATE of one or more tables.
-* ``("R", relation, None, None)``: a Relation message; kept in sequence because a schema
+* ``("I", relation_oid, payload, new, -1)``
+* ``("U", relation_oid, payload, new, old)``: ``old`` is the 'K' image (old key, non-key
+  columns NULL; sent when the key changed) or the 'O' image (REPLICA IDENTITY FULL: the
+  whole old row); -1 when neither was sent.
+* ``("D", relation_oid, payload, -1, old)``
+* ``("T", relation_oids, None, -1, -1)``: TRUNCATE of one or more tables.
+* ``("R", relation, None, -1, -1)``: a Relation message; kept in sequence because a schema
   change mid-stream applies to the changes after it and not to those before.
 
-Values are ``bytes`` (text form), None (NULL) or ``UNCHANGED_TOAST``. A change's position in
-its transaction is its index in :meth:`CommittedTransaction.changes`, which is the same on
-every replay of the same WAL.
+In a TupleData a value is text (or binary), NULL, or unchanged TOAST ('u'). A change's
+position in its transaction is its index in :meth:`CommittedTransaction.changes`, which is
+the same on every replay of the same WAL.
 """
 
 from __future__ import annotations
@@ -41,9 +44,8 @@ from resources.errors import ProtocolError
 from resources.lsn import LSN
 from resources.pgoutput import (
     Begin,
+    PgOutputDecoder,
     Commit,
-    Delete,
-    Insert,
     PgOutputMessage,
     Relation,
     StreamAbort,
@@ -51,12 +53,30 @@ from resources.pgoutput import (
     StreamStart,
     StreamStop,
     Truncate,
-    Update,
 )
 
 __all__ = ["Change", "ChangeLog", "CommittedTransaction", "TransactionAssembler"]
 
-Change: TypeAlias = tuple[str, Any, tuple | None, tuple | None]
+Change: TypeAlias = tuple[str, Any, bytes | None, int, int]
+
+_INSERT, _UPDATE, _DELETE = b"I"[0], b"U"[0], b"D"[0]
+_NEW, _KEY, _OLD = b"N"[0], b"K"[0], b"O"[0]
+_TEXT, _BINARY, _NULL, _UNCHANGED = b"t"[0], b"b"[0], b"n"[0], b"u"[0]
+
+
+def tuple_end(data: bytes, pos: int) -> int:
+    """The offset just past the TupleData starting at ``pos``."""
+    ncols = (data[pos] << 8) | data[pos + 1]
+    pos += 2
+    for _ in range(ncols):
+        kind = data[pos]
+        if kind == _TEXT or kind == _BINARY:
+            pos += 5 + int.from_bytes(data[pos + 1 : pos + 5], "big")
+        elif kind == _NULL or kind == _UNCHANGED:
+            pos += 1
+        else:
+            raise ProtocolError(f"unknown TupleData column kind {chr(kind)!r}", "restart replication")
+    return pos
 
 DEFAULT_SPILL_BYTES = 16 * 1024 * 1024
 """In-memory bytes per transaction before its changes go to disk."""
@@ -174,7 +194,14 @@ class TransactionAssembler:
     beyond anything a consumer confirmed.
     """
 
-    def __init__(self, spill_dir: str | os.PathLike[str] | None = None, *, spill_bytes: int = DEFAULT_SPILL_BYTES) -> None:
+    def __init__(
+        self,
+        proto_version: int,
+        spill_dir: str | os.PathLike[str] | None = None,
+        *,
+        spill_bytes: int = DEFAULT_SPILL_BYTES,
+    ) -> None:
+        self.decoder = PgOutputDecoder(proto_version)
         self._directory = Path(tempfile.mkdtemp(prefix="pgcdc-txn-", dir=spill_dir))
         self._spill_bytes = spill_bytes
         self._current: ChangeLog | None = None
@@ -201,22 +228,47 @@ class TransactionAssembler:
         self._sequence += 1
         return ChangeLog(self._directory, f"{self._sequence}-{label}", self._spill_bytes)
 
-    def feed(self, message: PgOutputMessage, size: int) -> CommittedTransaction | None:
-        """Take one message (``size``: its payload bytes, for the memory bound)."""
+    def feed(self, payload: bytes | memoryview, wal_start: LSN | int) -> CommittedTransaction | None:
+        """Take the next pgoutput message of the session; returns a transaction when one commits.
+
+        Row changes are only located (relation, tuple offsets), not decoded: that is the
+        hot path. Everything else goes through the pgoutput decoder, which also keeps the
+        stream-block state that tells where a streamed change carries its xid.
+        """
+        tag = payload[0]
+        if tag == _INSERT or tag == _UPDATE or tag == _DELETE:
+            data = bytes(payload)
+            decoder = self.decoder
+            if decoder.in_stream:
+                xid: int | None = int.from_bytes(data[1:5], "big")
+                base = 5
+            else:
+                xid, base = None, 1
+            oid = int.from_bytes(data[base : base + 4], "big")
+            if oid not in decoder.relations:
+                decoder.relations.get(oid, LSN(wal_start))  # raises the decoder's ProtocolError
+            kind = data[base + 4]
+            if tag == _INSERT:
+                change: Change = ("I", oid, data, base + 5, -1)
+            elif tag == _UPDATE:
+                if kind == _KEY or kind == _OLD:
+                    old = base + 5
+                    change = ("U", oid, data, tuple_end(data, old) + 1, old)
+                else:
+                    change = ("U", oid, data, base + 5, -1)
+            else:
+                change = ("D", oid, data, -1, base + 5)
+            self._target(xid).append(xid, change, len(data))
+            return None
+        return self.feed_message(self.decoder.decode(payload, wal_start), len(payload))
+
+    def feed_message(self, message: PgOutputMessage, size: int) -> CommittedTransaction | None:
+        """Take one decoded message other than a row change (``size``: its payload bytes)."""
         kind = type(message)
-        if kind is Insert:
-            self._target(message.xid).append(message.xid, ("I", message.relation_oid, message.new.values, None), size)
-        elif kind is Update:
-            image = message.key if message.key is not None else message.old
-            change = ("U", message.relation_oid, message.new.values, None if image is None else image.values)
-            self._target(message.xid).append(message.xid, change, size)
-        elif kind is Delete:
-            image = message.key if message.key is not None else message.old
-            self._target(message.xid).append(message.xid, ("D", message.relation_oid, None, image.values), size)  # type: ignore[union-attr]
-        elif kind is Truncate:
-            self._target(message.xid).append(message.xid, ("T", message.relation_oids, None, None), size)
+        if kind is Truncate:
+            self._target(message.xid).append(message.xid, ("T", message.relation_oids, None, -1, -1), size)
         elif kind is Relation:
-            self._target(message.xid).append(message.xid, ("R", message, None, None), size)
+            self._target(message.xid).append(message.xid, ("R", message, None, -1, -1), size)
         elif kind is Begin:
             if self._current is not None:
                 raise ProtocolError(f"Begin at {message.wal_start} inside another transaction", "restart replication")

@@ -1,0 +1,133 @@
+"""CDC throughput: pgcdc's incremental run against pg_recvlogical on the same backlog.
+
+Run ``python -m bench.cdc [--major 18] [--inserts N] [--updates N] [--deletes N] [--chunk N]``.
+It starts a throwaway PostgreSQL, snapshots a table into Delta (which creates pgcdc's slot),
+creates a second slot at the same point for pg_recvlogical, then builds the backlog in many
+transactions: inserts of new rows, updates of existing ones, deletes. Then:
+
+* baseline: ``pg_recvlogical --start -E END -f FILE --no-loop`` (the server's own binary, same
+  pgoutput protocol and publication) drains the second slot to a file: the server-side
+  decoding plus the cheapest possible client;
+* pgcdc: ``run_incremental`` drains pgcdc's slot end to end (decode, assemble, fold,
+  convert to Arrow, MERGE into Delta through the embedded Sail engine, confirm).
+
+It prints changes/s for both, the ratio, and the process's peak RSS (ru_maxrss, which
+includes the in-process Sail server), then checks Delta against PostgreSQL by row count
+and a checksum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import deltalake
+import psycopg
+import pyarrow.compute as pc
+
+from resources.config import parse_config
+from resources.delta_engine import SparkEngine
+from resources.incremental import run_incremental
+from resources.local_postgres import LocalPostgres, bin_dir_for, start_local_postgres
+from resources.replication import highest_proto_version
+from resources.snapshot import snapshot_tables
+
+PUBLICATION = "bench_pub"
+SLOT = "bench_slot"
+RECV_SLOT = "bench_recv"
+BASE_ROWS = 100_000
+
+DDL = (
+    "CREATE TABLE orders (id bigint PRIMARY KEY, customer int, status text, amount numeric(12,2),"
+    " created timestamptz, note text)"
+)
+ROWS = (
+    "SELECT g, g %% 10000, 'new', (g %% 100000) / 100.0, timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second',"
+    " 'order ' || g FROM generate_series(%s::bigint, %s::bigint) g"
+)
+
+
+def build_backlog(dsn: str, inserts: int, updates: int, deletes: int, per_txn: int) -> int:
+    """Inserts, updates and deletes in transactions of ``per_txn`` rows; returns the change count."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        first = BASE_ROWS + 1
+        for start in range(first, first + inserts, per_txn):
+            conn.execute(f"INSERT INTO orders {ROWS}", (start, min(start + per_txn, first + inserts) - 1))
+        for start in range(1, updates + 1, per_txn):
+            conn.execute(
+                "UPDATE orders SET status = 'paid', amount = amount + 1 WHERE id BETWEEN %s AND %s",
+                (start, min(start + per_txn, updates + 1) - 1),
+            )
+        for start in range(updates + 1, updates + deletes + 1, per_txn):
+            conn.execute("DELETE FROM orders WHERE id BETWEEN %s AND %s", (start, min(start + per_txn, updates + deletes + 1) - 1))
+    return inserts + updates + deletes
+
+
+def recvlogical(server: LocalPostgres, dsn: str, end: str, proto: int, out: Path) -> float:
+    binary = bin_dir_for(server.major) / "pg_recvlogical"
+    started = time.perf_counter()
+    subprocess.run(
+        [str(binary), "-d", dsn, "--slot", RECV_SLOT, "--start", "-E", end, "-o", f"proto_version={proto}",
+         "-o", f"publication_names={PUBLICATION}", "-f", str(out), "--no-loop"],
+        check=True,
+    )
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--major", type=int, default=18)
+    parser.add_argument("--inserts", type=int, default=1_000_000)
+    parser.add_argument("--updates", type=int, default=500_000)
+    parser.add_argument("--deletes", type=int, default=100_000)
+    parser.add_argument("--per-txn", type=int, default=1_000)
+    parser.add_argument("--chunk", type=int, default=200_000)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-cdc-"))
+    server = start_local_postgres(args.major, base_dir=work / "pg")
+    try:
+        dsn = server.dsn()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(DDL)
+            conn.execute(f"INSERT INTO orders {ROWS}", (1, BASE_ROWS))
+            conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE orders")
+        config = parse_config(
+            {"postgres": {"dsn": dsn}, "publication": PUBLICATION, "slot": SLOT, "delta": {"root": str(work / "lake")}}
+        )
+        with SparkEngine.embedded() as engine:
+            snapshot_tables(config, engine.spark)  # creates SLOT; no change to orders follows before RECV_SLOT
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (RECV_SLOT,))
+            started = time.perf_counter()
+            changes = build_backlog(dsn, args.inserts, args.updates, args.deletes, args.per_txn)
+            print(f"backlog: {changes:,} changes in {time.perf_counter() - started:.1f} s")
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                (end,), = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchall()
+                proto = highest_proto_version(conn.info.server_version)
+            out = work / "recvlogical.bin"
+            baseline = recvlogical(server, dsn, end, proto, out)
+            print(f"pg_recvlogical: {baseline:.2f} s, {changes / baseline:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB")
+            result = run_incremental(config, engine.spark, log=print, max_chunk_changes=args.chunk)
+            ours = result.duration_s
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"pgcdc incremental: {ours:.2f} s, {changes / ours:,.0f} changes/s "
+                  f"({result.transactions} transactions, {result.changes:,} changes applied)")
+            print(f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB")
+            table = deltalake.DeltaTable(config.table_path("public", "orders")).to_pyarrow_table(columns=["id", "amount"])
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                (count, amount), = conn.execute("SELECT count(*), sum(amount) FROM orders").fetchall()
+            delta_amount = pc.sum(table.column("amount")).as_py()
+            assert (table.num_rows, delta_amount) == (count, amount), (table.num_rows, delta_amount, count, amount)
+            print(f"check: Delta and PostgreSQL both hold {count:,} rows, amount total {amount}")
+    finally:
+        server.destroy()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
