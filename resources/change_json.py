@@ -119,10 +119,12 @@ def message_to_json(message: PgOutputMessage, decoder: PgOutputDecoder) -> dict[
             out["new"], unchanged = _row(message.new, relation)
             if unchanged:
                 out["unchanged"] = unchanged
-        if message.key is not None:
-            out["key"], _ = _row(message.key, relation, only_key_columns=True)
-        if message.old is not None:
-            out["old"], _ = _row(message.old, relation)
+        key = getattr(message, "key", None)
+        if key is not None:
+            out["key"], _ = _row(key, relation, only_key_columns=True)
+        old = getattr(message, "old", None)
+        if old is not None:
+            out["old"], _ = _row(old, relation)
     return out
 
 

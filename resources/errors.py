@@ -93,6 +93,11 @@ def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = 
             f"logical decoding is off on {where} ({message})",
             "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL",
         )
+    if "pg_hba.conf" in lowered:
+        return ConfigurationError(
+            f"{where} refuses this connection ({message})",
+            "add a pg_hba.conf entry for this user (replication connections need their own) and reload PostgreSQL",
+        )
     if sqlstate == "42501" or "replication role" in lowered or "permission denied" in lowered:
         return ConfigurationError(
             f"missing privilege on {where} ({message})",

@@ -36,7 +36,7 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
-from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError
+from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
 from resources.lsn import LSN
 
 __all__ = [
@@ -235,15 +235,8 @@ class ReplicationConnection:
             params["options"] = joined
         try:
             self._conn = psycopg.connect(autocommit=True, **params)
-        except psycopg.OperationalError as exc:
-            message = _one_line(str(exc))
-            if "pg_hba.conf" in message or "replication" in message and "permission" in message:
-                raise ConfigurationError(
-                    message, "allow replication connections for this user in pg_hba.conf and grant REPLICATION"
-                ) from None
-            raise ConnectionFailure(message, "check that PostgreSQL is running and the DSN is right") from None
         except psycopg.Error as exc:
-            raise _from_psycopg(exc) from None
+            raise explain(exc, dsn) from None
 
     # -- lifecycle
 
@@ -877,12 +870,21 @@ class ReplicationStream:
                                 yield frame
                                 continue
                             begin_at, end_at = offsets
-                            record_start = start if begin_at is None else _unpack_u64(buf, _PAYLOAD + begin_at)[0]
-                            if record_start >= end:
-                                self._pending, self._pending_start = frame, record_start
+                            record_end = start if end_at is None else _unpack_u64(buf, _PAYLOAD + end_at)[0]
+                            if begin_at is not None:
+                                past_end = _unpack_u64(buf, _PAYLOAD + begin_at)[0] >= end
+                            elif end_at is not None:
+                                # Only the record's end is known ('r'): records never straddle the
+                                # flush position, so it started before `end` unless it ends past it.
+                                past_end = record_end > end
+                            else:
+                                past_end = start >= end
+                            if past_end:
+                                # Any position inside the record serves as its start for the next drain.
+                                self._pending, self._pending_start = frame, record_end - 1
                                 return
                             yield frame
-                            if (start if end_at is None else _unpack_u64(buf, _PAYLOAD + end_at)[0]) >= end:
+                            if record_end >= end:
                                 return
                         if not frames & 0x3FF:
                             self.frames += frames

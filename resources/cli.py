@@ -1,0 +1,136 @@
+"""The ``pgcdc`` console script.
+
+``pgcdc changes`` is how a user looks into a slot: like ``pg_recvlogical``, but
+decoded, one JSON object per pgoutput message. Looking must be safe, so the slot
+only moves with ``--advance``; every failure is one line on stderr naming the fix,
+with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+import psycopg
+
+from resources.change_json import message_to_json
+from resources.errors import PgcdcError, explain
+from resources.lsn import LSN
+from resources.pgoutput import (
+    Commit,
+    CommitPrepared,
+    PgOutputDecoder,
+    Prepare,
+    RollbackPrepared,
+    StreamCommit,
+    StreamPrepare,
+)
+from resources.pgtypes import SESSION_SETTINGS
+from resources.preflight import check_publications, check_server, check_slot
+from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
+
+EXIT_USAGE_OR_SETUP = 2
+
+#: Messages after which no transaction of the stream is open; their end LSN is safe to confirm.
+_ENDS_OF_TRANSACTIONS = (Commit, Prepare, CommitPrepared, RollbackPrepared, StreamCommit, StreamPrepare)
+
+
+def _end_of(message: object) -> LSN:
+    if isinstance(message, RollbackPrepared):
+        return message.rollback_end_lsn
+    return message.end_lsn  # type: ignore[attr-defined,no-any-return]
+
+
+def _lsn(text: str) -> LSN:
+    try:
+        return LSN.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pgcdc", description="PostgreSQL change data capture into Delta Lake")
+    commands = parser.add_subparsers(dest="command", required=True)
+    changes = commands.add_parser(
+        "changes", help="print a slot's changes, decoded, as JSON lines (the slot moves only with --advance)"
+    )
+    changes.add_argument("--dsn", required=True, help="libpq DSN or postgresql:// URL of the source database")
+    changes.add_argument("--slot", required=True, help="the logical replication slot (pgoutput) to read")
+    changes.add_argument(
+        "--publication", action="append", required=True, help="publication to decode (repeat for several)"
+    )
+    changes.add_argument("--create-slot", action="store_true", help="create the slot (pgoutput) when it is missing")
+    changes.add_argument("--proto-version", type=int, choices=(1, 2, 3, 4), help="default: the highest the server has")
+    changes.add_argument("--streaming", action="store_true", help="stream large in-progress transactions")
+    changes.add_argument("--messages", action="store_true", help="include logical decoding messages")
+    changes.add_argument("--binary", action="store_true", help="values in binary send format (printed as \\x hex)")
+    changes.add_argument(
+        "--two-phase", action="store_true", help="decode prepared transactions at PREPARE (slot created with TWO_PHASE)"
+    )
+    changes.add_argument("--end-lsn", type=_lsn, help="stop at this X/Y (default: the WAL position at start)")
+    changes.add_argument("--advance", action="store_true", help="confirm what was printed, moving the slot")
+    return parser
+
+
+def print_changes(args: argparse.Namespace, out: TextIO) -> int:
+    """Stream the slot to ``end`` and print every message; returns the number printed."""
+    with ReplicationConnection(args.dsn, application_name="pgcdc changes", session_settings=SESSION_SETTINGS) as conn:
+        check_server(conn)
+        check_publications(conn, args.publication)
+        if args.create_slot and conn.read_slot(args.slot) is None:
+            conn.create_slot(args.slot, two_phase=args.two_phase)
+        slot_state = check_slot(conn, args.slot)
+        end = args.end_lsn if args.end_lsn is not None else conn.identify_system().xlogpos
+
+        options = PgOutputOptions(
+            publication_names=args.publication,
+            proto_version=args.proto_version,
+            binary=args.binary,
+            messages=args.messages,
+            streaming="on" if args.streaming else "off",
+            two_phase=args.two_phase,
+        )
+        stream = ReplicationStream(conn)
+        stream.start(args.slot, options=options)
+        decoder_version = options.validate(conn.server_version_num)
+        decoder = PgOutputDecoder(decoder_version)
+        printed = 0
+        last_end = slot_state.confirmed_flush_lsn or LSN(0)
+        for frame in stream.drain(end, stop=False):
+            message = decoder.decode(frame.payload, frame.wal_start)
+            out.write(json.dumps(message_to_json(message, decoder), ensure_ascii=False))
+            out.write("\n")
+            printed += 1
+            if isinstance(message, _ENDS_OF_TRANSACTIONS):
+                last_end = max(last_end, _end_of(message))
+        if args.advance:
+            # The drain stopped at a transaction boundary at or past `end`: every
+            # transaction committed before `end` has been printed, so `end` (or the
+            # last printed commit beyond it) is safe to confirm.
+            stream.confirm(max(end, last_end))
+        stream.stop()
+        out.flush()
+        return printed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "changes":
+            print_changes(args, sys.stdout)
+        return 0
+    except (PgcdcError, psycopg.Error) as error:
+        slot = getattr(args, "slot", None)
+        print(f"pgcdc: {explain(error, getattr(args, 'dsn', None), slot=slot)}", file=sys.stderr)
+        return EXIT_USAGE_OR_SETUP
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
