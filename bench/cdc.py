@@ -112,6 +112,8 @@ def main() -> None:
             out = work / "recvlogical.bin"
             baseline = recvlogical(server, dsn, end, proto, out)
             print(f"pg_recvlogical: {baseline:.2f} s, {changes / baseline:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB")
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"peak RSS before the incremental run (snapshot, backlog): {before:,.0f} MiB")
             result = run_incremental(config, engine.spark, log=print, max_chunk_changes=args.chunk)
             ours = result.duration_s
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

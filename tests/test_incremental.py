@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import tracemalloc
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import yaml
 from pyspark.sql import SparkSession
 
+from resources.catalog import TableName
 from resources.change_batches import SchemaChangeError
 from resources.config import PgcdcConfig, parse_config
 from resources.errors import ConfigurationError, SlotError
@@ -51,8 +51,6 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str, snapsho
     """Create the tables and publication, then snapshot (``snapshot``: which tables; default all)."""
     pg.execute(ddl)
     config = parse_config(settings(pg, tmp_path / "lake"))
-    from resources.catalog import TableName
-
     snapshot_tables(config, spark, None if snapshot is None else [TableName.parse(t) for t in snapshot])
     return config
 
@@ -283,14 +281,13 @@ def test_streamed_transactions_committed_aborted_and_with_rolled_back_savepoint(
             with large.transaction():
                 large.execute("INSERT INTO big SELECT g, repeat('a', 100) FROM generate_series(10001, 15000) g")
                 large.execute("DO $$ BEGIN RAISE 'abort the streamed transaction'; END $$")
-    (streamed,), = pg.execute(
-        "SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (SLOT,)
-    ) or [(None,)]
     result = drain(config, spark, max_chunk_changes=1500)
     assert same(pg, config, "public.big") == 3992
     assert result.tables["public.big"].inserted == 4001
     (streamed_after,), = pg.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (SLOT,))
-    assert streamed_after >= 2  # both large transactions really were streamed
+    # The committed one was streamed. PostgreSQL 16+ does not stream a transaction it already
+    # knows aborted when decoding it (here: decoded after the fact), 15 streams it and then aborts it.
+    assert streamed_after >= (2 if pg.major < 16 else 1)
 
 
 # --------------------------------------------------------------------------- snapshot boundaries
@@ -304,7 +301,7 @@ def test_changes_up_to_the_snapshot_lsn_are_skipped(pg: PgDatabase, tmp_path: Pa
         CREATE PUBLICATION pub FOR TABLE first, log;
     """, snapshot=["public.first"])  # creates the slot: the stream starts here
     pg.execute("INSERT INTO log VALUES ('before the snapshot of log')")  # in the stream and in the snapshot
-    snapshot_tables(config, spark, [__import__("resources.catalog").catalog.TableName("public", "log")])
+    snapshot_tables(config, spark, [TableName("public", "log")])
     pg.execute("INSERT INTO log VALUES ('after')")
     result = drain(config, spark)
     assert same(pg, config, "public.log", key=()) == 2  # appended once, not twice
