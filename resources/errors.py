@@ -67,19 +67,32 @@ def _scrub(text: str, dsn: str | None) -> str:
 
 
 def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = None) -> PgcdcError:
-    """Turn a psycopg error into an actionable ``PgcdcError``; pass others through as-is if already one."""
+    """Turn a psycopg error into an actionable ``PgcdcError``; a ``PgcdcError`` passes through."""
     import psycopg
 
     if isinstance(error, PgcdcError):
         return error
-    where = mask_dsn(dsn) if dsn else "the server"
     message = _scrub(str(error), dsn)
-    lowered = message.lower()
-    sqlstate = getattr(error, "sqlstate", None) or ""
-    slot_name = f'"{slot}"' if slot else ""
-
+    sqlstate = getattr(error, "sqlstate", None)
     if isinstance(error, psycopg.ProgrammingError) and not sqlstate:
         return ConfigurationError(f"invalid connection string ({message})", "pass a libpq DSN or postgresql:// URL")
+    if isinstance(error, psycopg.OperationalError) and not sqlstate and "FATAL" not in message:
+        where = mask_dsn(dsn) if dsn else "the server"
+        return ConnectionFailure(
+            f"cannot reach PostgreSQL at {where} ({message})",
+            "check host, port and that the server is running and accepts connections; retry",
+        )
+    return explain_server_error(sqlstate, message, dsn=dsn, slot=slot)
+
+
+def explain_server_error(
+    sqlstate: str | None, message: str, *, dsn: str | None = None, slot: str | None = None
+) -> PgcdcError:
+    """The one place that maps a server error (SQLSTATE and message) to its cause and fix."""
+    where = mask_dsn(dsn) if dsn else "the server"
+    message = _scrub(message, dsn) or "unknown server error"
+    lowered = message.lower()
+    slot_name = f'"{slot}"' if slot else ""
     if sqlstate == "28P01" or "password authentication failed" in lowered:
         return ConfigurationError(
             f"password authentication failed for {where}", "fix the password in the DSN or in PGPASSWORD/.pgpass"
@@ -88,15 +101,15 @@ def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = 
         return ConfigurationError(f"{where} requires a password", "set it in the DSN or in PGPASSWORD/.pgpass")
     if sqlstate == "3D000" or ("database" in lowered and "does not exist" in lowered):
         return ConfigurationError(f"database missing on {where} ({message})", "fix dbname in the DSN")
-    if "wal_level" in lowered:
-        return ConfigurationError(
-            f"logical decoding is off on {where} ({message})",
-            "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL",
-        )
     if "pg_hba.conf" in lowered:
         return ConfigurationError(
             f"{where} refuses this connection ({message})",
             "add a pg_hba.conf entry for this user (replication connections need their own) and reload PostgreSQL",
+        )
+    if "wal_level" in lowered:
+        return ConfigurationError(
+            f"logical decoding is off on {where} ({message})",
+            "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL",
         )
     if sqlstate == "42501" or "replication role" in lowered or "permission denied" in lowered:
         return ConfigurationError(
@@ -113,13 +126,20 @@ def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = 
             f"replication slot {slot_name} does not exist on {where}",
             "create it (pgcdc changes --create-slot, or run the snapshot job) or fix the slot name",
         )
+    if sqlstate == "42710" and "replication slot" in lowered:
+        return SlotError(message, "drop the existing slot or choose another name")
+    if sqlstate == "55000" and slot is not None:
+        return SlotError(message, "recreate the slot (it was invalidated or has the wrong kind) and re-snapshot")
     if "publication" in lowered and "does not exist" in lowered:
         return ConfigurationError(
             f"{message} on {where}", "CREATE PUBLICATION <name> FOR TABLE ... or fix the publication name"
         )
-    if isinstance(error, psycopg.OperationalError) and not sqlstate:
+    if sqlstate == "53400":
+        return ConfigurationError(message, "raise max_replication_slots / max_wal_senders or drop unused slots")
+    if sqlstate in ("22023", "0A000", "42601"):
+        return ConfigurationError(message, "fix the replication options for this server version")
+    if sqlstate is None or sqlstate.startswith(("08", "57P")):
         return ConnectionFailure(
-            f"cannot reach PostgreSQL at {where} ({message})",
-            "check host, port and that the server is running and accepts connections; retry",
+            f"connection to {where} failed ({message})", "check that PostgreSQL is running and reachable, then retry"
         )
-    return PgcdcError(f"PostgreSQL error on {where} ({message})", "see the server log for details")
+    return PgcdcError(f"PostgreSQL error on {where} ({message})", "see the PostgreSQL server log for details")

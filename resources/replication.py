@@ -36,7 +36,7 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
-from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
+from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain, explain_server_error
 from resources.lsn import LSN
 
 __all__ = [
@@ -121,42 +121,17 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _server_error(sqlstate: str | None, message: str, *, slot: str | None = None) -> PgcdcError:
-    """Turn a server error (SQLSTATE + primary message) into an actionable pgcdc error."""
-    message = _one_line(message) or "unknown server error"
-    if sqlstate == "55006" or " is active for PID " in message:
-        return SlotError(message, "stop the other consumer or wait")
-    if sqlstate == "42704" and "replication slot" in message:
-        return SlotError(message, "create the slot first or check the slot name")
-    if sqlstate == "42710":
-        return SlotError(message, "drop the existing slot or choose another name")
-    if sqlstate == "53400":
-        return ConfigurationError(message, "raise max_replication_slots / max_wal_senders or drop unused slots")
-    if sqlstate == "42501":
-        return ConfigurationError(message, "connect as a role with the REPLICATION attribute")
-    if "wal_level" in message:
-        return ConfigurationError(message, "set wal_level = logical and restart PostgreSQL")
-    if sqlstate == "55000" and slot is not None:
-        return SlotError(message, "recreate the slot (it was invalidated or has the wrong kind)")
-    if sqlstate in ("22023", "0A000", "42601"):
-        return ConfigurationError(message, "fix the replication options for this server version")
-    if sqlstate is None or sqlstate.startswith("08") or sqlstate.startswith("57P"):
-        return ConnectionFailure(message, "check that PostgreSQL is running and reachable, then retry")
-    return PgcdcError(message, "see the PostgreSQL server log for details")
-
-
 def _from_psycopg(exc: psycopg.Error, *, slot: str | None = None, conn: psycopg.Connection | None = None) -> PgcdcError:
     if (conn is not None and conn.closed) or (isinstance(exc, psycopg.OperationalError) and exc.sqlstate is None):
         return ConnectionFailure(_one_line(str(exc)) or "connection lost", "check that PostgreSQL is running and reachable, then retry")
-    message = exc.diag.message_primary or str(exc)
-    return _server_error(exc.sqlstate, message, slot=slot)
+    return explain_server_error(exc.sqlstate, exc.diag.message_primary or str(exc), slot=slot)
 
 
 def _from_result(res: pq.abc.PGresult, *, slot: str | None = None) -> PgcdcError:
     sqlstate = res.error_field(pq.DiagnosticField.SQLSTATE)
     primary = res.error_field(pq.DiagnosticField.MESSAGE_PRIMARY)
     message = (primary or res.error_message or b"").decode("utf-8", "replace")
-    return _server_error(sqlstate.decode("ascii") if sqlstate else None, message, slot=slot)
+    return explain_server_error(sqlstate.decode("ascii") if sqlstate else None, message, slot=slot)
 
 
 # --------------------------------------------------------------------------- results

@@ -370,7 +370,7 @@ def test_slot_held_by_another_consumer(pg: PgDatabase, rc: ReplicationConnection
                 ReplicationStream(second).start("busy", options=PgOutputOptions(["pub"]))
             message = str(info.value)
             assert "is active for PID" in message and "\n" not in message
-            assert message.endswith(": stop the other consumer or wait")
+            assert message.endswith(": stop the other consumer (or wait for its run to finish) and retry")
             second.identify_system()
         stream.stop()
 
