@@ -1,0 +1,142 @@
+"""Delta table == PostgreSQL table, value for value: the comparison the tests and the demo share.
+
+Delta is read with delta-rs (``deltalake``), an engine independent of the Sail writer,
+and PostgreSQL with psycopg. Columns Delta stores as strings (numeric without a Spark
+precision, intervals, json, ...) are compared with PostgreSQL's text output, which is
+what pgcdc writes; timestamps as int64 microseconds since the epoch (infinity at the int64
+limits); every other type as Python values (Decimal, date, bytes, lists, ...).
+
+``compare_table`` reads PostgreSQL through a connection the caller owns, so a caller can
+compare against a snapshot it holds open (``REPEATABLE READ``) while writes go on.
+``deltalake`` is imported on use: it comes with the ``dev`` extra.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import psycopg
+import pyarrow as pa
+
+from resources.pgtypes import SESSION_SETTINGS
+from resources.replication import libpq_options
+
+__all__ = ["assert_delta_equals_postgres", "compare_table", "delta_rows"]
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _hashable(value: object) -> object:
+    """Lists (arrays) as tuples, so rows can be counted."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _sort_key(row: tuple) -> tuple:
+    return tuple((value is None, repr(value)) for value in row)
+
+
+def delta_rows(path: str) -> tuple[pa.Schema, list[dict]]:
+    """Rows as Python values; timestamps as int64 microseconds, since pgcdc stores PostgreSQL's
+    infinity at the int64 limits, beyond Python's datetime."""
+    import deltalake  # the dev extra; imported here so the package works without it
+
+    table = deltalake.DeltaTable(path).to_pyarrow_table()
+    schema = table.schema
+    for i, f in enumerate(schema):
+        if pa.types.is_timestamp(f.type):
+            table = table.set_column(i, f.name, table.column(i).cast(pa.int64()))
+    return schema, table.to_pylist()
+
+
+def _pg_expression(name: str, arrow: pa.DataType) -> str:
+    """The SELECT expression giving PostgreSQL's value in the form Delta's column is compared in."""
+    column = _quote(name)
+    if pa.types.is_string(arrow):
+        return f"{column}::text"
+    if pa.types.is_timestamp(arrow):
+        return (
+            f"CASE WHEN {column} = 'infinity' THEN 9223372036854775807 WHEN {column} = '-infinity'"
+            f" THEN -9223372036854775808 ELSE (extract(epoch FROM {column}) * 1000000)::bigint END"
+        )
+    return column
+
+
+def compare_table(
+    conn: psycopg.Connection,
+    table: str,
+    path: str,
+    *,
+    key: Sequence[str] = (),
+    extra_delta_columns: Sequence[str] = (),
+) -> int:
+    """Raise AssertionError with a readable diff unless the Delta table at ``path`` equals
+    ``table`` (``schema.name``) as ``conn`` sees it, ignoring ``_pgcdc_*`` columns; returns the row count.
+
+    ``extra_delta_columns`` are Delta columns PostgreSQL no longer has (dropped columns,
+    kept in Delta by design); they are not compared. ``key`` only shapes the diff.
+    """
+    schema, delta = delta_rows(path)
+    schema_name, _, table_name = table.partition(".")
+    pg_columns = [
+        name
+        for (name,) in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
+            " AND NOT attisdropped ORDER BY attnum",
+            (f"{_quote(schema_name)}.{_quote(table_name)}",),
+        ).fetchall()
+    ]
+    delta_columns = [f.name for f in schema if not f.name.startswith("_pgcdc_")]
+    unexpected = set(delta_columns) - set(pg_columns) - set(extra_delta_columns)
+    missing = set(pg_columns) - set(delta_columns)
+    if unexpected or missing:
+        raise AssertionError(f"{table}: Delta columns {sorted(delta_columns)} vs PostgreSQL {pg_columns}")
+    select = ", ".join(_pg_expression(name, schema.field(name).type) for name in pg_columns)
+    pg_rows = [
+        tuple(_hashable(value) for value in row)
+        for row in conn.execute(f"SELECT {select} FROM {_quote(schema_name)}.{_quote(table_name)}").fetchall()
+    ]
+    delta_tuples = [tuple(_hashable(row[name]) for name in pg_columns) for row in delta]
+    if Counter(delta_tuples) != Counter(pg_rows):
+        raise AssertionError(_diff(table, pg_columns, key, pg_rows, delta_tuples))
+    return len(pg_rows)
+
+
+def assert_delta_equals_postgres(
+    dsn: str,
+    table: str,
+    path: str,
+    *,
+    key: Sequence[str] = (),
+    extra_delta_columns: Sequence[str] = (),
+) -> int:
+    """:func:`compare_table` on a fresh connection to ``dsn``."""
+    with psycopg.connect(dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS)) as conn:
+        return compare_table(conn, table, path, key=key, extra_delta_columns=extra_delta_columns)
+
+
+def _diff(table: str, columns: list[str], key: Sequence[str], pg_rows: list[tuple], delta_rows_: list[tuple]) -> str:
+    """A readable diff: rows per key that differ, or multiset differences without a key."""
+    lines = [f"Delta differs from PostgreSQL for {table} (columns {columns}):"]
+    if key:
+        positions = [columns.index(name) for name in key]
+        by_key_pg = {tuple(row[i] for i in positions): row for row in pg_rows}
+        by_key_delta: dict[tuple, list[tuple]] = {}
+        for row in delta_rows_:
+            by_key_delta.setdefault(tuple(row[i] for i in positions), []).append(row)
+        for k in sorted(set(by_key_pg) | set(by_key_delta), key=_sort_key):
+            expected, got = by_key_pg.get(k), by_key_delta.get(k, [])
+            if got != ([expected] if expected is not None else []):
+                lines.append(f"  key {k}: PostgreSQL {expected!r}")
+                lines.append(f"  {' ' * len(f'key {k}')}  Delta      {got!r}")
+    else:
+        pg_count, delta_count = Counter(pg_rows), Counter(delta_rows_)
+        for row in sorted((pg_count - delta_count).elements(), key=_sort_key):
+            lines.append(f"  only in PostgreSQL: {row!r}")
+        for row in sorted((delta_count - pg_count).elements(), key=_sort_key):
+            lines.append(f"  only in Delta:      {row!r}")
+    if len(lines) > 41:
+        lines = lines[:41] + [f"  ... {len(lines) - 41} more lines"]
+    return "\n".join(lines)
