@@ -422,10 +422,13 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
         assert after_crash > start
     else:
         assert after_crash == start  # the first chunk was never confirmed
+    (before_rerun,), = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
     rerun = run_child(config, tmp_path, None, chunk=10)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    (end,), = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
-    assert slot_confirmed(pg) == LSN.parse(end)
+    (after_rerun,), = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
+    # The rerun confirms its end position: the flush LSN when it started, which background
+    # WAL (checkpoints, autovacuum) may have moved past the workload's end.
+    assert LSN.parse(before_rerun) <= slot_confirmed(pg) <= LSN.parse(after_rerun)
     assert same(pg, config, "public.acct") == 21
     assert same(pg, config, "public.journal", key=()) == 30  # keyless: exactly once across the crash
 
