@@ -462,9 +462,12 @@ class DagsterDriver:
         self.instance = DagsterInstance.from_config(str(dagster_home))
 
     def run(self, job: str) -> Any:
-        result = self.defs.resolve_job_def(job).execute_in_process(
-            run_config=QUIET_RUN_CONFIG, instance=self.instance, raise_on_error=False, tags={"pgcdc/demo": "true"}
-        )
+        try:
+            result = self.defs.resolve_job_def(job).execute_in_process(
+                run_config=QUIET_RUN_CONFIG, instance=self.instance, raise_on_error=False, tags={"pgcdc/demo": "true"}
+            )
+        finally:
+            install_signal_handlers()
         if not result.success:
             failures = [
                 event.event_specific_data.error.message.strip()  # type: ignore[union-attr]
@@ -645,11 +648,11 @@ def serve_dagster(env: dict[str, str], port: int, stop_after: float | None) -> i
             say("\nstopping dagster dev ...")
         finally:
             if process.poll() is None:
-                process.send_signal(signal.SIGINT)
+                process.send_signal(signal.SIGINT)  # dagster dev then stops its webserver, daemon and code server
                 try:
                     process.wait(timeout=30)
                 except subprocess.TimeoutExpired:
-                    process.kill()
+                    os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is dagster dev's
                     process.wait()
     return 0
 
@@ -672,13 +675,23 @@ def _sigterm_as_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def install_signal_handlers() -> None:
+    """Ctrl-C and SIGTERM end the demo cleanly (stopping dagster dev and PostgreSQL).
+
+    Also when SIGINT was inherited as ignored (a background job of a non-interactive shell);
+    again after every Dagster run, which leaves SIGTERM with whatever SIGINT had.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
     os.environ.setdefault("RUST_LOG", "error")  # Sail's server logs every session at INFO/WARN otherwise
     warnings.filterwarnings("ignore", module=r"dagster(\..*)?$")
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    install_signal_handlers()
     directory: Path = args.dir.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
