@@ -28,6 +28,7 @@ import random
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -617,6 +618,11 @@ def serve_dagster(env: dict[str, str], port: int, stop_after: float | None) -> i
     """Run ``dagster dev`` until Ctrl-C (or ``stop_after`` seconds once it answers); its exit status."""
     command = dagster_dev_command(port)
     log_path = Path(env["DAGSTER_HOME"]) / "dagster-dev.log"
+    try:
+        with socket.create_server(("127.0.0.1", port)):
+            pass
+    except OSError:
+        raise DemoFailure(f"port {port} on 127.0.0.1 is in use: pass --port N (make demo DEMO_ARGS='--port N')") from None
     say(f"$ {shlex.join(command)}   (output in {log_path})")
     with open(log_path, "wb") as log:
         # Its own session: Ctrl-C reaches only us, and we stop it once, cleanly.
