@@ -20,6 +20,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.decode
+	$(BIN)/python -m bench.snapshot
+	$(BIN)/python -m bench.cdc
 
 clean:
-	rm -rf $(VENV) lake .pytest_cache
+	rm -rf $(VENV) lake .demo .pytest_cache
