@@ -1,0 +1,39 @@
+"""One incremental drain in its own process, for the fault tests (tests/test_faults.py).
+
+Usage: python -m tests.fault_child CONFIG.yaml MAX_CHUNK_CHANGES
+
+Like ``tests.incremental_child``, but a ``PgcdcError`` ends the process the way a user
+would see it: one line ``pgcdc: <ErrorClass>: <cause>: <fix>`` on stderr and exit status 2
+(any other exception keeps its traceback and exits 1). Progress lines go to stdout
+unbuffered so the parent can tell when the drain is under way.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from resources.config import load_config
+from resources.delta_engine import SparkEngine
+from resources.errors import PgcdcError
+from resources.incremental import run_incremental
+
+EXIT_PGCDC_ERROR = 2
+
+
+def main() -> int:
+    config = load_config(sys.argv[1])
+    with SparkEngine.embedded() as engine:
+        print("engine up", flush=True)
+        try:
+            result = run_incremental(
+                config, engine.spark, log=lambda line: print(line, flush=True), max_chunk_changes=int(sys.argv[2])
+            )
+        except PgcdcError as error:
+            print(f"pgcdc: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            return EXIT_PGCDC_ERROR
+    print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,437 @@
+"""Crashes and faults in the middle of an incremental drain, against real PostgreSQL 15 and 18.
+
+Every test interrupts a drain that is really under way (a child process streaming a
+backlog in small chunks, at least one chunk already confirmed), checks what the user is
+told, re-runs, and ends with the oracle (Delta equals PostgreSQL value for value, keyless
+rows exactly once) and the slot confirmed where the re-run says, bracketed by the WAL
+flush positions around it. Tests that restart or reconfigure PostgreSQL start a server of
+their own; the others use a fresh database on the shared one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import deltalake
+import psycopg
+import pytest
+import yaml
+from dagster import AssetKey, DagsterInstance
+from pyspark.sql import SparkSession
+
+from pgcdc_assets.builder import build_definitions
+from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
+from resources.errors import ConnectionFailure, SlotError
+from resources.faults import FAULT_POINT_ENV
+from resources.incremental import IncrementalResult, run_incremental
+from resources.local_postgres import LocalPostgres, start_local_postgres
+from resources.lsn import LSN
+from resources.snapshot import snapshot_tables
+from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+from tests.tcp_proxy import TcpProxy
+
+try:  # the comparison moved to resources/verify.py; tests/oracle.py re-exports it
+    from resources.verify import assert_delta_equals_postgres
+except ImportError:  # pragma: no cover - older tree
+    from tests.oracle import assert_delta_equals_postgres
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+REPO = Path(__file__).resolve().parent.parent
+DAGSTER = str(Path(sys.executable).with_name("dagster"))
+SLOT = "pgcdc_slot"
+#: Changes per chunk while a drain is interrupted: many chunks, so there is a "middle".
+SMALL_CHUNK = 200
+
+DDL = """
+    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
+    CREATE TABLE journal (entry int, note text);
+    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 400) g;
+    INSERT INTO journal VALUES (-1, 'seed');
+    CREATE PUBLICATION pub FOR TABLE acct, journal;
+"""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(params=POSTGRES_VERSIONS, ids=lambda v: f"pg{v}")
+def own_server(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
+    """A server of this test's own, to restart or reconfigure without disturbing the shared one."""
+    server = start_local_postgres(request.param, TEST_SERVER_SETTINGS)
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def new_database(server: LocalPostgres) -> PgDatabase:
+    with psycopg.connect(server.dsn(), autocommit=True) as admin:
+        admin.execute('CREATE DATABASE "faults"')
+    return PgDatabase(server, "faults")
+
+
+def write_config(config: PgcdcConfig, tmp_path: Path) -> Path:
+    path = tmp_path / "pgcdc.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump()), encoding="utf-8")
+    return path
+
+
+def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None = None) -> PgcdcConfig:
+    """Tables, publication, snapshot (which creates the slot); ``dsn`` overrides how pgcdc connects."""
+    pg.execute(DDL)
+    config = parse_config({
+        "postgres": {"dsn": dsn or pg.dsn},
+        "publication": "pub",
+        "slot": SLOT,
+        "delta": {"root": str(tmp_path / "lake")},
+    })
+    snapshot_tables(config, spark, None)
+    return config
+
+
+def backlog(pg: PgDatabase, transactions: int = 300) -> None:
+    """Small transactions touching both tables, one large (streamed) transaction, a truncate."""
+    with pg.connect() as conn:
+        for i in range(transactions):
+            with conn.transaction():
+                conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id %% 20 = %s", (f"t{i}", i % 20))
+                conn.execute("INSERT INTO journal SELECT %s, 'e' || g FROM generate_series(1, 10) g", (i,))
+                if i % 50 == 49:
+                    conn.execute("DELETE FROM acct WHERE id = %s", (i,))
+                    conn.execute("INSERT INTO acct VALUES (%s, 7, 'reborn')", (1000 + i,))
+            if i == transactions // 3:
+                conn.execute("INSERT INTO journal SELECT -2, repeat('L', 200) FROM generate_series(1, 3000)")
+            if i == transactions // 2:
+                conn.execute("TRUNCATE journal")
+
+
+def confirmed(pg: PgDatabase) -> LSN:
+    ((value,),) = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+    return LSN.parse(value)
+
+
+def flush_lsn(pg: PgDatabase) -> LSN:
+    ((value,),) = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
+    return LSN.parse(value)
+
+
+def slot_active_pid(pg: PgDatabase) -> int | None:
+    rows = pg.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+    return rows[0][0] if rows else None
+
+
+def assert_exact(pg: PgDatabase, config: PgcdcConfig) -> None:
+    """The oracle on both tables (acct has 400 rows throughout; journal is keyless)."""
+    root = Path(config.delta.root)
+    assert assert_delta_equals_postgres(pg.dsn, "public.acct", str(root / "public" / "acct"), key=("id",)) == 400
+    assert_delta_equals_postgres(pg.dsn, "public.journal", str(root / "public" / "journal"))
+
+
+def rerun_converges(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession) -> IncrementalResult:
+    """Re-run in this process; the slot ends at the re-run's position, the data is exact."""
+    before = flush_lsn(pg)
+    result = run_incremental(config, spark, log=print)
+    after = flush_lsn(pg)
+    assert result.confirmed_flush_lsn == confirmed(pg)
+    # The re-run confirms its end position: the flush LSN when it started, which background
+    # WAL (checkpoints, autovacuum) may have moved past the workload's end.
+    assert before <= result.end_lsn <= result.confirmed_flush_lsn <= after
+    assert_exact(pg, config)
+    return result
+
+
+class Child:
+    """``tests.fault_child`` draining in the background, output in files (pipes could fill up)."""
+
+    def __init__(self, config_file: Path, chunk: int = SMALL_CHUNK, env: dict[str, str] | None = None) -> None:
+        self.out = config_file.with_suffix(".out")
+        self.err = config_file.with_suffix(".err")
+        environment = {k: v for k, v in os.environ.items() if k != FAULT_POINT_ENV}
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.fault_child", str(config_file), str(chunk)],
+                stdout=out, stderr=err, cwd=REPO, env={**environment, **(env or {})},
+            )  # fmt: skip
+
+    def wait(self, timeout: float = 120) -> int:
+        return self.process.wait(timeout)
+
+    def output(self) -> str:
+        return self.out.read_text() + self.err.read_text()
+
+    def error_lines(self) -> list[str]:
+        """stderr without Sail's own log lines."""
+        return [line for line in self.err.read_text().splitlines() if line.strip() and " sail_" not in line]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def wait_mid_drain(pg: PgDatabase, child: Child, start: LSN, timeout: float = 90) -> LSN:
+    """Until the child has confirmed at least one chunk and is still streaming; returns that position."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert child.process.poll() is None, f"the drain ended before it could be interrupted:\n{child.output()}"
+        position = confirmed(pg)
+        if position > start and slot_active_pid(pg) is not None:
+            return position
+        time.sleep(0.02)
+    child.kill()
+    raise AssertionError(f"no chunk confirmed within {timeout} s:\n{child.output()}")
+
+
+def assert_one_line_failure(child: Child, kind: str, *fragments: str) -> str:
+    code = child.wait()
+    lines = child.error_lines()
+    assert code == 2 and len(lines) == 1, f"exit {code}:\n{child.output()}"
+    (line,) = lines
+    assert line.startswith(f"pgcdc: {kind}: "), line
+    for fragment in fragments:
+        assert fragment in line, line
+    return line
+
+
+def wait_until_inactive(pg: PgDatabase, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while slot_active_pid(pg) is not None:
+        assert time.monotonic() < deadline, "the walsender still holds the slot"
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- the server goes away
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_postgres_restarted_mid_drain_fails_with_connection_failure_and_rerun_is_exact(
+    own_server: LocalPostgres, tmp_path: Path, spark: SparkSession, mode: str
+) -> None:
+    """A clean shutdown (fast) and a crash (immediate: the slot may fall back to its last checkpointed position)."""
+    pg = new_database(own_server)
+    config = setup(pg, tmp_path, spark)
+    start = confirmed(pg)
+    backlog(pg)
+    child = Child(write_config(config, tmp_path))
+    try:
+        wait_mid_drain(pg, child, start)
+        own_server.stop(mode)
+        assert_one_line_failure(child, "ConnectionFailure", "retry")
+    finally:
+        child.kill()
+        own_server.start()
+    assert confirmed(pg) >= start
+    rerun_converges(pg, config, spark)
+
+
+def test_walsender_terminated_mid_drain_fails_with_connection_failure_and_rerun_is_exact(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    config = setup(pg, tmp_path, spark)
+    start = confirmed(pg)
+    backlog(pg)
+    child = Child(write_config(config, tmp_path))
+    try:
+        wait_mid_drain(pg, child, start)
+        ((terminated,),) = pg.execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)
+        )
+        assert terminated
+        assert_one_line_failure(child, "ConnectionFailure", "retry")
+    finally:
+        child.kill()
+    after = confirmed(pg)
+    assert after > start
+    result = rerun_converges(pg, config, spark)
+    assert result.start_lsn == after  # resumed where the interrupted run's last confirm left it
+
+
+def test_network_cut_mid_stream_then_rerun_through_the_restored_proxy_is_exact(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    with TcpProxy("127.0.0.1", pg.server.port) as proxy:
+        config = setup(pg, tmp_path, spark, dsn=proxy.dsn_for(pg.dsn))
+        start = confirmed(pg)
+        backlog(pg)
+        child = Child(write_config(config, tmp_path))
+        try:
+            wait_mid_drain(pg, child, start)
+            assert proxy.drop_all() >= 2  # the walsender connection and the SQL connection
+            assert_one_line_failure(child, "ConnectionFailure", "retry")
+        finally:
+            child.kill()
+        wait_until_inactive(pg)  # the server saw its peer go: the slot is free again
+        accepted = proxy.accepted
+        rerun_converges(pg, config, spark)
+        assert proxy.accepted > accepted  # the re-run went through the proxy
+
+
+# --------------------------------------------------------------------------- the slot is lost
+
+
+LOST_SLOT_SETTINGS = {
+    **TEST_SERVER_SETTINGS,
+    "max_slot_wal_keep_size": "1MB",
+    "wal_keep_size": "0",
+    "max_wal_size": "32MB",
+    "min_wal_size": "32MB",
+}
+
+
+@pytest.fixture(params=POSTGRES_VERSIONS, ids=lambda v: f"pg{v}")
+def keep_little_wal(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
+    server = start_local_postgres(request.param, LOST_SLOT_SETTINGS)
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def invalidate(pg: PgDatabase) -> None:
+    """Generate WAL while no consumer runs and CHECKPOINT until PostgreSQL gives the slot up."""
+    pg.execute("CREATE TABLE filler (x text)")  # unpublished: only makes WAL
+    for _ in range(20):
+        pg.execute("INSERT INTO filler SELECT repeat('x', 100) FROM generate_series(1, 5000)")
+        pg.execute("SELECT pg_switch_wal()")
+        pg.execute("CHECKPOINT")
+        ((status,),) = pg.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+        if status == "lost":
+            return
+    raise AssertionError(f"slot still {status} after 20 checkpoints")
+
+
+def test_slot_lost_to_max_slot_wal_keep_size_fails_naming_resnapshot_and_resnapshot_restores_equality(
+    keep_little_wal: LocalPostgres, tmp_path: Path, spark: SparkSession
+) -> None:
+    pg = new_database(keep_little_wal)
+    config = setup(pg, tmp_path, spark)
+    backlog(pg, transactions=30)
+    invalidate(pg)
+    slot_before = pg.execute("SELECT confirmed_flush_lsn, restart_lsn, wal_status FROM pg_replication_slots")
+    versions = {t: deltalake.DeltaTable(f"{config.delta.root}/public/{t}").version() for t in ("acct", "journal")}
+
+    with pytest.raises(SlotError) as lost:
+        run_incremental(config, spark)
+    message = str(lost.value)
+    assert f'replication slot "{SLOT}" is invalidated (wal_status lost' in message, message
+    assert "pgcdc_resnapshot" in message and "\n" not in message
+
+    config_file = write_config(config, tmp_path)
+    defs = build_definitions(config_file)
+    with DagsterInstance.ephemeral() as instance:
+        failed = defs.resolve_job_def("pgcdc_incremental").execute_in_process(instance=instance, raise_on_error=False)
+        assert not failed.success
+        (failure,) = [e for e in failed.all_events if e.event_type_value == "STEP_FAILURE"]
+        assert failure.step_failure_data.error.message.strip().endswith(message)
+        # Nothing moved: no Delta commit, the slot as PostgreSQL left it.
+        assert pg.execute("SELECT confirmed_flush_lsn, restart_lsn, wal_status FROM pg_replication_slots") == slot_before
+        for table, version in versions.items():
+            assert deltalake.DeltaTable(f"{config.delta.root}/public/{table}").version() == version
+
+        # The fix the message names.
+        resnapshot = defs.resolve_job_def("pgcdc_resnapshot").execute_in_process(instance=instance)
+        assert resnapshot.success
+    ((status,),) = pg.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+    assert status in ("reserved", "extended")
+    assert_exact(pg, config)
+    backlog(pg, transactions=20)
+    rerun_converges(pg, config, spark)
+
+
+# --------------------------------------------------------------------------- two runs at once
+
+
+def test_second_run_while_one_drains_fails_fast_and_the_first_finishes_exactly(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    config = setup(pg, tmp_path, spark)
+    start = confirmed(pg)
+    backlog(pg)
+    before = flush_lsn(pg)
+    child = Child(write_config(config, tmp_path))
+    try:
+        wait_mid_drain(pg, child, start)
+        pid = slot_active_pid(pg)
+        began = time.monotonic()
+        with pytest.raises(SlotError) as busy:
+            run_incremental(config, spark)
+        assert time.monotonic() - began < 5
+        assert str(busy.value) == (
+            f'replication slot "{SLOT}" in use by PID {pid}: another run is draining it; wait for it to finish'
+        )
+        assert child.wait() == 0, child.output()
+    finally:
+        child.kill()
+    after = flush_lsn(pg)
+    assert before <= confirmed(pg) <= after
+    assert f"confirmed {confirmed(pg)} " in child.output()
+    assert_exact(pg, config)
+
+
+# --------------------------------------------------------------------------- SIGKILL
+
+
+def test_sigkill_while_streaming_then_rerun_is_exact(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """Killed from outside between the fault points: mid-chunk, with a streamed transaction in the spill."""
+    config = setup(pg, tmp_path, spark)
+    start = confirmed(pg)
+    backlog(pg)
+    child = Child(write_config(config, tmp_path))
+    try:
+        wait_mid_drain(pg, child, start)
+        time.sleep(0.3)  # somewhere inside the next chunks
+        child.process.send_signal(signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+    finally:
+        child.kill()
+    wait_until_inactive(pg)
+    assert confirmed(pg) > start
+    rerun_converges(pg, config, spark)
+
+
+def test_sigkill_after_the_final_confirm_before_dagster_records_metadata(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """The Dagster step dies after the slot is confirmed but before any materialization is written:
+    the next run finds the data in Delta and the slot past it, applies nothing, and records metadata."""
+    config = setup(pg, tmp_path, spark)
+    config_file = write_config(config, tmp_path)
+    backlog(pg, transactions=20)  # one chunk: the first confirm is the run's final one
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    env = {**os.environ, CONFIG_ENV_VAR: str(config_file), "DAGSTER_HOME": str(home), FAULT_POINT_ENV: "after_confirm"}
+    killed = subprocess.run(
+        [DAGSTER, "job", "execute", "-m", "pgcdc_assets.definitions", "-j", "pgcdc_incremental"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    wait_until_inactive(pg)
+    after_crash = confirmed(pg)
+    assert_exact(pg, config)  # everything is in Delta and confirmed ...
+
+    with DagsterInstance.from_config(str(home)) as instance:
+        (crashed,) = instance.get_runs()
+        assert crashed.status.value == "STARTED"  # ... but the run never finished
+        assert instance.get_latest_materialization_event(AssetKey(["pgcdc", "public", "acct"])) is None
+
+        result = build_definitions(config_file).resolve_job_def("pgcdc_incremental").execute_in_process(
+            instance=instance
+        )
+        assert result.success
+        (event,) = [
+            e.event_specific_data.materialization
+            for e in result.get_asset_materialization_events()
+            if e.event_specific_data.materialization.asset_key.path[-1] == "acct"
+        ]
+    metadata = {key: value.value for key, value in event.metadata.items()}
+    assert metadata["pgcdc/start_lsn"] == str(after_crash)
+    assert metadata["pgcdc/changes_applied"] == 0
+    assert metadata["pgcdc/confirmed_flush_lsn"] == str(confirmed(pg))
+    assert_exact(pg, config)
