@@ -159,6 +159,11 @@ def _slices(batch: pa.RecordBatch, chunk_bytes: int) -> Iterator[pa.RecordBatch]
         yield batch.slice(start, rows_per_slice)
 
 
+SHIP_BYTES = 8 * 1024 * 1024
+"""Arrow bytes per temporary view a snapshot ships to the server while the source is still
+being read (at most ``chunk_bytes``)."""
+
+
 def write_snapshot(
     spark: SparkSession,
     data: pa.Table | Iterable[pa.RecordBatch],
@@ -170,27 +175,68 @@ def write_snapshot(
 ) -> int:
     """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
 
-    Readers see the old table or the whole new one, never a prefix: a snapshot that fits in
-    one chunk is written directly; a larger one is first appended chunk by chunk to a
-    staging table inside ``path`` and then copied over in a single overwrite, so memory
-    stays bounded by ``chunk_bytes`` and a crash leaves only staging debris. The one commit
+    Readers see the old table or the whole new one, never a prefix. Batches are shipped to
+    the server as they arrive, each piece (about :data:`SHIP_BYTES`) as a temporary view,
+    so the transfer overlaps with whatever produces ``data``. A snapshot whose views fit in
+    one chunk is written directly from their union; a larger one is appended chunk by chunk
+    (a union of views each) to a staging table inside ``path`` and then copied over in a
+    single overwrite. Memory stays bounded by ``chunk_bytes`` (held by the server, as views,
+    until their chunk is written) and a crash leaves only staging debris. The one commit
     carries ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without
     the data.
     """
-    chunks = _chunks(data, schema, chunk_bytes)
-    first = next(chunks)
-    second = next(chunks, None)
-    if second is None:
-        _overwrite(spark_dataframe(spark, first), path, user_metadata)
-    else:
-        staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
-        _overwrite(spark_dataframe(spark, first), staging, None)
-        _append(spark_dataframe(spark, second), staging)
-        for chunk in chunks:
-            _append(spark_dataframe(spark, chunk), staging)
-        _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
-        _remove_local_staging(staging)
+    pieces = _chunks(data, schema, max(1, min(chunk_bytes, SHIP_BYTES)))
+    staging: str | None = None
+    pending: list[str] = []  # views shipped but not yet written
+    pending_bytes = 0
+    try:
+        for piece in pieces:
+            if pending and pending_bytes >= chunk_bytes:
+                staging = _write_staged(spark, pending, path, staging)
+                _drop_views(spark, pending)
+                pending_bytes = 0
+            view = f"pgcdc_snapshot_{uuid.uuid4().hex}"
+            spark_dataframe(spark, piece).createOrReplaceTempView(view)
+            pending.append(view)
+            pending_bytes += piece.nbytes
+        if staging is None:
+            _overwrite(_union(spark, pending), path, user_metadata)
+        else:
+            _write_staged(spark, pending, path, staging)
+            _drop_views(spark, pending)
+            _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
+            _remove_local_staging(staging)
+    finally:
+        try:
+            _drop_views(spark, pending)
+        except Exception:  # noqa: BLE001 - the session is gone; its views went with it
+            pass
     return _version_with_metadata(spark, path, user_metadata)
+
+
+def _union(spark: SparkSession, views: Sequence[str]) -> DataFrame:
+    frames = [spark.table(view) for view in views]
+    union = frames[0]
+    for frame in frames[1:]:
+        union = union.unionAll(frame)
+    return union
+
+
+def _write_staged(spark: SparkSession, views: Sequence[str], path: str, staging: str | None) -> str:
+    """Append the views to the staging table (created by the first call); return its path."""
+    if staging is None:
+        staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
+        _overwrite(_union(spark, views), staging, None)
+    else:
+        _append(_union(spark, views), staging)
+    return staging
+
+
+def _drop_views(spark: SparkSession, views: list[str]) -> None:
+    """Drop the views (the server frees their data) and empty the list."""
+    while views:
+        spark.catalog.dropTempView(views[-1])
+        views.pop()
 
 
 def _overwrite(frame: DataFrame, path: str, user_metadata: str | None) -> None:

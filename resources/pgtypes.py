@@ -289,6 +289,20 @@ def arrow_schema(columns: Iterable[PgColumnType]) -> pa.Schema:
     )
 
 
+def csv_direct_type(col: PgColumnType) -> pa.DataType | None:
+    """The type Arrow's CSV reader may parse this column's PostgreSQL text into directly.
+
+    For these types the CSV converter and :func:`to_arrow`'s ``pc.cast`` share Arrow's value
+    parsers, so every value the CSV reader accepts converts to exactly what :func:`to_arrow`
+    gives (booleans need ``true_values=["t"]``, ``false_values=["f"]``). A value it refuses
+    (timestamp ``infinity``, numeric ``NaN``, a BC date) must go through :func:`to_arrow` as
+    text, which converts it or raises the documented :class:`PgValueError`. None: always text.
+    """
+    if col.is_array or _is_text(col) or col.base_name == "bytea":
+        return None
+    return arrow_type(col)
+
+
 def to_arrow(values: pa.Array, col: PgColumnType) -> pa.Array:
     """Convert PostgreSQL text output (NULL as null) into the column's Arrow type.
 

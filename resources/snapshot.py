@@ -12,15 +12,17 @@ The permanent slot exists before any table is copied (:func:`ensure_slot`) so th
 committed after a table's snapshot can fall into a gap between the copy and the stream.
 
 Memory stays bounded whatever the table size: COPY rows are gathered into pieces of at most
-``chunk_bytes`` / ``chunk_rows``, parsed by Arrow's C++ CSV reader and converted column-wise by
-``resources.pgtypes``, while the Spark write of the previous piece runs on the caller's thread
-(a producer thread reads PostgreSQL; a queue of :data:`PREFETCH_PIECES` pieces decouples them).
+``chunk_bytes`` / ``chunk_rows`` on a reader thread, parsed on a second thread by Arrow's C++ CSV
+reader (typed directly where it can, otherwise converted column-wise by ``resources.pgtypes``),
+and shipped to Spark on the caller's thread while the next pieces are read and parsed (queues of
+:data:`PREFETCH_PIECES` pieces decouple the three).
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import re
 import secrets
 import select
 import struct
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TypeVar
 
 import psycopg
 import pyarrow as pa
@@ -48,6 +51,7 @@ from resources.pgtypes import (
     PgValueError,
     arrow_schema,
     column_type_from_catalog,
+    csv_direct_type,
     pg_type_catalog_query,
     spark_ddl_type,
     to_arrow,
@@ -77,6 +81,7 @@ PREFETCH_PIECES = 2
 """Parsed pieces waiting for the writer; with the piece being parsed and the chunk being
 written this bounds memory to a few chunks."""
 _POLL_SECONDS = 1.0
+T = TypeVar("T")
 
 
 class SnapshotError(PgcdcError):
@@ -313,8 +318,9 @@ def _snapshot_table(
         def pieces() -> Iterator[pa.RecordBatch]:
             parse = _PieceParser(columns, schema, snapshot_lsn)
             piece_bytes = min(chunk_bytes, PARSE_BYTES)
-            source = _copy_pieces(conn.pgconn, info.copy_query(), parse, piece_bytes, chunk_rows)
-            prefetch = _prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{table}")
+            source = _copy_pieces(conn.pgconn, info.copy_query(), _unparsed, piece_bytes, chunk_rows)
+            copied_pieces = _prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{table}")
+            prefetch = _prefetched(_parse_each(copied_pieces, parse), PREFETCH_PIECES, f"pgcdc-parse-{table}")
             try:
                 for batch, nbytes in prefetch:
                     counted["rows"] += batch.num_rows
@@ -371,45 +377,103 @@ class _PieceParser:
     """PostgreSQL CSV rows -> one typed Arrow batch with the snapshot LSN column.
 
     In PostgreSQL's CSV a NULL is an unquoted empty field and an empty string is ``""``;
-    the options below keep that distinction, read every field as text for ``to_arrow``, and
-    keep empty lines (the NULL row of a one-column table). Each piece is parsed as a single
-    block sized to it, so a row of any size (TOASTed values up to 1 GB) never straddles blocks.
+    the options below keep that distinction and keep empty lines (the NULL row of a
+    one-column table). Each piece is parsed as a single block sized to it, so a row of any
+    size (TOASTed values up to 1 GB) never straddles blocks.
+
+    Columns whose PostgreSQL text Arrow's CSV converter parses exactly like ``to_arrow``
+    (integers, floats, numeric(p,s), bool, date, timestamps: ``pgtypes.csv_direct_type``)
+    are typed by the CSV reader itself, with no string column in between. A value it
+    refuses (timestamp ``infinity``, numeric ``NaN``, a BC date) makes that column, from
+    then on, text converted by ``to_arrow``, which maps the value or raises the mapping's
+    error; the piece is parsed again. Everything else is read as text for ``to_arrow``.
     """
 
     def __init__(self, columns: Sequence[PgColumnType], schema: pa.Schema, snapshot_lsn: LSN) -> None:
         self._columns = list(columns)
         self._schema = schema
         self._names = [f"c{i}" for i in range(len(columns))]
+        self._direct: list[pa.DataType | None] = [csv_direct_type(col) for col in self._columns]
         self._parse_options = pa_csv.ParseOptions(newlines_in_values=True, ignore_empty_lines=False)
-        self._convert_options = pa_csv.ConvertOptions(
-            column_types={name: pa.string() for name in self._names},
+        self._lsn_bytes = struct.pack("<q", int(snapshot_lsn))
+
+    def _convert_options(self) -> pa_csv.ConvertOptions:
+        return pa_csv.ConvertOptions(
+            column_types={
+                name: pa.string() if direct is None else direct for name, direct in zip(self._names, self._direct)
+            },
             null_values=[""],
+            true_values=["t"],
+            false_values=["f"],
             strings_can_be_null=True,
             quoted_strings_can_be_null=False,
         )
-        self._lsn_bytes = struct.pack("<q", int(snapshot_lsn))
+
+    def _read(self, data: bytearray) -> pa.Table:
+        read_options = pa_csv.ReadOptions(column_names=self._names, block_size=len(data) + 1, use_threads=False)
+        while True:
+            try:
+                return pa_csv.read_csv(pa.py_buffer(data), read_options, self._parse_options, self._convert_options())
+            except pa.ArrowInvalid as exc:
+                failed = _failed_csv_column(str(exc))
+                if failed is None or failed >= len(self._direct) or self._direct[failed] is None:
+                    if not any(direct is not None for direct in self._direct):
+                        raise
+                    self._direct = [None] * len(self._direct)  # not a conversion error: all as text
+                else:
+                    self._direct[failed] = None
 
     def __call__(self, data: bytearray, rows: int) -> pa.RecordBatch:
         if rows == 0:  # Arrow's reader refuses an empty document
             return pa.RecordBatch.from_pylist([], schema=self._schema)
-        read_options = pa_csv.ReadOptions(column_names=self._names, block_size=len(data) + 1, use_threads=False)
-        text = pa_csv.read_csv(pa.py_buffer(data), read_options, self._parse_options, self._convert_options)
-        if text.num_rows != rows:
+        parsed = self._read(data)
+        if parsed.num_rows != rows:
             raise ProtocolError(
-                f"COPY sent {rows} rows but {text.num_rows} parsed", "report this with the table definition"
+                f"COPY sent {rows} rows but {parsed.num_rows} parsed", "report this with the table definition"
             )
-        arrays = [to_arrow(text.column(i), col) for i, col in enumerate(self._columns)]
+        arrays = [
+            to_arrow(parsed.column(i), col) if direct is None else _single_chunk(parsed.column(i))
+            for i, (col, direct) in enumerate(zip(self._columns, self._direct, strict=True))
+        ]
         arrays.append(pa.Array.from_buffers(pa.int64(), rows, [None, pa.py_buffer(self._lsn_bytes * rows)]))
         return pa.RecordBatch.from_arrays(arrays, schema=self._schema)
+
+
+_CSV_COLUMN_ERROR = re.compile(r"In CSV column #(\d+): CSV conversion error")
+
+
+def _failed_csv_column(message: str) -> int | None:
+    match = _CSV_COLUMN_ERROR.search(message)
+    return int(match.group(1)) if match else None
+
+
+def _single_chunk(column: pa.ChunkedArray) -> pa.Array:
+    return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
+def _unparsed(data: bytearray, rows: int) -> tuple[bytearray, int]:
+    return data, rows
+
+
+def _parse_each(
+    pieces: Iterator[tuple[tuple[bytearray, int], int]], parse: Callable[[bytearray, int], pa.RecordBatch]
+) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """Parse the pieces of another thread's COPY: the CSV reader releases the GIL, so
+    reading PostgreSQL, parsing and the Spark transfer proceed side by side."""
+    try:
+        for (data, rows), nbytes in pieces:
+            yield parse(data, rows), nbytes
+    finally:
+        pieces.close()
 
 
 def _copy_pieces(
     pgconn: pq.abc.PGconn,
     query: str,
-    parse: Callable[[bytearray, int], pa.RecordBatch],
+    parse: Callable[[bytearray, int], T],
     piece_bytes: int,
     piece_rows: int,
-) -> Iterator[tuple[pa.RecordBatch, int]]:
+) -> Iterator[tuple[T, int]]:
     """Run the COPY and yield (batch, CSV bytes) pieces; at least one, possibly empty.
 
     Straight on libpq: psycopg's Copy costs microseconds per row, which is most of the
@@ -484,7 +548,7 @@ def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
 _END = object()
 
 
-def _prefetched(source: Iterator[tuple[pa.RecordBatch, int]], depth: int, name: str) -> Iterator[tuple[pa.RecordBatch, int]]:
+def _prefetched(source: Iterator[T], depth: int, name: str) -> Iterator[T]:
     """Run ``source`` in a thread, ``depth`` items ahead of the consumer.
 
     When the consumer stops early (the write failed), the producer notices at its next
