@@ -97,8 +97,30 @@ class PgcdcConfig(_Section):
         return value
 
     def table_path(self, schema: str, table: str) -> str:
-        """Where the Delta table of ``schema.table`` lives."""
-        return str(Path(self.delta.root).resolve() / schema / table)
+        """Where the Delta table of ``schema.table`` lives: ``<root>/<schema>/<table>``.
+
+        Each name is written as itself when it holds only ASCII letters, digits and ``_``
+        (every ordinary name, so such paths never change). Any other character, ``-``
+        included, becomes ``-`` and the two lower-case hex digits of each of its UTF-8 bytes:
+        ``Mixed Case`` -> ``Mixed-20Case``, ``a.b`` -> ``a-2eb``, ``é`` -> ``-c3-a9``. Spark
+        engines percent-encode paths inconsistently (Sail 0.7.2 writes ``Mixed Case``'s log
+        under ``Mixed%20Case`` and its data under ``Mixed%2520Case``); this encoding leaves
+        them nothing to encode, cannot produce ``.``/``..`` or a ``/``, and is reversible.
+        Case is kept, so on a case-insensitive file system ``"Orders"`` and ``orders``
+        share a directory.
+        """
+        return str(Path(self.delta.root).resolve() / _path_component(schema) / _path_component(table))
+
+
+_PLAIN_PATH_CHARACTER = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+
+def _path_component(name: str) -> str:
+    """A PostgreSQL name as one safe directory name (see ``PgcdcConfig.table_path``)."""
+    return "".join(
+        char if char in _PLAIN_PATH_CHARACTER else "".join(f"-{byte:02x}" for byte in char.encode("utf-8"))
+        for char in name
+    )
 
 
 def _describe(error: ValidationError) -> str:

@@ -497,3 +497,110 @@ def test_a_refused_value_fails_its_table_only(pg: PgDatabase, spark: SparkSessio
     assert delta_table(config.table_path("public", "good")).num_rows == 10
     assert not (Path(config.table_path("public", "prices")) / "_delta_log").exists()
     assert read_snapshot_lsn(spark, config.table_path("public", "prices")) is None
+
+
+# --------------------------------------------------------------------------- names and paths
+
+
+@pytest.mark.parametrize(
+    ("qualified", "schema", "name"),
+    [
+        ("public.orders", "public", "orders"),
+        ("Public.Orders", "public", "orders"),  # unquoted identifiers fold to lower case
+        ('public."Orders"', "public", "Orders"),
+        ('"My Schema"."Mixed Case"', "My Schema", "Mixed Case"),
+        ('"a.b"."c.d"', "a.b", "c.d"),  # dots inside quotes belong to the name
+        ('"Odd Schema"."Odd ""Table"""', "Odd Schema", 'Odd "Table"'),
+        (' public . "x y" ', "public", "x y"),
+        ("ÄRGER.t", "Ärger", "t"),  # only ASCII letters fold, as in UTF-8 databases
+    ],
+)
+def test_table_names_parse_like_postgresql(qualified: str, schema: str, name: str) -> None:
+    assert TableName.parse(qualified) == TableName(schema, name)
+
+
+@pytest.mark.parametrize("bad", ["orders", "a.b.c", '"a.b', "a.", "a..b", 'a.""', "a b.c", '"a"x.b'])
+def test_malformed_table_names_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigurationError, match="table name"):
+        TableName.parse(bad)
+
+
+def test_table_paths_encode_names_sail_would_mangle(tmp_path: Path) -> None:
+    config = make_config_from_dsn("postgresql:///x", tmp_path)
+    assert config.table_path("public", "orders") == str(tmp_path / "public" / "orders")
+    assert config.table_path("My Schema", "Mixed Case") == str(tmp_path / "My-20Schema" / "Mixed-20Case")
+    assert config.table_path("a.b", "50%-off/é") == str(tmp_path / "a-2eb" / "50-25-2doff-2f-c3-a9")
+    assert config.table_path("..", "x") == str(tmp_path / "-2e-2e" / "x")
+
+
+def make_config_from_dsn(dsn: str, root: Path, **overrides: Any) -> PgcdcConfig:
+    return parse_config(
+        {"postgres": {"dsn": dsn}, "publication": PUB, "slot": SLOT, "delta": {"root": str(root)}, **overrides}
+    )
+
+
+def test_a_table_named_with_spaces_and_percent_replicates(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
+    from resources.incremental import run_incremental
+    from tests.oracle import assert_delta_equals_postgres
+
+    pg.execute(
+        '''
+        CREATE SCHEMA "Sales 2024";
+        CREATE TABLE "Sales 2024"."Mixed Case" (id int PRIMARY KEY, "100% Note" text);
+        INSERT INTO "Sales 2024"."Mixed Case" SELECT g, 'n' || g FROM generate_series(1, 50) g;
+        '''
+    )
+    root = tmp_path / "lake"
+    config = make_config(pg, root, create_publication=True, tables=['"Sales 2024"."Mixed Case"'])
+    (result,) = snapshot_tables(config, spark)
+    path = config.table_path("Sales 2024", "Mixed Case")
+    assert result.path == path and path.endswith("/Sales-202024/Mixed-20Case")
+    assert sorted(p.name for p in (root / "Sales-202024").iterdir()) == ["Mixed-20Case"]
+    assert not [p for p in root.rglob("*") if "%" in p.name]
+    assert delta_table(path).num_rows == 50
+    assert read_snapshot_lsn(spark, path) == result.snapshot_lsn
+
+    pg.execute(
+        '''
+        UPDATE "Sales 2024"."Mixed Case" SET "100% Note" = 'changed' WHERE id <= 10;
+        DELETE FROM "Sales 2024"."Mixed Case" WHERE id > 45;
+        INSERT INTO "Sales 2024"."Mixed Case" VALUES (100, 'new');
+        '''
+    )
+    run_incremental(config, spark, log=lambda *_: None)
+    assert assert_delta_equals_postgres(pg.dsn, "Sales 2024.Mixed Case", path, key=("id",)) == 46
+    assert not [p for p in root.rglob("*") if "%" in p.name]
+
+
+def test_values_the_csv_reader_refuses_fall_back_to_the_exact_mapping(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path
+) -> None:
+    """Typed CSV parsing is only a fast path: a piece holding infinity or a BC timestamp is
+    converted by the text mapping, for that piece and the following ones."""
+    pg.execute(
+        f"""
+        CREATE TABLE mixed (id int PRIMARY KEY, ts timestamptz, f float8, ok bool, n numeric(8,2), d date);
+        INSERT INTO mixed SELECT g, timestamptz '2024-01-01 00:00:00+00' + g * interval '1 second',
+            g / 3.0, g % 2 = 0, g / 7.0, date '2024-01-01' + g % 100 FROM generate_series(1, 30000) g;
+        UPDATE mixed SET ts = 'infinity' WHERE id = 20000;
+        UPDATE mixed SET ts = '0044-03-15 12:00:00+00 BC' WHERE id = 25000;
+        UPDATE mixed SET f = 'NaN' WHERE id = 1;
+        CREATE PUBLICATION {PUB} FOR TABLE mixed;
+        """
+    )
+    ensure_slot(pg.dsn, SLOT)
+    path = tmp_path / "mixed"
+    snapshot_table(pg.dsn, PUB, TableName("public", "mixed"), spark, str(path), slot=SLOT, chunk_bytes=256 * 1024)
+    with psycopg.connect(pg.dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS)) as conn:
+        cursor = conn.cursor(row_factory=psycopg.rows.dict_row)
+        expected = cursor.execute(
+            "SELECT id, CASE WHEN ts = 'infinity' THEN 9223372036854775807"
+            " ELSE (extract(epoch FROM ts) * 1000000)::bigint END AS ts, f, ok, n, d FROM mixed ORDER BY id"
+        ).fetchall()
+    actual = _delta_rows(path)
+    for row in actual:
+        row.pop(LSN_COLUMN)
+    _canonical_floats(expected, ["f"])
+    _canonical_floats(actual, ["f"])
+    assert actual == expected
+    assert actual[19999]["ts"] == TIMESTAMP_POSITIVE_INFINITY
