@@ -7,7 +7,7 @@ same backlog twice:
 
 * baseline: ``pg_recvlogical --start -E END -f FILE --no-loop`` (the server's own
   client) writes the raw pgoutput messages to a file;
-* pgcdc: ``ReplicationStream.drain`` feeding the transaction assembler, and every
+* pgcdc: ``ReplicationStream.drain_batches`` feeding the transaction assembler, and every
   committed transaction's row images parsed into Arrow columns: the decode path of an
   incremental run, without the Delta write (``bench.cdc`` measures that end to end).
 
@@ -26,11 +26,13 @@ from pathlib import Path
 
 import psycopg
 
-from resources.change_batches import tuple_columns
+from resources.change_batches import tuple_columns_at
 from resources.local_postgres import bin_dir_for, start_local_postgres
 from resources.lsn import LSN
 from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, highest_proto_version
-from resources.transactions import TransactionAssembler
+from resources.transactions import RowBatch, TransactionAssembler
+
+INSERT = b"I"[0]
 
 PUBLICATION = "bench_pub"
 PGCDC_SLOT = "bench_pgcdc"
@@ -72,17 +74,18 @@ def drain_with_pgcdc(dsn: str, end: str, proto: int) -> tuple[float, int]:
     with ReplicationConnection(dsn) as conn, TransactionAssembler(proto) as assembler:
         stream = ReplicationStream(conn)
         stream.start(PGCDC_SLOT, options=PgOutputOptions([PUBLICATION], proto_version=proto))
-        for frame in stream.drain(LSN.parse(end)):
-            transaction = assembler.feed(frame.payload, frame.wal_start)
+        feed, feed_rows = assembler.feed, assembler.feed_rows
+        for item in stream.drain_batches(LSN.parse(end)):
+            if type(item) is list:
+                feed_rows(item)
+                continue
+            transaction = feed(item.payload, item.wal_start)
             if transaction is None:
                 continue
-            payloads, starts = [], []
-            for op, _relation, payload, new_start, _old_start in transaction.changes():
-                if op == "I":
-                    payloads.append(payload)
-                    starts.append(new_start)
-            columns, _unchanged = tuple_columns(payloads, starts, ncols=2)
-            decoded_rows += len(columns[0])
+            for segment in transaction.segments():
+                if type(segment) is RowBatch:
+                    columns, _unchanged = tuple_columns_at(segment.data, segment.new[segment.ops == INSERT], ncols=2)
+                    decoded_rows += len(columns[0])
             transaction.discard()
     return time.perf_counter() - started, decoded_rows
 

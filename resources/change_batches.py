@@ -67,7 +67,7 @@ from resources.faults import fault_point
 from resources.lsn import LSN
 from resources.pgoutput import UNCHANGED_TOAST, Relation
 from resources.pgtypes import PgColumnType, PgValueError, arrow_type, column_type_from_catalog, pg_type_catalog_query, to_arrow
-from resources.transactions import CommittedTransaction
+from resources.transactions import CommittedTransaction, RowBatch
 
 __all__ = [
     "LSN_COLUMN",
@@ -146,6 +146,7 @@ class TableTarget:
     #: (commit end LSN, position) of the last appended change, for keyless tables.
     append_marker: tuple[int, int] | None = None
     append_marker_loaded: bool = False
+    #: (row batch, indexes of this table's rows in it, commit end LSN, position of the batch's first change)
     pending: list[tuple] = field(default_factory=list)
     pending_bytes: int = 0
     warned: bool = False
@@ -237,44 +238,66 @@ class ChangeApplier:
     def add(self, txn: CommittedTransaction) -> None:
         """Queue the transaction's changes; flushes mid-transaction only when it alone overflows a chunk."""
         end = int(txn.end_lsn)
-        change_bytes = txn.nbytes // max(1, txn.change_count)
+        change_bytes = max(1, txn.nbytes // max(1, txn.change_count))
+        seq = 0  # a change's position in its transaction
         try:
-            for seq, (op, subject, payload, new, old) in enumerate(txn.changes()):
+            for segment in txn.segments():
+                if type(segment) is RowBatch:
+                    self._add_rows(segment, end, seq, change_bytes)
+                    seq += len(segment)
+                    continue
+                op, subject = segment[0], segment[1]  # type: ignore[index]
                 if op == "R":
                     self._relations[subject.oid] = subject
                     self._target_by_oid[subject.oid] = self._targets.get(TableName(subject.namespace, subject.name))
-                    continue
-                if op == "T":
+                elif op == "T":
                     for oid in subject:
                         target = self._target_by_oid.get(oid)
                         if target is not None and not target.skips(end):
                             self._truncate(target, self._relations[oid], end, seq)
-                    continue
-                target = self._target_by_oid.get(subject)
-                if target is None or target.skips(end):
-                    self.changes_skipped += 1
-                    continue
-                relation = self._relations[subject]
-                if target.relation is not relation:
-                    self._use_relation(target, relation)
-                if target.mode == APPEND:
-                    if op != "I":
-                        self._warn_keyless(target, op)
-                        continue
-                    marker = target.append_marker
-                    if marker is not None and (end, seq) <= marker:
-                        self.changes_skipped += 1
-                        continue
-                target.pending.append((op, payload, new, old, end, seq))
-                target.pending_bytes += change_bytes
-                self.pending_changes += 1
-                self.pending_bytes += change_bytes
-                if self.pending_changes >= self._max_changes or self.pending_bytes >= self._max_bytes:
-                    self.flush()
+                seq += 1
         finally:
             txn.discard()
         self._complete_end = end
         self.transactions += 1
+
+    def _add_rows(self, batch: RowBatch, end: int, seq: int, change_bytes: int) -> None:
+        """Route a run of row changes to their tables' pending batches, a table at a time."""
+        oids = batch.oids
+        unique = np.unique(oids)
+        for oid in unique.tolist():
+            index = np.arange(len(oids)) if len(unique) == 1 else np.flatnonzero(oids == oid)
+            target = self._target_by_oid.get(oid)
+            if target is None or target.skips(end):
+                self.changes_skipped += len(index)
+                continue
+            relation = self._relations[oid]
+            if target.relation is not relation:
+                self._use_relation(target, relation)
+            if target.mode == APPEND:
+                inserts = batch.ops[index] == _INSERT
+                if not inserts.all():
+                    self._warn_keyless(target, chr(int(batch.ops[index[~inserts][0]])))
+                    self.changes_skipped += int((~inserts).sum()) - 1
+                    index = index[inserts]
+                marker = target.append_marker
+                if marker is not None and end <= marker[0]:
+                    applied = index + seq <= marker[1] if end == marker[0] else np.ones(len(index), bool)
+                    self.changes_skipped += int(applied.sum())
+                    index = index[~applied]
+            while len(index):
+                room = min(
+                    self._max_changes - self.pending_changes,
+                    -(-(self._max_bytes - self.pending_bytes) // change_bytes),
+                )
+                taken, index = index[: max(1, room)], index[max(1, room) :]
+                target.pending.append((batch, taken, end, seq))
+                added = len(taken) * change_bytes
+                target.pending_bytes += added
+                self.pending_changes += len(taken)
+                self.pending_bytes += added
+                if self.pending_changes >= self._max_changes or self.pending_bytes >= self._max_bytes:
+                    self.flush()
 
     def flush(self) -> None:
         """Send every pending batch to Delta; once written, every completely added transaction is durable."""
@@ -403,88 +426,75 @@ class ChangeApplier:
         target.stats.applied_lsn = LSN(end)
 
     def _flush_target(self, target: TableTarget) -> None:
-        rows, target.pending = target.pending, []
-        self.pending_changes -= len(rows)
+        pending, target.pending = target.pending, []
+        self.pending_changes -= sum(len(taken) for _, taken, _, _ in pending)
         self.pending_bytes -= target.pending_bytes
         target.pending_bytes = 0
-        fault_point("before_merge")
-        if target.mode == APPEND:
-            self._append(target, rows)
-        elif target.mode == FULL or not self._merge_columnar(target, rows):
-            self._merge_by_row(target, rows)
-        self.changes_applied += len(rows)
-        target.stats.applied_lsn = LSN(max(rows[-1][4], target.stats.applied_lsn or 0))
+        for rows in _gather(pending):
+            fault_point("before_merge")
+            if target.mode == APPEND:
+                self._append(target, rows)
+            elif target.mode == FULL or not self._merge_columnar(target, rows):
+                self._merge_by_row(target, rows)
+            self.changes_applied += len(rows)
+            target.stats.applied_lsn = LSN(max(int(rows.lsns.max()), target.stats.applied_lsn or 0))
 
-    def _append(self, target: TableTarget, rows: list[tuple]) -> None:
-        columns, _ = tuple_columns([row[1] for row in rows], [row[2] for row in rows], len(target.columns))
-        lsns = pa.array([row[4] for row in rows], pa.int64())
+    def _append(self, target: TableTarget, rows: PendingRows) -> None:
+        columns, _ = tuple_columns_at(rows.data, rows.new, len(target.columns))
+        lsns = pa.array(rows.lsns, pa.int64())
         batch = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
-        _, _, _, _, end, seq = rows[-1]
+        end, seq = int(rows.lsns[-1]), int(rows.seqs[-1])
         marker = json.dumps({"pgcdc": {"kind": "append", "applied_lsn": str(LSN(end)), "applied_seq": seq}})
         self._write(append_rows, target.path, batch, marker)
         target.append_marker = (end, seq)
         target.stats.inserted += len(rows)
 
-    def _merge_columnar(self, target: TableTarget, rows: list[tuple]) -> bool:
+    def _merge_columnar(self, target: TableTarget, rows: PendingRows) -> bool:
         """The fast path for keyed tables: parse every row image column-wise, keep the last per key.
 
         Returns False, having written nothing, when a value is unchanged TOAST: folding those
         needs the earlier images of the same key (``_merge_by_row``).
         """
-        payloads: list[bytes] = []
-        starts: list[int] = []
-        ops: list[str] = []
-        lsns: list[int] = []
-        inserted = updated = deleted = 0
-        for op, payload, new, old, end, _ in rows:
-            if old >= 0:  # the old key's image: a delete, or the row an update moved away from
-                payloads.append(payload)
-                starts.append(old)
-                ops.append("D")
-                lsns.append(end)
-            if new >= 0:
-                payloads.append(payload)
-                starts.append(new)
-                ops.append(op)
-                lsns.append(end)
-            if op == "I":
-                inserted += 1
-            elif op == "U":
-                updated += 1
-            else:
-                deleted += 1
-        columns, unchanged = tuple_columns(payloads, starts, len(target.columns))
+        n = len(rows)
+        # Each change contributes its old key's image first (a delete, or the row an update
+        # moved away from), then its new image.
+        positions = np.stack([rows.old, rows.new], axis=1).ravel()
+        ops = np.stack([np.full(n, _DELETE, np.uint8), rows.ops], axis=1).ravel()
+        lsns = np.repeat(rows.lsns, 2)
+        present = positions >= 0
+        positions, ops, lsns = positions[present], ops[present], lsns[present]
+        columns, unchanged = tuple_columns_at(rows.data, positions, len(target.columns))
         if any(mask.any() for mask in unchanged):
             return False
         keys = {f"k{i}": pc.cast(columns[i], pa.binary()) for i in target.key_index}
-        keys["row"] = pa.array(np.arange(len(payloads), dtype=np.int64))
+        keys["row"] = pa.array(np.arange(len(positions), dtype=np.int64))
         last = pa.table(keys).group_by([f"k{i}" for i in target.key_index], use_threads=False).aggregate([("row", "max")])
-        index = pa.array(np.sort(last.column("row_max").to_numpy()))
-        batch = self._arrow_batch(
-            target, columns, [None] * len(columns), pa.array(lsns, pa.int64()).take(index), None, index
-        )
-        batch = batch.append_column(OP_COLUMN, pa.array(ops, pa.string()).take(index))
+        index = np.sort(last.column("row_max").to_numpy())
+        batch = self._arrow_batch(target, columns, [None] * len(columns), pa.array(lsns[index]), None, pa.array(index))
+        kept = ops[index]
+        op_names = np.where(kept == _INSERT, "I", np.where(kept == _UPDATE, "U", "D"))
+        batch = batch.append_column(OP_COLUMN, pa.array(op_names, pa.string()))
         key_columns = [target.columns[i].column for i in target.key_index]
         self._write(merge_batch, target.path, batch, key_columns)
         stats = target.stats
-        stats.inserted += inserted
-        stats.updated += updated
-        stats.deleted += deleted
+        stats.inserted += int((rows.ops == _INSERT).sum())
+        stats.updated += int((rows.ops == _UPDATE).sum())
+        stats.deleted += int((rows.ops == _DELETE).sum())
         return True
 
-    def _merge_by_row(self, target: TableTarget, rows: list[tuple]) -> None:
+    def _merge_by_row(self, target: TableTarget, rows: PendingRows) -> None:
         """Fold change by change (unchanged TOAST, REPLICA IDENTITY FULL), then one MERGE."""
         ncols = len(target.columns)
-        payloads = [row[1] for row in rows]
-        new_images = _row_values(*tuple_columns(payloads, [row[2] for row in rows], ncols))
-        old_images = _row_values(*tuple_columns(payloads, [row[3] for row in rows], ncols))
+        new_images = _row_values(*tuple_columns_at(rows.data, rows.new, ncols))
+        old_images = _row_values(*tuple_columns_at(rows.data, rows.old, ncols))
         index = target.key_index
         full = target.mode == FULL
         unchanged = UNCHANGED_TOAST
         final: dict[tuple, tuple] = {}
         old_key_of: dict[tuple, tuple] = {}
         inserted = updated = deleted = 0
-        for (op, _, new_start, old_start, end, _), new, old in zip(rows, new_images, old_images):
+        ops = [chr(op) for op in rows.ops.tolist()]
+        for op, old_start, end, new, old in zip(ops, rows.old.tolist(), rows.lsns.tolist(), new_images, old_images):
             if op == "I":
                 key = tuple([new[i] for i in index])
                 final[key] = ("I", new, end)
@@ -590,6 +600,7 @@ class ChangeApplier:
 # --------------------------------------------------------------------------- column-wise TupleData parsing
 
 _TEXT, _BINARY, _NULL, _UNCHANGED = b"t"[0], b"b"[0], b"n"[0], b"u"[0]
+_INSERT, _UPDATE, _DELETE = b"I"[0], b"U"[0], b"D"[0]
 _SLICE_BYTES = 1 << 30
 """Payload bytes parsed at once: string views address their buffer with 32-bit offsets."""
 _LANES = np.arange(12)
@@ -604,16 +615,16 @@ def tuple_columns(payloads: list[bytes], starts: list[int], ncols: int) -> tuple
     buffer of the payloads, and only values of at most 12 bytes are copied (inline).
     """
     if not payloads:
-        return [pa.array([], pa.binary_view()) for _ in range(ncols)], [np.zeros(0, bool) for _ in range(ncols)]
+        return tuple_columns_at(b"", np.zeros(0, np.int64), ncols)
     pieces: list[tuple[list[pa.Array], list[np.ndarray]]] = []
     first = 0
     total = 0
     for i, payload in enumerate(payloads):
         if total + len(payload) > _SLICE_BYTES and i > first:
-            pieces.append(_parse_slice(payloads[first:i], starts[first:i], ncols))
+            pieces.append(_parse_payloads(payloads[first:i], starts[first:i], ncols))
             first, total = i, 0
         total += len(payload)
-    pieces.append(_parse_slice(payloads[first:], starts[first:], ncols))
+    pieces.append(_parse_payloads(payloads[first:], starts[first:], ncols))
     if len(pieces) == 1:
         return pieces[0]
     columns = [pa.concat_arrays([piece[0][c] for piece in pieces]) for c in range(ncols)]
@@ -621,17 +632,32 @@ def tuple_columns(payloads: list[bytes], starts: list[int], ncols: int) -> tuple
     return columns, masks
 
 
-def _parse_slice(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
+def _parse_payloads(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
     n = len(payloads)
-    joined = b"".join(payloads)
-    buf = np.frombuffer(joined, np.uint8)
-    last = len(buf) - 1
     sizes = np.fromiter(map(len, payloads), np.int64, n)
     base = np.zeros(n, np.int64)
     np.cumsum(sizes[:-1], out=base[1:])
     start = np.asarray(starts, np.int64)
+    return tuple_columns_at(b"".join(payloads), np.where(start >= 0, base + start, -1), ncols)
+
+
+def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
+    """:func:`tuple_columns` for TupleData at absolute ``positions`` in ``data`` (-1: none, all NULL).
+
+    ``data`` must stay under 2 GiB (string views address it with 32-bit offsets).
+    """
+    n = len(positions)
+    if not n:
+        return [pa.array([], pa.binary_view()) for _ in range(ncols)], [np.zeros(0, bool) for _ in range(ncols)]
+    if len(data) >= 1 << 31:
+        raise ValueError("TupleData buffer over 2 GiB")
+    buf = np.frombuffer(data, np.uint8)
+    last = len(buf) - 1
+    start = np.asarray(positions, np.int64)
     present = start >= 0
-    pos = base + np.where(present, start, 0) + 2
+    pos = np.where(present, start, 0) + 2
+    if pos.max() > last + 1:
+        raise PgcdcError("a row image lies outside its message", "the replication stream is inconsistent; restart replication")
     counts = (buf[pos - 2].astype(np.int64) << 8) | buf[pos - 1]
     if (counts[present] != ncols).any():
         raise PgcdcError(
@@ -639,11 +665,11 @@ def _parse_slice(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[
             f" has {ncols}",
             "the replication stream is inconsistent; restart replication",
         )
-    data_buffer = pa.py_buffer(joined)
+    data_buffer = pa.py_buffer(data)
     columns: list[pa.Array] = []
     masks: list[np.ndarray] = []
     for _ in range(ncols):
-        at = np.where(present, pos, 0)
+        at = np.where(present, np.minimum(pos, last), 0)
         kind = np.where(present, buf[at], _NULL)
         has = (kind == _TEXT) | (kind == _BINARY)
         length_bytes = buf[np.minimum(at[:, None] + np.arange(1, 5), last)].astype(np.int64)
@@ -652,8 +678,10 @@ def _parse_slice(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[
             (length_bytes[:, 0] << 24) | (length_bytes[:, 1] << 16) | (length_bytes[:, 2] << 8) | length_bytes[:, 3],
             0,
         )
-        data = at + 5
-        inline = buf[np.minimum(data[:, None] + _LANES, last)]
+        data_at = at + 5
+        if (has & (data_at + size > len(buf))).any():
+            raise PgcdcError("a value runs past the end of its message", "the replication stream is inconsistent; restart replication")
+        inline = buf[np.minimum(data_at[:, None] + _LANES, last)]
         inline[_LANES[None, :] >= size[:, None]] = 0
         views = np.zeros((n, 16), np.uint8)
         views[:, 0:4] = size.astype("<i4").view(np.uint8).reshape(n, 4)
@@ -661,7 +689,7 @@ def _parse_slice(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[
         long = size > 12
         if long.any():
             views[long, 8:12] = 0  # buffer index 0: the joined payloads
-            views[long, 12:16] = data[long].astype("<i4").view(np.uint8).reshape(-1, 4)
+            views[long, 12:16] = data_at[long].astype("<i4").view(np.uint8).reshape(-1, 4)
         validity = np.packbits(has, bitorder="little")
         columns.append(
             pa.Array.from_buffers(pa.binary_view(), n, [pa.py_buffer(validity), pa.py_buffer(views), data_buffer])
@@ -669,6 +697,53 @@ def _parse_slice(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[
         masks.append(present & (kind == _UNCHANGED))
         pos = pos + np.where(has, 5 + size, 1)
     return columns, masks
+
+
+class PendingRows:
+    """Pending row changes of one table, gathered for a write: one buffer and column arrays."""
+
+    __slots__ = ("data", "ops", "new", "old", "lsns", "seqs")
+
+    def __init__(self, data: bytes, ops: np.ndarray, new: np.ndarray, old: np.ndarray, lsns: np.ndarray, seqs: np.ndarray) -> None:
+        self.data, self.ops, self.new, self.old, self.lsns, self.seqs = data, ops, new, old, lsns, seqs
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+def _gather(pending: list[tuple[RowBatch, np.ndarray, int, int]]) -> list[PendingRows]:
+    """Pending slices (batch, row indexes, commit end LSN, first position) -> PendingRows, in order;
+    more than one only when their buffers together would pass :data:`_SLICE_BYTES`."""
+    groups: list[PendingRows] = []
+    first = 0
+    while first < len(pending):
+        offsets: dict[int, int] = {}
+        buffers: list[bytes] = []
+        total = 0
+        stop = first
+        while stop < len(pending):
+            batch = pending[stop][0]
+            if id(batch) not in offsets:
+                if buffers and total + len(batch.data) > _SLICE_BYTES:
+                    break
+                offsets[id(batch)] = total
+                buffers.append(batch.data)
+                total += len(batch.data)
+            stop += 1
+        parts = pending[first:stop]
+        shifts = [offsets[id(batch)] for batch, _, _, _ in parts]
+        new = np.concatenate([_shifted(batch.new[index], shift) for (batch, index, _, _), shift in zip(parts, shifts)])
+        old = np.concatenate([_shifted(batch.old[index], shift) for (batch, index, _, _), shift in zip(parts, shifts)])
+        ops = np.concatenate([batch.ops[index] for batch, index, _, _ in parts])
+        lsns = np.concatenate([np.full(len(index), end, np.int64) for _, index, end, _ in parts])
+        seqs = np.concatenate([index + seq for _, index, _, seq in parts])
+        groups.append(PendingRows(b"".join(buffers), ops, new, old, lsns, seqs))
+        first = stop
+    return groups
+
+
+def _shifted(positions: np.ndarray, shift: int) -> np.ndarray:
+    return np.where(positions >= 0, positions + shift, -1) if shift else positions
 
 
 def _row_values(columns: list[pa.Array], masks: list[np.ndarray]) -> list[tuple]:

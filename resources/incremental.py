@@ -179,6 +179,7 @@ def _drain(
 ) -> None:
     """The main loop; on any error the stream stops having confirmed only durable positions."""
     feed = assembler.feed
+    feed_rows = assembler.feed_rows
     confirmed = stream.confirmed_lsn
     next_report = time.monotonic() + PROGRESS_SECONDS
 
@@ -192,8 +193,11 @@ def _drain(
             fault_point("after_confirm")
 
     try:
-        for frame in stream.drain(end_lsn, stop=False):
-            txn = feed(frame.payload, frame.wal_start)
+        for item in stream.drain_batches(end_lsn, stop=False):
+            if type(item) is list:  # row changes inside a transaction: kept undecoded
+                feed_rows(item)
+                continue
+            txn = feed(item.payload, item.wal_start)
             if txn is None:
                 continue
             if not applier.fits(txn):

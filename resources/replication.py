@@ -462,6 +462,7 @@ _PAYLOAD = 25  # offset of the pgoutput message inside an XLogData frame
 # except non-transactional 'M' messages, which are positioned by the frame's wal_start.
 _BEGIN, _COMMIT, _BEGIN_PREPARE, _PREPARE = b"B"[0], b"C"[0], b"b"[0], b"P"[0]
 _STREAM_START, _STREAM_STOP = b"S"[0], b"E"[0]
+_INSERT, _UPDATE, _DELETE = b"I"[0], b"U"[0], b"D"[0]
 _XLOGDATA, _KEEPALIVE_TAG = b"w"[0], b"k"[0]
 #: Standalone messages: tag -> (offset of the record's start LSN or None, offset of its end LSN or None).
 #: None means "use the frame's wal_start" (the walsender sets it to the change's position).
@@ -767,7 +768,24 @@ class ReplicationStream:
             if stop and self._streaming and not self._conn.closed:
                 self.stop()
 
-    def _drain(self, end: int) -> Iterator[XLogData]:
+    def drain_batches(self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20) -> Iterator[XLogData | list[bytes]]:
+        """:meth:`drain` for bulk consumers: row changes come in lists of payload bytes.
+
+        Same frames, order and end as :meth:`drain`, except that consecutive Insert/Update/Delete
+        messages inside a transaction or streamed block are handed out as one ``list`` of their
+        payloads (copied, so they can be kept), without a frame object or LSN per message;
+        every other message is yielded as an :class:`XLogData` frame, as by :meth:`drain`. A list
+        holds about ``max_batch_bytes`` at most, so a large transaction never piles up here.
+        """
+        self._require_streaming()
+        try:
+            yield from self._drain(int(end_lsn), max_batch_bytes)
+        finally:
+            if stop and self._streaming and not self._conn.closed:
+                self.stop()
+
+    def _drain(self, end: int, max_batch_bytes: int = 0) -> Iterator[XLogData | list[bytes]]:
+        """The drain loop; with ``max_batch_bytes`` > 0, row changes are batched (:meth:`drain_batches`)."""
         pending = self._pending
         if pending is not None:
             # A frame an earlier drain stopped in front of; _pending_start is where its record starts.
@@ -788,14 +806,45 @@ class ReplicationStream:
         received = self._received
         last_activity = time.monotonic()
         probed_at = 0.0
+        batching = max_batch_bytes > 0
+        batch: list[bytes] = []
+        add = batch.append
+        batch_bytes = 0
         try:
             while True:
                 nbytes, buf = get(1)
                 if nbytes > 0:
                     if buf[0] == _XLOGDATA:
-                        start, wal_end, sent = _unpack_xlog(buf, 1)
                         frames += 1
                         nbytes_total += nbytes
+                        if batching:
+                            tag = buf[_PAYLOAD]
+                            if (tag == _INSERT or tag == _UPDATE or tag == _DELETE) and (in_txn or in_block):
+                                # Row changes never end a drain and lie below their commit's LSN, which
+                                # `received` takes when the commit arrives: no header unpacking here.
+                                add(bytes(buf[_PAYLOAD:]))
+                                batch_bytes += nbytes
+                                if batch_bytes >= max_batch_bytes:
+                                    yield batch
+                                    batch = []
+                                    add = batch.append
+                                    batch_bytes = 0
+                                if not frames & 0x3FF:
+                                    self.frames += frames
+                                    self.bytes += nbytes_total
+                                    frames = nbytes_total = 0
+                                    now = time.monotonic()
+                                    last_activity = now
+                                    if now >= self._next_status:
+                                        self._received = received
+                                        self.send_status()
+                                continue
+                            if batch:
+                                yield batch
+                                batch = []
+                                add = batch.append
+                                batch_bytes = 0
+                        start, wal_end, sent = _unpack_xlog(buf, 1)
                         if wal_end > received:
                             received = wal_end
                         lsn = _new_lsn(LSN, start)

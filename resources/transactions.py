@@ -34,11 +34,13 @@ import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypeAlias
+
+import numpy as np
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
@@ -55,7 +57,7 @@ from resources.pgoutput import (
     Truncate,
 )
 
-__all__ = ["Change", "ChangeLog", "CommittedTransaction", "TransactionAssembler"]
+__all__ = ["Change", "ChangeLog", "CommittedTransaction", "RowBatch", "TransactionAssembler"]
 
 Change: TypeAlias = tuple[str, Any, bytes | None, int, int]
 
@@ -82,31 +84,145 @@ DEFAULT_SPILL_BYTES = 16 * 1024 * 1024
 """In-memory bytes per transaction before its changes go to disk."""
 
 
+class RowBatch:
+    """A run of row changes of one transaction, located column-wise (no Python object per change).
+
+    ``data`` holds the messages' payloads back to back (plus zero padding); ``base[i]`` is where
+    message ``i`` starts in it. ``ops`` holds the tag bytes (``I``/``U``/``D``), ``oids`` the
+    relations, ``new`` / ``old`` the absolute offsets in ``data`` of the new and old TupleData
+    (-1: absent), ``sizes`` the payload lengths.
+    """
+
+    __slots__ = ("data", "base", "sizes", "ops", "oids", "new", "old")
+
+    def __init__(self, payloads: list[bytes], streamed: bool, dropped: set[int] | frozenset[int] = frozenset()) -> None:
+        n = len(payloads)
+        offset = 5 if streamed else 1
+        payloads.append(_PADDING)
+        try:
+            data = b"".join(payloads)
+        finally:
+            payloads.pop()
+        buf = np.frombuffer(data, np.uint8)
+        sizes = np.fromiter(map(len, payloads), np.int64, n)
+        base = np.zeros(n, np.int64)
+        np.cumsum(sizes[:-1], out=base[1:])
+        if n and int(sizes.min()) < offset + 7:
+            raise ProtocolError("a row change message is truncated", "restart replication")
+        if dropped and n:
+            xids = _be32(buf, base + 1)
+            keep = ~np.isin(xids, np.fromiter(dropped, np.int64, len(dropped)))
+            if not keep.all():
+                payloads = [payloads[i] for i in np.flatnonzero(keep)]
+                self.__init__(payloads, streamed)  # type: ignore[misc]
+                return
+        ops = buf[base]
+        oids = _be32(buf, base + offset)
+        at = base + offset + 4
+        kind = buf[at]
+        is_insert, is_update = ops == _INSERT, ops == _UPDATE
+        is_delete = ops == _DELETE
+        with_old = (kind == _KEY) | (kind == _OLD)
+        plain = kind == _NEW
+        valid = (is_insert & plain) | (is_update & (plain | with_old)) | (is_delete & with_old)
+        if not valid.all():
+            i = int(np.flatnonzero(~valid)[0])
+            raise ProtocolError(
+                f"unexpected row change layout ({chr(ops[i])!r} with tuple kind {chr(kind[i])!r})", "restart replication"
+            )
+        new = np.where(plain, at + 1, -1)
+        old = np.where(with_old, at + 1, -1)
+        moved = np.flatnonzero(is_update & with_old)
+        if len(moved):
+            ends = np.empty(len(moved), np.int64)
+            for j, i in enumerate(moved.tolist()):
+                ends[j] = tuple_end(data, int(old[i]))
+            if (buf[ends] != _NEW).any():
+                raise ProtocolError("an update's new tuple is missing", "restart replication")
+            new[moved] = ends + 1
+        self.data = data
+        self.base = base
+        self.sizes = sizes
+        self.ops = ops
+        self.oids = oids
+        self.new = new
+        self.old = old
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def changes(self) -> Iterator[Change]:
+        """The batch as Change 5-tuples (offsets relative to each payload)."""
+        data = self.data
+        for b, size, op, oid, new, old in zip(
+            self.base.tolist(), self.sizes.tolist(), self.ops.tolist(), self.oids.tolist(),
+            self.new.tolist(), self.old.tolist(),
+        ):  # fmt: skip
+            yield (chr(op), oid, data[b : b + size], new - b if new >= 0 else -1, old - b if old >= 0 else -1)
+
+
+_PADDING = bytes(16)
+
+
+def _be32(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
+    return (
+        (buf[at].astype(np.int64) << 24) | (buf[at + 1].astype(np.int64) << 16) | (buf[at + 2].astype(np.int64) << 8)
+        | buf[at + 3]
+    )  # fmt: skip
+
+
 class ChangeLog:
     """The changes of one transaction: in memory up to ``spill_bytes``, then in a pickle file.
 
-    Each entry carries the (sub)transaction xid that made it, so a subtransaction abort
-    can be honoured when reading back without rewriting the file.
+    Row changes are kept as their raw payload bytes, in lists (runs); Truncate and Relation
+    entries as ``(subxid, change)``. A streamed transaction's row payloads carry their
+    (sub)transaction xid themselves, so a subtransaction abort is honoured when reading back,
+    without rewriting the file.
     """
 
-    __slots__ = ("_directory", "_name", "_spill_bytes", "_buffer", "_buffer_bytes", "_file", "_path", "_dropped", "count", "nbytes")
+    __slots__ = ("_directory", "_name", "_spill_bytes", "_buffer", "_buffer_bytes", "_file", "_path", "_dropped", "streamed", "relations", "count", "nbytes")
 
-    def __init__(self, directory: Path, name: str, spill_bytes: int) -> None:
+    def __init__(self, directory: Path, name: str, spill_bytes: int, streamed: bool = False) -> None:
         self._directory = directory
         self._name = name
         self._spill_bytes = spill_bytes
-        self._buffer: list[tuple[int | None, Change]] = []
+        self._buffer: list[list[bytes] | tuple[int | None, Change]] = []
         self._buffer_bytes = 0
         self._file: BinaryIO | None = None
         self._path: Path | None = None
         self._dropped: set[int] = set()
+        self.streamed = streamed
+        #: Relations known to the decoder (set at commit): row changes of other oids are refused.
+        self.relations: Mapping[int, Any] | None = None
         self.count = 0
         self.nbytes = 0
 
     def append(self, subxid: int | None, change: Change, size: int) -> None:
+        """A Truncate or Relation entry."""
         self._buffer.append((subxid, change))
+        self._added(1, size)
+
+    def append_row(self, payload: bytes) -> None:
+        """One row change message (its pgoutput payload, copied)."""
+        buffer = self._buffer
+        if buffer and type(buffer[-1]) is list:
+            buffer[-1].append(payload)  # type: ignore[union-attr]
+        else:
+            buffer.append([payload])
+        self._added(1, len(payload))
+
+    def extend_rows(self, payloads: list[bytes], size: int) -> None:
+        """Row change messages (``size``: their total bytes); the list is taken over, not copied."""
+        buffer = self._buffer
+        if buffer and type(buffer[-1]) is list:
+            buffer[-1].extend(payloads)  # type: ignore[union-attr]
+        else:
+            buffer.append(payloads)
+        self._added(len(payloads), size)
+
+    def _added(self, count: int, size: int) -> None:
         self._buffer_bytes += size
-        self.count += 1
+        self.count += count
         self.nbytes += size
         if self._buffer_bytes >= self._spill_bytes:
             self.spill()
@@ -129,22 +245,46 @@ class ChangeLog:
     def memory_bytes(self) -> int:
         return self._buffer_bytes
 
-    def __iter__(self) -> Iterator[Change]:
-        dropped = self._dropped
+    def _chunks(self) -> Iterator[list[list[bytes] | tuple[int | None, Change]]]:
         if self._file is not None:
             self._file.flush()
             with open(self._path, "rb") as stored:  # type: ignore[arg-type]
                 while True:
                     try:
-                        entries = pickle.load(stored)
+                        yield pickle.load(stored)
                     except EOFError:
                         break
-                    for subxid, change in entries:
-                        if not dropped or subxid not in dropped:
-                            yield change
-        for subxid, change in self._buffer:
-            if not dropped or subxid not in dropped:
-                yield change
+        yield self._buffer
+
+    def segments(self) -> Iterator[RowBatch | Change]:
+        """The changes in order: runs of row changes as :class:`RowBatch`, the rest as Change tuples.
+
+        Changes of aborted subtransactions are left out.
+        """
+        dropped = self._dropped
+        streamed = self.streamed
+        relations = self.relations
+        for chunk in self._chunks():
+            for entry in chunk:
+                if type(entry) is list:
+                    batch = RowBatch(entry, streamed, dropped)  # type: ignore[arg-type]
+                    if relations is not None and len(batch):
+                        for oid in np.unique(batch.oids).tolist():
+                            if oid not in relations:
+                                relations.get(oid, LSN(0))  # raises the decoder's ProtocolError
+                    if len(batch):
+                        yield batch
+                else:
+                    subxid, change = entry  # type: ignore[misc]
+                    if not dropped or subxid not in dropped:
+                        yield change
+
+    def __iter__(self) -> Iterator[Change]:
+        for segment in self.segments():
+            if type(segment) is RowBatch:
+                yield from segment.changes()
+            else:
+                yield segment  # type: ignore[misc]
 
     def discard(self) -> None:
         self._buffer = []
@@ -179,6 +319,10 @@ class CommittedTransaction:
 
     def changes(self) -> Iterator[Change]:
         return iter(self.log)
+
+    def segments(self) -> Iterator[RowBatch | Change]:
+        """Runs of row changes column-wise, other changes as tuples (see :meth:`ChangeLog.segments`)."""
+        return self.log.segments()
 
     def discard(self) -> None:
         self.log.discard()
@@ -224,43 +368,35 @@ class TransactionAssembler:
         total = self._current.memory_bytes if self._current is not None else 0
         return total + sum(log.memory_bytes for log in self._streams.values())
 
-    def _new_log(self, label: str) -> ChangeLog:
+    def _new_log(self, label: str, streamed: bool = False) -> ChangeLog:
         self._sequence += 1
-        return ChangeLog(self._directory, f"{self._sequence}-{label}", self._spill_bytes)
+        return ChangeLog(self._directory, f"{self._sequence}-{label}", self._spill_bytes, streamed)
 
     def feed(self, payload: bytes | memoryview, wal_start: LSN | int) -> CommittedTransaction | None:
         """Take the next pgoutput message of the session; returns a transaction when one commits.
 
-        Row changes are only located (relation, tuple offsets), not decoded: that is the
-        hot path. Everything else goes through the pgoutput decoder, which also keeps the
-        stream-block state that tells where a streamed change carries its xid.
+        Row changes are only copied, not decoded: they are located column-wise when the
+        transaction is read (:meth:`CommittedTransaction.segments`). Everything else goes
+        through the pgoutput decoder, which also keeps the stream-block state.
         """
         tag = payload[0]
         if tag == _INSERT or tag == _UPDATE or tag == _DELETE:
-            data = bytes(payload)
-            decoder = self.decoder
-            if decoder.in_stream:
-                xid: int | None = int.from_bytes(data[1:5], "big")
-                base = 5
-            else:
-                xid, base = None, 1
-            oid = int.from_bytes(data[base : base + 4], "big")
-            if oid not in decoder.relations:
-                decoder.relations.get(oid, LSN(wal_start))  # raises the decoder's ProtocolError
-            kind = data[base + 4]
-            if tag == _INSERT:
-                change: Change = ("I", oid, data, base + 5, -1)
-            elif tag == _UPDATE:
-                if kind == _KEY or kind == _OLD:
-                    old = base + 5
-                    change = ("U", oid, data, tuple_end(data, old) + 1, old)
-                else:
-                    change = ("U", oid, data, base + 5, -1)
-            else:
-                change = ("D", oid, data, -1, base + 5)
-            self._target(xid).append(xid, change, len(data))
+            self._row_log().append_row(bytes(payload))
             return None
         return self.feed_message(self.decoder.decode(payload, wal_start), len(payload))
+
+    def feed_rows(self, payloads: list[bytes]) -> None:
+        """Take consecutive row change messages at once (``ReplicationStream.drain_batches``); the list is kept."""
+        self._row_log().extend_rows(payloads, sum(map(len, payloads)))
+
+    def _row_log(self) -> ChangeLog:
+        if self.decoder.in_stream:
+            if self._stream_xid is None:
+                raise ProtocolError("a streamed change arrived outside a stream block", "restart replication")
+            return self._streams[self._stream_xid]
+        if self._current is None:
+            raise ProtocolError("a change arrived outside any transaction", "restart replication")
+        return self._current
 
     def feed_message(self, message: PgOutputMessage, size: int) -> CommittedTransaction | None:
         """Take one decoded message other than a row change (``size``: its payload bytes)."""
@@ -280,20 +416,22 @@ class TransactionAssembler:
             done = CommittedTransaction(
                 self._current_begin.xid, message.commit_lsn, message.end_lsn, message.commit_time, False, self._current
             )
+            self._current.relations = self.decoder.relations
             self._current = None
             self._current_begin = None
             return done
         elif kind is StreamStart:
             log = self._streams.get(message.xid)
             if log is None:
-                log = self._streams[message.xid] = self._new_log(f"s{message.xid}")
+                log = self._streams[message.xid] = self._new_log(f"s{message.xid}", streamed=True)
             self._stream_xid = message.xid
         elif kind is StreamStop:
             if self._stream_xid is not None:
                 self._streams[self._stream_xid].spill()
             self._stream_xid = None
         elif kind is StreamCommit:
-            log = self._streams.pop(message.xid, None) or self._new_log(f"s{message.xid}")
+            log = self._streams.pop(message.xid, None) or self._new_log(f"s{message.xid}", streamed=True)
+            log.relations = self.decoder.relations
             return CommittedTransaction(message.xid, message.commit_lsn, message.end_lsn, message.commit_time, True, log)
         elif kind is StreamAbort:
             if message.subxid == message.xid:
