@@ -79,3 +79,16 @@ def pg(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
                 with psycopg.connect(pg_server.dsn(name), autocommit=True) as owner:
                     owner.execute(f"ROLLBACK PREPARED '{gid}'")
             admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+# --------------------------------------------------------------------------- randomized workloads (long mode)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--pgcdc-long",
+        action="store_true",
+        default=False,
+        help="randomized workloads (tests/test_randomized.py): many fresh seeds, more operations each "
+        "(same as PGCDC_LONG=1)",
+    )
