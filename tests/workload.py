@@ -196,6 +196,7 @@ class Generator:
         self.next_gid = 0
         self.open_txn = False  # conn 2 holds an open transaction (OPEN_RANGE / log_t only)
         self.pending_gid: str | None = None  # a prepared transaction (PREPARED_RANGE only)
+        self.heavy = False  # a transaction of thousands of changes since the last run
         self.steps: list[Step] = []
 
     # ---------------------------------------------------------------- plumbing
@@ -217,7 +218,11 @@ class Generator:
 
     def run(self, chunk: int | None = None) -> None:
         if chunk is None:
-            chunk = self.rng.choice([1, 2, 3, 5, 8, 20, 100, 1000, 200_000])
+            # Tiny chunks make a Delta commit every few changes: only for backlogs without a
+            # transaction of thousands of changes, which would take minutes at that rate.
+            small = [1, 2, 3, 5, 8, 20, 100] if not self.heavy else []
+            chunk = self.rng.choice(small + [500, 1000, 200_000])
+        self.heavy = False
         self.steps.append(Step("run", chunk=chunk, checks=self.checks()))
 
     # ---------------------------------------------------------------- DML per table
@@ -265,6 +270,7 @@ class Generator:
         name = t.name
         if t.kind == "append":
             if r.random() < 0.05:
+                self.heavy = True
                 return [f"INSERT INTO log_t {self._columns_sql(t)} SELECT {', '.join(self._append_values(t))}"
                         f" FROM generate_series(1, {r.randint(10, 300)})"]
             row = "(" + ", ".join(self._append_values(t)) + ")"
@@ -375,6 +381,7 @@ class Generator:
     def large(self, lo: int = 2000, hi: int = 5000) -> list[str]:
         """Thousands of changes: the server streams the transaction (logical_decoding_work_mem=64kB)."""
         r = self.rng
+        self.heavy = True
         n = r.randint(1500, min(3000, hi - lo - 2))
         start = r.randint(lo, hi - n - 1)
         cols = ["id", "name", "n", "body"] + [c for c in self.tables["k_int"].columns if c.startswith("x")]
