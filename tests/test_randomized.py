@@ -42,14 +42,14 @@ from tests.conftest import PgDatabase
 from tests.workload import DDL, Step, generate
 
 try:  # the comparison lives in resources/verify.py; tests/oracle.py re-exports it
-    from resources.verify import compare_table
+    from resources.verify import assert_delta_equals_postgres, compare_table
 except ImportError:  # pragma: no cover
-    from tests.oracle import compare_table  # type: ignore[attr-defined,no-redef]
+    from tests.oracle import assert_delta_equals_postgres, compare_table  # type: ignore[attr-defined,no-redef]
 
 pytest_plugins = ["tests.spark_fixtures"]
 
 DEFAULT_SEEDS = [20240601, 7]
-DEFAULT_OPS = 450
+DEFAULT_OPS = 350
 LONG_OPS = 3000
 
 
@@ -190,3 +190,63 @@ def test_randomized_workload_matches_postgres_after_every_run(
     replay.execute(steps)
     print(f"seed {seed}: {len(steps)} steps, {replay.runs} runs, {replay.oracle_checks} table comparisons, "
           f"{time.monotonic() - started:.1f}s; runs {' '.join(replay.run_times)}")
+
+
+# --------------------------------------------------------------------------- findings (minimal failing tests)
+
+
+def _single_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str) -> PgcdcConfig:
+    pg.execute(ddl)
+    config = parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"rand_{pg.name}", "tables": [],
+        "delta": {"root": str(tmp_path / "lake")},
+    })
+    snapshot_tables(config, spark)
+    return config
+
+
+def test_BUG_walsender_times_out_while_one_transaction_is_applied_in_many_chunks(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """BUG, found by seed 7 (450 ops, PostgreSQL 15 and 18, chunk 3): ConnectionFailure
+    "replication connection lost ... server closed the connection unexpectedly".
+
+    While one transaction is applied in many chunks, nothing is confirmed (correctly), and
+    ``ReplicationStream.drain`` (resources/replication.py) checks whether a standby status
+    update is due only every 1024 frames (``if not frames & 0x3FF``) while frames are
+    buffered. The consumer blocks for a Delta commit per chunk, so far more than
+    wal_sender_timeout passes without a reply to the walsender, which then terminates the
+    connection. Here: wal_sender_timeout 1 s, a 40-row transaction, max_chunk_changes=1 (about
+    2 s of Delta commits); at the default 60 s the same happens when one transaction's
+    chunks take a minute (seed 7: 2,000 rows at chunk 3; in production a large transaction
+    with slow MERGEs).
+    """
+    config = _single_table(pg, tmp_path, spark, """
+        CREATE TABLE w (id int PRIMARY KEY, v text);
+        INSERT INTO w VALUES (0, 'seed');
+        CREATE PUBLICATION pub FOR TABLE w;
+    """)
+    pg.execute(f"ALTER DATABASE \"{pg.name}\" SET wal_sender_timeout = '1s'")  # the walsender of this database
+    pg.execute("INSERT INTO w SELECT g, 'v' || g FROM generate_series(1, 40) g")
+    run_incremental(config, spark, max_chunk_changes=1)
+    assert assert_delta_equals_postgres(pg.dsn, "public.w", config.table_path("public", "w"), key=("id",)) == 41
+
+
+def test_BUG_added_column_with_default_is_null_in_delta_for_existing_rows(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """BUG: ``ALTER TABLE ... ADD COLUMN c ... DEFAULT x`` gives every existing row ``x`` in
+    PostgreSQL without any row change in the WAL (a non-volatile default is stored once in
+    pg_attribute.attmissingval; a volatile one rewrites the table, which logical decoding
+    does not send). pgcdc adds the column to Delta on the next Relation message, NULL for the
+    rows already there: Delta silently differs from PostgreSQL for every untouched row.
+    """
+    config = _single_table(pg, tmp_path, spark, """
+        CREATE TABLE d (id int PRIMARY KEY, v text);
+        INSERT INTO d SELECT g, 'v' FROM generate_series(1, 3) g;
+        CREATE PUBLICATION pub FOR TABLE d;
+    """)
+    pg.execute("ALTER TABLE d ADD COLUMN status text NOT NULL DEFAULT 'new'")
+    pg.execute("UPDATE d SET v = 'changed' WHERE id = 1")  # the Relation message announcing status
+    run_incremental(config, spark)
+    assert assert_delta_equals_postgres(pg.dsn, "public.d", config.table_path("public", "d"), key=("id",)) == 3

@@ -220,8 +220,8 @@ class Generator:
         if chunk is None:
             # Tiny chunks make a Delta commit every few changes: only for backlogs without a
             # transaction of thousands of changes, which would take minutes at that rate.
-            small = [1, 2, 3, 5, 8, 20, 100] if not self.heavy else []
-            chunk = self.rng.choice(small + [500, 1000, 200_000])
+            sizes = [300, 1000, 200_000] if self.heavy else [1, 2, 3, 5, 8, 20, 100, 200_000]
+            chunk = self.rng.choice(sizes)
         self.heavy = False
         self.steps.append(Step("run", chunk=chunk, checks=self.checks()))
 
@@ -509,6 +509,7 @@ class Generator:
 
     def close_pending(self) -> None:
         r = self.rng
+        self.heavy = True  # what it wrote (maybe thousands of changes) arrives in the next run
         if self.open_txn:
             self.sql([r.choice(["COMMIT", "COMMIT", "ROLLBACK"])], conn=1, note="close the open transaction")
             self.open_txn = False
@@ -521,7 +522,7 @@ class Generator:
 
     def generate(self) -> list[Step]:
         r = self.rng
-        runs = max(4, self.ops // 60)
+        runs = max(4, self.ops // 40)
         run_at = set(r.sample(range(1, self.ops), k=min(runs, self.ops - 1)))
         publish_at, snapshot_at = int(self.ops * r.uniform(0.1, 0.35)), int(self.ops * r.uniform(0.4, 0.6))
         resnapshot_at = {int(self.ops * r.uniform(0.3, 0.9)) for _ in range(r.randint(1, 2))}
