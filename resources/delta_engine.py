@@ -131,9 +131,13 @@ def spark_dataframe(spark: SparkSession, table: pa.Table) -> DataFrame:
     return spark.createDataFrame(table, schema=from_arrow_schema(table.schema, prefer_timestamp_ntz=True))
 
 
-def _chunks(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, chunk_bytes: int) -> Iterator[pa.Table]:
-    """Regroup batches into tables of about ``chunk_bytes``; always yields at least one."""
+def _chunks(
+    data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, chunk_bytes: int, min_bytes: int | None = None
+) -> Iterator[pa.Table]:
+    """Regroup batches into tables of at least ``min_bytes`` (default ``chunk_bytes``), slicing
+    batches larger than ``chunk_bytes``; always yields at least one."""
     batches = data.to_batches() if isinstance(data, pa.Table) else data
+    least = chunk_bytes if min_bytes is None else min(min_bytes, chunk_bytes)
     pending: list[pa.RecordBatch] = []
     pending_bytes = 0
     yielded = False
@@ -141,7 +145,7 @@ def _chunks(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, chunk_
         for piece in _slices(batch, chunk_bytes):
             pending.append(piece)
             pending_bytes += piece.nbytes
-            if pending_bytes >= chunk_bytes:
+            if pending_bytes >= least:
                 yield pa.Table.from_batches(pending, schema)
                 yielded = True
                 pending, pending_bytes = [], 0
@@ -159,9 +163,11 @@ def _slices(batch: pa.RecordBatch, chunk_bytes: int) -> Iterator[pa.RecordBatch]
         yield batch.slice(start, rows_per_slice)
 
 
-SHIP_BYTES = 8 * 1024 * 1024
-"""Arrow bytes per temporary view a snapshot ships to the server while the source is still
-being read (at most ``chunk_bytes``)."""
+SHIP_BYTES = 16 * 1024 * 1024
+"""Most Arrow bytes per temporary view a snapshot ships to the server while the source is
+still being read (and at most ``chunk_bytes``); smaller batches are gathered to
+:data:`SHIP_MIN_BYTES` first, so a table of many small batches does not cost a round trip each."""
+SHIP_MIN_BYTES = 4 * 1024 * 1024
 
 
 def write_snapshot(
@@ -176,7 +182,7 @@ def write_snapshot(
     """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
 
     Readers see the old table or the whole new one, never a prefix. Batches are shipped to
-    the server as they arrive, each piece (about :data:`SHIP_BYTES`) as a temporary view,
+    the server as they arrive, each piece (at most :data:`SHIP_BYTES`) as a temporary view,
     so the transfer overlaps with whatever produces ``data``. A snapshot whose views fit in
     one chunk is written directly from their union; a larger one is appended chunk by chunk
     (a union of views each) to a staging table inside ``path`` and then copied over in a
@@ -185,7 +191,7 @@ def write_snapshot(
     carries ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without
     the data.
     """
-    pieces = _chunks(data, schema, max(1, min(chunk_bytes, SHIP_BYTES)))
+    pieces = _chunks(data, schema, max(1, min(chunk_bytes, SHIP_BYTES)), SHIP_MIN_BYTES)
     staging: str | None = None
     pending: list[str] = []  # views shipped but not yet written
     pending_bytes = 0
