@@ -12,7 +12,7 @@ mid-stream and snapshotted later, and re-snapshots in the middle; runs use rando
 Modes:
 
 * default (CI): ``DEFAULT_SEEDS`` with ``DEFAULT_OPS`` operations each, per PostgreSQL version;
-* long: ``PGCDC_LONG=1`` or ``pytest --pgcdc-long``: ``PGCDC_LONG_SEEDS`` (default 20) fresh
+* long: ``PGCDC_LONG=1`` or ``pytest --pgcdc-long``: ``PGCDC_LONG_SEEDS`` (default 10) fresh
   random seeds with ``LONG_OPS`` operations each;
 * replay: ``PGCDC_SEED=<seed>[,<seed>...]`` (and ``PGCDC_OPS=<n>``, as printed on failure).
 
@@ -64,7 +64,7 @@ def _cases(config: pytest.Config) -> list[tuple[int, int]]:
     if os.environ.get("PGCDC_SEED"):
         return [(int(seed), ops) for seed in os.environ["PGCDC_SEED"].split(",")]
     if long:
-        count = int(os.environ.get("PGCDC_LONG_SEEDS", "20"))
+        count = int(os.environ.get("PGCDC_LONG_SEEDS", "10"))
         return [(random.SystemRandom().randrange(10**9), ops) for _ in range(count)]
     return [(seed, ops) for seed in DEFAULT_SEEDS]
 
@@ -188,6 +188,10 @@ def test_randomized_workload_matches_postgres_after_every_run(
     replay = Replay(pg, tmp_path, spark, seed, ops)
     print(f"replay with: {replay.replay_hint()}")
     replay.execute(steps)
+    (streamed,), = pg.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (replay.slot,))
+    if any(step.note.startswith("large") for step in steps):
+        assert streamed > 0, "no transaction was streamed: the workload no longer exercises streaming"
+    print(f"seed {seed}: {streamed} streamed transactions")
     print(f"seed {seed}: {len(steps)} steps, {replay.runs} runs, {replay.oracle_checks} table comparisons, "
           f"{time.monotonic() - started:.1f}s; runs {' '.join(replay.run_times)}")
 
