@@ -23,5 +23,10 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.snapshot
 	$(BIN)/python -m bench.cdc
 
+# pgbench load with incremental runs back to back, exact at the end (not part of `make test`).
+# SOAK_ARGS, e.g. SOAK_ARGS="--seconds 600 --rate 500 --major 15".
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
 clean:
 	rm -rf $(VENV) lake .demo .pytest_cache
