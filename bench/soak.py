@@ -36,7 +36,7 @@ from resources.incremental import run_incremental
 from resources.local_postgres import bin_dir_for, start_local_postgres
 from resources.lsn import LSN
 from resources.snapshot import snapshot_tables
-from resources.verify import assert_delta_equals_postgres
+from resources.verify import assert_delta_equals_postgres, delta_rows
 
 PUBLICATION = "soak_pub"
 SLOT = "soak_slot"
@@ -80,6 +80,24 @@ def slot_lag(dsn: str) -> int:
             (SLOT,),
         ).fetchall()
     return int(lag)
+
+
+def equal_with_padding(dsn: str, table: str, path: str) -> bool:
+    """Delta vs PostgreSQL with values as psycopg loads them (char(n) keeps its blank padding).
+
+    resources/verify.py compares string columns as ``column::text``, and PostgreSQL's cast of
+    char(n) to text strips the padding pgcdc keeps (docs/type-mapping.md), so pgbench's
+    ``filler char(n)`` columns differ there although Delta holds PostgreSQL's value. Enough for
+    the pgbench tables, whose columns are integers and char(n).
+    """
+    from collections import Counter
+
+    schema, rows = delta_rows(path)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cursor = conn.execute(f"SELECT * FROM {table}")
+        names = [column.name for column in cursor.description or []]
+        pg_rows = Counter(tuple(row) for row in cursor.fetchall())
+    return Counter(tuple(row[name] for name in names) for row in rows) == pg_rows
 
 
 def slope(values: list[float]) -> float:
@@ -158,15 +176,21 @@ def main(argv: list[str] | None = None) -> int:
             lag_after_final = slot_lag(dsn)
 
             print("\npgbench:", " ".join(line for line in pgbench_output.splitlines() if line.startswith("tps")))
-            failures = []
+            failures: list[str] = []
+            padding: list[str] = []
             for table, key in TABLES.items():
                 schema, _, name = table.partition(".")
                 try:
                     rows = assert_delta_equals_postgres(dsn, table, config.table_path(schema, name), key=key)
                     print(f"oracle {table}: {rows} rows equal")
                 except AssertionError as error:
-                    failures.append(table)
-                    print(f"oracle {table}: DIFFERS\n{error}")
+                    first_lines = "\n".join(str(error).splitlines()[:3])
+                    if equal_with_padding(dsn, table, config.table_path(schema, name)):
+                        padding.append(table)
+                        print(f"oracle {table}: differs only in char(n) blank padding (verify.py casts to text):\n{first_lines}")
+                    else:
+                        failures.append(table)
+                        print(f"oracle {table}: DIFFERS\n{error}")
 
         total_changes = sum(r.changes for r in records) + final.changes
         rss = [r.rss_mib for r in records]
@@ -182,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             f" at pgbench stop {lag_at_stop:,}, after the final drain {lag_after_final:,}\n"
             f"RSS MiB: first {rss[0] if rss else 0:.0f}, last {rss[-1] if rss else 0:.0f}, peak {max(rss, default=0):.0f},"
             f" slope over the second half {slope(half):+.2f} MiB/run\n"
+            f"RSS MiB by quarter: {', '.join(f'{rss[i]:.0f}' for i in sorted({0, len(rss) // 4, len(rss) // 2, 3 * len(rss) // 4, len(rss) - 1}) if rss)}\n"
             f"oracle: {'PASS' if not failures else 'FAIL ' + ', '.join(failures)}"
+            f"{' (equal with char(n) padding kept: ' + ', '.join(padding) + ')' if padding else ''}"
         )
         return 1 if failures else 0
     finally:

@@ -240,7 +240,7 @@ def test_silent_host_fails_within_the_connect_timeout_not_after_minutes(
 
     worker = threading.Thread(target=drain, daemon=True)
     worker.start()
-    worker.join(15)
+    worker.join(12)
     waited = time.monotonic() - began
     if worker.is_alive():
         pytest.fail(f"run_incremental still connecting to a silent host after {waited:.0f} s (expected <= ~10 s)")
@@ -485,7 +485,7 @@ def test_unreachable_spark_connect_fails_the_step_quickly_with_one_line(tmp_path
     """Shows: with spark.remote naming a Spark Connect server nobody listens on, the step hangs for
     minutes (the Spark Connect client retries the channel with back-off; SparkEngine.remote sets no
     deadline) instead of failing with one line naming spark.remote. Run in a child process killed
-    after 30 s so the hang cannot stall the suite. No PostgreSQL is needed: Spark is started first."""
+    after 25 s so the hang cannot stall the suite. No PostgreSQL is needed: Spark is started first."""
     config_file = write(tmp_path, {
         **settings("postgresql://postgres@127.0.0.1:1/never_reached", tmp_path / "lake"),
         "tables": ["public.orders"],
@@ -494,10 +494,10 @@ def test_unreachable_spark_connect_fails_the_step_quickly_with_one_line(tmp_path
     try:
         done = subprocess.run(
             [sys.executable, "-c", SPARK_STEP, str(config_file)],
-            cwd=REPO, capture_output=True, text=True, timeout=30, check=False,
+            cwd=REPO, capture_output=True, text=True, timeout=25, check=False,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail("the incremental step was still waiting for sc://127.0.0.1:1 after 30 s")
+        pytest.fail("the incremental step was still waiting for sc://127.0.0.1:1 after 25 s")
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("STEP_FAILURE ")]
     one_line(line, "sc://127.0.0.1:1", "spark.remote")
     assert not (tmp_path / "lake").exists()
