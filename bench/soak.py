@@ -19,7 +19,6 @@ Exit status 1 if the oracle fails.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -34,7 +33,6 @@ from resources.config import parse_config
 from resources.delta_engine import SparkEngine
 from resources.incremental import run_incremental
 from resources.local_postgres import bin_dir_for, start_local_postgres
-from resources.lsn import LSN
 from resources.snapshot import snapshot_tables
 from resources.verify import assert_delta_equals_postgres, delta_rows
 

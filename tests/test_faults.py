@@ -27,7 +27,7 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
-from resources.errors import ConnectionFailure, SlotError
+from resources.errors import SlotError
 from resources.faults import FAULT_POINT_ENV
 from resources.incremental import IncrementalResult, run_incremental
 from resources.local_postgres import LocalPostgres, start_local_postgres
