@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import psycopg
 from dagster import Backoff, DagsterRunStatus, Failure, RetryPolicy
 
-from resources.catalog import TableName, published_tables
+from resources.catalog import TableName, resolve_tables
 from resources.config import PgcdcConfig
 from resources.errors import ConnectionFailure, PgcdcError, explain
 
@@ -50,7 +50,7 @@ def discover_tables(config: PgcdcConfig) -> list[TableName]:
         return [TableName.parse(name) for name in config.tables]
     try:
         with psycopg.connect(config.postgres.dsn, autocommit=True, connect_timeout=10) as conn:
-            return published_tables(conn, config.publication)
+            return resolve_tables(conn, config.publication, config.tables)
     except psycopg.Error as error:
         raise explain(error, config.postgres.dsn) from None
 

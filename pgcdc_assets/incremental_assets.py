@@ -94,8 +94,8 @@ def build_incremental_assets(
         context: AssetExecutionContext, postgres: PostgresResource, spark: SparkDeltaResource
     ) -> Iterator[MaterializeResult | AssetObservation | AssetCheckResult]:
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
-        session = spark.spark_session
         with user_facing():
+            session = spark.spark_session
             if selected:
                 result = run_incremental(postgres.config, session, log=context.log.info)
                 for table in selected:

@@ -185,7 +185,8 @@ def _copy_all(
     key_of: Mapping[TableName, AssetKey],
 ) -> Iterator[MaterializeResult]:
     progress = _ProgressLog(context)
-    session = spark.spark_session
+    with user_facing():
+        session = spark.spark_session
     failures: list[BaseException] = []
     context.log.info(f"snapshotting {len(tables)} table(s), {config.snapshot.parallel_tables} at a time")
     with ThreadPoolExecutor(max_workers=max(1, config.snapshot.parallel_tables)) as pool:

@@ -12,6 +12,7 @@ the snapshot reads the catalog inside its replication transaction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -160,8 +161,31 @@ def published_tables(conn: psycopg.Connection, publication: str) -> list[TableNa
     rows = _cursor(conn).execute(
         "SELECT DISTINCT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1, 2",
         (publication,),
-    )
-    return [TableName(schema, name) for schema, name in rows.fetchall()]
+    ).fetchall()
+    if not rows:
+        # Draining an empty publication would confirm the slot past every change for nothing.
+        raise ConfigurationError(
+            f'publication "{publication}" publishes no tables',
+            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE ...",
+        )
+    return [TableName(schema, name) for schema, name in rows]
+
+
+def resolve_tables(conn: psycopg.Connection, publication: str, configured: Sequence[str]) -> list[TableName]:
+    """The tables to replicate: ``configured`` (schema.table names), each checked to be published,
+    or the whole publication when none are configured."""
+    published = published_tables(conn, publication)
+    if not configured:
+        return published
+    wanted = [TableName.parse(name) for name in configured]
+    missing = [table for table in wanted if table not in published]
+    if missing:
+        raise ConfigurationError(
+            f'{", ".join(str(table) for table in missing)} not published by "{publication}"',
+            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE {', '.join(t.quoted for t in missing)}, "
+            "or remove them from 'tables' (a partitioned table needs publish_via_partition_root = true)",
+        )
+    return wanted
 
 
 def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> TableInfo:

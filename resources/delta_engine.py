@@ -17,6 +17,7 @@ Findings that shaped this module (details and timings in ``docs/engine-notes.md`
 from __future__ import annotations
 
 import shutil
+import socket
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type, to_arrow_schema
+
+from resources.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from pysail.spark import SparkConnectServer
@@ -57,6 +60,14 @@ class SparkEngine:
     def __init__(self, spark: SparkSession, server: SparkConnectServer | None = None) -> None:
         self.spark = spark
         self._server = server
+        client = getattr(spark, "client", None)  # Spark Connect sessions only
+        if client is not None:
+            # Reattachable execution releases results on a thread pool shared by every
+            # session of the process, and closing any session (also from its finalizer,
+            # which the garbage collector may run on one of those pool threads while it
+            # holds the gRPC channel's lock) joins that pool: a deadlock seen under parallel
+            # snapshots. Our operations are short commands, so plain execution loses nothing.
+            client.disable_reattachable_execute()
 
     @classmethod
     def embedded(cls, config: Mapping[str, str] | None = None) -> SparkEngine:
@@ -75,7 +86,12 @@ class SparkEngine:
 
     @classmethod
     def remote(cls, url: str, config: Mapping[str, str] | None = None) -> SparkEngine:
-        """Connect to a running Spark Connect server (``sc://host:port``)."""
+        """Connect to a running Spark Connect server (``sc://host:port``).
+
+        The server is probed first: the Spark Connect client retries an unreachable
+        address with back-off for minutes, where a user wants the cause at once.
+        """
+        _probe_spark_connect(url)
         return cls(_with_config(SparkSession.builder.remote(url), config).create())
 
     def close(self) -> None:
@@ -91,6 +107,24 @@ class SparkEngine:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+SPARK_CONNECT_DEFAULT_PORT = 15002
+
+
+def _probe_spark_connect(url: str, timeout: float = 5.0) -> None:
+    """Fail with the fix unless a TCP connection to the server named by ``url`` opens."""
+    address = url.removeprefix("sc://").split("/", 1)[0]
+    host, _, port = address.rpartition(":") if ":" in address else (address, "", "")
+    host = host.strip("[]") or "localhost"
+    try:
+        with socket.create_connection((host, int(port or SPARK_CONNECT_DEFAULT_PORT)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as error:
+        raise ConfigurationError(
+            f"Spark Connect server {url} is unreachable ({error})",
+            "start it, fix spark.remote, or set spark.remote: null for the embedded engine",
+        ) from None
 
 
 def _with_config(builder: SparkSession.Builder, config: Mapping[str, str] | None) -> SparkSession.Builder:

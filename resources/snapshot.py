@@ -40,7 +40,7 @@ from psycopg import pq
 from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 
-from resources.catalog import TableInfo, TableName, published_tables, publication_exists, quote_ident, read_table
+from resources.catalog import TableInfo, TableName, publication_exists, quote_ident, read_table, resolve_tables
 from resources.config import PgcdcConfig
 from resources.delta_engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
@@ -123,7 +123,7 @@ class SnapshotResult:
 
 
 def ensure_publication(config: PgcdcConfig) -> list[TableName]:
-    """Make sure the publication exists and covers the configured tables; return what it publishes.
+    """Make sure the publication exists and covers the configured tables; return the tables to replicate.
 
     A publication pgcdc creates publishes partitioned tables via their root, so one Delta
     table per configured (root) table receives the changes of all its partitions.
@@ -145,23 +145,9 @@ def ensure_publication(config: PgcdcConfig) -> list[TableName]:
                         "list the tables to publish under 'tables'",
                     )
                 _create_publication(conn, publication, configured)
-            published = published_tables(conn, publication)
+            return resolve_tables(conn, publication, config.tables)
     except psycopg.Error as exc:
         raise explain(exc, config.postgres.dsn) from None
-    if not published:
-        raise ConfigurationError(
-            f'publication "{publication}" publishes no tables',
-            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE ...",
-        )
-    missing = [table for table in configured if table not in published]
-    if missing:
-        names = ", ".join(str(table) for table in missing)
-        raise ConfigurationError(
-            f'{names} not published by "{publication}"',
-            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE {', '.join(t.quoted for t in missing)}, "
-            "or remove them from 'tables' (a partitioned table needs publish_via_partition_root = true)",
-        )
-    return published
 
 
 def _create_publication(conn: psycopg.Connection, publication: str, tables: Sequence[TableName]) -> None:
@@ -607,18 +593,13 @@ def snapshot_tables(
     the others; once all have finished, the first failure is raised (later ones are attached
     as notes). ``on_progress`` is called from the worker threads.
     """
-    published = ensure_publication(config)
-    if tables is not None:
-        selected = list(tables)
-    elif config.tables:
-        selected = [TableName.parse(name) for name in config.tables]
-    else:
-        selected = published
-    unpublished = [table for table in selected if table not in published]
-    if unpublished:
+    replicated = ensure_publication(config)
+    selected = list(tables) if tables is not None else replicated
+    unknown = [table for table in selected if table not in replicated]
+    if unknown:
         raise ConfigurationError(
-            f"{', '.join(str(t) for t in unpublished)} not published by \"{config.publication}\"",
-            f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only published tables",
+            f"{', '.join(str(t) for t in unknown)} not published by \"{config.publication}\" (or not in 'tables')",
+            f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only replicated tables",
         )
     ensure_slot(config.postgres.dsn, config.slot)
     if not selected:

@@ -55,7 +55,9 @@ def _pg_expression(name: str, arrow: pa.DataType) -> str:
     """The SELECT expression giving PostgreSQL's value in the form Delta's column is compared in."""
     column = _quote(name)
     if pa.types.is_string(arrow):
-        return f"{column}::text"
+        # The type's output function, as COPY and pgoutput use it: a ::text cast would differ
+        # for some types (char(n) loses its blank padding, inet gains a /32 mask).
+        return f"CASE WHEN {column} IS NULL THEN NULL ELSE format('%s', {column}) END"
     if pa.types.is_timestamp(arrow):
         return (
             f"CASE WHEN {column} = 'infinity' THEN 9223372036854775807 WHEN {column} = '-infinity'"

@@ -481,23 +481,22 @@ print("STEP_FAILURE " + failure.step_failure_data.error.message.strip().replace(
 """
 
 
-def test_unreachable_spark_connect_fails_the_step_quickly_with_one_line(tmp_path: Path) -> None:
-    """Shows: with spark.remote naming a Spark Connect server nobody listens on, the step hangs for
-    minutes (the Spark Connect client retries the channel with back-off; SparkEngine.remote sets no
-    deadline) instead of failing with one line naming spark.remote. Run in a child process killed
-    after 25 s so the hang cannot stall the suite. No PostgreSQL is needed: Spark is started first."""
-    config_file = write(tmp_path, {
-        **settings("postgresql://postgres@127.0.0.1:1/never_reached", tmp_path / "lake"),
-        "tables": ["public.orders"],
-        "spark": {"remote": "sc://127.0.0.1:1"},
-    })  # fmt: skip
+def test_unreachable_spark_connect_fails_the_step_quickly_with_one_line(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """spark.remote naming a Spark Connect server nobody listens on fails the step at once with
+    one line naming spark.remote (the Spark Connect client alone would retry for minutes), and
+    nothing moves. Run in a child process killed after 60 s so a hang cannot stall the suite."""
+    good = prepare(pg, tmp_path, spark)
+    state = State(pg, tmp_path / "lake")
+    config_file = write(tmp_path, {**good, "spark": {"remote": "sc://127.0.0.1:1"}}, "remote.yaml")
     try:
         done = subprocess.run(
             [sys.executable, "-c", SPARK_STEP, str(config_file)],
-            cwd=REPO, capture_output=True, text=True, timeout=25, check=False,
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail("the incremental step was still waiting for sc://127.0.0.1:1 after 25 s")
+        pytest.fail("the incremental step was still waiting for sc://127.0.0.1:1 after 60 s")
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("STEP_FAILURE ")]
     one_line(line, "sc://127.0.0.1:1", "spark.remote")
-    assert not (tmp_path / "lake").exists()
+    state.assert_unmoved()
