@@ -11,7 +11,6 @@ end naming every failure.
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import psycopg
 from dagster import (
@@ -40,7 +39,7 @@ from resources.snapshot import (
     SnapshotResult,
     ensure_publication,
     ensure_slot,
-    snapshot_table,
+    snapshot_each,
 )
 
 #: Seconds between progress lines per table: often enough to show life, rare enough to read.
@@ -189,35 +188,16 @@ def _copy_all(
         session = spark.spark_session
     failures: list[BaseException] = []
     context.log.info(f"snapshotting {len(tables)} table(s), {config.snapshot.parallel_tables} at a time")
-    with ThreadPoolExecutor(max_workers=max(1, config.snapshot.parallel_tables)) as pool:
-        pending: dict[Future[SnapshotResult], TableName] = {
-            pool.submit(
-                snapshot_table,
-                config.postgres.dsn,
-                config.publication,
-                table,
-                session,
-                config.table_path(table.schema, table.name),
-                slot=config.slot,
-                on_progress=progress,
-            ): table
-            for table in tables
-        }
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                table = pending.pop(future)
-                error = future.exception()
-                if error is not None:
-                    context.log.error(f"snapshot {table} failed: {error}")
-                    failures.append(error)
-                    continue
-                result = future.result()
-                context.log.info(
-                    f"snapshot {table}: {result.rows:,} rows at LSN {result.snapshot_lsn} in {result.duration_s:.1f} s"
-                    f" -> Delta version {result.delta_version}"
-                )
-                yield MaterializeResult(asset_key=key_of[table], metadata=snapshot_metadata(result))
+    for table, outcome in snapshot_each(config, session, tables, on_progress=progress):
+        if isinstance(outcome, BaseException):
+            context.log.error(f"snapshot {table} failed: {outcome}")
+            failures.append(outcome)
+            continue
+        context.log.info(
+            f"snapshot {table}: {outcome.rows:,} rows at LSN {outcome.snapshot_lsn} in {outcome.duration_s:.1f} s"
+            f" -> Delta version {outcome.delta_version}"
+        )
+        yield MaterializeResult(asset_key=key_of[table], metadata=snapshot_metadata(outcome))
     if failures:
         # Transient copy failures are retried by the policy; everything else needs a fix first.
         raise Failure(

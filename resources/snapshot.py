@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -602,15 +602,37 @@ def snapshot_tables(
             f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only replicated tables",
         )
     ensure_slot(config.postgres.dsn, config.slot)
-    if not selected:
-        return []
-    workers = min(config.snapshot.parallel_tables, len(selected))
+    results: list[SnapshotResult] = []
     failures: list[BaseException] = []
-    lock = threading.Lock()
+    for _, outcome in snapshot_each(config, spark, selected, on_progress):
+        if isinstance(outcome, BaseException):
+            failures.append(outcome)
+        else:
+            results.append(outcome)
+    if failures:
+        first = failures[0]
+        for later in failures[1:]:
+            first.add_note(f"also failed: {later}")
+        raise first
+    return sorted(results, key=lambda result: selected.index(result.table))
 
-    def run(table: TableName) -> SnapshotResult:
-        try:
-            return snapshot_table(
+
+def snapshot_each(
+    config: PgcdcConfig,
+    spark: SparkSession,
+    tables: Sequence[TableName],
+    on_progress: Callable[[SnapshotProgress], None] | None = None,
+) -> Iterator[tuple[TableName, SnapshotResult | BaseException]]:
+    """Copy ``tables`` in parallel, yielding each table's result (or its failure) as it finishes.
+
+    Callers report per table as soon as one is done (a Dagster step materializes it)
+    instead of waiting for the slowest; the publication and slot must already be set up.
+    """
+    workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
+        pending = {
+            pool.submit(
+                snapshot_table,
                 config.postgres.dsn,
                 config.publication,
                 table,
@@ -618,21 +640,15 @@ def snapshot_tables(
                 config.table_path(table.schema, table.name),
                 slot=config.slot,
                 on_progress=on_progress,
-            )
-        except BaseException as exc:
-            with lock:
-                failures.append(exc)
-            raise
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
-        futures: list[Future[SnapshotResult]] = [pool.submit(run, table) for table in selected]
-        wait(futures)
-    if failures:
-        first = failures[0]
-        for later in failures[1:]:
-            first.add_note(f"also failed: {later}")
-        raise first
-    return [future.result() for future in futures]
+            ): table
+            for table in tables
+        }
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                table = pending.pop(future)
+                error = future.exception()
+                yield table, error if error is not None else future.result()
 
 
 # --------------------------------------------------------------------------- reading the marker
