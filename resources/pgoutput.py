@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Final, TypeAlias
+from typing import Final, Generic, TypeAlias, TypeVar
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
@@ -367,17 +367,34 @@ _SINCE_VERSION: Final[dict[int, int]] = {
 
 # --------------------------------------------------------------------------- caches
 
+_Described = TypeVar("_Described", Relation, Type)
 
-class RelationCache:
-    """Relation oid -> latest Relation message; a new Relation message for an oid replaces the entry."""
+
+class _OidCache(Generic[_Described]):
+    """Oid -> the latest message describing it; a newer message for an oid replaces the entry."""
 
     __slots__ = ("_by_oid",)
 
     def __init__(self) -> None:
-        self._by_oid: dict[int, Relation] = {}
+        self._by_oid: dict[int, _Described] = {}
 
-    def update(self, relation: Relation) -> None:
-        self._by_oid[relation.oid] = relation
+    def update(self, message: _Described) -> None:
+        self._by_oid[message.oid] = message
+
+    def __contains__(self, oid: object) -> bool:
+        return oid in self._by_oid
+
+    def __len__(self) -> int:
+        return len(self._by_oid)
+
+    def clear(self) -> None:
+        self._by_oid.clear()
+
+
+class RelationCache(_OidCache[Relation]):
+    """Relation oid -> latest Relation message."""
+
+    __slots__ = ()
 
     def get(self, oid: int, lsn: LSN | int | None = None) -> Relation:
         """The relation ``oid``; ``ProtocolError`` if no Relation message described it."""
@@ -390,39 +407,15 @@ class RelationCache:
                 "decode the session from its start (the server sends Relation before the first change of each table)",
             ) from None
 
-    def __contains__(self, oid: object) -> bool:
-        return oid in self._by_oid
 
-    def __len__(self) -> int:
-        return len(self._by_oid)
-
-    def clear(self) -> None:
-        self._by_oid.clear()
-
-
-class TypeCache:
+class TypeCache(_OidCache[Type]):
     """Type oid -> latest Type message."""
 
-    __slots__ = ("_by_oid",)
-
-    def __init__(self) -> None:
-        self._by_oid: dict[int, Type] = {}
-
-    def update(self, type_: Type) -> None:
-        self._by_oid[type_.oid] = type_
+    __slots__ = ()
 
     def get(self, oid: int) -> Type | None:
         """The Type message for ``oid``, or None (built-in types are never described)."""
         return self._by_oid.get(oid)
-
-    def __contains__(self, oid: object) -> bool:
-        return oid in self._by_oid
-
-    def __len__(self) -> int:
-        return len(self._by_oid)
-
-    def clear(self) -> None:
-        self._by_oid.clear()
 
 
 # --------------------------------------------------------------------------- decoder
