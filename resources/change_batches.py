@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +56,7 @@ from resources.delta_engine import (
     add_columns,
     append_rows,
     delete_all_rows,
+    fill_columns,
     merge_batch,
     read_commit_metadata,
     table_schema,
@@ -81,6 +82,12 @@ __all__ = [
 
 LSN_COLUMN = "_pgcdc_lsn"
 KEYED, FULL, APPEND = "keyed", "full", "append"
+DEFAULT_MERGE_ROWS = 200_000
+"""Most source rows per MERGE. Smaller pieces lowered Sail's memory only at a steep throughput cost
+(docs/engine-notes.md: 25k rows 1.4 GiB at 0.3x the speed; 50k no lower than one MERGE per chunk), so
+by default a chunk (200k changes) is still one MERGE per table."""
+HEARTBEAT_SECONDS = 0.1
+"""How often a thread waiting for Delta calls the heartbeat (which decides itself whether to send)."""
 RESNAPSHOT_FIX = "re-snapshot the table (materialize its snapshot asset or run the pgcdc_resnapshot job)"
 
 _SAFE_WIDENINGS = {("smallint", "int"), ("smallint", "bigint"), ("int", "bigint"), ("float", "double")}
@@ -115,6 +122,24 @@ class TypeResolver:
             ).fetchall()
             self._rows.update(zip(missing, rows))
         return [column_type_from_catalog(c.name, self._rows[key]) for c, key in zip(relation.columns, wanted)]
+
+    def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
+        """What PostgreSQL gave the existing rows of the named columns, per column: the set over
+        the table's storage (the table, or every leaf partition) of (type oid, has a missing
+        value, that value as text output, has a default). A column that is gone (dropped or
+        renamed since) is absent."""
+        rows = self._conn.execute(
+            "SELECT a.attname, a.atttypid::int8, a.atthasmissing, array_to_string(a.attmissingval, ''), a.atthasdef"
+            " FROM pg_attribute a WHERE a.attrelid IN ("
+            "   SELECT relid FROM pg_partition_tree(%(oid)s::oid) WHERE isleaf"
+            "   UNION SELECT oid FROM pg_class WHERE oid = %(oid)s::oid AND relkind <> 'p')"
+            " AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY(%(names)s)",
+            {"oid": relation.oid, "names": names},
+        ).fetchall()
+        found: dict[str, set[tuple]] = {}
+        for name, type_oid, has_missing, missing, has_default in rows:
+            found.setdefault(name, set()).add((type_oid, has_missing, missing if has_missing else None, has_default))
+        return found
 
 
 @dataclass
@@ -202,12 +227,18 @@ class ChangeApplier:
         max_changes: int,
         max_bytes: int,
         log: Callable[[str], None],
+        heartbeat: Callable[[], None] | None = None,
+        max_merge_rows: int = DEFAULT_MERGE_ROWS,
     ) -> None:
+        """``heartbeat`` is called about every :data:`HEARTBEAT_SECONDS` while this thread waits
+        for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out)."""
         self._spark = spark
+        self._heartbeat = heartbeat
         self._types = types
         self._targets = targets
         self._max_changes = max(1, max_changes)
         self._max_bytes = max(1, max_bytes)
+        self._max_merge_rows = max(1, max_merge_rows)
         self._log = log
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
@@ -215,7 +246,8 @@ class ChangeApplier:
         self._durable = 0
         # One Delta write runs in the background while the next chunk is decoded and folded
         # (the Spark call waits on the engine, not on Python): writes stay in order, and at
-        # most one chunk is in flight besides the one being built.
+        # most one chunk is in flight besides the one being built. Every Spark call of the
+        # applier runs on this thread; the caller's thread only waits for it (see _wait).
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgcdc-delta-write")
         self._in_flight: deque[tuple[Future[None], int | None]] = deque()
         self.pending_changes = 0
@@ -273,7 +305,7 @@ class ChangeApplier:
                 continue
             relation = self._relations[oid]
             if target.relation is not relation:
-                self._use_relation(target, relation)
+                self._use_relation(target, relation, end, seq)
             if target.mode == APPEND:
                 inserts = batch.ops[index] == _INSERT
                 if not inserts.all():
@@ -321,6 +353,11 @@ class ChangeApplier:
 
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
+        for future, _ in self._in_flight:
+            try:
+                self._wait(future)
+            except Exception:  # noqa: BLE001 - closing after a failure: the failure is already on its way
+                break
         self._writer.shutdown(wait=True)
 
     def _write(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
@@ -336,13 +373,28 @@ class ChangeApplier:
 
     def _collect_one(self) -> None:
         future, durable = self._in_flight.popleft()
-        future.result()  # a failed write fails the run here, before anything later is confirmed
+        self._wait(future)  # a failed write fails the run here, before anything later is confirmed
         if durable is not None:
             self._durable = durable
 
+    def _wait(self, future: Future):  # type: ignore[type-arg]
+        """The future's result; calls the heartbeat while waiting, however long a Delta commit takes."""
+        heartbeat = self._heartbeat
+        if heartbeat is not None:
+            while not future.done():
+                heartbeat()
+                wait((future,), timeout=HEARTBEAT_SECONDS, return_when=FIRST_COMPLETED)
+        return future.result()
+
+    def _call(self, operation: Callable[..., object], *args: object) -> object:
+        """Run a Spark call on the writer thread after every queued write, and wait for its result."""
+        self._collect(wait=True)
+        return self._wait(self._writer.submit(operation, self._spark, *args))
+
     # -- schema
 
-    def _use_relation(self, target: TableTarget, relation: Relation) -> None:
+    def _use_relation(self, target: TableTarget, relation: Relation, end: int, seq: int) -> None:
+        """Adopt a table's Relation message (at position ``seq`` of the transaction ending at ``end``)."""
         previous = target.relation
         if (
             previous is not None
@@ -363,15 +415,23 @@ class ChangeApplier:
         else:
             target.mode, target.key_index = APPEND, ()
             if not target.append_marker_loaded:
-                target.append_marker = read_append_marker(self._spark, target.path)
+                target.append_marker = self._call(read_append_marker, target.path)  # type: ignore[assignment]
                 target.append_marker_loaded = True
-        self._reconcile_schema(target, columns)
+        self._reconcile_schema(target, columns, previous, relation, end, seq)
         target.relation = relation
         target.columns = columns
 
-    def _reconcile_schema(self, target: TableTarget, columns: list[PgColumnType]) -> None:
+    def _reconcile_schema(
+        self,
+        target: TableTarget,
+        columns: list[PgColumnType],
+        previous: Relation | None,
+        relation: Relation,
+        end: int,
+        seq: int,
+    ) -> None:
         if target.delta_schema is None:
-            target.delta_schema = table_schema(self._spark, target.path)
+            target.delta_schema = self._call(table_schema, target.path)  # type: ignore[assignment]
         existing = {f.name: f.type for f in target.delta_schema}
         added: list[pa.Field] = []
         widened: dict[str, pa.DataType] = {}
@@ -388,18 +448,104 @@ class ChangeApplier:
                         RESNAPSHOT_FIX,
                     )
                 widened[column.column] = wanted
+        # Columns new since the previous Relation message (or, for the first one of the run, new
+        # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows.
+        seen = {c.name for c in previous.columns} if previous is not None else set(existing)
+        fills = self._fills(target, relation, columns, [c for c in columns if c.column not in seen], end, seq)
+        added = [f for f in added if f.name not in fills]
         if widened:
             self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
-            widen_columns(self._spark, target.path, widened)
+            self._call(widen_columns, target.path, widened)
         if added:
             self._log(f"{target.table}: adding column(s) {', '.join(f.name for f in added)}")
-            add_columns(self._spark, target.path, pa.schema(added))
-        if widened or added:
-            target.delta_schema = table_schema(self._spark, target.path)
+            self._call(add_columns, target.path, pa.schema(added))
+        if fills:
+            self._log(
+                f"{target.table}: setting {', '.join(fills)} in the rows written up to {LSN(end)} to the value "
+                "PostgreSQL gave the rows that existed when the column was added (rewrites the Delta table)"
+            )
+            values = pa.table({name: value for name, value in fills.items()})
+            self._call(fill_columns, target.path, values, LSN_COLUMN, end)
+        if widened or added or fills:
+            target.delta_schema = self._call(table_schema, target.path)  # type: ignore[assignment]
         names = {column.column for column in columns}
         target.dropped = [
             f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
         ]
+
+    def _fills(
+        self,
+        target: TableTarget,
+        relation: Relation,
+        columns: list[PgColumnType],
+        new: list[PgColumnType],
+        end: int,
+        seq: int,
+    ) -> dict[str, pa.Array]:
+        """The value (one-element typed array) each newly appearing column must get in the rows
+        already in Delta, for the columns that need one.
+
+        ``ALTER TABLE ... ADD COLUMN c ... DEFAULT x`` gives existing rows ``x`` without any row
+        change in the WAL: PostgreSQL 11+ stores a non-volatile default once as the column's
+        missing value (pg_attribute.attmissingval). A volatile default, or one set after the
+        column was added, is in the rows themselves and cannot be told from the catalog.
+        """
+        if not new:
+            return {}
+        if target.mode == APPEND and target.append_marker is not None and target.append_marker >= (end, seq):
+            return {}  # a replay: rows after this Relation message were appended, so it was handled before
+        facts = self._types.added_columns(relation, [c.column for c in new])
+        in_delta = {f.name for f in target.delta_schema or []}
+        fills: dict[str, pa.Array] = {}
+        for column, attribute in zip(columns, relation.columns):
+            if column not in new:
+                continue
+            name = column.column
+            seen = facts.get(name)
+            if not seen:
+                # Gone again (dropped or renamed) before we looked, which also clears its missing value.
+                # It is a dropped column in Delta from here on; only the rows written before it was
+                # added lack what PostgreSQL gave them there (NULL instead), which no longer exists in
+                # PostgreSQL. Refusing would stop every ADD COLUMN ... DROP COLUMN between two runs.
+                self._log(
+                    f"warning: {target.table}: column {name} was added and is gone again (dropped or renamed) "
+                    "before this run: rows written before it was added hold NULL in it in Delta"
+                )
+                continue
+            if len(seen) > 1:
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} differs between its partitions: "
+                    "what its existing rows hold cannot be told from the catalog",
+                    RESNAPSHOT_FIX,
+                )
+            ((type_oid, has_missing, missing, has_default),) = seen
+            if has_missing and type_oid != attribute.type_oid:
+                # A type change rewrites the table and clears the missing value: this one belongs to
+                # a column of the same name added again since.
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} was added and has since been dropped and added again: "
+                    "what its existing rows held cannot be read any more",
+                    RESNAPSHOT_FIX,
+                )
+            if has_missing:
+                try:
+                    fills[name] = to_arrow(pa.array([missing], pa.string()), column)
+                except PgValueError as exc:
+                    raise ChangeValueError(
+                        f"cannot apply the default of the added column {name!r} to {target.table}: {exc}",
+                        "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
+                    ) from exc
+            elif has_default:
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} was added with a default that PostgreSQL wrote into the "
+                    "existing rows without logging them (a volatile default, or a default set after the column "
+                    "was added)",
+                    RESNAPSHOT_FIX,
+                )
+            elif name in in_delta:
+                # Added again under the name of a column dropped earlier (kept in Delta): existing rows are NULL.
+                fills[name] = pa.nulls(1, arrow_type(column))
+        return fills
 
     def _warn_keyless(self, target: TableTarget, op: str) -> None:
         self.changes_skipped += 1
@@ -415,7 +561,7 @@ class ChangeApplier:
 
     def _truncate(self, target: TableTarget, relation: Relation, end: int, seq: int) -> None:
         if target.relation is not relation:
-            self._use_relation(target, relation)
+            self._use_relation(target, relation, end, seq)
         if target.mode == APPEND and target.append_marker is not None and (end, seq) <= target.append_marker:
             return
         if target.pending:
@@ -438,6 +584,29 @@ class ChangeApplier:
                 self._merge_by_row(target, rows)
             self.changes_applied += len(rows)
             target.stats.applied_lsn = LSN(max(int(rows.lsns.max()), target.stats.applied_lsn or 0))
+
+    def _merge(self, target: TableTarget, batch: pa.Table, key_columns: list[str], null_safe_keys: bool = False) -> None:
+        """MERGE a folded batch, in pieces of at most ``max_merge_rows`` source rows.
+
+        The batch holds one change per key, so the pieces touch disjoint rows and their order
+        does not matter, with one exception: a moved row that keeps unchanged-TOAST values reads
+        them from the row under its old key, which the batch deletes; deletes therefore go last.
+        The pieces are queued together; the batch is durable when the last one is.
+        """
+        limit = self._max_merge_rows
+        if batch.num_rows <= limit:
+            self._write(merge_batch, target.path, batch, key_columns, null_safe_keys=null_safe_keys)
+            return
+        batch = batch.take(pc.sort_indices(pc.equal(batch.column(OP_COLUMN), "D")))  # stable: deletes last
+        for start in range(0, batch.num_rows, limit):
+            piece = batch.slice(start, limit)
+            if start == 0:
+                self._write(merge_batch, target.path, piece, key_columns, null_safe_keys=null_safe_keys)
+            else:
+                future = self._writer.submit(
+                    merge_batch, self._spark, target.path, piece, key_columns, null_safe_keys=null_safe_keys
+                )
+                self._in_flight.append((future, None))
 
     def _append(self, target: TableTarget, rows: PendingRows) -> None:
         columns, _ = tuple_columns_at(rows.data, rows.new, len(target.columns))
@@ -475,7 +644,7 @@ class ChangeApplier:
         op_names = np.where(kept == _INSERT, "I", np.where(kept == _UPDATE, "U", "D"))
         batch = batch.append_column(OP_COLUMN, pa.array(op_names, pa.string()))
         key_columns = [target.columns[i].column for i in target.key_index]
-        self._write(merge_batch, target.path, batch, key_columns)
+        self._merge(target, batch, key_columns)
         stats = target.stats
         stats.inserted += int((rows.ops == _INSERT).sum())
         stats.updated += int((rows.ops == _UPDATE).sum())
@@ -550,7 +719,7 @@ class ChangeApplier:
         batch = self._arrow_batch(target, columns, flags, lsns, old_keys)
         batch = batch.append_column(OP_COLUMN, pa.array([change[0] for change in changes], pa.string()))
         key_columns = [target.columns[i].column for i in index]
-        self._write(merge_batch, target.path, batch, key_columns, null_safe_keys=full)
+        self._merge(target, batch, key_columns, null_safe_keys=full)
         stats = target.stats
         stats.inserted += inserted
         stats.updated += updated

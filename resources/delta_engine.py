@@ -464,6 +464,36 @@ def add_columns(spark: SparkSession, path: str, new_columns: pa.Schema) -> None:
     frame.write.format("delta").mode("append").option("mergeSchema", "true").save(path)
 
 
+def fill_columns(spark: SparkSession, path: str, values: pa.Table, lsn_column: str, up_to_lsn: int) -> None:
+    """Set each column of the one-row ``values`` to its value in every row whose ``lsn_column``
+    is at most ``up_to_lsn``, adding the columns the table lacks (NULL in the other rows).
+
+    One overwrite commit, so the new columns never exist without their values. Sail has
+    neither ALTER TABLE nor UPDATE; this is a rewrite of the table, like :func:`widen_columns`.
+    """
+    frame = spark.read.format("delta").load(path)
+    existing = to_arrow_schema(frame.schema)
+    lsn_column_le = F.col(_quote(lsn_column)) <= F.lit(int(up_to_lsn))
+    if frame.where(lsn_column_le).limit(1).count() == 0:  # nothing to fill (an empty query result commits no schema)
+        missing = [field for field in values.schema if field.name not in existing.names]
+        if missing:
+            add_columns(spark, path, pa.schema(missing))
+        return
+    fill_names = {name: f"_pgcdc_fill_{i}" for i, name in enumerate(values.column_names)}
+    fill = spark_dataframe(spark, values.rename_columns([fill_names[name] for name in values.column_names]))
+    joined = frame.crossJoin(fill)
+    columns = [
+        F.when(lsn_column_le, F.col(fill_names[field.name])).otherwise(F.col(_quote(field.name))).alias(field.name)
+        if field.name in fill_names
+        else F.col(_quote(field.name))
+        for field in existing
+    ]
+    columns += [
+        F.when(lsn_column_le, F.col(fill_names[name])).alias(name) for name in values.column_names if name not in existing.names
+    ]
+    joined.select(*columns).write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
+
+
 def delete_all_rows(spark: SparkSession, path: str) -> None:
     """Empty the table keeping its schema and history (Sail has no TRUNCATE TABLE)."""
     spark.sql(f"DELETE FROM delta.{_quote(path)}").collect()

@@ -2,9 +2,12 @@
 
 The order that makes it exactly-once (argued in docs/contracts.md):
 
-1. Preflight, read-only: publication, slot (exists, pgoutput, this database, not lost, not
+1. Preflight, read-only (``resources/preflight.py``, shared with ``pgcdc changes``): server
+   (version, wal_level), publication, slot (exists, pgoutput, this database, not lost, not
    in use). PostgreSQL 18 streams nothing for a missing publication instead of failing,
-   so that check is ours.
+   so that check is ours. Then the tables to replicate and their snapshot markers: when no
+   table has one, delta.root is most likely wrong and the run refuses (confirming would
+   skip every pending change for good).
 2. ``end_lsn`` = IDENTIFY_SYSTEM's xlogpos: the WAL *flush* position, i.e. everything the
    walsender can decode right now. A transaction committed with synchronous_commit=off
    may lie just beyond it; the next run picks it up. (pg_current_wal_lsn() could point
@@ -21,6 +24,10 @@ The order that makes it exactly-once (argued in docs/contracts.md):
 Tables whose Delta table has no snapshot marker yet are left alone and their changes
 skipped: confirming past them is safe because their snapshot, taken later, starts at a
 consistent point beyond everything confirmed now.
+
+While the run waits for Delta, nothing reads the replication stream: the waits call
+``ReplicationStream.keepalive`` (status updates with the same, durable position), so the
+walsender does not drop the connection after wal_sender_timeout during a long write.
 """
 
 from __future__ import annotations
@@ -32,14 +39,15 @@ from dataclasses import dataclass, field
 import psycopg
 from pyspark.sql import SparkSession
 
-from resources.catalog import TableName, publication_exists, published_tables, quote_ident
-from resources.change_batches import ChangeApplier, TableTarget, TypeResolver
+from resources.catalog import resolve_tables
+from resources.change_batches import DEFAULT_MERGE_ROWS, ChangeApplier, TableTarget, TypeResolver
 from resources.config import PgcdcConfig
 from resources.delta_engine import read_commit_metadata
-from resources.errors import ConfigurationError, SlotError, explain
+from resources.errors import ConfigurationError, PgcdcError, SlotError, explain
 from resources.faults import fault_point
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
+from resources.preflight import check_publications, check_server, check_slot, slot_in_use
 from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, libpq_options
 from resources.snapshot import read_snapshot_lsn
 from resources.transactions import TransactionAssembler
@@ -49,6 +57,7 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incre
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Payload bytes per chunk: with ``max_chunk_changes`` this bounds the run's memory."""
 PROGRESS_SECONDS = 5.0
+CONNECT_TIMEOUT_SECONDS = 10
 
 
 @dataclass(frozen=True)
@@ -94,12 +103,15 @@ def run_incremental(
     log: Callable[[str], None] | None = None,
     max_chunk_changes: int = 200_000,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_merge_rows: int = DEFAULT_MERGE_ROWS,
     spill_dir: str | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
 
     ``max_chunk_changes`` / ``max_chunk_bytes`` bound a chunk (and so memory); a chunk ends
-    at a transaction boundary unless one transaction alone exceeds them. ``spill_dir``
+    at a transaction boundary unless one transaction alone exceeds them. ``max_merge_rows``
+    bounds the source rows of one MERGE (a table's folded batch is split into several;
+    Sail's memory during a MERGE grows with its source). ``spill_dir``
     holds large transactions' changes while they are assembled (default: the system
     temporary directory).
     """
@@ -107,34 +119,53 @@ def run_incremental(
     started = time.monotonic()
     dsn = config.postgres.dsn
     try:
-        conn = psycopg.connect(dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS))
+        conn = psycopg.connect(
+            dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS), **_connect_timeout(dsn)
+        )
     except psycopg.Error as exc:
         raise explain(exc, dsn) from None
-    with conn:
-        start_lsn = _preflight(conn, config)
+    with conn, ReplicationConnection(
+        dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS
+    ) as rc:
+        check_server(rc)
+        check_publications(rc, [config.publication])
+        start_lsn = check_slot(rc, config.slot).confirmed_flush_lsn
+        assert start_lsn is not None  # check_slot refuses a slot without one
+        try:
+            tables = resolve_tables(conn, config.publication, config.tables)
+        except psycopg.Error as exc:
+            raise explain(exc, dsn) from None
         targets = {
-            table: TableTarget(table, path, read_snapshot_lsn(spark, path))
-            for table in _tables(conn, config)
+            table: TableTarget(table, path, _snapshot_lsn(spark, path, config))
+            for table in tables
             for path in [config.table_path(table.schema, table.name)]
         }
         without_snapshot = [str(t.table) for t in targets.values() if t.snapshot_lsn is None]
+        if targets and len(without_snapshot) == len(targets):
+            # Every change would be skipped and the slot confirmed past it: with a mistyped or
+            # unmounted delta.root the real lake would never get those changes.
+            raise ConfigurationError(
+                f"no replicated table has a snapshot under delta.root {config.delta.root}",
+                "run the pgcdc_snapshot job first, or fix delta.root if it points to the wrong place",
+            )
         if without_snapshot:
             say(
                 f"no snapshot yet for {', '.join(without_snapshot)}: their changes are skipped "
                 "(their snapshot will start after this run's position)"
             )
+        stream = ReplicationStream(rc)
         applier = ChangeApplier(
-            spark, TypeResolver(conn), targets, max_changes=max_chunk_changes, max_bytes=max_chunk_bytes, log=say
+            spark, TypeResolver(conn), targets, max_changes=max_chunk_changes, max_bytes=max_chunk_bytes, log=say,
+            heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
         )
-        with ReplicationConnection(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS) as rc:
-            end_lsn = rc.identify_system().xlogpos
-            say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
-            options = PgOutputOptions([config.publication], streaming="on")
-            stream = ReplicationStream(rc)
-            _start(stream, config.slot, options)
-            proto = options.resolve_proto_version(rc.server_version_num)
-            with TransactionAssembler(proto, spill_dir) as assembler:
-                _drain(stream, assembler, applier, end_lsn, say, started)
+        end_lsn = rc.identify_system().xlogpos
+        say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
+        options = PgOutputOptions([config.publication], streaming="on")
+        _start(stream, config.slot, options)
+        proto = options.resolve_proto_version(rc.server_version_num)
+        with TransactionAssembler(proto, spill_dir) as assembler:
+            _drain(stream, assembler, applier, end_lsn, say, started)
+        rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = LSN.parse(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])  # type: ignore[index]
     tables = {
@@ -217,10 +248,16 @@ def _drain(
         # Everything committed before end_lsn has been applied: confirm at least end_lsn so an
         # idle slot advances (see the module docstring for why this loses nothing).
         confirm(max(applier.finish(), end_lsn))
-    finally:
-        applier.close()
-        if stream.streaming:
-            stream.stop()
+    except BaseException:
+        try:
+            applier.close()
+            if stream.streaming:
+                stream.stop()
+        except Exception:  # noqa: BLE001 - the first failure is the one to report
+            pass
+        raise
+    applier.close()
+    stream.stop()
 
 
 def _start(stream: ReplicationStream, slot: str, options: PgOutputOptions) -> None:
@@ -228,67 +265,33 @@ def _start(stream: ReplicationStream, slot: str, options: PgOutputOptions) -> No
         stream.start(slot, options=options)
     except SlotError as exc:
         if "active for PID" in exc.cause:
-            pid = exc.cause.rsplit(" ", 1)[-1]
-            raise SlotError(
-                f'replication slot "{slot}" in use by PID {pid}', "another run is draining it; wait for it to finish"
-            ) from None
+            raise slot_in_use(slot, exc.cause.rsplit(" ", 1)[-1]) from None
         raise
 
 
-def _preflight(conn: psycopg.Connection, config: PgcdcConfig) -> LSN:
-    """Refuse to start on anything that would make the run fail late or silently; returns the slot's position."""
-    publication, slot = config.publication, config.slot
-    if not publication_exists(conn, publication):
-        raise ConfigurationError(
-            f'publication "{publication}" does not exist in this database',
-            f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE ..., or fix 'publication' in the configuration",
-        )
-    invalidation = "invalidation_reason" if conn.info.server_version >= 170000 else "NULL::text"
-    row = conn.execute(
-        "SELECT plugin::text, slot_type, database::text, current_database()::text, active, active_pid,"
-        f" confirmed_flush_lsn::text, wal_status, {invalidation} FROM pg_replication_slots WHERE slot_name = %s",
-        (slot,),
-    ).fetchone()
-    if row is None:
-        raise SlotError(
-            f'replication slot "{slot}" does not exist',
-            "run the snapshot job first (it creates the slot), or fix 'slot' in the configuration",
-        )
-    plugin, slot_type, database, here, active, pid, confirmed, wal_status, reason = row
-    if slot_type != "logical" or plugin != "pgoutput":
-        raise SlotError(
-            f'replication slot "{slot}" is a {slot_type} slot with plugin {plugin}, not a pgoutput slot',
-            "choose another slot name in 'slot'",
-        )
-    if database != here:
-        raise SlotError(
-            f'replication slot "{slot}" belongs to database "{database}", not "{here}"',
-            "point the DSN at that database or choose another slot name",
-        )
-    if wal_status == "lost" or reason is not None or confirmed is None:
-        raise SlotError(
-            f'replication slot "{slot}" is invalidated (wal_status {wal_status}{", " + reason if reason else ""})',
-            "run the pgcdc_resnapshot job: it recreates the slot and copies every table afresh",
-        )
-    if active:
-        raise SlotError(
-            f'replication slot "{slot}" in use by PID {pid}', "another run is draining it; wait for it to finish"
-        )
-    return LSN.parse(confirmed)
+def _connect_timeout(dsn: str) -> dict[str, int]:
+    """connect_timeout=10 unless the DSN sets one (libpq's default waits for the OS, minutes)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(dsn).get("connect_timeout")
+    except psycopg.Error:
+        given = None  # psycopg.connect reports the bad DSN itself
+    return {} if given else {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
 
 
-def _tables(conn: psycopg.Connection, config: PgcdcConfig) -> list[TableName]:
-    published = published_tables(conn, config.publication)
-    if not config.tables:
-        return published
-    wanted = [TableName.parse(name) for name in config.tables]
-    missing = [str(table) for table in wanted if table not in published]
-    if missing:
+def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | None:
+    """read_snapshot_lsn, with a failure to read the location as one line naming delta.root."""
+    try:
+        return read_snapshot_lsn(spark, path)
+    except PgcdcError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - Spark's errors are multi-line and name no fix
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
         raise ConfigurationError(
-            f"{', '.join(missing)} not published by \"{config.publication}\"",
-            f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or remove them from 'tables'",
-        )
-    return wanted
+            f"cannot read the Delta table at {path} ({first_line})",
+            f"check delta.root ({config.delta.root}): it must be a writable directory holding the snapshots",
+        ) from None
 
 
 def _confirmed_flush(dsn: str, slot: str) -> LSN:

@@ -3,6 +3,10 @@
 PostgreSQL reports some of these problems late or not at all: PostgreSQL 18
 streams nothing, without an error, for a publication that does not exist, and a
 slot of another output plugin fails only after streaming has begun.
+
+The one set of checks (and messages) for every reader of a slot: ``pgcdc changes`` and
+the incremental run (``resources/incremental.py``) both call :func:`check_server`,
+:func:`check_publications` and :func:`check_slot`, in that order.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from resources.errors import ConfigurationError, SlotError
-from resources.replication import ReplicationConnection, SlotState, quote_literal
+from resources.replication import ReplicationConnection, SlotState, quote_ident, quote_literal
 
 MIN_SERVER_VERSION_NUM = 140000
 
@@ -38,7 +42,7 @@ def check_publications(conn: ReplicationConnection, publications: Sequence[str])
         if name not in found:
             raise ConfigurationError(
                 f'publication "{name}" does not exist in this database',
-                f'CREATE PUBLICATION "{name}" FOR TABLE ..., or fix the publication name',
+                f"CREATE PUBLICATION {quote_ident(name)} FOR TABLE ..., or fix the publication name",
             )
 
 
@@ -47,7 +51,8 @@ def check_slot(conn: ReplicationConnection, slot: str) -> SlotState:
     state = conn.read_slot(slot)
     if state is None:
         raise SlotError(
-            f'replication slot "{slot}" does not exist', "create it (pgcdc changes --create-slot) or fix the slot name"
+            f'replication slot "{slot}" does not exist',
+            "create it (run the pgcdc_snapshot job, or pgcdc changes --create-slot) or fix the slot name",
         )
     database = conn.identify_system().dbname
     if state.slot_type != "logical" or state.database != database:
@@ -60,14 +65,21 @@ def check_slot(conn: ReplicationConnection, slot: str) -> SlotState:
             f'replication slot "{slot}" uses output plugin {state.plugin!r}, not pgoutput',
             "drop it and create it again with pgoutput, or use another slot name",
         )
-    if state.wal_status == "lost":
+    if state.wal_status == "lost" or state.invalidation_reason is not None or state.confirmed_flush_lsn is None:
+        reason = f", {state.invalidation_reason}" if state.invalidation_reason else ""
         raise SlotError(
-            f'replication slot "{slot}" was invalidated (wal_status lost): the WAL it needed is gone',
-            "drop and recreate the slot, then re-snapshot every table (pgcdc_resnapshot job)",
+            f'replication slot "{slot}" is invalidated (wal_status {state.wal_status}{reason}): the changes it held are gone',
+            "run the pgcdc_resnapshot job (it recreates the slot and copies every table afresh),"
+            " or drop and recreate the slot and re-snapshot every table",
         )
     if state.active:
-        raise SlotError(
-            f'replication slot "{slot}" is in use by PID {state.active_pid}',
-            "stop the other consumer or wait for its run to finish",
-        )
+        raise slot_in_use(slot, state.active_pid)
     return state
+
+
+def slot_in_use(slot: str, pid: object) -> SlotError:
+    """The error for a slot another consumer is reading (also when START_REPLICATION finds it so)."""
+    return SlotError(
+        f'replication slot "{slot}" is in use by PID {pid}',
+        "another run or consumer is reading it; stop the other consumer or wait for it to finish",
+    )

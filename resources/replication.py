@@ -172,6 +172,8 @@ class SlotState:
     confirmed_flush_lsn: LSN | None
     wal_status: str | None
     two_phase: bool | None
+    #: PostgreSQL 17+: why the slot was invalidated (None when valid or on older servers).
+    invalidation_reason: str | None = None
 
 
 def _lsn_or_none(text: str | None) -> LSN | None:
@@ -323,17 +325,18 @@ class ReplicationConnection:
         """The slot's row in pg_replication_slots, or None when there is no such slot."""
         validate_slot_name(name)
         two_phase = "two_phase" if self.server_version_num >= 140000 else "NULL::bool"
+        reason = "invalidation_reason" if self.server_version_num >= 170000 else "NULL::text"
         rows = self.execute(
             "SELECT slot_name::text, plugin::text, slot_type, database::text, temporary, active, active_pid,"
-            f" restart_lsn::text, confirmed_flush_lsn::text, wal_status, {two_phase}"
+            f" restart_lsn::text, confirmed_flush_lsn::text, wal_status, {two_phase}, {reason}"
             f" FROM pg_catalog.pg_replication_slots WHERE slot_name = {quote_literal(name)}"
         )
         if not rows:
             return None
-        (slot_name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, tp), = rows
+        (slot_name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, tp, why), = rows
         return SlotState(
             slot_name, plugin, slot_type, database, temporary, active, pid,
-            _lsn_or_none(restart), _lsn_or_none(confirmed), wal_status, tp,
+            _lsn_or_none(restart), _lsn_or_none(confirmed), wal_status, tp, why,
         )  # fmt: skip
 
 
@@ -499,6 +502,20 @@ _new_lsn = int.__new__  # LSN(x) without the Python-level range check, for value
 _new_tuple = tuple.__new__
 
 
+def _resumed(stream: ReplicationStream, received: int) -> float:
+    """Back in the drain after handing out an item; returns the time, the drain's new last activity.
+
+    The consumer may have spent long on that item (a Delta write), so a status update is sent
+    here if one is due, and the time away counts as activity rather than server silence.
+    """
+    now = time.monotonic()
+    if now >= stream._next_status:
+        if received > stream._received:
+            stream._received = received
+        stream.send_status()
+    return now
+
+
 class ReplicationStream:
     """START_REPLICATION ... LOGICAL over COPY BOTH, read without blocking the process.
 
@@ -506,6 +523,13 @@ class ReplicationStream:
     (or the slot's own ``confirmed_flush_lsn``), and never go backwards. The
     ``write`` position reported is what has been received, which keeps the
     walsender from pinging a client that is up to date.
+
+    The walsender drops a client it has not heard from for ``wal_sender_timeout``, also
+    while that client is busy elsewhere (say, waiting for a Delta write) and not reading.
+    Status updates go out every ``status_interval`` seconds, lowered at :meth:`start` to a
+    quarter of the server's ``wal_sender_timeout``: the drain checks the clock whenever its
+    consumer hands control back, and a consumer that holds on to control for long calls
+    :meth:`keepalive` meanwhile. Everything that touches the connection runs on one thread.
     """
 
     def __init__(
@@ -614,6 +638,11 @@ class ReplicationStream:
                 "this connection already ran START_REPLICATION once",
                 "open a new ReplicationConnection for each replication stream",
             )
+        timeout_ms = self._conn.execute(
+            "SELECT setting FROM pg_catalog.pg_settings WHERE name = 'wal_sender_timeout'"
+        )[0][0]
+        if int(timeout_ms) > 0:
+            self.status_interval = min(self.status_interval, int(timeout_ms) / 4000.0)
         floor = int(state.confirmed_flush_lsn or 0)
         self._confirmed = max(self._confirmed, floor)
         self._reported_flush = floor
@@ -671,6 +700,16 @@ class ReplicationStream:
         self._reported_flush = flush
         self.status_updates += 1
         self._next_status = time.monotonic() + self.status_interval
+
+    def keepalive(self) -> None:
+        """Send a status update if one is due (the same confirmed position, nothing newer).
+
+        For a consumer that keeps the stream without reading it for a while, e.g. while it waits
+        for Delta: call it at least every ``status_interval`` seconds, from the thread that
+        drains (libpq connections are not to be used by two threads at once).
+        """
+        if self._streaming and time.monotonic() >= self._next_status:
+            self.send_status()
 
     def stop(self, timeout: float = 60.0) -> None:
         """End the stream (CopyDone), discard what is still in flight, and leave the connection usable."""
@@ -826,6 +865,7 @@ class ReplicationStream:
                                 batch_bytes += nbytes
                                 if batch_bytes >= max_batch_bytes:
                                     yield batch
+                                    last_activity = _resumed(self, received)
                                     batch = []
                                     add = batch.append
                                     batch_bytes = 0
@@ -841,6 +881,7 @@ class ReplicationStream:
                                 continue
                             if batch:
                                 yield batch
+                                last_activity = _resumed(self, received)
                                 batch = []
                                 add = batch.append
                                 batch_bytes = 0
@@ -857,19 +898,23 @@ class ReplicationStream:
                                 in_txn = False
                                 self._in_txn = False
                                 yield frame
+                                last_activity = _resumed(self, received)
                                 if _unpack_u64(buf, _PAYLOAD + 10)[0] >= end:
                                     return
                             else:
                                 yield frame
+                                last_activity = _resumed(self, received)
                         elif in_block:
                             if tag == _STREAM_STOP:
                                 in_block = False
                                 self._in_block = False
                                 yield frame
+                                last_activity = _resumed(self, received)
                                 if start >= end:
                                     return
                             else:
                                 yield frame
+                                last_activity = _resumed(self, received)
                         elif tag == _BEGIN or tag == _BEGIN_PREPARE:
                             begin_at = _unpack_u64(buf, _PAYLOAD + 1)[0]
                             if begin_at >= end:
@@ -878,6 +923,7 @@ class ReplicationStream:
                             in_txn = True
                             self._in_txn = True
                             yield frame
+                            last_activity = _resumed(self, received)
                         elif tag == _STREAM_START:
                             if start >= end:
                                 self._pending, self._pending_start = frame, start
@@ -885,6 +931,7 @@ class ReplicationStream:
                             in_block = True
                             self._in_block = True
                             yield frame
+                            last_activity = _resumed(self, received)
                         else:
                             offsets = standalone.get(tag)
                             if offsets is None:  # e.g. a non-transactional logical message
@@ -892,6 +939,7 @@ class ReplicationStream:
                                     self._pending, self._pending_start = frame, start
                                     return
                                 yield frame
+                                last_activity = _resumed(self, received)
                                 continue
                             begin_at, end_at = offsets
                             record_end = start if end_at is None else _unpack_u64(buf, _PAYLOAD + end_at)[0]
@@ -908,6 +956,7 @@ class ReplicationStream:
                                 self._pending, self._pending_start = frame, record_end - 1
                                 return
                             yield frame
+                            last_activity = _resumed(self, received)
                             if record_end >= end:
                                 return
                         if not frames & 0x3FF:

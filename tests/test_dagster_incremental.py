@@ -174,8 +174,8 @@ def test_missing_slot_fails_once_with_the_fix(shop: PgDatabase, tmp_path: Path, 
     assert "STEP_UP_FOR_RETRY" not in kinds  # only ConnectionFailure is retried
     (failure,) = [event for event in result.all_events if event.event_type_value == "STEP_FAILURE"]
     assert failure.step_failure_data.error.message.strip().endswith(
-        'replication slot "pgcdc_slot" does not exist: run the snapshot job first (it creates the slot),'
-        " or fix 'slot' in the configuration"
+        'replication slot "pgcdc_slot" does not exist: create it (run the pgcdc_snapshot job,'
+        " or pgcdc changes --create-slot) or fix the slot name"
     )
 
 

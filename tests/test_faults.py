@@ -370,7 +370,8 @@ def test_second_run_while_one_drains_fails_fast_and_the_first_finishes_exactly(
             run_incremental(config, spark)
         assert time.monotonic() - began < 5
         assert str(busy.value) == (
-            f'replication slot "{SLOT}" in use by PID {pid}: another run is draining it; wait for it to finish'
+            f'replication slot "{SLOT}" is in use by PID {pid}: another run or consumer is reading it;'
+            " stop the other consumer or wait for it to finish"
         )
         assert child.wait() == 0, child.output()
     finally:

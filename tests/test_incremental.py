@@ -198,6 +198,67 @@ def test_added_dropped_and_widened_columns(pg: PgDatabase, tmp_path: Path, spark
     assert str(table.schema.field("amount").type) == "decimal128(12, 2)"
 
 
+def test_added_columns_give_existing_delta_rows_what_postgres_gave_its_rows(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """Fast defaults (pg_attribute.attmissingval) reach the rows already in Delta, typed through
+    pgtypes, also for rows written earlier in the transaction that adds the column and for keyless
+    tables; rows written after the ADD keep their own values; a column added again under the name
+    of a dropped one (kept in Delta) is NULL in the old rows, as in PostgreSQL."""
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE t (id int PRIMARY KEY, v text);
+        INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 3) g;
+        CREATE TABLE k (body text);
+        INSERT INTO k VALUES ('old');
+        CREATE PUBLICATION pub FOR TABLE t, k;
+    """)
+    with pg.connect() as conn:
+        with conn.transaction():
+            conn.execute("INSERT INTO t VALUES (4, 'v4')")
+            conn.execute(
+                "ALTER TABLE t ADD COLUMN n numeric(8,2) NOT NULL DEFAULT 1.5,"
+                " ADD COLUMN ts timestamptz DEFAULT '2024-01-02 03:04:05+02', ADD COLUMN tags text[] DEFAULT '{a,\"b c\"}',"
+                " ADD COLUMN plain int"
+            )
+            conn.execute("INSERT INTO t VALUES (5, 'v5', 2.25, NULL, '{z}', 7)")
+        conn.execute("UPDATE t SET v = 'changed' WHERE id = 1")
+        conn.execute("ALTER TABLE k ADD COLUMN flag bool DEFAULT true")
+        conn.execute("INSERT INTO k VALUES ('new', false)")
+        conn.execute("ALTER TABLE t DROP COLUMN v")
+        conn.execute("UPDATE t SET plain = 1 WHERE id = 2")
+        conn.execute("ALTER TABLE t ADD COLUMN v text")
+        conn.execute("UPDATE t SET plain = 3 WHERE id = 3")
+    drain(config, spark)
+    assert same(pg, config, "public.t") == 5
+    assert same(pg, config, "public.k", key=()) == 2
+    table = deltalake.DeltaTable(path_of(config, "public.t")).to_pyarrow_table().sort_by("id")
+    assert [str(n) for n in table.column("n").to_pylist()] == ["1.50", "1.50", "1.50", "1.50", "2.25"]
+    assert table.column("tags").to_pylist() == [["a", "b c"]] * 4 + [["z"]]
+    assert table.column("v").to_pylist() == [None] * 5
+
+
+def test_added_column_with_a_default_not_in_the_catalog_fails_with_the_resnapshot_fix(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """A volatile default rewrites the table (no WAL row changes, no missing value): refuse, move nothing."""
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE r (id int PRIMARY KEY);
+        INSERT INTO r VALUES (1);
+        CREATE PUBLICATION pub FOR TABLE r;
+    """)
+    start = slot_confirmed(pg)
+    version = delta_version(config, "public.r")
+    with pg.connect() as conn:
+        conn.execute("ALTER TABLE r ADD COLUMN x float8 DEFAULT random()")
+        conn.execute("INSERT INTO r VALUES (2, 0.5)")
+    with pytest.raises(SchemaChangeError) as failure:
+        drain(config, spark)
+    message = str(failure.value)
+    assert message.startswith("column 'x' of public.r was added with a default that PostgreSQL wrote into the existing rows")
+    assert "pgcdc_resnapshot" in message and "\n" not in message
+    assert slot_confirmed(pg) == start and delta_version(config, "public.r") == version
+
+
 def test_type_change_that_is_not_a_widening_fails_with_the_resnapshot_fix(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -367,7 +428,8 @@ def test_preflight_refuses_missing_publication_missing_slot_and_busy_slot(
             drain(config, spark)
         stream.stop()
     assert str(busy.value) == (
-        f'replication slot "{SLOT}" in use by PID {pid}: another run is draining it; wait for it to finish'
+        f'replication slot "{SLOT}" is in use by PID {pid}: another run or consumer is reading it;'
+        " stop the other consumer or wait for it to finish"
     )
 
 

@@ -196,7 +196,7 @@ def test_randomized_workload_matches_postgres_after_every_run(
           f"{time.monotonic() - started:.1f}s; runs {' '.join(replay.run_times)}")
 
 
-# --------------------------------------------------------------------------- findings (minimal failing tests)
+# --------------------------------------------------------------------------- findings (regression tests)
 
 
 def _single_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str) -> PgcdcConfig:
@@ -209,21 +209,14 @@ def _single_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str)
     return config
 
 
-def test_BUG_walsender_times_out_while_one_transaction_is_applied_in_many_chunks(
+def test_walsender_keeps_the_connection_while_one_transaction_is_applied_in_many_chunks(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """BUG, found by seed 7 (450 ops, PostgreSQL 15 and 18, chunk 3): ConnectionFailure
-    "replication connection lost ... server closed the connection unexpectedly".
-
-    While one transaction is applied in many chunks, nothing is confirmed (correctly), and
-    ``ReplicationStream.drain`` (resources/replication.py) checks whether a standby status
-    update is due only every 1024 frames (``if not frames & 0x3FF``) while frames are
-    buffered. The consumer blocks for a Delta commit per chunk, so far more than
-    wal_sender_timeout passes without a reply to the walsender, which then terminates the
-    connection. Here: wal_sender_timeout 1 s, a 40-row transaction, max_chunk_changes=1 (about
-    2 s of Delta commits); at the default 60 s the same happens when one transaction's
-    chunks take a minute (seed 7: 2,000 rows at chunk 3; in production a large transaction
-    with slow MERGEs).
+    """Regression (seed 7, 450 ops, PostgreSQL 15 and 18, chunk 3): the walsender dropped the
+    connection ("server closed the connection unexpectedly") while one transaction was applied
+    in many chunks, since nothing answered it while the run waited for Delta commits. The waits
+    now send status updates (same durable position) at a quarter of wal_sender_timeout. Here:
+    wal_sender_timeout 1 s, a 40-row transaction, max_chunk_changes=1 (about 2 s of Delta commits).
     """
     config = _single_table(pg, tmp_path, spark, """
         CREATE TABLE w (id int PRIMARY KEY, v text);
@@ -236,14 +229,13 @@ def test_BUG_walsender_times_out_while_one_transaction_is_applied_in_many_chunks
     assert assert_delta_equals_postgres(pg.dsn, "public.w", config.table_path("public", "w"), key=("id",)) == 41
 
 
-def test_BUG_added_column_with_default_is_null_in_delta_for_existing_rows(
+def test_added_column_with_default_reaches_existing_rows_in_delta(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """BUG: ``ALTER TABLE ... ADD COLUMN c ... DEFAULT x`` gives every existing row ``x`` in
+    """Regression: ``ALTER TABLE ... ADD COLUMN c ... DEFAULT x`` gives every existing row ``x`` in
     PostgreSQL without any row change in the WAL (a non-volatile default is stored once in
-    pg_attribute.attmissingval; a volatile one rewrites the table, which logical decoding
-    does not send). pgcdc adds the column to Delta on the next Relation message, NULL for the
-    rows already there: Delta silently differs from PostgreSQL for every untouched row.
+    pg_attribute.attmissingval). Delta had NULL there for every untouched row; now the rows
+    already in Delta get the missing value when the column first appears in a Relation message.
     """
     config = _single_table(pg, tmp_path, spark, """
         CREATE TABLE d (id int PRIMARY KEY, v text);
