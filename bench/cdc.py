@@ -1,6 +1,6 @@
 """CDC throughput: pgcdc's incremental run against pg_recvlogical on the same backlog.
 
-Run ``python -m bench.cdc [--major 18] [--inserts N] [--updates N] [--deletes N] [--chunk N]``.
+Run ``python -m bench.cdc [--major 18] [--inserts N] [--updates N] [--deletes N] [--chunk N] [--merge-rows N]``.
 It starts a throwaway PostgreSQL, snapshots a table into Delta (which creates pgcdc's slot),
 creates a second slot at the same point for pg_recvlogical, then builds the backlog in many
 transactions: inserts of new rows, updates of existing ones, deletes. Then:
@@ -30,6 +30,7 @@ import deltalake
 import psycopg
 import pyarrow.compute as pc
 
+from resources.change_batches import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
 from resources.delta_engine import SparkEngine
 from resources.incremental import run_incremental
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--deletes", type=int, default=100_000)
     parser.add_argument("--per-txn", type=int, default=1_000)
     parser.add_argument("--chunk", type=int, default=200_000)
+    parser.add_argument("--merge-rows", type=int, default=DEFAULT_MERGE_ROWS, help="most source rows per MERGE")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-cdc-"))
     server = start_local_postgres(args.major, base_dir=work / "pg")
@@ -114,12 +116,15 @@ def main() -> None:
             print(f"pg_recvlogical: {baseline:.2f} s, {changes / baseline:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB")
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"peak RSS before the incremental run (snapshot, backlog): {before:,.0f} MiB")
-            result = run_incremental(config, engine.spark, log=print, max_chunk_changes=args.chunk)
+            result = run_incremental(
+                config, engine.spark, log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
+            )
             ours = result.duration_s
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"pgcdc incremental: {ours:.2f} s, {changes / ours:,.0f} changes/s "
                   f"({result.transactions} transactions, {result.changes:,} changes applied)")
-            print(f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB")
+            print(f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB "
+                  f"(chunks of {args.chunk:,} changes, MERGEs of at most {args.merge_rows:,} rows)")
             table = deltalake.DeltaTable(config.table_path("public", "orders")).to_pyarrow_table(columns=["id", "amount"])
             with psycopg.connect(dsn, autocommit=True) as conn:
                 (count, amount), = conn.execute("SELECT count(*), sum(amount) FROM orders").fetchall()
