@@ -188,17 +188,26 @@ def resolve_tables(conn: psycopg.Connection, publication: str, configured: Seque
     return wanted
 
 
-def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> TableInfo:
-    """The relation as the publication publishes it; fails if the table is not published."""
-    cursor = _cursor(conn)
-    relation = cursor.execute(
+def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str]:
+    """(oid, relkind, relreplident) of ``table``; fails naming the table if it does not exist."""
+    row = _cursor(conn).execute(
         "SELECT c.oid::int, c.relkind::text, c.relreplident::text FROM pg_class c"
         " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
         (table.schema, table.name),
     ).fetchone()
-    if relation is None:
+    if row is None:
         raise ConfigurationError(f"table {table} does not exist", "fix the table name in the configuration")
-    oid, relkind, replica_identity = relation
+    return int(row[0]), str(row[1]), str(row[2])
+
+
+def table_oid(conn: psycopg.Connection, table: TableName) -> int:
+    return _relation(conn, table)[0]
+
+
+def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> TableInfo:
+    """The relation as the publication publishes it; fails if the table is not published."""
+    cursor = _cursor(conn)
+    oid, relkind, replica_identity = _relation(conn, table)
 
     modern = server_version_num(conn) >= 150000
     published = cursor.execute(

@@ -40,7 +40,15 @@ from psycopg import pq
 from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 
-from resources.catalog import TableInfo, TableName, publication_exists, quote_ident, read_table, resolve_tables
+from resources.catalog import (
+    TableInfo,
+    TableName,
+    publication_exists,
+    quote_ident,
+    read_table,
+    resolve_tables,
+    table_oid,
+)
 from resources.config import PgcdcConfig
 from resources.delta_engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
@@ -284,7 +292,7 @@ def _snapshot_table(
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
         # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
         # first command: look it up before BEGIN.
-        temp_slot = f"pgcdc_sync_{_table_oid(conn, table)}_{secrets.token_hex(6)}"
+        temp_slot = f"pgcdc_sync_{table_oid(conn.connection, table)}_{secrets.token_hex(6)}"
         conn.begin_snapshot_transaction()
         created = conn.create_slot(temp_slot, temporary=True, snapshot="use")
         snapshot_lsn = created.consistent_point
@@ -335,15 +343,6 @@ def _snapshot_table(
     )
 
 
-def _table_oid(conn: ReplicationConnection, table: TableName) -> int:
-    row = psycopg.ClientCursor(conn.connection).execute(
-        "SELECT c.oid::int FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = %s AND c.relname = %s",
-        (table.schema, table.name),
-    ).fetchone()
-    if row is None:
-        raise ConfigurationError(f"table {table} does not exist", "fix the table name in the configuration")
-    return int(row[0])
 
 
 def _column_types(conn: ReplicationConnection, info: TableInfo) -> list[PgColumnType]:
