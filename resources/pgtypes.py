@@ -64,18 +64,25 @@ TIMESTAMP_NEGATIVE_INFINITY = -(2**63)
 _STRING_TYPES = frozenset(
     {"text", "varchar", "bpchar", "name", "citext", "char", "uuid", "json", "jsonb", "xml"}
 )
-_INTEGER_TYPES: dict[str, tuple[pa.DataType, str]] = {
-    "int2": (pa.int16(), "smallint"),
-    "int4": (pa.int32(), "int"),
-    "int8": (pa.int64(), "bigint"),
+_INTEGER_TYPES: dict[str, pa.DataType] = {"int2": pa.int16(), "int4": pa.int32(), "int8": pa.int64()}
+_FLOAT_TYPES: dict[str, pa.DataType] = {"float4": pa.float32(), "float8": pa.float64()}
+_TIMESTAMP_TYPES: dict[str, pa.DataType] = {
+    "timestamp": pa.timestamp("us"),
+    "timestamptz": pa.timestamp("us", tz="UTC"),
 }
-_FLOAT_TYPES: dict[str, tuple[pa.DataType, str]] = {
-    "float4": (pa.float32(), "float"),
-    "float8": (pa.float64(), "double"),
-}
-_TIMESTAMP_TYPES: dict[str, tuple[pa.DataType, str]] = {
-    "timestamp": (pa.timestamp("us"), "timestamp_ntz"),
-    "timestamptz": (pa.timestamp("us", tz="UTC"), "timestamp"),
+#: Spark SQL names of the scalar Arrow types arrow_type() produces.
+_SPARK_SCALAR_NAMES: dict[pa.DataType, str] = {
+    pa.string(): "string",
+    pa.int16(): "smallint",
+    pa.int32(): "int",
+    pa.int64(): "bigint",
+    pa.float32(): "float",
+    pa.float64(): "double",
+    pa.timestamp("us"): "timestamp_ntz",
+    pa.timestamp("us", tz="UTC"): "timestamp",
+    pa.bool_(): "boolean",
+    pa.binary(): "binary",
+    pa.date32(): "date",
 }
 _NUMERIC_TYPMOD_HEADER = 4
 
@@ -252,11 +259,11 @@ def arrow_type(col: PgColumnType) -> pa.DataType:
         return pa.string()
     name = col.base_name
     if name in _INTEGER_TYPES:
-        return _INTEGER_TYPES[name][0]
+        return _INTEGER_TYPES[name]
     if name in _FLOAT_TYPES:
-        return _FLOAT_TYPES[name][0]
+        return _FLOAT_TYPES[name]
     if name in _TIMESTAMP_TYPES:
-        return _TIMESTAMP_TYPES[name][0]
+        return _TIMESTAMP_TYPES[name]
     if name == "numeric":
         precision, scale = _decimal_shape(col)  # type: ignore[misc]
         return pa.decimal128(precision, scale)
@@ -264,22 +271,16 @@ def arrow_type(col: PgColumnType) -> pa.DataType:
 
 
 def spark_ddl_type(col: PgColumnType) -> str:
-    """The Spark SQL / Delta type of the column, matching :func:`arrow_type`."""
-    if col.is_array and not col.as_text:
-        return f"array<{spark_ddl_type(col.element_type())}>"
-    if _is_text(col):
-        return "string"
-    name = col.base_name
-    if name in _INTEGER_TYPES:
-        return _INTEGER_TYPES[name][1]
-    if name in _FLOAT_TYPES:
-        return _FLOAT_TYPES[name][1]
-    if name in _TIMESTAMP_TYPES:
-        return _TIMESTAMP_TYPES[name][1]
-    if name == "numeric":
-        precision, scale = _decimal_shape(col)  # type: ignore[misc]
-        return f"decimal({precision},{scale})"
-    return {"bool": "boolean", "bytea": "binary", "date": "date"}[name]
+    """The Spark SQL / Delta type of the column: derived from :func:`arrow_type`, so the two never disagree."""
+    return _spark_ddl(arrow_type(col))
+
+
+def _spark_ddl(arrow: pa.DataType) -> str:
+    if pa.types.is_list(arrow):
+        return f"array<{_spark_ddl(arrow.value_type)}>"
+    if pa.types.is_decimal(arrow):
+        return f"decimal({arrow.precision},{arrow.scale})"
+    return _SPARK_SCALAR_NAMES[arrow]
 
 
 def arrow_schema(columns: Iterable[PgColumnType]) -> pa.Schema:
