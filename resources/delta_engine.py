@@ -16,6 +16,7 @@ Findings that shaped this module (details and timings in ``docs/engine-notes.md`
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import uuid
@@ -72,6 +73,8 @@ class SparkEngine:
     @classmethod
     def embedded(cls, config: Mapping[str, str] | None = None) -> SparkEngine:
         """Start Sail in this process on a free loopback port and connect to it."""
+        for name, value in EMBEDDED_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
         from pysail.spark import SparkConnectServer
 
         server = SparkConnectServer(ip="127.0.0.1", port=0)
@@ -108,6 +111,18 @@ class SparkEngine:
     ) -> None:
         self.close()
 
+
+EMBEDDED_ENVIRONMENT = {
+    "MIMALLOC_PURGE_DELAY": "0",
+    "SAIL_EXECUTION__DEFAULT_PARALLELISM": str(max(1, len(os.sched_getaffinity(0)) - 1)),
+}
+"""Defaults for the in-process Sail server, read when its native module loads and when a server
+starts; a value already in the environment wins. Sail allocates with mimalloc, which by default
+keeps freed pages of its worker threads for later: the process then grew by every MERGE's
+working memory and never shrank (run after run in a soak); purging at once returns it, at no
+measured cost. Sail splits work into one partition per core, but in this process one core is
+busy decoding the replication stream while the writes run: one partition fewer made the CDC
+benchmark 15-25 % faster on 2 cores (docs/engine-notes.md)."""
 
 SPARK_CONNECT_DEFAULT_PORT = 15002
 
@@ -245,7 +260,7 @@ def write_snapshot(
             _write_staged(spark, pending, path, staging)
             _drop_views(spark, pending)
             _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
-            _remove_local_staging(staging)
+            _remove_local(staging)
     finally:
         try:
             _drop_views(spark, pending)
@@ -290,12 +305,16 @@ def _append(frame: DataFrame, path: str) -> None:
     frame.write.format("delta").mode("append").save(path)
 
 
-def _remove_local_staging(staging: str) -> None:
-    """Staging data is useless after the copy; object-store paths are left to lifecycle rules,
+def _remove_local(staging: str) -> None:
+    """Staging data is useless once written over; object-store paths are left to lifecycle rules,
     since Spark offers no portable way to delete files."""
     local = staging.removeprefix("file://")
     if "://" not in local:
-        shutil.rmtree(Path(local).parent)
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            Path(local).parent.rmdir()  # the staging directory, unless another write uses it
+        except OSError:
+            pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +390,15 @@ def merge_batch(
     values of the target row under its old key instead. ``null_safe_keys`` matches keys
     with ``<=>``, needed when every column is the key (REPLICA IDENTITY FULL) and may be NULL.
     The MERGE rejects two changes for one key, so callers fold a batch per key first.
+
+    The source is staged as Parquet (:func:`merge_source`) rather than shipped as a view:
+    the engine builds its join's hash table from the side that looks smaller, and it sizes
+    a file scan by its compressed bytes but an in-memory relation by its Arrow bytes. A view
+    of a few tens of thousands of rows already "looks" bigger than a compressed table of
+    millions, and then Sail hashes the whole target table (three times: its MERGE plan runs
+    the join once for inserts, once for rewritten files and once for removes), so memory
+    grows with the table instead of the batch and the MERGE takes about twice as long
+    (measured in docs/engine-notes.md).
     """
     value_columns = [
         name
@@ -379,8 +407,9 @@ def merge_batch(
     ]
     flags = {name for name in source.column_names if name.startswith(UNCHANGED_PREFIX)}
     old_keys = [name for name in source.column_names if name.startswith(OLD_KEY_PREFIX)]
-    view = f"pgcdc_merge_{uuid.uuid4().hex}"
-    spark_dataframe(spark, source).createOrReplaceTempView(view)
+    staged = merge_source(path)
+    spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
+    view = f"parquet.{_quote(staged)}"
     target = f"delta.{_quote(path)}"
     kept = [name for name in value_columns if unchanged_flag_column(name) in flags]
     if old_keys and kept:
@@ -418,7 +447,13 @@ def merge_batch(
             f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
         ).collect()
     finally:
-        spark.catalog.dropTempView(view)
+        _remove_local(staged)
+
+
+def merge_source(path: str) -> str:
+    """Where :func:`merge_batch` stages its source: one directory per table, overwritten by
+    every MERGE, so even where it cannot be removed (object stores) it holds one batch at most."""
+    return f"{path.rstrip('/')}/{STAGING_DIRECTORY}/merge_source"
 
 
 def _carried(column: str) -> str:
