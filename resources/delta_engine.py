@@ -115,6 +115,7 @@ class SparkEngine:
 EMBEDDED_ENVIRONMENT = {
     "MIMALLOC_PURGE_DELAY": "0",
     "SAIL_EXECUTION__DEFAULT_PARALLELISM": str(max(1, len(os.sched_getaffinity(0)) - 1)),
+    "SAIL_PARQUET__FILE_METADATA_CACHE__SIZE_LIMIT": str(64 * 1024 * 1024),
 }
 """Defaults for the in-process Sail server, read when its native module loads and when a server
 starts; a value already in the environment wins. Sail allocates with mimalloc, which by default
@@ -122,7 +123,9 @@ keeps freed pages of its worker threads for later: the process then grew by ever
 working memory and never shrank (run after run in a soak); purging at once returns it, at no
 measured cost. Sail splits work into one partition per core, but in this process one core is
 busy decoding the replication stream while the writes run: one partition fewer made the CDC
-benchmark 15-25 % faster on 2 cores (docs/engine-notes.md)."""
+benchmark 15-25 % faster on 2 cores (docs/engine-notes.md). Sail caches every Parquet footer it
+reads for 30 minutes without a size limit; each MERGE writes new files, so a long-lived process
+would hold the footers of every file version it read: the cache is capped instead."""
 
 SPARK_CONNECT_DEFAULT_PORT = 15002
 
