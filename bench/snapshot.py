@@ -135,6 +135,7 @@ def main() -> None:
                 )
 
             rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            _, server_peak_mib = engine.server_memory_mib()
             arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
             tracemalloc.start()
             snapshot_table(
@@ -154,7 +155,7 @@ def main() -> None:
             f" {m.pgcdc_s:>8.3f} {m.pgcdc_rate:>13,.0f} {m.pgcdc_rate / m.copy_rate:>6.0%}"
         )
     print()
-    print(f"peak RSS of this process (PostgreSQL client, Arrow, Sail engine): {rss_mib:,.0f} MiB")
+    print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
     print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")
     print(f"peak Python heap during a narrow snapshot (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
 

@@ -5,9 +5,10 @@ Run ``make soak`` or ``python -m bench.soak [--seconds 120] [--rate 200] [--clie
 It starts a throwaway PostgreSQL, loads pgbench's TPC-B-like schema (``pgbench -i``),
 publishes the four pgbench tables and snapshots them into Delta (which creates the slot).
 Then ``pgbench -c CLIENTS -R RATE -T SECONDS`` (the server's own binary) runs while
-``run_incremental`` fires back to back in this process (embedded Sail). After each run it
-records the slot's lag after the run, the process RSS (which includes the in-process Sail
-server) and the run's changes/s. When pgbench stops, a final drain runs and the oracle
+``run_incremental`` fires back to back in this process, each run on its own embedded Sail
+engine as a Dagster run would have (Sail 0.7.2 keeps ~100 KB per operation until its process
+exits; see docs/engine-notes.md). After each run it records the slot's lag after the run, the
+memory in use (this process's RSS plus the Sail server's) and the run's changes/s. When pgbench stops, a final drain runs and the oracle
 compares all four tables with PostgreSQL value for value; ``pgbench_history`` has no
 primary key, so it is insert-only and every row must be appended exactly once.
 
@@ -29,9 +30,9 @@ from pathlib import Path
 
 import psycopg
 
-from resources.config import parse_config
+from resources.config import PgcdcConfig, parse_config
 from resources.delta_engine import SparkEngine
-from resources.incremental import run_incremental
+from resources.incremental import IncrementalResult, run_incremental
 from resources.local_postgres import bin_dir_for, start_local_postgres
 from resources.snapshot import snapshot_tables
 from resources.verify import assert_delta_equals_postgres, delta_rows
@@ -69,6 +70,15 @@ def rss_mib() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def drain_once(config: PgcdcConfig, chunk: int) -> tuple[IncrementalResult, float]:
+    """One incremental run on its own embedded engine, as each Dagster run gets one; returns the
+    result and the memory in use at its end: this process's RSS plus the Sail server's."""
+    with SparkEngine.embedded() as engine:
+        result = run_incremental(config, engine.spark, max_chunk_changes=chunk)
+        server_rss, _ = engine.server_memory_mib()
+    return result, rss_mib() + server_rss
 
 
 def slot_lag(dsn: str) -> int:
@@ -135,60 +145,59 @@ def main(argv: list[str] | None = None) -> int:
             {"postgres": {"dsn": dsn}, "publication": PUBLICATION, "slot": SLOT, "delta": {"root": str(work / "lake")}}
         )
         with SparkEngine.embedded() as engine:
-            spark = engine.spark
             began = time.monotonic()
-            snapshot_tables(config, spark, None)
+            snapshot_tables(config, engine.spark, None)
             print(f"PostgreSQL {args.major}, pgbench scale {args.scale}: snapshot in {time.monotonic() - began:.1f} s")
-            print(f"pgbench -c {args.clients} -R {args.rate} -T {args.seconds}; incremental runs back to back")
-            print(f"{'run':>4} {'at s':>6} {'dur s':>6} {'changes':>8} {'chg/s':>8} {'lag before':>11} {'lag after':>10} {'RSS MiB':>8}")
-            load = subprocess.Popen(
-                [pgbench, "-n", "-c", str(args.clients), "-j", str(min(args.clients, 2)), "-R", str(args.rate),
-                 "-T", str(args.seconds), *conn_args, DATABASE],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )  # fmt: skip
-            records: list[RunRecord] = []
-            load_began = time.monotonic()
-            try:
-                while load.poll() is None:
-                    result = run_incremental(config, spark, max_chunk_changes=args.chunk)
-                    records.append(
-                        RunRecord(
-                            len(records) + 1, time.monotonic() - load_began, result.duration_s, result.changes,
-                            result.transactions, result.lag_bytes_before, result.lag_bytes_after, rss_mib(),
-                        )  # fmt: skip
-                    )
-                    r = records[-1]
-                    print(
-                        f"{r.index:>4} {r.at_s:>6.1f} {r.duration_s:>6.2f} {r.changes:>8} {r.changes_per_second:>8.0f}"
-                        f" {r.lag_before:>11} {r.lag_after:>10} {r.rss_mib:>8.0f}",
-                        flush=True,
-                    )
-            finally:
-                if load.poll() is None:
-                    load.terminate()
-                pgbench_output = load.communicate()[0]
-            load_seconds = time.monotonic() - load_began
-            lag_at_stop = slot_lag(dsn)
-            final = run_incremental(config, spark, max_chunk_changes=args.chunk)
-            total_seconds = time.monotonic() - load_began
-            lag_after_final = slot_lag(dsn)
+        print(f"pgbench -c {args.clients} -R {args.rate} -T {args.seconds}; incremental runs back to back")
+        print(f"{'run':>4} {'at s':>6} {'dur s':>6} {'changes':>8} {'chg/s':>8} {'lag before':>11} {'lag after':>10} {'RSS MiB':>8}")
+        load = subprocess.Popen(
+            [pgbench, "-n", "-c", str(args.clients), "-j", str(min(args.clients, 2)), "-R", str(args.rate),
+             "-T", str(args.seconds), *conn_args, DATABASE],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        records: list[RunRecord] = []
+        load_began = time.monotonic()
+        try:
+            while load.poll() is None:
+                result, memory = drain_once(config, args.chunk)
+                records.append(
+                    RunRecord(
+                        len(records) + 1, time.monotonic() - load_began, result.duration_s, result.changes,
+                        result.transactions, result.lag_bytes_before, result.lag_bytes_after, memory,
+                    )  # fmt: skip
+                )
+                r = records[-1]
+                print(
+                    f"{r.index:>4} {r.at_s:>6.1f} {r.duration_s:>6.2f} {r.changes:>8} {r.changes_per_second:>8.0f}"
+                    f" {r.lag_before:>11} {r.lag_after:>10} {r.rss_mib:>8.0f}",
+                    flush=True,
+                )
+        finally:
+            if load.poll() is None:
+                load.terminate()
+            pgbench_output = load.communicate()[0]
+        load_seconds = time.monotonic() - load_began
+        lag_at_stop = slot_lag(dsn)
+        final, _ = drain_once(config, args.chunk)
+        total_seconds = time.monotonic() - load_began
+        lag_after_final = slot_lag(dsn)
 
-            print("\npgbench:", " ".join(line for line in pgbench_output.splitlines() if line.startswith("tps")))
-            failures: list[str] = []
-            padding: list[str] = []
-            for table, key in TABLES.items():
-                schema, _, name = table.partition(".")
-                try:
-                    rows = assert_delta_equals_postgres(dsn, table, config.table_path(schema, name), key=key)
-                    print(f"oracle {table}: {rows} rows equal")
-                except AssertionError as error:
-                    first_lines = "\n".join(str(error).splitlines()[:3])
-                    if equal_with_padding(dsn, table, config.table_path(schema, name)):
-                        padding.append(table)
-                        print(f"oracle {table}: differs only in char(n) blank padding (verify.py casts to text):\n{first_lines}")
-                    else:
-                        failures.append(table)
-                        print(f"oracle {table}: DIFFERS\n{error}")
+        print("\npgbench:", " ".join(line for line in pgbench_output.splitlines() if line.startswith("tps")))
+        failures: list[str] = []
+        padding: list[str] = []
+        for table, key in TABLES.items():
+            schema, _, name = table.partition(".")
+            try:
+                rows = assert_delta_equals_postgres(dsn, table, config.table_path(schema, name), key=key)
+                print(f"oracle {table}: {rows} rows equal")
+            except AssertionError as error:
+                first_lines = "\n".join(str(error).splitlines()[:3])
+                if equal_with_padding(dsn, table, config.table_path(schema, name)):
+                    padding.append(table)
+                    print(f"oracle {table}: differs only in char(n) blank padding (verify.py casts to text):\n{first_lines}")
+                else:
+                    failures.append(table)
+                    print(f"oracle {table}: DIFFERS\n{error}")
 
         total_changes = sum(r.changes for r in records) + final.changes
         rss = [r.rss_mib for r in records]

@@ -38,7 +38,7 @@ class SparkDeltaResource(PySparkResource):
     """
 
     spark_config: dict[str, Any] = Field(default_factory=dict, description="Spark settings for the session")
-    mode: SparkMode = Field(default="embedded", description="embedded (Sail in-process), remote or classic")
+    mode: SparkMode = Field(default="embedded", description="embedded (Sail in a child process), remote or classic")
     remote: str | None = Field(default=None, description="sc://host:port of the Spark Connect server (remote mode)")
     app_name: str = Field(default="pgcdc", description="Spark application name (classic mode)")
 

@@ -19,22 +19,19 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
-
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type, to_arrow_schema
 
 from resources.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from pysail.spark import SparkConnectServer
 
 OP_COLUMN = "_pgcdc_op"
 """Merge source column holding 'I', 'U' or 'D' for each change."""
@@ -56,9 +53,9 @@ DELTA_CLASSIC_CONFIG: dict[str, str] = {
 
 
 class SparkEngine:
-    """A Spark session and, in embedded mode, the Sail server behind it; close() stops both."""
+    """A Spark session and, in embedded mode, the Sail server process behind it; close() stops both."""
 
-    def __init__(self, spark: SparkSession, server: SparkConnectServer | None = None) -> None:
+    def __init__(self, spark: SparkSession, server: subprocess.Popen[bytes] | None = None) -> None:
         self.spark = spark
         self._server = server
         client = getattr(spark, "client", None)  # Spark Connect sessions only
@@ -72,18 +69,21 @@ class SparkEngine:
 
     @classmethod
     def embedded(cls, config: Mapping[str, str] | None = None) -> SparkEngine:
-        """Start Sail in this process on a free loopback port and connect to it."""
-        for name, value in EMBEDDED_ENVIRONMENT.items():
-            os.environ.setdefault(name, value)
-        from pysail.spark import SparkConnectServer
-
-        server = SparkConnectServer(ip="127.0.0.1", port=0)
-        server.start(background=True)
-        _, port = server.listening_address
+        """Start Sail in a child process (``resources.sail_server``) on a free loopback port and connect."""
+        server = subprocess.Popen(
+            [sys.executable, "-m", "resources.sail_server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**EMBEDDED_ENVIRONMENT, **os.environ},
+        )
         try:
-            spark = _with_config(SparkSession.builder.remote(f"sc://127.0.0.1:{port}"), config).create()
+            assert server.stdout is not None
+            line = server.stdout.readline()
+            if not line.strip().isdigit():
+                raise RuntimeError(f"the embedded Sail server did not start (exit status {server.wait()})")
+            spark = _with_config(SparkSession.builder.remote(f"sc://127.0.0.1:{int(line)}"), config).create()
         except BaseException:
-            server.stop()
+            _stop_server(server)
             raise
         return cls(spark, server)
 
@@ -97,11 +97,25 @@ class SparkEngine:
         _probe_spark_connect(url)
         return cls(_with_config(SparkSession.builder.remote(url), config).create())
 
+    def server_memory_mib(self) -> tuple[float, float]:
+        """The embedded server's resident and peak resident memory (VmRSS, VmHWM); zeros without one."""
+        if self._server is None:
+            return 0.0, 0.0
+        values = {}
+        with open(f"/proc/{self._server.pid}/status", encoding="ascii") as status:
+            for line in status:
+                name, _, rest = line.partition(":")
+                if name in ("VmRSS", "VmHWM"):
+                    values[name] = int(rest.split()[0]) / 1024
+        return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
+
     def close(self) -> None:
-        self.spark.stop()
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        try:
+            self.spark.stop()
+        finally:
+            if self._server is not None:
+                _stop_server(self._server)
+                self._server = None
 
     def __enter__(self) -> SparkEngine:
         return self
@@ -117,15 +131,28 @@ EMBEDDED_ENVIRONMENT = {
     "SAIL_EXECUTION__DEFAULT_PARALLELISM": str(max(1, len(os.sched_getaffinity(0)) - 1)),
     "SAIL_PARQUET__FILE_METADATA_CACHE__SIZE_LIMIT": str(64 * 1024 * 1024),
 }
-"""Defaults for the in-process Sail server, read when its native module loads and when a server
-starts; a value already in the environment wins. Sail allocates with mimalloc, which by default
-keeps freed pages of its worker threads for later: the process then grew by every MERGE's
-working memory and never shrank (run after run in a soak); purging at once returns it, at no
-measured cost. Sail splits work into one partition per core, but in this process one core is
-busy decoding the replication stream while the writes run: one partition fewer made the CDC
-benchmark 15-25 % faster on 2 cores (docs/engine-notes.md). Sail caches every Parquet footer it
-reads for 30 minutes without a size limit; each MERGE writes new files, so a long-lived process
-would hold the footers of every file version it read: the cache is capped instead."""
+"""Defaults for the embedded Sail server's environment; a value already in pgcdc's environment
+wins. Sail allocates with mimalloc, which by default keeps freed pages of its worker threads for
+later: the server then grew by every MERGE's working memory and never shrank; purging at once
+returns it, at no measured cost. Sail splits work into one partition per core, but one core is
+busy in pgcdc's process decoding the replication stream while the writes run: one partition
+fewer made the CDC benchmark 15-25 % faster on 2 cores (docs/engine-notes.md). Sail caches every
+Parquet footer it reads for 30 minutes without a size limit; each MERGE writes new files, so a
+long-lived server would hold the footers of every file version it read: the cache is capped."""
+
+
+def _stop_server(server: subprocess.Popen[bytes]) -> None:
+    """Closing its stdin asks the server to stop; one that does not within seconds is killed."""
+    if server.stdin is not None:
+        server.stdin.close()
+    try:
+        server.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    if server.stdout is not None:
+        server.stdout.close()
+
 
 SPARK_CONNECT_DEFAULT_PORT = 15002
 

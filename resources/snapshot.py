@@ -67,6 +67,7 @@ from resources.pgtypes import (
 from resources.replication import CreatedSlot, ReplicationConnection, SlotState
 
 __all__ = [
+    "EXPIRED_SNAPSHOT_LSN",
     "LSN_COLUMN",
     "SnapshotError",
     "SnapshotProgress",
@@ -653,8 +654,22 @@ def snapshot_each(
 # --------------------------------------------------------------------------- reading the marker
 
 
+EXPIRED_SNAPSHOT_LSN = LSN(0)
+"""What :func:`read_snapshot_lsn` answers for a table whose snapshot commit has left the log."""
+
+
 def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
-    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker."""
+    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker.
+
+    Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a
+    newer checkpoint covers them, so a table replicated for longer than that has lost its
+    snapshot commit, and with it the marker. The LSN no longer matters by then: every
+    incremental run confirms the slot past the WAL position at its start, so the slot passed the
+    snapshot LSN with the first run after the snapshot, long before the commit expired. A table
+    whose log no longer starts at version 0 and holds no marker is therefore snapshotted at
+    :data:`EXPIRED_SNAPSHOT_LSN` (nothing of what the slot sends is skipped) rather than treated as
+    never snapshotted, which would skip all its changes.
+    """
     try:
         commits = read_commit_metadata(spark, path)
     except AnalysisException as exc:
@@ -665,6 +680,8 @@ def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
         lsn = _snapshot_lsn(commit.user_metadata)
         if lsn is not None:
             return lsn
+    if commits and min(commit.version for commit in commits) > 0:
+        return EXPIRED_SNAPSHOT_LSN
     return None
 
 

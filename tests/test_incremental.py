@@ -385,6 +385,32 @@ def test_table_without_snapshot_is_untouched_and_reported(pg: PgDatabase, tmp_pa
     assert same(pg, config, "public.done") == 2
 
 
+def test_table_whose_snapshot_commit_left_the_delta_log_keeps_replicating(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """Delta's log cleanup (delta.logRetentionDuration, 30 days by default) deletes the commits
+    a newer checkpoint covers, the snapshot commit and its marker among them."""
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE kept (id int PRIMARY KEY, n int);
+        INSERT INTO kept VALUES (0, 0);
+        CREATE PUBLICATION pub FOR TABLE kept;
+    """)
+    log = Path(path_of(config, "public.kept")) / "_delta_log"
+    for n in range(1, 12):  # one MERGE commit per run; the engine checkpoints every 10 versions
+        pg.execute("UPDATE kept SET n = %s", (n,))
+        drain(config, spark)
+    checkpoints = sorted(int(p.name.split(".")[0]) for p in log.glob("*.checkpoint.parquet"))
+    assert checkpoints, "the engine wrote no checkpoint to clean up to"
+    for expired in log.iterdir():  # what the cleanup deletes: everything before that checkpoint
+        if expired.name[:20].isdigit() and int(expired.name[:20]) < checkpoints[-1]:
+            expired.unlink()
+    assert not (log / f"{0:020d}.json").exists()
+    pg.execute("UPDATE kept SET n = 100; INSERT INTO kept VALUES (1, 1)")
+    result = drain(config, spark)
+    assert result.tables_without_snapshot == [] and result.tables["public.kept"].inserted == 1
+    assert same(pg, config, "public.kept") == 2
+
+
 # --------------------------------------------------------------------------- slot position
 
 
