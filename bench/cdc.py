@@ -6,9 +6,9 @@ creates two more slots at the same point for pg_recvlogical, then builds the bac
 transactions: inserts of new rows, updates of existing ones, deletes. Then:
 
 * baseline: ``pg_recvlogical --start -E END -f FILE --no-loop`` (the server's own binary, same
-  pgoutput protocol and publication) drains a second slot to a file: the server-side
-  decoding plus the cheapest possible client. It runs twice, on two slots created at the
-  same point, once before and once after pgcdc, and the faster run is the baseline (right
+  pgoutput protocol and publication) drains one of those slots to a file: the server-side
+  decoding plus the cheapest possible client. It runs twice, once before and once after
+  pgcdc, each on its own slot, and the faster run is the baseline (right
   after the backlog is written the server is still busy flushing and checkpointing);
 * pgcdc: ``run_incremental`` drains pgcdc's slot end to end (decode, assemble, fold,
   convert to Arrow, MERGE into Delta through the embedded Sail engine, confirm).

@@ -8,9 +8,10 @@ Then ``pgbench -c CLIENTS -R RATE -T SECONDS`` (the server's own binary) runs wh
 ``run_incremental`` fires back to back in this process, each run on its own embedded Sail
 engine as a Dagster run would have (Sail 0.7.2 keeps ~100 KB per operation until its process
 exits; see docs/engine-notes.md). After each run it records the slot's lag after the run, the
-memory in use (this process's RSS plus the Sail server's) and the run's changes/s. When pgbench stops, a final drain runs and the oracle
-compares all four tables with PostgreSQL value for value; ``pgbench_history`` has no
-primary key, so it is insert-only and every row must be appended exactly once.
+memory in use (this process's RSS plus the Sail server's) and the run's changes/s. When
+pgbench stops, a final drain runs and the oracle compares all four tables with PostgreSQL
+value for value; ``pgbench_history`` has no primary key, so it is insert-only and every row
+must be appended exactly once.
 
 Printed at the end: sustained changes/s over the load phase, worst lag seen, the RSS trend
 (first, last, peak, least-squares slope per run over the second half), and the oracle result.
@@ -31,7 +32,7 @@ from pathlib import Path
 import psycopg
 
 from resources.config import PgcdcConfig, parse_config
-from resources.delta_engine import SparkEngine
+from resources.delta_engine import SparkEngine, process_memory_mib
 from resources.incremental import IncrementalResult, run_incremental
 from resources.local_postgres import bin_dir_for, start_local_postgres
 from resources.snapshot import snapshot_tables
@@ -64,21 +65,13 @@ class RunRecord:
         return self.changes / self.duration_s if self.duration_s > 0 else 0.0
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def drain_once(config: PgcdcConfig, chunk: int) -> tuple[IncrementalResult, float]:
     """One incremental run on its own embedded engine, as each Dagster run gets one; returns the
     result and the memory in use at its end: this process's RSS plus the Sail server's."""
     with SparkEngine.embedded() as engine:
         result = run_incremental(config, engine.spark, max_chunk_changes=chunk)
         server_rss, _ = engine.server_memory_mib()
-    return result, rss_mib() + server_rss
+    return result, process_memory_mib()[0] + server_rss
 
 
 def slot_lag(dsn: str) -> int:

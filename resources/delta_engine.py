@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -99,15 +100,7 @@ class SparkEngine:
 
     def server_memory_mib(self) -> tuple[float, float]:
         """The embedded server's resident and peak resident memory (VmRSS, VmHWM); zeros without one."""
-        if self._server is None:
-            return 0.0, 0.0
-        values = {}
-        with open(f"/proc/{self._server.pid}/status", encoding="ascii") as status:
-            for line in status:
-                name, _, rest = line.partition(":")
-                if name in ("VmRSS", "VmHWM"):
-                    values[name] = int(rest.split()[0]) / 1024
-        return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
+        return (0.0, 0.0) if self._server is None else process_memory_mib(self._server.pid)
 
     def close(self) -> None:
         try:
@@ -139,6 +132,17 @@ busy in pgcdc's process decoding the replication stream while the writes run: on
 fewer made the CDC benchmark 15-25 % faster on 2 cores (docs/engine-notes.md). Sail caches every
 Parquet footer it reads for 30 minutes without a size limit; each MERGE writes new files, so a
 long-lived server would hold the footers of every file version it read: the cache is capped."""
+
+
+def process_memory_mib(pid: int | str = "self") -> tuple[float, float]:
+    """A process's resident and peak resident memory in MiB (VmRSS, VmHWM from /proc)."""
+    values = {"VmRSS": 0.0, "VmHWM": 0.0}
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            name, _, rest = line.partition(":")
+            if name in values:
+                values[name] = int(rest.split()[0]) / 1024
+    return values["VmRSS"], values["VmHWM"]
 
 
 def _stop_server(server: subprocess.Popen[bytes]) -> None:
@@ -421,7 +425,7 @@ def merge_batch(
     with ``<=>``, needed when every column is the key (REPLICA IDENTITY FULL) and may be NULL.
     The MERGE rejects two changes for one key, so callers fold a batch per key first.
 
-    The source is staged as Parquet (:func:`merge_source`) rather than shipped as a view:
+    The source is staged as Parquet (:func:`_merge_source`) rather than shipped as a view:
     the engine builds its join's hash table from the side that looks smaller, and it sizes
     a file scan by its compressed bytes but an in-memory relation by its Arrow bytes. A view
     of a few tens of thousands of rows already "looks" bigger than a compressed table of
@@ -437,18 +441,18 @@ def merge_batch(
     ]
     flags = {name for name in source.column_names if name.startswith(UNCHANGED_PREFIX)}
     old_keys = [name for name in source.column_names if name.startswith(OLD_KEY_PREFIX)]
-    staged = merge_source(path)
+    staged = _merge_source(path)
     spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
-    view = f"parquet.{_quote(staged)}"
+    staged_source = f"parquet.{_quote(staged)}"
     target = f"delta.{_quote(path)}"
     kept = [name for name in value_columns if unchanged_flag_column(name) in flags]
     if old_keys and kept:
         # A key-changing update that kept TOAST values: the row under the old key holds them.
         join = " AND ".join(f"o.{_quote(name.removeprefix(OLD_KEY_PREFIX))} = s.{_quote(name)}" for name in old_keys)
         carried = ", ".join(f"o.{_quote(name)} AS {_quote(_carried(name))}" for name in kept)
-        using = f"(SELECT s.*, {carried} FROM {view} s LEFT JOIN {target} o ON {join})"
+        using = f"(SELECT s.*, {carried} FROM {staged_source} s LEFT JOIN {target} o ON {join})"
     else:
-        using = view
+        using = staged_source
     equals = "<=>" if null_safe_keys else "="
     on = " AND ".join(f"t.{_quote(key)} {equals} s.{_quote(key)}" for key in key_columns)
     updates = ", ".join(
@@ -464,7 +468,7 @@ def merge_batch(
     insert_columns = ", ".join(_quote(name) for name in value_columns)
     insert_values = ", ".join(
         f"CASE WHEN s.{_quote(unchanged_flag_column(name))} THEN s.{_quote(_carried(name))} ELSE s.{_quote(name)} END"
-        if name in kept and using != view
+        if name in kept and using != staged_source
         else f"s.{_quote(name)}"
         for name in value_columns
     )
@@ -480,7 +484,7 @@ def merge_batch(
         _remove_local(staged)
 
 
-def merge_source(path: str) -> str:
+def _merge_source(path: str) -> str:
     """Where :func:`merge_batch` stages its source: one directory per table, overwritten by
     every MERGE, so even where it cannot be removed (object stores) it holds one batch at most."""
     return f"{path.rstrip('/')}/{STAGING_DIRECTORY}/merge_source"
