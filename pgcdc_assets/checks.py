@@ -43,7 +43,7 @@ def postgres_row_count(postgres: PostgresResource, table: TableName) -> int:
         info = read_table(conn, postgres.config.publication, table)
         only = "ONLY " if info.relkind == "r" else ""
         where = f" WHERE {info.row_filter}" if info.row_filter else ""
-        row = conn.execute(f"SELECT count(*) FROM {only}{info.table.quoted}{where}").fetchone()
+        row = conn.execute(f"SELECT pg_catalog.count(*) FROM {only}{info.table.quoted}{where}").fetchone()
     assert row is not None
     return int(row[0])
 

@@ -10,6 +10,7 @@ from dagster import Backoff, DagsterRunStatus, Failure, RetryPolicy
 
 from resources.catalog import TableName, resolve_tables
 from resources.config import PgcdcConfig
+from resources.connections import connect
 from resources.errors import ConnectionFailure, PgcdcError, explain
 
 SNAPSHOT_JOB = "pgcdc_snapshot"
@@ -49,7 +50,7 @@ def discover_tables(config: PgcdcConfig) -> list[TableName]:
     if config.tables:
         return [TableName.parse(name) for name in config.tables]
     try:
-        with psycopg.connect(config.postgres.dsn, autocommit=True, connect_timeout=10) as conn:
+        with connect(config.postgres.dsn, application_name="pgcdc-dagster") as conn:
             return resolve_tables(conn, config.publication, config.tables)
     except psycopg.Error as error:
         raise explain(error, config.postgres.dsn) from None

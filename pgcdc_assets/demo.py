@@ -543,7 +543,7 @@ def incremental_with_load(driver: DagsterDriver, dsn: str, load: LoadGenerator) 
     is fixed by then and covers exactly those transactions), the load resumes while the run drains.
     """
     load.pause()
-    snapshot = psycopg.connect(dsn, autocommit=False, application_name="pgcdc-demo-verify", options=_session_options())
+    snapshot = _verify_connection(dsn, autocommit=False)
     snapshot.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
     snapshot.execute("SELECT 1")  # the snapshot is taken here
     done = threading.Event()
@@ -562,11 +562,12 @@ def incremental_with_load(driver: DagsterDriver, dsn: str, load: LoadGenerator) 
     return result, snapshot
 
 
-def _session_options() -> str:
+def _verify_connection(dsn: str, *, autocommit: bool = True) -> psycopg.Connection:
+    """A session that reads PostgreSQL's values in the text forms pgcdc's sessions produce them."""
+    from resources.connections import connect
     from resources.pgtypes import SESSION_SETTINGS
-    from resources.replication import libpq_options
 
-    return libpq_options(SESSION_SETTINGS)
+    return connect(dsn, application_name="pgcdc-demo-verify", session_settings=SESSION_SETTINGS, autocommit=autocommit)
 
 
 def describe_run(label: str, tables: dict[str, dict[str, Any]], wall_s: float) -> str:
@@ -769,7 +770,7 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
                 f"  {name:<18} {meta['dagster/row_count']:>6,} rows at snapshot LSN {meta['pgcdc/snapshot_lsn']}"
                 f"  -> Delta version {meta['pgcdc/delta_version']}"
             )
-        with psycopg.connect(dsn, autocommit=True, options=_session_options()) as conn:
+        with _verify_connection(dsn) as conn:
             rows = verify_all(conn, lake)
         say(f"snapshot run {result.run_id[:8]} in {time.monotonic() - t0:.1f} s;"
             f" verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows)")  # fmt: skip
@@ -798,7 +799,7 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
         t0 = time.monotonic()
         result = driver.run("pgcdc_incremental")
         say(describe_run("final run", materialized(result), time.monotonic() - t0))
-        with psycopg.connect(dsn, autocommit=True, options=_session_options()) as conn:
+        with _verify_connection(dsn) as conn:
             rows = verify_all(conn, lake)
             (lag,) = conn.execute(
                 "SELECT pg_current_wal_lsn() - confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %s",

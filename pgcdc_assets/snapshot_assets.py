@@ -133,7 +133,7 @@ def _recover_lost_slot(postgres: PostgresResource, to_copy: Sequence[TableName],
         )
     with postgres.connect() as conn:
         try:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (state.slot_name,))
+            conn.execute("SELECT pg_catalog.pg_drop_replication_slot(%s::pg_catalog.name)", (state.slot_name,))
         except psycopg.Error as error:
             raise explain(error, postgres.dsn, slot=state.slot_name) from None
     return True

@@ -5,6 +5,11 @@ row filter on PostgreSQL 15+), and incremental runs need each table's replica
 identity to know how rows are matched. These queries mirror the ones
 PostgreSQL's own table-sync worker runs (see the trace in the seeds).
 
+Every catalog object, function and operator is named with its schema, and parameters are
+cast to the exact types the catalog function expects: the sessions already run with an
+empty search_path (``resources/connections.py``), and this keeps the queries immune to
+planted look-alikes even in a session whose search_path someone else chose.
+
 Queries use client-side parameter binding (``psycopg.ClientCursor``) because a
 ``replication=database`` connection only speaks the simple query protocol, and
 the snapshot reads the catalog inside its replication transaction.
@@ -141,13 +146,15 @@ def _cursor(conn: psycopg.Connection) -> psycopg.ClientCursor:
 
 
 def server_version_num(conn: psycopg.Connection) -> int:
-    row = _cursor(conn).execute("SELECT current_setting('server_version_num')::int").fetchone()
-    assert row is not None
-    return int(row[0])
+    """The server's version as an integer (e.g. 150010), as the server reported it at connect."""
+    return conn.info.server_version
 
 
 def publication_exists(conn: psycopg.Connection, publication: str) -> bool:
-    row = _cursor(conn).execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
+    row = _cursor(conn).execute(
+        "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
+        (publication,),
+    ).fetchone()
     return row is not None
 
 
@@ -159,7 +166,8 @@ def published_tables(conn: psycopg.Connection, publication: str) -> list[TableNa
             f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE ... (or set create_publication: true)",
         )
     rows = _cursor(conn).execute(
-        "SELECT DISTINCT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s ORDER BY 1, 2",
+        "SELECT DISTINCT schemaname, tablename FROM pg_catalog.pg_publication_tables"
+        " WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name ORDER BY 1, 2",
         (publication,),
     ).fetchall()
     if not rows:
@@ -191,8 +199,10 @@ def resolve_tables(conn: psycopg.Connection, publication: str, configured: Seque
 def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str]:
     """(oid, relkind, relreplident) of ``table``; fails naming the table if it does not exist."""
     row = _cursor(conn).execute(
-        "SELECT c.oid::int, c.relkind::text, c.relreplident::text FROM pg_class c"
-        " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+        "SELECT c.oid::pg_catalog.int8, c.relkind::pg_catalog.text, c.relreplident::pg_catalog.text"
+        " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+        " WHERE n.nspname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
+        " AND c.relname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
         (table.schema, table.name),
     ).fetchone()
     if row is None:
@@ -212,11 +222,13 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
     modern = server_version_num(conn) >= 150000
     published = cursor.execute(
         (
-            "SELECT attnames, rowfilter FROM pg_publication_tables"
+            "SELECT attnames, rowfilter FROM pg_catalog.pg_publication_tables"
             if modern
-            else "SELECT NULL::name[], NULL::text FROM pg_publication_tables"
+            else "SELECT NULL::pg_catalog.name[], NULL::pg_catalog.text FROM pg_catalog.pg_publication_tables"
         )
-        + " WHERE pubname = %s AND schemaname = %s AND tablename = %s",
+        + " WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
+        " AND schemaname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
+        " AND tablename OPERATOR(pg_catalog.=) %s::pg_catalog.name",
         (publication, table.schema, table.name),
     ).fetchall()
     if not published:
@@ -229,13 +241,15 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
 
     # Before PostgreSQL 18 pgoutput never sends generated columns, yet pg_publication_tables
     # lists them (on 15-17); from 18 on its attnames follow publish_generated_columns.
-    generated = "true" if server_version_num(conn) >= 180000 else "a.attgenerated = ''"
+    generated = "true" if server_version_num(conn) >= 180000 else "a.attgenerated OPERATOR(pg_catalog.=) ''"
     rows = cursor.execute(
-        "SELECT a.attname, a.attnum::int, a.atttypid::int, a.atttypmod, format_type(a.atttypid, a.atttypmod),"
-        " a.attnotnull, coalesce(a.attnum = ANY(i.indkey), false)"
-        " FROM pg_attribute a"
-        " LEFT JOIN pg_index i ON i.indexrelid = pg_get_replica_identity_index(%s)"
-        f" WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped AND {generated} ORDER BY a.attnum",
+        "SELECT a.attname, a.attnum::pg_catalog.int4, a.atttypid::pg_catalog.int8, a.atttypmod,"
+        " pg_catalog.format_type(a.atttypid, a.atttypmod), a.attnotnull,"
+        " coalesce(a.attnum OPERATOR(pg_catalog.=) ANY (i.indkey), false)"
+        " FROM pg_catalog.pg_attribute a LEFT JOIN pg_catalog.pg_index i ON i.indexrelid OPERATOR(pg_catalog.=)"
+        " pg_catalog.pg_get_replica_identity_index(%s::pg_catalog.oid::pg_catalog.regclass)::pg_catalog.oid"
+        " WHERE a.attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.oid AND a.attnum OPERATOR(pg_catalog.>) 0"
+        f" AND NOT a.attisdropped AND {generated} ORDER BY a.attnum",
         (oid, oid),
     ).fetchall()
     columns = tuple(

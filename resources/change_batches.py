@@ -129,11 +129,14 @@ class TypeResolver:
         value, that value as text output, has a default). A column that is gone (dropped or
         renamed since) is absent."""
         rows = self._conn.execute(
-            "SELECT a.attname, a.atttypid::int8, a.atthasmissing, array_to_string(a.attmissingval, ''), a.atthasdef"
-            " FROM pg_attribute a WHERE a.attrelid IN ("
-            "   SELECT relid FROM pg_partition_tree(%(oid)s::oid) WHERE isleaf"
-            "   UNION SELECT oid FROM pg_class WHERE oid = %(oid)s::oid AND relkind <> 'p')"
-            " AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY(%(names)s)",
+            "SELECT a.attname, a.atttypid::pg_catalog.int8, a.atthasmissing,"
+            " pg_catalog.array_to_string(a.attmissingval, ''::pg_catalog.text), a.atthasdef"
+            " FROM pg_catalog.pg_attribute a WHERE a.attrelid OPERATOR(pg_catalog.=) ANY ("
+            "   SELECT relid FROM pg_catalog.pg_partition_tree(%(oid)s::pg_catalog.oid::pg_catalog.regclass)"
+            "   WHERE isleaf UNION SELECT oid FROM pg_catalog.pg_class"
+            "   WHERE oid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND relkind OPERATOR(pg_catalog.<>) 'p')"
+            " AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped"
+            " AND a.attname OPERATOR(pg_catalog.=) ANY (%(names)s::pg_catalog.name[])",
             {"oid": relation.oid, "names": names},
         ).fetchall()
         found: dict[str, set[tuple]] = {}

@@ -20,10 +20,11 @@ from pyspark.sql import SparkSession
 
 from resources.catalog import TableName, published_tables
 from resources.config import PgcdcConfig, load_config
+from resources.connections import connect
 from resources.delta_engine import SparkEngine, classic_delta_config, classic_session_builder
 from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.lsn import LSN
-from resources.replication import SlotState, quote_literal, validate_slot_name
+from resources.replication import SlotState, slot_state, slot_state_query
 
 SparkMode = Literal["embedded", "remote", "classic"]
 
@@ -128,10 +129,7 @@ class PostgresResource(ConfigurableResource):
     @contextmanager
     def connect(self) -> Iterator[psycopg.Connection]:
         """An autocommit connection; driver errors become one-line ``PgcdcError``s naming the fix."""
-        try:
-            conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10, application_name="pgcdc-dagster")
-        except psycopg.Error as error:
-            raise explain(error, self.dsn) from None
+        conn = connect(self.dsn, application_name="pgcdc-dagster")
         try:
             with conn:
                 yield conn
@@ -144,27 +142,13 @@ class PostgresResource(ConfigurableResource):
         A plain query over a normal connection: watching the slot never opens a walsender
         and never moves the slot.
         """
-        slot = validate_slot_name(self.config.slot)
         with self.connect() as conn:
-            row = conn.execute(
-                "SELECT slot_name::text, plugin::text, slot_type, database::text, temporary, active, active_pid,"
-                " restart_lsn::text, confirmed_flush_lsn::text, wal_status, two_phase"
-                f" FROM pg_catalog.pg_replication_slots WHERE slot_name = {quote_literal(slot)}"
-            ).fetchone()
-        if row is None:
-            return None
-        name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, two_phase = row
-        return SlotState(
-            name, plugin, slot_type, database, temporary, active, pid,
-            None if restart is None else LSN.parse(restart),
-            None if confirmed is None else LSN.parse(confirmed),
-            wal_status, two_phase,
-        )  # fmt: skip
+            return slot_state(conn.execute(slot_state_query(self.config.slot, conn.info.server_version)).fetchall())
 
     def wal_lsn(self) -> LSN:
         """The server's current WAL write position, which a slot's lag is measured against."""
         with self.connect() as conn:
-            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+            row = conn.execute("SELECT pg_catalog.pg_current_wal_lsn()::pg_catalog.text").fetchone()
         assert row is not None
         return LSN.parse(row[0])
 

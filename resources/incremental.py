@@ -42,13 +42,14 @@ from pyspark.sql import SparkSession
 from resources.catalog import resolve_tables
 from resources.change_batches import DEFAULT_MERGE_ROWS, ChangeApplier, TableTarget, TypeResolver
 from resources.config import PgcdcConfig
+from resources.connections import connect
 from resources.delta_engine import read_commit_metadata
 from resources.errors import ConfigurationError, PgcdcError, SlotError, explain
 from resources.faults import fault_point
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
 from resources.preflight import check_publications, check_server, check_slot, slot_in_use
-from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, libpq_options
+from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
 from resources.snapshot import read_snapshot_lsn
 from resources.transactions import TransactionAssembler
 
@@ -57,7 +58,6 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incre
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Payload bytes per chunk: with ``max_chunk_changes`` this bounds the run's memory."""
 PROGRESS_SECONDS = 5.0
-CONNECT_TIMEOUT_SECONDS = 10
 
 
 @dataclass(frozen=True)
@@ -118,12 +118,7 @@ def run_incremental(
     say = log or (lambda message: None)
     started = time.monotonic()
     dsn = config.postgres.dsn
-    try:
-        conn = psycopg.connect(
-            dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS), **_connect_timeout(dsn)
-        )
-    except psycopg.Error as exc:
-        raise explain(exc, dsn) from None
+    conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
     with conn, ReplicationConnection(
         dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS
     ) as rc:
@@ -167,7 +162,7 @@ def run_incremental(
             _drain(stream, assembler, applier, end_lsn, say, started)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
-        flush_now = LSN.parse(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])  # type: ignore[index]
+        flush_now = LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
     tables = {
         str(target.table): TableResult(
             target.stats.inserted,
@@ -269,17 +264,6 @@ def _start(stream: ReplicationStream, slot: str, options: PgOutputOptions) -> No
         raise
 
 
-def _connect_timeout(dsn: str) -> dict[str, int]:
-    """connect_timeout=10 unless the DSN sets one (libpq's default waits for the OS, minutes)."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        given = conninfo_to_dict(dsn).get("connect_timeout")
-    except psycopg.Error:
-        given = None  # psycopg.connect reports the bad DSN itself
-    return {} if given else {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
-
-
 def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | None:
     """read_snapshot_lsn, with a failure to read the location as one line naming delta.root."""
     try:
@@ -296,9 +280,11 @@ def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | 
 
 def _confirmed_flush(dsn: str, slot: str) -> LSN:
     """Re-read on a new connection: what the server recorded, not what we believe we sent."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connect(dsn, application_name="pgcdc_incremental") as conn:
         row = conn.execute(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+            "SELECT confirmed_flush_lsn::pg_catalog.text FROM pg_catalog.pg_replication_slots"
+            " WHERE slot_name OPERATOR(pg_catalog.=) %s::pg_catalog.name",
+            (slot,),
         ).fetchone()
     if row is None or row[0] is None:
         raise SlotError(f'replication slot "{slot}" disappeared during the run', "run the pgcdc_resnapshot job")

@@ -145,29 +145,29 @@ def pg_type_catalog_query() -> str:
 WITH RECURSIVE
 wanted AS (
     SELECT w.ord, w.type_oid, w.typmod
-    FROM unnest(%(type_oids)s::oid[], %(typmods)s::int4[])
+    FROM ROWS FROM (pg_catalog.unnest(%(type_oids)s::pg_catalog.oid[]), pg_catalog.unnest(%(typmods)s::pg_catalog.int4[]))
          WITH ORDINALITY AS w(type_oid, typmod, ord)
 ),
 base_chain AS (
     SELECT w.ord, w.type_oid AS oid, w.typmod, 0 AS depth FROM wanted w
     UNION ALL
-    SELECT c.ord, t.typbasetype, CASE WHEN c.typmod <> -1 THEN c.typmod ELSE t.typtypmod END,
-           c.depth + 1
-    FROM base_chain c JOIN pg_catalog.pg_type t ON t.oid = c.oid
-    WHERE t.typtype = 'd'
+    SELECT c.ord, t.typbasetype, CASE WHEN c.typmod OPERATOR(pg_catalog.<>) -1 THEN c.typmod ELSE t.typtypmod END,
+           c.depth OPERATOR(pg_catalog.+) 1
+    FROM base_chain c JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) c.oid
+    WHERE t.typtype OPERATOR(pg_catalog.=) 'd'
 ),
 base AS (
     SELECT DISTINCT ON (ord) ord, oid, typmod FROM base_chain ORDER BY ord, depth DESC
 ),
 element_chain AS (
     SELECT b.ord, t.typelem AS oid, b.typmod, 0 AS depth
-    FROM base b JOIN pg_catalog.pg_type t ON t.oid = b.oid
-    WHERE t.typcategory = 'A' AND t.typelem <> 0
+    FROM base b JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) b.oid
+    WHERE t.typcategory OPERATOR(pg_catalog.=) 'A' AND t.typelem OPERATOR(pg_catalog.<>) 0::pg_catalog.oid
     UNION ALL
-    SELECT c.ord, t.typbasetype, CASE WHEN c.typmod <> -1 THEN c.typmod ELSE t.typtypmod END,
-           c.depth + 1
-    FROM element_chain c JOIN pg_catalog.pg_type t ON t.oid = c.oid
-    WHERE t.typtype = 'd'
+    SELECT c.ord, t.typbasetype, CASE WHEN c.typmod OPERATOR(pg_catalog.<>) -1 THEN c.typmod ELSE t.typtypmod END,
+           c.depth OPERATOR(pg_catalog.+) 1
+    FROM element_chain c JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) c.oid
+    WHERE t.typtype OPERATOR(pg_catalog.=) 'd'
 ),
 element AS (
     SELECT DISTINCT ON (ord) ord, oid, typmod FROM element_chain ORDER BY ord, depth DESC
@@ -177,10 +177,10 @@ SELECT w.ord, w.type_oid, w.typmod,
        bt.typname AS base_name, bt.typtype AS kind, b.typmod AS base_typmod,
        et.typname AS element_name, et.typtype AS element_kind, e.typmod AS element_typmod
 FROM wanted w
-JOIN base b ON b.ord = w.ord
-JOIN pg_catalog.pg_type bt ON bt.oid = b.oid
-LEFT JOIN element e ON e.ord = w.ord
-LEFT JOIN pg_catalog.pg_type et ON et.oid = e.oid
+JOIN base b ON b.ord OPERATOR(pg_catalog.=) w.ord
+JOIN pg_catalog.pg_type bt ON bt.oid OPERATOR(pg_catalog.=) b.oid
+LEFT JOIN element e ON e.ord OPERATOR(pg_catalog.=) w.ord
+LEFT JOIN pg_catalog.pg_type et ON et.oid OPERATOR(pg_catalog.=) e.oid
 ORDER BY w.ord
 """
 

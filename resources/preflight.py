@@ -37,7 +37,13 @@ def check_server(conn: ReplicationConnection) -> None:
 def check_publications(conn: ReplicationConnection, publications: Sequence[str]) -> None:
     """Every publication must exist in the connected database."""
     wanted = ", ".join(quote_literal(name) for name in publications)
-    found = {name for (name,) in conn.execute(f"SELECT pubname FROM pg_publication WHERE pubname IN ({wanted})")}
+    found = {
+        name
+        for (name,) in conn.execute(
+            "SELECT pubname::pg_catalog.text FROM pg_catalog.pg_publication"
+            f" WHERE pubname OPERATOR(pg_catalog.=) ANY (ARRAY[{wanted}]::pg_catalog.name[])"
+        )
+    }
     for name in publications:
         if name not in found:
             raise ConfigurationError(

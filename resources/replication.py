@@ -34,9 +34,9 @@ from typing import Literal, NamedTuple
 
 import psycopg
 from psycopg import pq
-from psycopg.conninfo import conninfo_to_dict
 
-from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain, explain_server_error
+from resources.connections import connect
+from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain_server_error
 from resources.lsn import LSN
 
 __all__ = [
@@ -56,7 +56,6 @@ SnapshotAction = Literal["export", "use", "nothing"]
 StreamingMode = Literal["off", "on", "parallel"]
 
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
-_SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 #: Seconds between 1970-01-01 and 2000-01-01, PostgreSQL's timestamp epoch.
 _PG_EPOCH_OFFSET = 946_684_800
@@ -96,22 +95,6 @@ def validate_slot_name(name: str) -> str:
             "use 1 to 63 characters from lower-case letters, digits and underscores",
         )
     return name
-
-
-def libpq_options(settings: Mapping[str, str]) -> str:
-    """Render session settings as the libpq ``options`` value: ``-c name=value ...``.
-
-    libpq splits ``options`` on whitespace; a backslash escapes the next
-    character, so backslashes and whitespace inside values are escaped.
-    """
-    parts = []
-    for name, value in settings.items():
-        if not _SETTING_NAME.match(name):
-            raise ConfigurationError(f"invalid setting name {name!r}", "use a PostgreSQL parameter name such as TimeZone")
-        text = str(value)
-        escaped = "".join("\\" + ch if ch == "\\" or ch.isspace() else ch for ch in text)
-        parts.append(f"-c {name}={escaped}")
-    return " ".join(parts)
 
 
 # --------------------------------------------------------------------------- errors
@@ -186,7 +169,8 @@ def _lsn_or_none(text: str | None) -> LSN | None:
 class ReplicationConnection:
     """A ``replication=database`` connection: replication commands and plain SQL.
 
-    Connects on construction; use it as a context manager to close it.
+    Connects on construction (through :func:`resources.connections.connect`, so with an
+    empty search_path); use it as a context manager to close it.
     ``session_settings`` become ``-c name=value`` startup options, so the
     walsender's output functions honour them (e.g. ``{"TimeZone": "UTC"}``).
     """
@@ -197,23 +181,11 @@ class ReplicationConnection:
         *,
         application_name: str = "pgcdc",
         session_settings: Mapping[str, str] | None = None,
-        connect_timeout: int = 10,
     ) -> None:
         self._replication_started = False
-        params = conninfo_to_dict(dsn)
-        options = [params.get("options") or "", libpq_options(session_settings or {})]
-        params.update(
-            replication="database",
-            application_name=application_name,
-            connect_timeout=params.get("connect_timeout") or connect_timeout,
+        self._conn = connect(
+            dsn, application_name=application_name, session_settings=session_settings, replication=True
         )
-        joined = " ".join(o for o in options if o)
-        if joined:
-            params["options"] = joined
-        try:
-            self._conn = psycopg.connect(autocommit=True, **params)
-        except psycopg.Error as exc:
-            raise explain(exc, dsn) from None
 
     # -- lifecycle
 
@@ -323,21 +295,35 @@ class ReplicationConnection:
 
     def read_slot(self, name: str) -> SlotState | None:
         """The slot's row in pg_replication_slots, or None when there is no such slot."""
-        validate_slot_name(name)
-        two_phase = "two_phase" if self.server_version_num >= 140000 else "NULL::bool"
-        reason = "invalidation_reason" if self.server_version_num >= 170000 else "NULL::text"
-        rows = self.execute(
-            "SELECT slot_name::text, plugin::text, slot_type, database::text, temporary, active, active_pid,"
-            f" restart_lsn::text, confirmed_flush_lsn::text, wal_status, {two_phase}, {reason}"
-            f" FROM pg_catalog.pg_replication_slots WHERE slot_name = {quote_literal(name)}"
-        )
-        if not rows:
-            return None
-        (slot_name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, tp, why), = rows
-        return SlotState(
-            slot_name, plugin, slot_type, database, temporary, active, pid,
-            _lsn_or_none(restart), _lsn_or_none(confirmed), wal_status, tp, why,
-        )  # fmt: skip
+        return slot_state(self.execute(slot_state_query(name, self.server_version_num)))
+
+
+def slot_state_query(name: str, server_version_num: int) -> str:
+    """The SELECT of slot ``name``'s row in pg_replication_slots, with the slot name inlined.
+
+    Inlined (no parameters) because a walsender speaks only the simple query protocol; the
+    name is validated and quoted. Read the rows with :func:`slot_state`.
+    """
+    validate_slot_name(name)
+    two_phase = "two_phase" if server_version_num >= 140000 else "NULL::pg_catalog.bool"
+    reason = "invalidation_reason" if server_version_num >= 170000 else "NULL::pg_catalog.text"
+    return (
+        "SELECT slot_name::pg_catalog.text, plugin::pg_catalog.text, slot_type, database::pg_catalog.text,"
+        " temporary, active, active_pid, restart_lsn::pg_catalog.text, confirmed_flush_lsn::pg_catalog.text,"
+        f" wal_status, {two_phase}, {reason} FROM pg_catalog.pg_replication_slots"
+        f" WHERE slot_name OPERATOR(pg_catalog.=) {quote_literal(name)}::pg_catalog.name"
+    )
+
+
+def slot_state(rows: Sequence[tuple]) -> SlotState | None:
+    """The :class:`SlotState` in the rows of :func:`slot_state_query`; None when there are none."""
+    if not rows:
+        return None
+    (slot_name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, tp, why), = rows
+    return SlotState(
+        slot_name, plugin, slot_type, database, temporary, active, pid,
+        _lsn_or_none(restart), _lsn_or_none(confirmed), wal_status, tp, why,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- pgoutput options
@@ -639,7 +625,7 @@ class ReplicationStream:
                 "open a new ReplicationConnection for each replication stream",
             )
         timeout_ms = self._conn.execute(
-            "SELECT setting FROM pg_catalog.pg_settings WHERE name = 'wal_sender_timeout'"
+            "SELECT setting FROM pg_catalog.pg_settings WHERE name OPERATOR(pg_catalog.=) 'wal_sender_timeout'"
         )[0][0]
         if int(timeout_ms) > 0:
             self.status_interval = min(self.status_interval, int(timeout_ms) / 4000.0)

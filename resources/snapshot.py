@@ -50,6 +50,7 @@ from resources.catalog import (
     table_oid,
 )
 from resources.config import PgcdcConfig
+from resources.connections import connect
 from resources.delta_engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
 from resources.lsn import LSN
@@ -140,7 +141,7 @@ def ensure_publication(config: PgcdcConfig) -> list[TableName]:
     publication = config.publication
     configured = [TableName.parse(name) for name in config.tables]
     try:
-        with psycopg.connect(config.postgres.dsn, autocommit=True, application_name="pgcdc") as conn:
+        with connect(config.postgres.dsn, application_name="pgcdc") as conn:
             if not publication_exists(conn, publication):
                 if not config.create_publication:
                     raise ConfigurationError(
@@ -184,8 +185,7 @@ def ensure_slot(dsn: str, slot: str) -> CreatedSlot | SlotState:
         state = conn.read_slot(slot)
         if state is None:
             return conn.create_slot(slot, snapshot="nothing")
-        (database,), = conn.execute("SELECT current_database()")
-        invalidation = _invalidation_reason(conn, slot)
+        (database,), = conn.execute("SELECT pg_catalog.current_database()::pg_catalog.text")
     if state.slot_type != "logical":
         raise SlotError(
             f'replication slot "{slot}" is a physical slot',
@@ -206,24 +206,14 @@ def ensure_slot(dsn: str, slot: str) -> CreatedSlot | SlotState:
             f'replication slot "{slot}" is a temporary slot of another session',
             "choose another slot name in 'slot'",
         )
-    if state.wal_status == "lost" or invalidation is not None:
-        reason = f"wal_status {state.wal_status}" + (f", {invalidation}" if invalidation else "")
+    if state.wal_status == "lost" or state.invalidation_reason is not None:
+        reason = f"wal_status {state.wal_status}" + (f", {state.invalidation_reason}" if state.invalidation_reason else "")
         raise SlotError(
             f'replication slot "{slot}" is invalidated ({reason}): changes since its position are gone',
             f"drop it (SELECT pg_drop_replication_slot('{slot}')) and run the snapshot again, "
             "which recreates it and copies every table afresh",
         )
     return state
-
-
-def _invalidation_reason(conn: ReplicationConnection, slot: str) -> str | None:
-    """PostgreSQL 17+ names why a slot was invalidated, also for reasons wal_status misses."""
-    if conn.server_version_num < 170000:
-        return None
-    rows = psycopg.ClientCursor(conn.connection).execute(
-        "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-    ).fetchall()
-    return rows[0][0] if rows else None
 
 
 # --------------------------------------------------------------------------- one table

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import psycopg
 import pyarrow as pa
 
+from resources.connections import connect
 from resources.pgtypes import SESSION_SETTINGS
-from resources.replication import libpq_options
 
 __all__ = ["assert_delta_equals_postgres", "compare_table", "delta_rows"]
 
@@ -57,11 +57,12 @@ def _pg_expression(name: str, arrow: pa.DataType) -> str:
     if pa.types.is_string(arrow):
         # The type's output function, as COPY and pgoutput use it: a ::text cast would differ
         # for some types (char(n) loses its blank padding, inet gains a /32 mask).
-        return f"CASE WHEN {column} IS NULL THEN NULL ELSE format('%s', {column}) END"
+        return f"CASE WHEN {column} IS NULL THEN NULL ELSE pg_catalog.format('%s', {column}) END"
     if pa.types.is_timestamp(arrow):
         return (
-            f"CASE WHEN {column} = 'infinity' THEN 9223372036854775807 WHEN {column} = '-infinity'"
-            f" THEN -9223372036854775808 ELSE (extract(epoch FROM {column}) * 1000000)::bigint END"
+            f"CASE WHEN {column} OPERATOR(pg_catalog.=) 'infinity' THEN 9223372036854775807"
+            f" WHEN {column} OPERATOR(pg_catalog.=) '-infinity' THEN -9223372036854775808"
+            f" ELSE (extract(epoch FROM {column}) OPERATOR(pg_catalog.*) 1000000)::bigint END"
         )
     return column
 
@@ -85,8 +86,8 @@ def compare_table(
     pg_columns = [
         name
         for (name,) in conn.execute(
-            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
-            " AND NOT attisdropped ORDER BY attnum",
+            "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.regclass"
+            " AND attnum OPERATOR(pg_catalog.>) 0 AND NOT attisdropped ORDER BY attnum",
             (f"{_quote(schema_name)}.{_quote(table_name)}",),
         ).fetchall()
     ]
@@ -115,7 +116,7 @@ def assert_delta_equals_postgres(
     extra_delta_columns: Sequence[str] = (),
 ) -> int:
     """:func:`compare_table` on a fresh connection to ``dsn``."""
-    with psycopg.connect(dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS)) as conn:
+    with connect(dsn, application_name="pgcdc-verify", session_settings=SESSION_SETTINGS) as conn:
         return compare_table(conn, table, path, key=key, extra_delta_columns=extra_delta_columns)
 
 

@@ -34,9 +34,9 @@ from pyspark.sql import SparkSession
 
 from resources.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
+from resources.connections import libpq_options
 from resources.incremental import run_incremental
 from resources.pgtypes import SESSION_SETTINGS
-from resources.replication import libpq_options
 from resources.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from tests.workload import DDL, Step, generate

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from resources.connections import libpq_options
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, SlotError
 from resources.lsn import LSN
 from resources.replication import (
@@ -16,7 +17,6 @@ from resources.replication import (
     ReplicationStream,
     XLogData,
     highest_proto_version,
-    libpq_options,
 )
 from tests.conftest import PgDatabase
 
@@ -67,7 +67,8 @@ def test_session_settings_reach_the_walsender(pg: PgDatabase) -> None:
     settings = {"TimeZone": "UTC", "search_path": "public, pg_catalog", "DateStyle": "ISO, MDY"}
     with ReplicationConnection(pg.dsn, session_settings=settings, application_name="pgcdc test") as conn:
         assert conn.execute("SHOW TimeZone") == [("UTC",)]
-        assert conn.execute("SHOW search_path") == [("public, pg_catalog",)]
+        assert conn.execute("SHOW DateStyle") == [("ISO, MDY",)]
+        assert conn.execute("SHOW search_path") == [("",)]  # pgcdc's sessions never search other schemas
         assert conn.execute("SHOW application_name") == [("pgcdc test",)]
     assert libpq_options({"a": "x y\\z"}) == "-c a=x\\ y\\\\z"
     with pytest.raises(ConfigurationError):
@@ -124,9 +125,9 @@ def test_use_snapshot_sees_data_as_of_the_consistent_point(
     rc.begin_snapshot_transaction()
     rc.create_slot("snap", snapshot="use")
     writer.execute("INSERT INTO items VALUES (2, 'after')")
-    assert rc.execute("SELECT id FROM items ORDER BY id") == [(1,)]
+    assert rc.execute("SELECT id FROM public.items ORDER BY id") == [(1,)]
     rc.commit()
-    assert rc.execute("SELECT id FROM items ORDER BY id") == [(1,), (2,)]
+    assert rc.execute("SELECT id FROM public.items ORDER BY id") == [(1,), (2,)]
     # The row inserted after the consistent point comes through the slot instead.
     frames = drain_all(pg.dsn, "snap", rc.identify_system().xlogpos)
     assert tags(frames) == "BRIC"

@@ -23,10 +23,11 @@ from pyspark.sql import SparkSession
 
 from resources.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
+from resources.connections import libpq_options
 from resources.errors import ConfigurationError, SlotError
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS, TIMESTAMP_NEGATIVE_INFINITY, TIMESTAMP_POSITIVE_INFINITY
-from resources.replication import CreatedSlot, libpq_options
+from resources.replication import CreatedSlot
 from resources.snapshot import (
     LSN_COLUMN,
     SnapshotError,
