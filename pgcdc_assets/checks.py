@@ -21,7 +21,7 @@ from pyspark.sql import SparkSession
 
 from resources.catalog import TableName, read_table
 from resources.dagster_resources import PostgresResource
-from resources.pgtypes import column_type_from_catalog, pg_type_catalog_query, spark_ddl_type
+from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, spark_ddl_type
 from resources.snapshot import LSN_COLUMN, read_snapshot_lsn
 
 ROW_COUNT_CHECK = "row_count_matches_postgres"
@@ -53,8 +53,7 @@ def postgres_columns(postgres: PostgresResource, table: TableName) -> list[tuple
     with postgres.connect() as conn:
         info = read_table(conn, postgres.config.publication, table)
         rows = conn.execute(
-            pg_type_catalog_query(),
-            {"type_oids": [c.type_oid for c in info.columns], "typmods": [c.type_modifier for c in info.columns]},
+            pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
         ).fetchall()
     return [
         (column.name, spark_ddl_type(column_type_from_catalog(column.name, row)))

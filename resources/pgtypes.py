@@ -185,6 +185,20 @@ ORDER BY w.ord
 """
 
 
+def pg_type_catalog_params(types: Iterable[tuple[int, int]]) -> dict[str, str]:
+    """The parameters of :func:`pg_type_catalog_query` for (type oid, typmod) pairs, as array text.
+
+    Text rather than Python lists: a client-side-binding cursor (the snapshot's walsender
+    session) renders a list with an unqualified cast such as ``'{...}'::int4[]``, which a
+    type planted on the session's search path could capture.
+    """
+    pairs = list(types)
+    return {
+        "type_oids": "{" + ",".join(str(oid) for oid, _ in pairs) + "}",
+        "typmods": "{" + ",".join(str(typmod) for _, typmod in pairs) + "}",
+    }
+
+
 def column_type_from_catalog(
     column: str, row: Sequence[object], *, nullable: bool = True, as_text: bool = False
 ) -> PgColumnType:

@@ -61,6 +61,7 @@ from resources.pgtypes import (
     arrow_schema,
     column_type_from_catalog,
     csv_direct_type,
+    pg_type_catalog_params,
     pg_type_catalog_query,
     spark_ddl_type,
     to_arrow,
@@ -340,8 +341,7 @@ def _column_types(conn: ReplicationConnection, info: TableInfo) -> list[PgColumn
     if not info.columns:
         raise ConfigurationError(f"table {info.table} has no published columns", "publish at least one column")
     rows = psycopg.ClientCursor(conn.connection).execute(
-        pg_type_catalog_query(),
-        {"type_oids": [c.type_oid for c in info.columns], "typmods": [c.type_modifier for c in info.columns]},
+        pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
     ).fetchall()
     return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]
 

@@ -217,11 +217,11 @@ line', '{{braces}}'],
     assert result.rows == 6
     types = {name: (pg_type, delta) for name, pg_type, delta in result.columns}
     assert types["num"] == ("numeric(12,3)", "decimal(12,3)")
-    assert types["dom"] == ("price", "decimal(10,2)")
+    assert types["dom"] == ("public.price", "decimal(10,2)")  # format_type() qualifies what pg_catalog lacks
     assert types["tstz"] == ("timestamp with time zone", "timestamp")
     assert types["ts"] == ("timestamp without time zone", "timestamp_ntz")
     assert types["ai"] == ("integer[]", "array<int>")
-    assert types["e"] == ("mood", "string")
+    assert types["e"] == ("public.mood", "string")
     schema = deltalake.DeltaTable(str(path)).schema().to_arrow()
     assert schema.field("ts").type == pa.timestamp("us") and schema.field("tstz").type == pa.timestamp("us", "UTC")
     assert schema.field("f4").type == pa.float32() and schema.field("num").type == pa.decimal128(12, 3)
