@@ -99,7 +99,11 @@ TYPES = ("text", "name", "oid", "int2", "int4", "int8", "regclass", "bool")
 
 def planting_sql(schema: str) -> str:
     """Look-alikes in ``schema``; written with pg_catalog first, so they never call each other."""
-    log = "INSERT INTO public.planted_calls VALUES ({what}, pg_catalog.current_setting('application_name'))"
+    log = (  # a read-only transaction (the snapshot's) cannot take the row: there the call fails, naming itself
+        "IF pg_catalog.current_setting('transaction_read_only') OPERATOR(pg_catalog.=) 'on'"
+        " THEN RAISE EXCEPTION 'planted % called', {what}; END IF;"
+        " INSERT INTO public.planted_calls VALUES ({what}, pg_catalog.current_setting('application_name'))"
+    )
     statements = [
         f"CREATE SCHEMA IF NOT EXISTS {schema}",
         f"GRANT USAGE ON SCHEMA {schema} TO PUBLIC",
