@@ -145,7 +145,8 @@ def pg_type_catalog_query() -> str:
 WITH RECURSIVE
 wanted AS (
     SELECT w.ord, w.type_oid, w.typmod
-    FROM ROWS FROM (pg_catalog.unnest(%(type_oids)s::pg_catalog.oid[]), pg_catalog.unnest(%(typmods)s::pg_catalog.int4[]))
+    FROM ROWS FROM (pg_catalog.unnest(%(type_oids)s::pg_catalog.oid[]),
+                    pg_catalog.unnest(%(typmods)s::pg_catalog.int4[]))
          WITH ORDINALITY AS w(type_oid, typmod, ord)
 ),
 base_chain AS (

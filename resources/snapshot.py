@@ -208,7 +208,8 @@ def ensure_slot(dsn: str, slot: str) -> CreatedSlot | SlotState:
             "choose another slot name in 'slot'",
         )
     if state.wal_status == "lost" or state.invalidation_reason is not None:
-        reason = f"wal_status {state.wal_status}" + (f", {state.invalidation_reason}" if state.invalidation_reason else "")
+        why = f", {state.invalidation_reason}" if state.invalidation_reason else ""
+        reason = f"wal_status {state.wal_status}{why}"
         raise SlotError(
             f'replication slot "{slot}" is invalidated ({reason}): changes since its position are gone',
             f"drop it (SELECT pg_drop_replication_slot('{slot}')) and run the snapshot again, "

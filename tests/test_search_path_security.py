@@ -167,7 +167,8 @@ CREATE TABLE public.ident (code text NOT NULL, n int);
 CREATE UNIQUE INDEX ident_code ON public.ident (code);
 ALTER TABLE public.ident REPLICA IDENTITY USING INDEX ident_code;
 INSERT INTO public.ident VALUES ('a', 1), ('b', 2), ('c', 3);
-CREATE TABLE public.filtered (id int, name varchar(20), PRIMARY KEY (id, name));  -- the filter needs its columns in the key
+-- A row filter's columns must be in the replica identity for UPDATE and DELETE to be published.
+CREATE TABLE public.filtered (id int, name varchar(20), PRIMARY KEY (id, name));
 INSERT INTO public.filtered SELECT g, CASE WHEN g % 3 = 0 THEN 'Abc' || g ELSE 'x' || g END
                             FROM generate_series(1, 60) g;
 CREATE TABLE public.events (id int, region text, note text, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
