@@ -802,7 +802,8 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
         with _verify_connection(dsn) as conn:
             rows = verify_all(conn, lake)
             (lag,) = conn.execute(
-                "SELECT pg_current_wal_lsn() - confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %s",
+                "SELECT pg_catalog.pg_current_wal_lsn() OPERATOR(pg_catalog.-) confirmed_flush_lsn"
+                " FROM pg_catalog.pg_replication_slots WHERE slot_name OPERATOR(pg_catalog.=) %s::pg_catalog.name",
                 (SLOT,),
             ).fetchone()  # type: ignore[misc]
         say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)};"
