@@ -653,7 +653,8 @@ class ChangeApplier:
         if any(op == _UPDATE for op, old in zip(ops, rows.old.tolist()) if old < 0):
             raise PgcdcError(
                 f"an UPDATE of {target.table} (REPLICA IDENTITY FULL) arrived without its old row",
-                "the replication stream is inconsistent; restart replication",
+                "PostgreSQL sends the old row only for a table (for a partition: the partition itself) with REPLICA "
+                "IDENTITY FULL; set it there, then re-snapshot the table",
             )
         value_columns = [column.column for column in target.columns]
         for group in fold_row_changes(ops, old_images, new_images, rows.lsns.tolist(), self._max_replace_values):
