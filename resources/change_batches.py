@@ -14,13 +14,18 @@ How each table is written, decided from its Relation message:
   old key. A batch with unchanged-TOAST values is folded change by change instead: such a
   value is taken from an earlier change of that key in the batch when there is one, else
   the MERGE keeps Delta's value (or, for a moved key, the value under the old key).
-* **full** (REPLICA IDENTITY FULL): the same, with the whole row as key, matched null-safe
-  (``<=>``); unchanged-TOAST values come from the old row image, which FULL sends whole.
-  Two identical rows are one key: deleting one of two equal rows deletes both in Delta.
+* **full** (REPLICA IDENTITY FULL): the table is a multiset of rows, which may repeat, and
+  each change adds or removes one copy (``resources/row_multiset.py``): a batch folds into a
+  net count per row value and rewrites only the copies of those values
+  (``delta_engine.replace_rows``), in commits of a few thousand values, each carrying the
+  marker ``{"pgcdc": {"kind": "replace", "applied_lsn", "applied_seq"}}``; unchanged-TOAST
+  values come from the old row image, which FULL sends whole.
 * **append** (no usable identity: PostgreSQL refuses UPDATE/DELETE on such published
   tables, so only inserts and truncates arrive): appends whose commit carries the marker
-  ``{"pgcdc": {"kind": "append", "applied_lsn", "applied_seq"}}``; a replay skips every
-  change at or below it, which makes the appends exactly-once.
+  ``{"pgcdc": {"kind": "append", "applied_lsn", "applied_seq"}}``.
+
+A replay skips every change of a **full** or **append** table at or below its newest marker,
+which makes adding and removing copies exactly-once (a keyed MERGE is idempotent instead).
 
 TRUNCATE flushes the table's pending batch, then empties the Delta table, in order with
 the other changes. A Relation message that changes a table's columns flushes its batch
@@ -35,6 +40,7 @@ consistent point is a record boundary, so that is exactly the set the snapshot h
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -59,6 +65,7 @@ from resources.delta_engine import (
     fill_columns,
     merge_batch,
     read_commit_metadata,
+    replace_rows,
     table_schema,
     unchanged_flag_column,
     widen_columns,
@@ -68,6 +75,7 @@ from resources.faults import fault_point
 from resources.lsn import LSN
 from resources.pgoutput import UNCHANGED_TOAST, Relation
 from resources.pgtypes import PgColumnType, PgValueError, arrow_type, column_type_from_catalog, pg_type_catalog_query, to_arrow
+from resources.row_multiset import NET_COLUMN, RowDelta, apply_row_deltas, fold_row_changes
 from resources.transactions import CommittedTransaction, RowBatch
 
 __all__ = [
@@ -77,11 +85,17 @@ __all__ = [
     "TableStats",
     "TableTarget",
     "TypeResolver",
-    "read_append_marker",
+    "read_applied_marker",
 ]
 
 LSN_COLUMN = "_pgcdc_lsn"
 KEYED, FULL, APPEND = "keyed", "full", "append"
+MARKED_MODES = (FULL, APPEND)
+"""Modes whose Delta commits carry an applied-position marker: replaying their changes is not idempotent."""
+_MARKER_KINDS = {FULL: "replace", APPEND: "append"}
+DEFAULT_REPLACE_VALUES = 2_000
+"""Most distinct row values one REPLICA IDENTITY FULL commit rewrites: its predicate lists their
+hashes, and Sail 0.7.2 plans about 0.2 ms per listed value (docs/contracts.md)."""
 DEFAULT_MERGE_ROWS = 200_000
 """Most source rows per MERGE. Smaller pieces lowered Sail's memory only at a steep throughput cost
 (docs/engine-notes.md: 25k rows 1.4 GiB at 0.3x the speed; 50k no lower than one MERGE per chunk), so
@@ -171,9 +185,9 @@ class TableTarget:
     #: Delta columns the relation no longer has: written NULL from now on.
     dropped: list[pa.Field] = field(default_factory=list)
     delta_schema: pa.Schema | None = None
-    #: (commit end LSN, position) of the last appended change, for keyless tables.
-    append_marker: tuple[int, int] | None = None
-    append_marker_loaded: bool = False
+    #: (commit end LSN, position) of the last change in Delta, for keyless and FULL tables.
+    applied_marker: tuple[int, int] | None = None
+    applied_marker_loaded: bool = False
     #: (row batch, indexes of this table's rows in it, commit end LSN, position of the batch's first change)
     pending: list[tuple] = field(default_factory=list)
     pending_bytes: int = 0
@@ -183,17 +197,26 @@ class TableTarget:
         return self.snapshot_lsn is None or end_lsn <= self.snapshot_lsn
 
 
-def read_append_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:
-    """The newest append marker (commit end LSN, position) in the table's commit log."""
+def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:
+    """The newest applied-position marker (commit end LSN, position) of an append or FULL
+    rewrite commit in the table's commit log, unless a snapshot replaced the table since:
+    the rows a marker vouches for went with it."""
     for commit in read_commit_metadata(spark, path):
         try:
             marker = json.loads(commit.user_metadata or "")
         except ValueError:
             continue
         pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
-        if isinstance(pgcdc, dict) and pgcdc.get("kind") == "append":
-            return int(LSN.parse(pgcdc["applied_lsn"])), int(pgcdc["applied_seq"])
+        kind = pgcdc.get("kind") if isinstance(pgcdc, dict) else None
+        if kind == "snapshot":
+            return None
+        if kind in _MARKER_KINDS.values():
+            return int(LSN.parse(pgcdc["applied_lsn"])), int(pgcdc["applied_seq"])  # type: ignore[index]
     return None
+
+
+def _applied_marker(mode: str, end: int, seq: int) -> str:
+    return json.dumps({"pgcdc": {"kind": _MARKER_KINDS[mode], "applied_lsn": str(LSN(end)), "applied_seq": seq}})
 
 
 def _spark_type_name(arrow: pa.DataType) -> str:
@@ -232,6 +255,7 @@ class ChangeApplier:
         log: Callable[[str], None],
         heartbeat: Callable[[], None] | None = None,
         max_merge_rows: int = DEFAULT_MERGE_ROWS,
+        max_replace_values: int = DEFAULT_REPLACE_VALUES,
     ) -> None:
         """``heartbeat`` is called about every :data:`HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out)."""
@@ -242,6 +266,7 @@ class ChangeApplier:
         self._max_changes = max(1, max_changes)
         self._max_bytes = max(1, max_bytes)
         self._max_merge_rows = max(1, max_merge_rows)
+        self._max_replace_values = max(2, max_replace_values)
         self._log = log
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
@@ -315,7 +340,8 @@ class ChangeApplier:
                     self._warn_keyless(target, chr(int(batch.ops[index[~inserts][0]])))
                     self.changes_skipped += int((~inserts).sum()) - 1
                     index = index[inserts]
-                marker = target.append_marker
+            if target.mode in MARKED_MODES:
+                marker = target.applied_marker
                 if marker is not None and end <= marker[0]:
                     applied = index + seq <= marker[1] if end == marker[0] else np.ones(len(index), bool)
                     self.changes_skipped += int(applied.sum())
@@ -417,9 +443,9 @@ class ChangeApplier:
             target.mode, target.key_index = KEYED, key_index
         else:
             target.mode, target.key_index = APPEND, ()
-            if not target.append_marker_loaded:
-                target.append_marker = self._call(read_append_marker, target.path)  # type: ignore[assignment]
-                target.append_marker_loaded = True
+        if target.mode in MARKED_MODES and not target.applied_marker_loaded:
+            target.applied_marker = self._call(read_applied_marker, target.path)  # type: ignore[assignment]
+            target.applied_marker_loaded = True
         self._reconcile_schema(target, columns, previous, relation, end, seq)
         target.relation = relation
         target.columns = columns
@@ -495,8 +521,8 @@ class ChangeApplier:
         """
         if not new:
             return {}
-        if target.mode == APPEND and target.append_marker is not None and target.append_marker >= (end, seq):
-            return {}  # a replay: rows after this Relation message were appended, so it was handled before
+        if target.mode in MARKED_MODES and target.applied_marker is not None and target.applied_marker >= (end, seq):
+            return {}  # a replay: changes after this Relation message are in Delta, so it was handled before
         facts = self._types.added_columns(relation, [c.column for c in new])
         in_delta = {f.name for f in target.delta_schema or []}
         fills: dict[str, pa.Array] = {}
@@ -565,7 +591,7 @@ class ChangeApplier:
     def _truncate(self, target: TableTarget, relation: Relation, end: int, seq: int) -> None:
         if target.relation is not relation:
             self._use_relation(target, relation, end, seq)
-        if target.mode == APPEND and target.append_marker is not None and (end, seq) <= target.append_marker:
+        if target.mode in MARKED_MODES and target.applied_marker is not None and (end, seq) <= target.applied_marker:
             return
         if target.pending:
             self._flush_target(target)
@@ -583,12 +609,14 @@ class ChangeApplier:
             fault_point("before_merge")
             if target.mode == APPEND:
                 self._append(target, rows)
-            elif target.mode == FULL or not self._merge_columnar(target, rows):
+            elif target.mode == FULL:
+                self._replace_full(target, rows)
+            elif not self._merge_columnar(target, rows):
                 self._merge_by_row(target, rows)
             self.changes_applied += len(rows)
             target.stats.applied_lsn = LSN(max(int(rows.lsns.max()), target.stats.applied_lsn or 0))
 
-    def _merge(self, target: TableTarget, batch: pa.Table, key_columns: list[str], null_safe_keys: bool = False) -> None:
+    def _merge(self, target: TableTarget, batch: pa.Table, key_columns: list[str]) -> None:
         """MERGE a folded batch, in pieces of at most ``max_merge_rows`` source rows.
 
         The batch holds one change per key, so the pieces touch disjoint rows and their order
@@ -598,17 +626,15 @@ class ChangeApplier:
         """
         limit = self._max_merge_rows
         if batch.num_rows <= limit:
-            self._write(merge_batch, target.path, batch, key_columns, null_safe_keys=null_safe_keys)
+            self._write(merge_batch, target.path, batch, key_columns)
             return
         batch = batch.take(pc.sort_indices(pc.equal(batch.column(OP_COLUMN), "D")))  # stable: deletes last
         for start in range(0, batch.num_rows, limit):
             piece = batch.slice(start, limit)
             if start == 0:
-                self._write(merge_batch, target.path, piece, key_columns, null_safe_keys=null_safe_keys)
+                self._write(merge_batch, target.path, piece, key_columns)
             else:
-                future = self._writer.submit(
-                    merge_batch, self._spark, target.path, piece, key_columns, null_safe_keys=null_safe_keys
-                )
+                future = self._writer.submit(merge_batch, self._spark, target.path, piece, key_columns)
                 self._in_flight.append((future, None))
 
     def _append(self, target: TableTarget, rows: PendingRows) -> None:
@@ -616,10 +642,60 @@ class ChangeApplier:
         lsns = pa.array(rows.lsns, pa.int64())
         batch = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
         end, seq = int(rows.lsns[-1]), int(rows.seqs[-1])
-        marker = json.dumps({"pgcdc": {"kind": "append", "applied_lsn": str(LSN(end)), "applied_seq": seq}})
-        self._write(append_rows, target.path, batch, marker)
-        target.append_marker = (end, seq)
+        self._write(append_rows, target.path, batch, _applied_marker(APPEND, end, seq))
+        target.applied_marker = (end, seq)
         target.stats.inserted += len(rows)
+
+    def _replace_full(self, target: TableTarget, rows: PendingRows) -> None:
+        """REPLICA IDENTITY FULL: fold the changes into net copies per row value, then rewrite the
+        copies of the changed values, a commit (with its applied marker) per few thousand values."""
+        ncols = len(target.columns)
+        new_images = _row_values(*tuple_columns_at(rows.data, rows.new, ncols))
+        old_images = _row_values(*tuple_columns_at(rows.data, rows.old, ncols))
+        ops = rows.ops.tolist()
+        if any(op == _UPDATE for op, old in zip(ops, rows.old.tolist()) if old < 0):
+            raise PgcdcError(
+                f"an UPDATE of {target.table} (REPLICA IDENTITY FULL) arrived without its old row",
+                "PostgreSQL sends the old row only for a table (for a partition: the partition itself) with REPLICA "
+                "IDENTITY FULL; set it there, then re-snapshot the table",
+            )
+        value_columns = [column.column for column in target.columns]
+        for group in fold_row_changes(ops, old_images, new_images, rows.lsns.tolist(), self._max_replace_values):
+            changed = group.changed()
+            if not changed:
+                continue  # copies added and removed again within the batch: Delta stays as it is
+            end, seq = int(rows.lsns[group.stop - 1]), int(rows.seqs[group.stop - 1])
+            probe = self._row_values_table(target, changed)
+            rewrite = functools.partial(
+                apply_row_deltas,
+                changes=probe,
+                value_columns=value_columns,
+                lsn_column=LSN_COLUMN,
+                on_missing=functools.partial(self._warn_missing_rows, target),
+            )
+            self._write(replace_rows, target.path, probe.select(value_columns), rewrite, _applied_marker(FULL, end, seq))
+            target.applied_marker = (end, seq)
+        stats = target.stats
+        stats.inserted += int((rows.ops == _INSERT).sum())
+        stats.updated += int((rows.ops == _UPDATE).sum())
+        stats.deleted += int((rows.ops == _DELETE).sum())
+
+    def _row_values_table(self, target: TableTarget, changed: dict[tuple, RowDelta]) -> pa.Table:
+        """Folded row values (text form) as typed columns, with their net count and new copies' LSN."""
+        values = list(changed)
+        columns = [pa.array([row[i] for row in values], pa.binary()) for i in range(len(target.columns))]
+        lsns = pa.array([delta.lsn for delta in changed.values()], pa.int64())
+        table = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
+        table = table.select([column.column for column in target.columns] + [LSN_COLUMN])
+        return table.append_column(NET_COLUMN, pa.array([delta.net for delta in changed.values()], pa.int64()))
+
+    def _warn_missing_rows(self, target: TableTarget, missing: int) -> None:
+        """Called on the writer thread when Delta lacks copies a change removes (Delta and PostgreSQL
+        differed before it); PostgreSQL's subscriber logs such a change and goes on, and so does pgcdc."""
+        self._log(
+            f"warning: {target.table}: {missing} row(s) to delete or update were not in Delta (REPLICA IDENTITY "
+            f"FULL: Delta differed from PostgreSQL before this change); {RESNAPSHOT_FIX} to realign it"
+        )
 
     def _merge_columnar(self, target: TableTarget, rows: PendingRows) -> bool:
         """The fast path for keyed tables: parse every row image column-wise, keep the last per key.
@@ -655,12 +731,11 @@ class ChangeApplier:
         return True
 
     def _merge_by_row(self, target: TableTarget, rows: PendingRows) -> None:
-        """Fold change by change (unchanged TOAST, REPLICA IDENTITY FULL), then one MERGE."""
+        """Fold change by change (keyed tables with unchanged TOAST), then one MERGE."""
         ncols = len(target.columns)
         new_images = _row_values(*tuple_columns_at(rows.data, rows.new, ncols))
         old_images = _row_values(*tuple_columns_at(rows.data, rows.old, ncols))
         index = target.key_index
-        full = target.mode == FULL
         unchanged = UNCHANGED_TOAST
         final: dict[tuple, tuple] = {}
         old_key_of: dict[tuple, tuple] = {}
@@ -674,10 +749,6 @@ class ChangeApplier:
                 inserted += 1
             elif op == "U":
                 values = new
-                if unchanged in new:
-                    values = list(new)
-                    if full and old_start >= 0:
-                        values = [old[i] if value is unchanged else value for i, value in enumerate(values)]
                 new_key = tuple([values[i] for i in index])
                 old_key = new_key if old_start < 0 else tuple([old[i] for i in index])
                 if unchanged in values:
@@ -722,7 +793,7 @@ class ChangeApplier:
         batch = self._arrow_batch(target, columns, flags, lsns, old_keys)
         batch = batch.append_column(OP_COLUMN, pa.array([change[0] for change in changes], pa.string()))
         key_columns = [target.columns[i].column for i in index]
-        self._merge(target, batch, key_columns, null_safe_keys=full)
+        self._merge(target, batch, key_columns)
         stats = target.stats
         stats.inserted += inserted
         stats.updated += updated

@@ -10,8 +10,9 @@ Findings that shaped this module (details and timings in ``docs/engine-notes.md`
   column gives each commit's version. That is plain Spark and works on any Delta writer.
 * Sail records the ``userMetadata`` writer option, but a SQL ``MERGE`` has no writer options
   and Sail ignores ``spark.databricks.delta.commitInfo.userMetadata``; an empty append makes
-  no commit at all. So only snapshot writes carry pgcdc's marker atomically; CDC progress has
-  to be kept by the caller (replaying a keyed MERGE batch is harmless).
+  no commit at all. So only snapshots, appends and overwrites carry pgcdc's markers atomically:
+  keyless appends and REPLICA IDENTITY FULL rewrites (``replace_rows``) do; a keyed MERGE
+  carries none (replaying one is harmless).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -412,8 +413,6 @@ def merge_batch(
     path: str,
     source: pa.Table,
     key_columns: Sequence[str],
-    *,
-    null_safe_keys: bool = False,
 ) -> None:
     """Apply one batch of changes, at most one per key, with a single MERGE.
 
@@ -421,8 +420,7 @@ def merge_batch(
     ``_pgcdc_unchanged_<col>`` columns: where True, an update keeps the target's value
     (PostgreSQL does not resend unchanged TOASTed values). With ``_pgcdc_oldkey_<key>``
     columns, such a row that finds no target under its (new) key is inserted with the
-    values of the target row under its old key instead. ``null_safe_keys`` matches keys
-    with ``<=>``, needed when every column is the key (REPLICA IDENTITY FULL) and may be NULL.
+    values of the target row under its old key instead.
     The MERGE rejects two changes for one key, so callers fold a batch per key first.
 
     The source is staged as Parquet (:func:`_merge_source`) rather than shipped as a view:
@@ -453,8 +451,7 @@ def merge_batch(
         using = f"(SELECT s.*, {carried} FROM {staged_source} s LEFT JOIN {target} o ON {join})"
     else:
         using = staged_source
-    equals = "<=>" if null_safe_keys else "="
-    on = " AND ".join(f"t.{_quote(key)} {equals} s.{_quote(key)}" for key in key_columns)
+    on = " AND ".join(f"t.{_quote(key)} = s.{_quote(key)}" for key in key_columns)
     updates = ", ".join(
         f"{_quote(name)} = "
         + (
@@ -492,6 +489,49 @@ def _merge_source(path: str) -> str:
 
 def _carried(column: str) -> str:
     return f"_pgcdc_carried_{column}"
+
+
+def replace_rows(
+    spark: SparkSession,
+    path: str,
+    probe: pa.Table,
+    rewrite: Callable[[pa.Table], pa.Table],
+    user_metadata: str,
+) -> None:
+    """Rewrite, in one commit carrying ``user_metadata``, every row that may equal a row of
+    ``probe`` (typed values of some of the table's columns): ``rewrite`` gets those rows (all
+    columns, as Arrow) and returns the rows to put in their place.
+
+    The rows are selected by ``xxhash64`` over ``probe``'s columns, the engine's own hash, so
+    every row equal to a probe row is selected (and a few others, on a hash collision, which
+    ``rewrite`` hands back unchanged). The selection is a literal ``IN`` list usable as the
+    ``replaceWhere`` predicate of an overwrite, the one write that removes rows and carries
+    ``userMetadata``: read and replaced rows are the same set, and readers see the old rows or
+    the new ones. Sail 0.7.2 refuses a subquery there and plans about 0.2 ms per listed value,
+    so callers keep ``probe`` to a few thousand rows.
+
+    The written rows go through a union with the (empty) table scan: Sail's replaceWhere unions
+    the new rows with the kept rows of rewritten files as they are stored, and refuses a
+    difference in type details a scan irons out (a list's element name, a timestamp's time zone
+    name).
+    """
+    scan = spark.read.format("delta").load(path)
+    columns = [F.col(_quote(name)) for name in probe.column_names]
+    probed = scan.select(*columns).where(F.lit(False)).unionByName(spark_dataframe(spark, probe))
+    hashes = probed.select(F.xxhash64(*columns).alias("hash")).distinct().toArrow().column("hash").to_pylist()
+    predicate = (
+        f"xxhash64({', '.join(_quote(name) for name in probe.column_names)}) IN ({', '.join(map(str, sorted(hashes)))})"
+    )
+    replacement = rewrite(scan.where(predicate).toArrow())
+    (
+        scan.where(F.lit(False))
+        .unionByName(spark_dataframe(spark, replacement))
+        .write.format("delta")
+        .mode("overwrite")
+        .option("replaceWhere", predicate)
+        .option("userMetadata", user_metadata)
+        .save(path)
+    )
 
 
 def append_rows(spark: SparkSession, path: str, rows: pa.Table, user_metadata: str) -> None:

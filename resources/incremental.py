@@ -40,7 +40,7 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from resources.catalog import resolve_tables
-from resources.change_batches import DEFAULT_MERGE_ROWS, ChangeApplier, TableTarget, TypeResolver
+from resources.change_batches import DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES, ChangeApplier, TableTarget, TypeResolver
 from resources.config import PgcdcConfig
 from resources.connections import connect
 from resources.delta_engine import read_commit_metadata
@@ -104,6 +104,7 @@ def run_incremental(
     max_chunk_changes: int = 200_000,
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     max_merge_rows: int = DEFAULT_MERGE_ROWS,
+    max_replace_values: int = DEFAULT_REPLACE_VALUES,
     spill_dir: str | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
@@ -111,7 +112,8 @@ def run_incremental(
     ``max_chunk_changes`` / ``max_chunk_bytes`` bound a chunk (and so memory); a chunk ends
     at a transaction boundary unless one transaction alone exceeds them. ``max_merge_rows``
     bounds the source rows of one MERGE (a table's folded batch is split into several;
-    Sail's memory during a MERGE grows with its source). ``spill_dir``
+    Sail's memory during a MERGE grows with its source). ``max_replace_values`` bounds the
+    distinct row values one commit of a REPLICA IDENTITY FULL table rewrites. ``spill_dir``
     holds large transactions' changes while they are assembled (default: the system
     temporary directory).
     """
@@ -151,7 +153,7 @@ def run_incremental(
         stream = ReplicationStream(rc)
         applier = ChangeApplier(
             spark, TypeResolver(conn), targets, max_changes=max_chunk_changes, max_bytes=max_chunk_bytes, log=say,
-            heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
+            heartbeat=stream.keepalive, max_merge_rows=max_merge_rows, max_replace_values=max_replace_values,
         )
         end_lsn = rc.identify_system().xlogpos
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")

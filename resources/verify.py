@@ -13,6 +13,7 @@ compare against a snapshot it holds open (``REPEATABLE READ``) while writes go o
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -29,9 +30,31 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+class _ExactFloat(float):
+    """A float equal to another exactly when PostgreSQL prints them alike: NaN equals NaN (Python's
+    ``nan != nan`` would make every row holding one differ), ``-0.0`` differs from ``0.0``."""
+
+    def _identity(self) -> str:
+        return "nan" if math.isnan(self) else float.hex(self)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ExactFloat) and self._identity() == other._identity()
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
 def _hashable(value: object) -> object:
-    """Lists (arrays) as tuples, so rows can be counted."""
-    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+    """Lists (arrays) as tuples, floats compared as PostgreSQL prints them, so rows can be counted."""
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return _ExactFloat(value) if isinstance(value, float) else value
 
 
 def _sort_key(row: tuple) -> tuple:

@@ -1,6 +1,6 @@
 """Run one incremental drain in its own process: the crash tests SIGKILL it at a fault point.
 
-Usage: python -m tests.incremental_child CONFIG.yaml MAX_CHUNK_CHANGES
+Usage: python -m tests.incremental_child CONFIG.yaml MAX_CHUNK_CHANGES [MAX_REPLACE_VALUES]
 (set PGCDC_FAULT_POINT to make it kill itself; see resources/faults.py).
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from resources.change_batches import DEFAULT_REPLACE_VALUES
 from resources.config import load_config
 from resources.delta_engine import SparkEngine
 from resources.incremental import run_incremental
@@ -15,8 +16,11 @@ from resources.incremental import run_incremental
 
 def main() -> None:
     config = load_config(sys.argv[1])
+    replace_values = int(sys.argv[3]) if len(sys.argv) > 3 else DEFAULT_REPLACE_VALUES
     with SparkEngine.embedded() as engine:
-        result = run_incremental(config, engine.spark, log=print, max_chunk_changes=int(sys.argv[2]))
+        result = run_incremental(
+            config, engine.spark, log=print, max_chunk_changes=int(sys.argv[2]), max_replace_values=replace_values
+        )
     print(f"confirmed {result.confirmed_flush_lsn}")
 
 

@@ -462,14 +462,17 @@ def test_preflight_refuses_missing_publication_missing_slot_and_busy_slot(
 # --------------------------------------------------------------------------- crashes
 
 
-def run_child(config: PgcdcConfig, tmp_path: Path, fault: str | None, chunk: int) -> subprocess.CompletedProcess[str]:
+def run_child(
+    config: PgcdcConfig, tmp_path: Path, fault: str | None, chunk: int, replace_values: int | None = None
+) -> subprocess.CompletedProcess[str]:
     config_file = tmp_path / "pgcdc.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump()))
     env = {key: value for key, value in os.environ.items() if key != FAULT_POINT_ENV}
     if fault is not None:
         env[FAULT_POINT_ENV] = fault
+    extra = [] if replace_values is None else [str(replace_values)]
     return subprocess.run(
-        [sys.executable, "-m", "tests.incremental_child", str(config_file), str(chunk)],
+        [sys.executable, "-m", "tests.incremental_child", str(config_file), str(chunk), *extra],
         env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
     )
 

@@ -13,6 +13,8 @@ Tables (``TABLES``):
 * ``k_comp``  composite (text, bigint) primary key, float8 / date / bytea
 * ``k_uuid``  uuid primary key
 * ``full_t``  no key, REPLICA IDENTITY FULL, TOASTable ``b`` (rows kept distinct: ``a`` is unique)
+* ``dup_t``   no key, REPLICA IDENTITY FULL, values from a small domain (NULLs, TOASTed ``b``), so
+              most rows have identical copies; changes hit one copy (by ctid) or all of them
 * ``log_t``   no key, default identity: insert-only (appends) and TRUNCATE
 * ``late``    bigint key, added to the publication mid-stream, snapshotted later
 
@@ -75,6 +77,13 @@ VALUE_MAKERS = {
     "uuid": lambda r: f"'{uuid.UUID(int=r.getrandbits(128))}'::uuid",
 }
 
+DUPLICATE_DOMAINS = {
+    "dup_k": ["NULL", "0", "1", "2"],
+    "dup_b": ["NULL", "'x'", "repeat(md5('d1'), 200)", "repeat(md5('d2'), 300)"],  # 6-10 kB: TOASTed
+    "dup_n": ["NULL", "1.00", "2.50"],
+}
+"""Values of dup_t's columns: few, so rows repeat."""
+
 ADDED_TYPES = {
     "int": "int",
     "bigint": "bigint",
@@ -89,6 +98,8 @@ ADDED_TYPES = {
 
 
 def value(rng: random.Random, kind: str, nullable: bool = True) -> str:
+    if kind in DUPLICATE_DOMAINS:
+        return rng.choice(DUPLICATE_DOMAINS[kind])
     if nullable and rng.random() < 0.1:
         return "NULL"
     return VALUE_MAKERS[kind](rng)
@@ -100,7 +111,7 @@ def value(rng: random.Random, kind: str, nullable: bool = True) -> str:
 @dataclass
 class Table:
     name: str
-    kind: str  # keyed | full | append
+    kind: str  # keyed | full | dups | append
     key: list[str]
     columns: dict[str, str]  # name -> value kind, current columns in order
     published: bool = True
@@ -121,6 +132,9 @@ CREATE TABLE k_uuid (id uuid PRIMARY KEY, v int, note varchar(40));
 CREATE TABLE full_t (a int, b text, c numeric(8,2));
 ALTER TABLE full_t REPLICA IDENTITY FULL;
 ALTER TABLE full_t ALTER COLUMN b SET STORAGE EXTERNAL;
+CREATE TABLE dup_t (k int, b text, n numeric(8,2));
+ALTER TABLE dup_t REPLICA IDENTITY FULL;
+ALTER TABLE dup_t ALTER COLUMN b SET STORAGE EXTERNAL;
 CREATE TABLE log_t (kind text, n int, at timestamptz);
 CREATE TABLE late (id bigint PRIMARY KEY, v text, body text);
 ALTER TABLE late ALTER COLUMN body SET STORAGE EXTERNAL;
@@ -131,9 +145,12 @@ INSERT INTO k_comp SELECT r, g, g / 4.0, '2024-01-01'::date + g, '\\x0102', NULL
   FROM unnest(ARRAY['eu', 'us', 'ap']) r, generate_series(0, 19) g;
 INSERT INTO k_uuid SELECT md5(g::text)::uuid, g, 'seed' FROM generate_series(0, 39) g;
 INSERT INTO full_t SELECT g, CASE WHEN g % 4 = 0 THEN repeat(md5(g::text), 150) ELSE 'b' || g END, g FROM generate_series(0, 59) g;
+INSERT INTO dup_t SELECT NULLIF(g % 3, 2), CASE g % 4 WHEN 0 THEN repeat(md5('d1'), 200) WHEN 1 THEN 'x' END,
+                         CASE WHEN g % 2 = 0 THEN 1.00 END
+  FROM generate_series(0, 47) g;
 INSERT INTO log_t VALUES ('seed', 1, NULL), ('seed', 1, NULL);
 INSERT INTO late SELECT g, 'early' || g, repeat(md5(g::text), 100) FROM generate_series(0, 29) g;
-CREATE PUBLICATION pub FOR TABLE k_int, k_comp, k_uuid, full_t, log_t;
+CREATE PUBLICATION pub FOR TABLE k_int, k_comp, k_uuid, full_t, dup_t, log_t;
 """
 
 FULL_T_SEED_ROWS = 60
@@ -148,6 +165,7 @@ def initial_tables() -> dict[str, Table]:
             "region": "text", "code": "bigint", "val": "float", "d": "date", "payload": "bytea", "note": "text"}),
         "k_uuid": Table("k_uuid", "keyed", ["id"], {"id": "uuid", "v": "int", "note": "text"}),
         "full_t": Table("full_t", "full", [], {"a": "int", "b": "toast", "c": "numeric2"}),
+        "dup_t": Table("dup_t", "dups", [], {"k": "dup_k", "b": "dup_b", "n": "dup_n"}),
         "log_t": Table("log_t", "append", [], {"kind": "text", "n": "int", "at": "ts"}),
         "late": Table("late", "keyed", ["id"], {"id": "bigint", "v": "text", "body": "toast"},
                       published=False, snapshotted=False),
@@ -275,6 +293,8 @@ class Generator:
                         f" FROM generate_series(1, {r.randint(10, 300)})"]
             row = "(" + ", ".join(self._append_values(t)) + ")"
             return [f"INSERT INTO log_t {self._columns_sql(t)} VALUES {', '.join([row] * r.randint(1, 3))}"]
+        if t.kind == "dups":
+            return [self._duplicates_dml(t)]
         if t.kind == "full":
             x = r.random()
             if x < 0.45:
@@ -308,6 +328,29 @@ class Generator:
             return self._key_change(t)
         return [f"DELETE FROM {name} WHERE {self._where_range(t)}"]
 
+    def _duplicates_dml(self, t: Table) -> str:
+        """dup_t: inserts of rows that often exist already, updates and deletes of one copy among
+        several (picked by ctid) or of every copy; updates mostly leave the TOASTed ``b`` alone."""
+        r = self.rng
+
+        def row() -> str:
+            return "(" + ", ".join(value(r, kind) if r.random() < 0.5 else "NULL" for kind in t.columns.values()) + ")"
+
+        match = f"k IS NOT DISTINCT FROM {value(r, 'dup_k')}"
+        one_copy = f"ctid IN (SELECT ctid FROM dup_t WHERE {match} LIMIT 1)"
+        column = r.choice([c for c in t.columns if c != "b"] if r.random() < 0.75 else list(t.columns))
+        x = r.random()
+        if x < 0.35:
+            rows = [row()] * r.randint(1, 3) if r.random() < 0.5 else [row() for _ in range(r.randint(1, 4))]
+            return f"INSERT INTO dup_t {self._columns_sql(t)} VALUES {', '.join(rows)}"
+        if x < 0.55:
+            return f"UPDATE dup_t SET {column} = {value(r, t.columns[column])} WHERE {one_copy}"
+        if x < 0.65:
+            return f"UPDATE dup_t SET {column} = {value(r, t.columns[column])} WHERE {match}"
+        if x < 0.9:
+            return f"DELETE FROM dup_t WHERE {one_copy}"
+        return f"DELETE FROM dup_t WHERE {match} AND n IS NULL"
+
     def _append_values(self, t: Table) -> list[str]:
         return [value(self.rng, kind) for kind in t.columns.values()]
 
@@ -340,7 +383,7 @@ class Generator:
         return [f"UPDATE late SET id = {new} WHERE id = {old} AND NOT EXISTS (SELECT 1 FROM late WHERE id = {new})"]
 
     def random_dml(self) -> list[str]:
-        weights = {"k_int": 5, "k_comp": 2, "k_uuid": 1, "full_t": 3, "log_t": 2, "late": 2}
+        weights = {"k_int": 5, "k_comp": 2, "k_uuid": 1, "full_t": 3, "dup_t": 3, "log_t": 2, "late": 2}
         name = self.rng.choices(list(weights), weights=list(weights.values()))[0]
         return self.dml(self.tables[name])
 
@@ -348,7 +391,7 @@ class Generator:
 
     def ddl(self) -> list[str]:
         r = self.rng
-        t = self.tables[r.choice(["k_int", "k_comp", "full_t", "log_t", "late", "k_uuid"])]
+        t = self.tables[r.choice(["k_int", "k_comp", "full_t", "dup_t", "log_t", "late", "k_uuid"])]
         added = [c for c in t.columns if c.startswith("x")]
         x = r.random()
         if added and x < 0.35:
@@ -372,7 +415,7 @@ class Generator:
         return [f"ALTER TABLE {t.name} ADD COLUMN {column} {ADDED_TYPES[kind]}"]
 
     def truncate(self) -> list[str]:
-        names = self.rng.sample(["k_int", "k_comp", "k_uuid", "full_t", "log_t", "late"], k=self.rng.randint(1, 2))
+        names = self.rng.sample(["k_int", "k_comp", "k_uuid", "full_t", "dup_t", "log_t", "late"], k=self.rng.randint(1, 2))
         if "k_int" in names:  # refill a few rows so later updates find something
             return [f"TRUNCATE {', '.join(names)}",
                     "INSERT INTO k_int (id, name, body) SELECT g, 'refill', repeat('r', 3000) FROM generate_series(0, 60) g"]
@@ -550,7 +593,7 @@ class Generator:
                 continue
             if resnapshot_at and i >= min(resnapshot_at) and not self.busy:
                 resnapshot_at.discard(min(resnapshot_at))
-                t = self.tables[r.choice(["k_int", "k_comp", "full_t", "log_t", "k_uuid"])]
+                t = self.tables[r.choice(["k_int", "k_comp", "full_t", "dup_t", "log_t", "k_uuid"])]
                 t.dropped = set()  # the snapshot replaces the Delta table with today's columns
                 self.steps.append(Step("snapshot", table=t.name, note="re-snapshot mid-stream"))
                 continue
