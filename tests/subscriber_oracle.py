@@ -22,6 +22,9 @@ tables are what pgcdc's Delta tables must hold, value for value and with multipl
 
 The subscriber's tables equal the publisher's state at the LSN only if nothing is written between
 the LSN and the comparison: tests pause their workload while they drain and compare.
+
+PYTEST_DONT_REWRITE: failures here are raised explicitly, and test modules import this one
+before ``pytest_plugins`` names it, too late for pytest to rewrite it.
 """
 
 from __future__ import annotations
@@ -62,10 +65,15 @@ class SubscriberError(AssertionError):
     """The subscriber failed or did not reach a position in time: the oracle has no answer."""
 
 
+#: PostgreSQL 15's launcher starts apply workers at most once per wal_retrieve_retry_interval
+#: (5 s) server-wide, which would hold every subscription after the first for 5 s.
+SUBSCRIBER_SETTINGS = {"wal_retrieve_retry_interval": "100ms"}
+
+
 @pytest.fixture(scope="session")
 def subscriber_server(pg_server: LocalPostgres) -> Iterator[LocalPostgres]:
     """A second server of the publisher's major version, for the whole session."""
-    server = start_local_postgres(pg_server.major)
+    server = start_local_postgres(pg_server.major, SUBSCRIBER_SETTINGS)
     try:
         yield server
     finally:

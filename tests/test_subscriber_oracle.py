@@ -16,19 +16,19 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import psycopg
 import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig, parse_config
 from resources.incremental import run_incremental
+from resources.local_postgres import LocalPostgres
+from resources.lsn import LSN
 from resources.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
+from tests.subscriber_oracle import Subscriber, SubscriberError
 from tests.workload import value
-
-if TYPE_CHECKING:  # imported by pytest_plugins below, which rewrites its asserts
-    from tests.subscriber_oracle import Subscriber
 
 pytest_plugins = ["tests.spark_fixtures", "tests.subscriber_oracle"]
 
@@ -309,3 +309,64 @@ def test_duplicate_rows_under_replica_identity_full_match_the_subscriber(
     (distinct, total), = pg.execute("SELECT count(DISTINCT (v, n, body)), count(*) FROM dup")
     assert total > distinct, "the workload no longer leaves duplicate rows"
     assert counts[-1] == {"public.dup": (total, total)}
+
+
+# --------------------------------------------------------------------------- the harness itself
+
+
+def _current_lsn(pg: PgDatabase) -> LSN:
+    (lsn,), = pg.execute("SELECT pg_current_wal_lsn()::text")
+    return LSN.parse(lsn)
+
+
+def test_wait_for_returns_once_the_subscriber_has_applied_up_to_the_position(
+    pg: PgDatabase, subscribe: Callable[[str], Subscriber]
+) -> None:
+    """No sleep makes this pass: each commit is visible on the subscriber as soon as wait_for returns,
+    also a commit followed by WAL the publication does not send (another table's rows)."""
+    pg.execute("""
+        CREATE TABLE t (id int PRIMARY KEY, v text);
+        CREATE TABLE unpublished (id int);
+        INSERT INTO t VALUES (0, 'seed');
+        CREATE PUBLICATION pub FOR TABLE t;
+    """)
+    subscriber = subscribe("pub")
+    with subscriber.connect() as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchall() == [(1,)]  # the initial copy
+        for i in range(1, 11):
+            pg.execute("INSERT INTO t VALUES (%s, 'v')", (i,))
+            if i % 2:
+                pg.execute("INSERT INTO unpublished SELECT generate_series(1, 100)")
+            subscriber.wait_for(_current_lsn(pg))
+            assert conn.execute("SELECT count(*) FROM t").fetchall() == [(i + 1,)]
+            if i % 5 == 0:
+                pg.execute("UPDATE t SET v = 'changed' WHERE id = %s", (i,))
+                subscriber.wait_for(_current_lsn(pg))
+                assert conn.execute("SELECT v FROM t WHERE id = %s", (i,)).fetchall() == [("changed",)]
+
+
+def test_an_apply_error_on_the_subscriber_fails_the_wait_at_once_with_its_log(
+    pg: PgDatabase, subscribe: Callable[[str], Subscriber]
+) -> None:
+    pg.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE t")
+    subscriber = subscribe("pub")
+    with subscriber.connect() as conn:
+        conn.execute("INSERT INTO t VALUES (1)")  # the publisher's next row collides with it
+    pg.execute("INSERT INTO t VALUES (1)")
+    with pytest.raises(SubscriberError, match=r"(?s)failed before publisher position .*Key \(id\)=\(1\)"):
+        subscriber.wait_for(_current_lsn(pg), timeout=30)
+    (slots,), = pg.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (subscriber.subscription,))
+    assert slots == 1  # its own slot, dropped with the subscription at teardown
+
+
+def test_teardown_drops_the_subscription_and_its_slot_on_the_publisher(
+    pg: PgDatabase, subscriber_server: LocalPostgres
+) -> None:
+    pg.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE t")
+    subscriber = Subscriber(pg, subscriber_server, "oracle_teardown", "pub", "oracle_teardown")
+    subscriber.create()
+    assert pg.execute("SELECT slot_name FROM pg_replication_slots") == [("oracle_teardown",)]
+    subscriber.drop()
+    assert pg.execute("SELECT slot_name FROM pg_replication_slots") == []
+    with psycopg.connect(subscriber_server.dsn(), autocommit=True) as admin:
+        assert admin.execute("SELECT count(*) FROM pg_database WHERE datname = 'oracle_teardown'").fetchall() == [(0,)]
