@@ -57,7 +57,7 @@ WAIT_SECONDS = 60.0
 POLL_SECONDS = 0.02
 #: Server log lines shown when the subscriber fails.
 LOG_LINES = 30
-#: Quoted values in a diff longer than this are shortened (TOASTed values run to kilobytes).
+#: Quoted values of more than 80 characters in a diff are shortened (TOASTed values run to kilobytes).
 _LONG_TEXT = re.compile(r"('[^'\n]{40})[^'\n]{40,}'")
 
 
@@ -102,6 +102,11 @@ class Subscriber:
 
     def create(self) -> None:
         """Database, schema and subscription; returns once every table's initial copy is done."""
+        if self.server.major < 15:
+            raise SubscriberError(
+                f"the subscriber oracle needs PostgreSQL 15+ (disable_on_error, column lists), not {self.server.major}:"
+                " use resources/verify.py against the publisher"
+            )
         with psycopg.connect(self.server.dsn(), autocommit=True) as admin:
             admin.execute(f"CREATE DATABASE {quote_ident(self.database)}")
         self._copy_schema()
@@ -132,14 +137,13 @@ class Subscriber:
             raise SubscriberError(f"the publisher's schema did not load on the subscriber: {restore.stderr.strip()}")
         with self.connect() as conn:
             for schema, table, columns in self._published():
+                relation = f"{quote_ident(schema)}.{quote_ident(table)}"
                 for (column,) in conn.execute(
                     "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0"
                     " AND NOT attisdropped AND NOT attname = ANY(%s)",
-                    (f"{quote_ident(schema)}.{quote_ident(table)}", columns),
+                    (relation, columns),
                 ).fetchall():
-                    conn.execute(
-                        f"ALTER TABLE {quote_ident(schema)}.{quote_ident(table)} DROP COLUMN {quote_ident(column)} CASCADE"
-                    )
+                    conn.execute(f"ALTER TABLE {relation} DROP COLUMN {quote_ident(column)} CASCADE")
 
     def _published(self) -> list[tuple[str, str, list[str]]]:
         """(schema, table, published columns) of every relation the publication publishes."""
@@ -157,11 +161,12 @@ class Subscriber:
         expected = len(self._published())
         with self.connect() as conn:
             self._poll(
-                lambda: conn.execute(
+                lambda: _true(
+                    conn,
                     "SELECT count(*) FILTER (WHERE r.srsubstate IN ('r', 's')) = %s FROM pg_subscription_rel r"
                     " JOIN pg_subscription s ON s.oid = r.srsubid WHERE s.subname = %s",
                     (expected, self.subscription),
-                ).fetchone()[0],  # type: ignore[index]
+                ),
                 conn,
                 f"the initial copy of {expected} relation(s)",
             )
@@ -170,8 +175,11 @@ class Subscriber:
         """Drop the subscription (and so its slot on the publisher), then the database.
 
         A subscription that cannot reach its slot any more is detached from it first; the slot,
-        if still there, goes with the publisher's database.
+        if still there, goes with the publisher's database (``pg``'s teardown drops its slots).
         """
+        with psycopg.connect(self.server.dsn(), autocommit=True) as admin:
+            if not _true(admin, "SELECT count(*) > 0 FROM pg_database WHERE datname = %s", (self.database,)):
+                return  # create() failed before there was anything to drop
         with self.connect() as conn:
             name = quote_ident(self.subscription)
             try:
@@ -195,11 +203,12 @@ class Subscriber:
         """
         with self.publisher.connect() as publisher, self.connect() as subscriber:
             self._poll(
-                lambda: publisher.execute(
+                lambda: _true(
+                    publisher,
                     "SELECT coalesce(bool_or(replay_lsn >= %s::pg_lsn), false) FROM pg_stat_replication"
                     " WHERE application_name = %s AND state = 'streaming'",
                     (str(lsn), self.subscription),
-                ).fetchone()[0],  # type: ignore[index]
+                ),
                 subscriber,
                 f"publisher position {lsn}",
                 timeout,
@@ -207,11 +216,11 @@ class Subscriber:
 
     def _poll(self, reached: Callable[[], bool], subscriber: psycopg.Connection, what: str,
               timeout: float = WAIT_SECONDS) -> None:
+        """Poll ``reached`` until true; an error (disable_on_error disabled the subscription) or the
+        deadline fails at once, with the subscriber's log, rather than leaving the test to hang."""
         deadline = time.monotonic() + timeout
         while not reached():
-            (enabled,), = subscriber.execute(
-                "SELECT subenabled FROM pg_subscription WHERE subname = %s", (self.subscription,)
-            ).fetchall()
+            enabled = _true(subscriber, "SELECT subenabled FROM pg_subscription WHERE subname = %s", (self.subscription,))
             if not enabled:  # disable_on_error: an apply or copy error stopped the subscription
                 raise SubscriberError(f"subscription {self.subscription} failed before {what}:\n{self._log_tail()}")
             if time.monotonic() > deadline:
@@ -252,6 +261,12 @@ class Subscriber:
                         + _LONG_TEXT.sub(lambda long: f"{long[1]}...({len(long[0])} chars)'", str(error))
                     ) from None
         return counts
+
+
+def _true(conn: psycopg.Connection, query: str, params: tuple[object, ...]) -> bool:
+    """The boolean a one-row query returns."""
+    (value,), = conn.execute(query, params).fetchall()
+    return bool(value)
 
 
 @pytest.fixture
