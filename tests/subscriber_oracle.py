@@ -45,7 +45,7 @@ from resources.config import PgcdcConfig
 from resources.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
-from resources.replication import libpq_options
+from resources.connections import libpq_options
 from resources.verify import compare_table
 from tests.conftest import PgDatabase
 
