@@ -32,12 +32,12 @@ import deltalake
 import psycopg
 import pyarrow.compute as pc
 
-from resources.change_batches import DEFAULT_MERGE_ROWS
+from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
-from resources.delta_engine import SparkEngine
+from resources.delta.engine import SparkEngine
 from resources.incremental import run_incremental
-from resources.local_postgres import LocalPostgres, bin_dir_for, start_local_postgres
-from resources.replication import highest_proto_version
+from resources.testing.local_postgres import LocalPostgres, bin_dir_for, start_local_postgres
+from resources.postgres.replication import highest_proto_version
 from resources.snapshot import snapshot_tables
 
 PUBLICATION = "bench_pub"

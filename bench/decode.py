@@ -26,11 +26,11 @@ from pathlib import Path
 
 import psycopg
 
-from resources.change_batches import tuple_columns_at
-from resources.local_postgres import bin_dir_for, start_local_postgres
+from resources.cdc.applier import tuple_columns_at
+from resources.testing.local_postgres import bin_dir_for, start_local_postgres
 from resources.lsn import LSN
-from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, highest_proto_version
-from resources.transactions import RowBatch, TransactionAssembler
+from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, highest_proto_version
+from resources.cdc.transactions import RowBatch, TransactionAssembler
 
 INSERT = b"I"[0]
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 
-from resources.catalog import TableName
-from resources.delta_engine import SparkEngine
-from resources.local_postgres import LocalPostgres, start_local_postgres
+from resources.postgres.catalog import TableName
+from resources.delta.engine import SparkEngine
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.snapshot import SnapshotResult, ensure_slot, snapshot_table
 
 PUBLICATION = "bench_pub"

@@ -32,11 +32,11 @@ from pathlib import Path
 import psycopg
 
 from resources.config import PgcdcConfig, parse_config
-from resources.delta_engine import SparkEngine, process_memory_mib
+from resources.delta.engine import SparkEngine, process_memory_mib
 from resources.incremental import IncrementalResult, run_incremental
-from resources.local_postgres import bin_dir_for, start_local_postgres
+from resources.testing.local_postgres import bin_dir_for, start_local_postgres
 from resources.snapshot import snapshot_tables
-from resources.verify import assert_delta_equals_postgres, delta_rows
+from resources.testing.verify import assert_delta_equals_postgres, delta_rows
 
 PUBLICATION = "soak_pub"
 SLOT = "soak_slot"
@@ -86,7 +86,7 @@ def slot_lag(dsn: str) -> int:
 def equal_with_padding(dsn: str, table: str, path: str) -> bool:
     """Delta vs PostgreSQL with values as psycopg loads them (char(n) keeps its blank padding).
 
-    resources/verify.py compares string columns as ``column::text``, and PostgreSQL's cast of
+    resources/testing/verify.py compares string columns as ``column::text``, and PostgreSQL's cast of
     char(n) to text strips the padding pgcdc keeps (docs/type-mapping.md), so pgbench's
     ``filler char(n)`` columns differ there although Delta holds PostgreSQL's value. Enough for
     the pgbench tables, whose columns are integers and char(n).

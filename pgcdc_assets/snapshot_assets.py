@@ -29,9 +29,9 @@ from pydantic import Field
 
 from pgcdc_assets.common import RESNAPSHOT_JOB, TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
-from resources.catalog import TableName
+from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig
-from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import ConfigurationError, ConnectionFailure, SlotError, explain
 from resources.snapshot import (
     LSN_COLUMN,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dagster import AssetKey, AssetSpec, MetadataValue
 
-from resources.catalog import TableName
+from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig
 
 KINDS = {"postgres", "delta", "spark"}

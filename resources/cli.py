@@ -16,10 +16,10 @@ from typing import TextIO
 
 import psycopg
 
-from resources.change_json import message_to_json
+from resources.pgoutput.to_json import message_to_json
 from resources.errors import PgcdcError, explain
 from resources.lsn import LSN
-from resources.pgoutput import (
+from resources.pgoutput.decoder import (
     Commit,
     CommitPrepared,
     PgOutputDecoder,
@@ -29,8 +29,8 @@ from resources.pgoutput import (
     StreamPrepare,
 )
 from resources.pgtypes import SESSION_SETTINGS
-from resources.preflight import check_publications, check_server, check_slot
-from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
+from resources.postgres.preflight import check_publications, check_server, check_slot
+from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
 
 EXIT_USAGE_OR_SETUP = 2
 

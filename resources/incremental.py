@@ -2,7 +2,7 @@
 
 The order that makes it exactly-once (argued in docs/contracts.md):
 
-1. Preflight, read-only (``resources/preflight.py``, shared with ``pgcdc changes``): server
+1. Preflight, read-only (``resources/postgres/preflight.py``, shared with ``pgcdc changes``): server
    (version, wal_level), publication, slot (exists, pgoutput, this database, not lost, not
    in use). PostgreSQL 18 streams nothing for a missing publication instead of failing,
    so that check is ours. Then the tables to replicate and their snapshot markers: when no
@@ -13,7 +13,7 @@ The order that makes it exactly-once (argued in docs/contracts.md):
    may lie just beyond it; the next run picks it up. (pg_current_wal_lsn() could point
    at WAL not yet flushed, making the drain wait for the WAL writer.)
 3. Stream the slot from its confirmed_flush_lsn up to end_lsn, assemble transactions
-   (``resources.transactions``), batch them per table (``resources.change_batches``).
+   (``resources.cdc.transactions``), batch them per table (``resources.cdc.applier``).
 4. Per chunk, ending at a transaction boundary: every table's batch is committed to
    Delta, *then* the chunk's last commit end LSN is confirmed to the slot. A crash in
    between replays the chunk, which the Delta writes absorb (MERGE of final images per
@@ -39,19 +39,19 @@ from dataclasses import dataclass, field
 import psycopg
 from pyspark.sql import SparkSession
 
-from resources.catalog import resolve_tables
-from resources.change_batches import DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES, ChangeApplier, TableTarget, TypeResolver
+from resources.postgres.catalog import resolve_tables
+from resources.cdc.applier import DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES, ChangeApplier, TableTarget, TypeResolver
 from resources.config import PgcdcConfig
-from resources.connections import connect
-from resources.delta_engine import read_commit_metadata
+from resources.postgres.connections import connect
+from resources.delta.engine import read_commit_metadata
 from resources.errors import ConfigurationError, PgcdcError, SlotError, explain
-from resources.faults import fault_point
+from resources.testing.faults import fault_point
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
-from resources.preflight import check_publications, check_server, check_slot, slot_in_use
-from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
+from resources.postgres.preflight import check_publications, check_server, check_slot, slot_in_use
+from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
 from resources.snapshot import read_snapshot_lsn
-from resources.transactions import TransactionAssembler
+from resources.cdc.transactions import TransactionAssembler
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 

@@ -40,7 +40,7 @@ from psycopg import pq
 from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 
-from resources.catalog import (
+from resources.postgres.catalog import (
     TableInfo,
     TableName,
     publication_exists,
@@ -50,8 +50,8 @@ from resources.catalog import (
     table_oid,
 )
 from resources.config import PgcdcConfig
-from resources.connections import connect
-from resources.delta_engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
+from resources.postgres.connections import connect
+from resources.delta.engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
 from resources.lsn import LSN
 from resources.pgtypes import (
@@ -66,7 +66,7 @@ from resources.pgtypes import (
     spark_ddl_type,
     to_arrow,
 )
-from resources.replication import CreatedSlot, ReplicationConnection, SlotState
+from resources.postgres.replication import CreatedSlot, ReplicationConnection, SlotState
 
 __all__ = [
     "EXPIRED_SNAPSHOT_LSN",

@@ -21,8 +21,8 @@ from dagster import (
 )
 
 from pgcdc_assets.common import INCREMENTAL_JOB, PENDING_RUN_STATUSES, RESNAPSHOT_JOB, SNAPSHOT_JOB
-from resources.catalog import TableName
-from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from resources.postgres.catalog import TableName
+from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import SlotError
 
 LAG_SENSOR = "pgcdc_slot_lag_sensor"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import psycopg
 import pytest
 
-from resources.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 
 #: Versions every protocol test runs against; PGCDC_TEST_VERSIONS narrows it for local iteration.
 POSTGRES_VERSIONS = [int(v) for v in os.environ.get("PGCDC_TEST_VERSIONS", "15,18").split(",")]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from resources.config import load_config
-from resources.delta_engine import SparkEngine
+from resources.delta.engine import SparkEngine
 from resources.errors import PgcdcError
 from resources.incremental import run_incremental
 

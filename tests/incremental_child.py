@@ -1,16 +1,16 @@
 """Run one incremental drain in its own process: the crash tests SIGKILL it at a fault point.
 
 Usage: python -m tests.incremental_child CONFIG.yaml MAX_CHUNK_CHANGES [MAX_REPLACE_VALUES]
-(set PGCDC_FAULT_POINT to make it kill itself; see resources/faults.py).
+(set PGCDC_FAULT_POINT to make it kill itself; see resources/testing/faults.py).
 """
 
 from __future__ import annotations
 
 import sys
 
-from resources.change_batches import DEFAULT_REPLACE_VALUES
+from resources.cdc.applier import DEFAULT_REPLACE_VALUES
 from resources.config import load_config
-from resources.delta_engine import SparkEngine
+from resources.delta.engine import SparkEngine
 from resources.incremental import run_incremental
 
 

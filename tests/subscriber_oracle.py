@@ -18,7 +18,7 @@ tables are what pgcdc's Delta tables must hold, value for value and with multipl
   to an LSN (a drain's ``end_lsn``), by the position its apply worker reports (``replay_lsn``), as
   PostgreSQL's own TAP tests wait; bounded, and an apply error fails at once with the server's log.
 * :meth:`Subscriber.assert_matches_delta`: every published relation's Delta table equals the
-  subscriber's table (``resources/verify.py``'s comparison, ``_pgcdc_*`` columns ignored).
+  subscriber's table (``resources/testing/verify.py``'s comparison, ``_pgcdc_*`` columns ignored).
 
 The subscriber's tables equal the publisher's state at the LSN only if nothing is written between
 the LSN and the comparison: tests pause their workload while they drain and compare.
@@ -40,13 +40,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from resources.catalog import quote_ident
+from resources.postgres.catalog import quote_ident
 from resources.config import PgcdcConfig
-from resources.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
-from resources.connections import libpq_options
-from resources.verify import compare_table
+from resources.postgres.connections import libpq_options
+from resources.testing.verify import compare_table
 from tests.conftest import PgDatabase
 
 __all__ = ["Subscriber", "SubscriberError", "subscribe", "subscriber_server"]
@@ -105,7 +105,7 @@ class Subscriber:
         if self.server.major < 15:
             raise SubscriberError(
                 f"the subscriber oracle needs PostgreSQL 15+ (disable_on_error, column lists), not {self.server.major}:"
-                " use resources/verify.py against the publisher"
+                " use resources/testing/verify.py against the publisher"
             )
         with psycopg.connect(self.server.dsn(), autocommit=True) as admin:
             admin.execute(f"CREATE DATABASE {quote_ident(self.database)}")

@@ -30,9 +30,9 @@ from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError
 from resources.incremental import run_incremental
-from resources.local_postgres import LocalPostgres, start_local_postgres
-from resources.preflight import MIN_SERVER_VERSION_NUM, check_server
-from resources.replication import ReplicationConnection
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.postgres.preflight import MIN_SERVER_VERSION_NUM, check_server
+from resources.postgres.replication import ReplicationConnection
 from resources.snapshot import snapshot_tables
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
@@ -285,7 +285,7 @@ def test_wal_level_replica_fails_the_incremental_job_naming_wal_level(
     replica_server: LocalPostgres, tmp_path: Path
 ) -> None:
     """Shows: the incremental run does not check wal_level (run_incremental's preflight skips
-    resources/preflight.check_server), so at wal_level=replica it blames the missing slot and sends the
+    resources/postgres/preflight.check_server), so at wal_level=replica it blames the missing slot and sends the
     user to the snapshot job instead of naming wal_level. Expected: the wal_level line the CLI prints."""
     message = failed_step(write(tmp_path, settings(replica_server.dsn(), tmp_path / "lake")))
     one_line(message, "wal_level", "logical")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from resources.catalog import TableName, published_tables, read_table
+from resources.postgres.catalog import TableName, published_tables, read_table
 from resources.errors import ConfigurationError
 from tests.conftest import PgDatabase
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from resources.local_postgres import start_local_postgres
+from resources.testing.local_postgres import start_local_postgres
 from resources.lsn import LSN
 from tests.conftest import PgDatabase
 

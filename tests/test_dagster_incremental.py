@@ -27,7 +27,7 @@ from dagster import (
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
-from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import SlotError
 from resources.lsn import LSN
 from tests.conftest import PgDatabase

@@ -29,7 +29,7 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR
-from resources.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import ConfigurationError, ConnectionFailure
 from resources.lsn import LSN
 from resources.snapshot import read_snapshot_lsn

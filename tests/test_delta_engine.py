@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
-from resources.delta_engine import (
+from resources.delta.engine import (
     OP_COLUMN,
     STAGING_DIRECTORY,
     SparkEngine,

@@ -28,18 +28,15 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
 from resources.errors import SlotError
-from resources.faults import FAULT_POINT_ENV
+from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import IncrementalResult, run_incremental
-from resources.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
 from resources.snapshot import snapshot_tables
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 from tests.tcp_proxy import TcpProxy
 
-try:  # the comparison moved to resources/verify.py; tests/oracle.py re-exports it
-    from resources.verify import assert_delta_equals_postgres
-except ImportError:  # pragma: no cover - older tree
-    from tests.oracle import assert_delta_equals_postgres
+from resources.testing.verify import assert_delta_equals_postgres
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -451,7 +448,7 @@ def test_sigkill_after_the_final_confirm_before_dagster_records_metadata(
 
 
 def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    """Shows: resources/verify.py compares string columns as ``column::text``; PostgreSQL's cast of
+    """Shows: resources/testing/verify.py compares string columns as ``column::text``; PostgreSQL's cast of
     char(n) to text strips the blank padding that pgcdc keeps by design (docs/type-mapping.md), so the
     oracle reports a difference for every char(n) value shorter than n although Delta holds exactly
     PostgreSQL's value (found by the soak: pgbench_accounts.filler is char(84)). Expected: equal."""

@@ -2,8 +2,8 @@
 
 PostgreSQL lets a table without a key hold the same row several times, and its subscriber
 changes exactly one matching row per change. pgcdc applies row occurrences the same way
-(``resources/row_multiset.py``): every test compares Delta with PostgreSQL with multiplicity
-(``resources/verify.py``).
+(``resources/cdc/row_multiset.py``): every test compares Delta with PostgreSQL with multiplicity
+(``resources/testing/verify.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import deltalake
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.change_batches import DEFAULT_REPLACE_VALUES
+from resources.cdc.applier import DEFAULT_REPLACE_VALUES
 from resources.config import PgcdcConfig
 from tests.conftest import PgDatabase
 from tests.test_incremental import drain, run_child, same, setup, slot_confirmed

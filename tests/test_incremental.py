@@ -20,17 +20,17 @@ import pytest
 import yaml
 from pyspark.sql import SparkSession
 
-from resources.catalog import TableName
-from resources.change_batches import SchemaChangeError
+from resources.postgres.catalog import TableName
+from resources.cdc.applier import SchemaChangeError
 from resources.config import PgcdcConfig, parse_config
 from resources.errors import ConfigurationError, SlotError
-from resources.faults import FAULT_POINT_ENV
+from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
-from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
+from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
 from resources.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
-from tests.oracle import assert_delta_equals_postgres
+from resources.testing.verify import assert_delta_equals_postgres
 
 pytest_plugins = ["tests.spark_fixtures"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
-from resources.pgoutput import (
+from resources.pgoutput.decoder import (
     UNCHANGED_TOAST,
     Begin,
     BeginPrepare,

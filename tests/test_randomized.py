@@ -33,19 +33,16 @@ import psycopg
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.catalog import TableName
+from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
-from resources.connections import libpq_options
+from resources.postgres.connections import libpq_options
 from resources.incremental import run_incremental
 from resources.pgtypes import SESSION_SETTINGS
 from resources.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from tests.workload import DDL, Step, generate
 
-try:  # the comparison lives in resources/verify.py; tests/oracle.py re-exports it
-    from resources.verify import assert_delta_equals_postgres, compare_table
-except ImportError:  # pragma: no cover
-    from tests.oracle import assert_delta_equals_postgres, compare_table  # type: ignore[attr-defined,no-redef]
+from resources.testing.verify import assert_delta_equals_postgres, compare_table
 
 pytest_plugins = ["tests.spark_fixtures"]
 

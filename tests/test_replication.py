@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from resources.connections import libpq_options
+from resources.postgres.connections import libpq_options
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, SlotError
 from resources.lsn import LSN
-from resources.replication import (
+from resources.postgres.replication import (
     PgOutputOptions,
     ReplicationConnection,
     ReplicationStream,

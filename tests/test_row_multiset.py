@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resources.errors import PgcdcError
-from resources.pgoutput import UNCHANGED_TOAST
-from resources.row_multiset import NET_COLUMN, apply_row_deltas, comparable_rows, fold_row_changes
+from resources.pgoutput.decoder import UNCHANGED_TOAST
+from resources.cdc.row_multiset import NET_COLUMN, apply_row_deltas, comparable_rows, fold_row_changes
 
 I, U, D = b"I"[0], b"U"[0], b"D"[0]
 SCHEMA = pa.schema([("x", pa.string()), ("f", pa.float64()), ("_pgcdc_lsn", pa.int64())])

@@ -9,7 +9,7 @@ its asset checks, the three sensors and ``pgcdc changes``; nothing may be called
 must equal PostgreSQL.
 
 Two defenses are tested apart: the empty search_path every pgcdc session starts with
-(``resources/connections.py``), and, with that switched to ``evil, pg_catalog, public``
+(``resources/postgres/connections.py``), and, with that switched to ``evil, pg_catalog, public``
 (planted objects first, even before pg_catalog), the schema-qualified SQL alone.
 """
 
@@ -27,11 +27,11 @@ import psycopg
 import pytest
 from dagster import DagsterInstance, RunRequest, SkipReason, instance_for_test
 
-import resources.connections
+import resources.postgres.connections
 from pgcdc_assets.builder import build_definitions
 from resources.cli import build_parser, print_changes
-from resources.connections import connect
-from resources.verify import assert_delta_equals_postgres, delta_rows
+from resources.postgres.connections import connect
+from resources.testing.verify import assert_delta_equals_postgres, delta_rows
 from tests.conftest import PgDatabase
 from tests.test_dagster_incremental import check_outcomes, evaluate, run_job
 from tests.test_dagster_snapshot import write_config
@@ -252,7 +252,7 @@ def defense(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Both defenses together as shipped, or the schema-qualified SQL in sessions that search
     the planted schemas first (the connect-time setting swapped for a hostile one)."""
     if request.param == "qualified SQL alone":
-        monkeypatch.setattr(resources.connections, "SEARCH_PATH_SETTINGS", {"search_path": "evil, pg_catalog, public"})
+        monkeypatch.setattr(resources.postgres.connections, "SEARCH_PATH_SETTINGS", {"search_path": "evil, pg_catalog, public"})
     return str(request.param)
 
 

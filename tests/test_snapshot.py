@@ -21,13 +21,13 @@ from psycopg.types.datetime import TimestampLoader, TimestamptzLoader
 from psycopg.types.string import TextLoader
 from pyspark.sql import SparkSession
 
-from resources.catalog import TableName
+from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
-from resources.connections import libpq_options
+from resources.postgres.connections import libpq_options
 from resources.errors import ConfigurationError, SlotError
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS, TIMESTAMP_NEGATIVE_INFINITY, TIMESTAMP_POSITIVE_INFINITY
-from resources.replication import CreatedSlot
+from resources.postgres.replication import CreatedSlot
 from resources.snapshot import (
     LSN_COLUMN,
     SnapshotError,
@@ -542,7 +542,7 @@ def make_config_from_dsn(dsn: str, root: Path, **overrides: Any) -> PgcdcConfig:
 
 def test_a_table_named_with_spaces_and_percent_replicates(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
     from resources.incremental import run_incremental
-    from tests.oracle import assert_delta_equals_postgres
+    from resources.testing.verify import assert_delta_equals_postgres
 
     pg.execute(
         '''

@@ -23,7 +23,7 @@ from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig, parse_config
 from resources.incremental import run_incremental
-from resources.local_postgres import LocalPostgres
+from resources.testing.local_postgres import LocalPostgres
 from resources.lsn import LSN
 from resources.snapshot import snapshot_tables
 from tests.conftest import PgDatabase

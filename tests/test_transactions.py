@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from resources.transactions import TransactionAssembler
+from resources.cdc.transactions import TransactionAssembler
 
 OID = 16384
 

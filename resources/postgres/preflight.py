@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from resources.errors import ConfigurationError, SlotError
-from resources.replication import ReplicationConnection, SlotState, quote_ident, quote_literal
+from resources.postgres.replication import ReplicationConnection, SlotState, quote_ident, quote_literal
 
 MIN_SERVER_VERSION_NUM = 140000
 

@@ -7,7 +7,7 @@ PostgreSQL's own table-sync worker runs (see the trace in the seeds).
 
 Every catalog object, function and operator is named with its schema, and parameters are
 cast to the exact types the catalog function expects: the sessions already run with an
-empty search_path (``resources/connections.py``), and this keeps the queries immune to
+empty search_path (``resources/postgres/connections.py``), and this keeps the queries immune to
 planted look-alikes even in a session whose search_path someone else chose.
 
 Queries use client-side parameter binding (``psycopg.ClientCursor``) because a

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from resources.lsn import LSN
-from resources.pgoutput import (
+from resources.pgoutput.decoder import (
     UNCHANGED_TOAST,
     Begin,
     BeginPrepare,

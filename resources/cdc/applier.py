@@ -1,6 +1,6 @@
 """Committed transactions -> per-table Arrow batches -> Delta (MERGE, or append for keyless tables).
 
-Changes are gathered per table as the undecoded tuples of ``resources.transactions`` (the
+Changes are gathered per table as the undecoded tuples of ``resources.cdc.transactions`` (the
 message bytes and where its row images start). When a table's batch is flushed, all its row
 images are parsed column-wise with numpy (:func:`tuple_columns`) and converted with
 ``pgtypes.to_arrow``, so the per-change Python cost is one tuple in a list.
@@ -15,7 +15,7 @@ How each table is written, decided from its Relation message:
   value is taken from an earlier change of that key in the batch when there is one, else
   the MERGE keeps Delta's value (or, for a moved key, the value under the old key).
 * **full** (REPLICA IDENTITY FULL): the table is a multiset of rows, which may repeat, and
-  each change adds or removes one copy (``resources/row_multiset.py``): a batch folds into a
+  each change adds or removes one copy (``resources/cdc/row_multiset.py``): a batch folds into a
   net count per row value and rewrites only the copies of those values
   (``delta_engine.replace_rows``), in commits of a few thousand values, each carrying the
   marker ``{"pgcdc": {"kind": "replace", "applied_lsn", "applied_seq"}}``; unchanged-TOAST
@@ -55,8 +55,8 @@ from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import DecimalType
 
-from resources.catalog import TableName
-from resources.delta_engine import (
+from resources.postgres.catalog import TableName
+from resources.delta.engine import (
     OLD_KEY_PREFIX,
     OP_COLUMN,
     add_columns,
@@ -71,12 +71,12 @@ from resources.delta_engine import (
     widen_columns,
 )
 from resources.errors import PgcdcError
-from resources.faults import fault_point
+from resources.testing.faults import fault_point
 from resources.lsn import LSN
-from resources.pgoutput import UNCHANGED_TOAST, Relation
+from resources.pgoutput.decoder import UNCHANGED_TOAST, Relation
 from resources.pgtypes import PgColumnType, PgValueError, arrow_type, column_type_from_catalog, pg_type_catalog_query, to_arrow
-from resources.row_multiset import NET_COLUMN, RowDelta, apply_row_deltas, fold_row_changes
-from resources.transactions import CommittedTransaction, RowBatch
+from resources.cdc.row_multiset import NET_COLUMN, RowDelta, apply_row_deltas, fold_row_changes
+from resources.cdc.transactions import CommittedTransaction, RowBatch
 
 __all__ = [
     "LSN_COLUMN",

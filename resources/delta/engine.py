@@ -71,9 +71,9 @@ class SparkEngine:
 
     @classmethod
     def embedded(cls, config: Mapping[str, str] | None = None) -> SparkEngine:
-        """Start Sail in a child process (``resources.sail_server``) on a free loopback port and connect."""
+        """Start Sail in a child process (``resources.delta.sail_server``) on a free loopback port and connect."""
         server = subprocess.Popen(
-            [sys.executable, "-m", "resources.sail_server"],
+            [sys.executable, "-m", "resources.delta.sail_server"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env={**EMBEDDED_ENVIRONMENT, **os.environ},

@@ -12,7 +12,7 @@ when the log is read back); a whole abort deletes the file, leaving no trace.
 A change is a plain 5-tuple ``(op, subject, payload, new_start, old_start)``, to keep
 millions of them cheap: row changes are *not* decoded here. ``payload`` is the pgoutput
 message's bytes and the two offsets say where its new and old TupleData start (-1: absent);
-``resources.change_batches`` parses whole batches of them column-wise.
+``resources.cdc.applier`` parses whole batches of them column-wise.
 
 * ``("I", relation_oid, payload, new, -1)``
 * ``("U", relation_oid, payload, new, old)``: ``old`` is the 'K' image (old key, non-key
@@ -44,7 +44,7 @@ import numpy as np
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
-from resources.pgoutput import (
+from resources.pgoutput.decoder import (
     Begin,
     PgOutputDecoder,
     Commit,

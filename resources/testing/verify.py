@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import psycopg
 import pyarrow as pa
 
-from resources.connections import connect
+from resources.postgres.connections import connect
 from resources.pgtypes import SESSION_SETTINGS
 
 __all__ = ["assert_delta_equals_postgres", "compare_table", "delta_rows"]

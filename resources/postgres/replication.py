@@ -35,7 +35,7 @@ from typing import Literal, NamedTuple
 import psycopg
 from psycopg import pq
 
-from resources.connections import connect
+from resources.postgres.connections import connect
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain_server_error
 from resources.lsn import LSN
 
@@ -169,7 +169,7 @@ def _lsn_or_none(text: str | None) -> LSN | None:
 class ReplicationConnection:
     """A ``replication=database`` connection: replication commands and plain SQL.
 
-    Connects on construction (through :func:`resources.connections.connect`, so with an
+    Connects on construction (through :func:`resources.postgres.connections.connect`, so with an
     empty search_path); use it as a context manager to close it.
     ``session_settings`` become ``-c name=value`` startup options, so the
     walsender's output functions honour them (e.g. ``{"TimeZone": "UTC"}``).

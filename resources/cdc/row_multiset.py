@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from resources.errors import PgcdcError
-from resources.pgoutput import UNCHANGED_TOAST
+from resources.pgoutput.decoder import UNCHANGED_TOAST
 
 __all__ = [
     "NET_COLUMN",
