@@ -36,9 +36,9 @@ from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
 from resources.delta.engine import SparkEngine
 from resources.incremental import run_incremental
-from resources.testing.local_postgres import LocalPostgres, bin_dir_for, start_local_postgres
-from resources.postgres.replication import highest_proto_version
+from resources.pgoutput.options import highest_proto_version
 from resources.snapshot import snapshot_tables
+from resources.testing.local_postgres import bin_dir_for, LocalPostgres, start_local_postgres
 
 PUBLICATION = "bench_pub"
 SLOT = "bench_slot"

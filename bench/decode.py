@@ -27,12 +27,14 @@ from pathlib import Path
 import psycopg
 
 from resources.cdc.applier import tuple_columns_at
-from resources.testing.local_postgres import bin_dir_for, start_local_postgres
-from resources.lsn import LSN
-from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream, highest_proto_version
 from resources.cdc.transactions import RowBatch, TransactionAssembler
+from resources.lsn import LSN
+from resources.pgoutput.options import highest_proto_version, PgOutputOptions
+from resources.pgoutput.tags import INSERT
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.stream import ReplicationStream
+from resources.testing.local_postgres import bin_dir_for, start_local_postgres
 
-INSERT = b"I"[0]
 
 PUBLICATION = "bench_pub"
 PGCDC_SLOT = "bench_pgcdc"

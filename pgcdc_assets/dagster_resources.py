@@ -18,13 +18,13 @@ from dagster_pyspark import PySparkResource
 from pydantic import Field, PrivateAttr
 from pyspark.sql import SparkSession
 
-from resources.postgres.catalog import TableName, published_tables
-from resources.config import PgcdcConfig, load_config
-from resources.postgres.connections import connect
-from resources.delta.engine import SparkEngine, classic_delta_config, classic_session_builder
+from resources.config import load_config, PgcdcConfig
+from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.lsn import LSN
-from resources.postgres.replication import SlotState, slot_state, slot_state_query
+from resources.postgres.catalog import published_tables, TableName
+from resources.postgres.connections import connect
+from resources.postgres.slots import slot_state, slot_state_query, SlotState
 
 SparkMode = Literal["embedded", "remote", "classic"]
 

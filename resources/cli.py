@@ -16,21 +16,16 @@ from typing import TextIO
 
 import psycopg
 
-from resources.pgoutput.to_json import message_to_json
-from resources.errors import PgcdcError, explain
+from resources.errors import explain, PgcdcError
 from resources.lsn import LSN
-from resources.pgoutput.decoder import (
-    Commit,
-    CommitPrepared,
-    PgOutputDecoder,
-    Prepare,
-    RollbackPrepared,
-    StreamCommit,
-    StreamPrepare,
-)
+from resources.pgoutput.decoder import PgOutputDecoder
+from resources.pgoutput.messages import Commit, CommitPrepared, Prepare, RollbackPrepared, StreamCommit, StreamPrepare
+from resources.pgoutput.options import PgOutputOptions
+from resources.pgoutput.to_json import message_to_json
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.preflight import check_publications, check_server, check_slot
-from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.stream import ReplicationStream
 
 EXIT_USAGE_OR_SETUP = 2
 

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, ValidationError
 
 from resources.errors import ConfigurationError, mask_dsn
+from resources.postgres.slots import SLOT_NAME
 
 CONFIG_ENV_VAR = "PGCDC_CONFIG"
 
-_SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 _TABLE_NAME = re.compile(r'^(?:[A-Za-z_][A-Za-z0-9_$]*|"[^"]+")\.(?:[A-Za-z_][A-Za-z0-9_$]*|"[^"]+")$')
 
 
@@ -84,7 +84,7 @@ class PgcdcConfig(_Section):
     @field_validator("slot")
     @classmethod
     def _slot_name(cls, value: str) -> str:
-        if not _SLOT_NAME.match(value):
+        if not SLOT_NAME.match(value):
             raise ValueError("slot names use only lower-case letters, digits and underscores (at most 63)")
         return value
 

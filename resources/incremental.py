@@ -39,19 +39,22 @@ from dataclasses import dataclass, field
 import psycopg
 from pyspark.sql import SparkSession
 
-from resources.postgres.catalog import resolve_tables
-from resources.cdc.applier import DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES, ChangeApplier, TableTarget, TypeResolver
-from resources.config import PgcdcConfig
-from resources.postgres.connections import connect
-from resources.delta.engine import read_commit_metadata
-from resources.errors import ConfigurationError, PgcdcError, SlotError, explain
-from resources.testing.faults import fault_point
-from resources.lsn import LSN
-from resources.pgtypes import SESSION_SETTINGS
-from resources.postgres.preflight import check_publications, check_server, check_slot, slot_in_use
-from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
-from resources.snapshot import read_snapshot_lsn
+from resources.cdc.applier import ChangeApplier, DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES, TableTarget, TypeResolver
 from resources.cdc.transactions import TransactionAssembler
+from resources.config import PgcdcConfig
+from resources.delta.engine import read_commit_metadata
+from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
+from resources.lsn import LSN
+from resources.pgoutput.options import PgOutputOptions
+from resources.pgtypes import SESSION_SETTINGS
+from resources.postgres.catalog import resolve_tables
+from resources.postgres.connections import connect
+from resources.postgres.preflight import check_publications, check_server, check_slot
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.slots import slot_in_use
+from resources.postgres.stream import ReplicationStream
+from resources.snapshot import read_snapshot_lsn
+from resources.testing.faults import fault_point
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 

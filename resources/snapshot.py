@@ -40,33 +40,27 @@ from psycopg import pq
 from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 
-from resources.postgres.catalog import (
-    TableInfo,
-    TableName,
-    publication_exists,
-    quote_ident,
-    read_table,
-    resolve_tables,
-    table_oid,
-)
 from resources.config import PgcdcConfig
-from resources.postgres.connections import connect
 from resources.delta.engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
-from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
+from resources.errors import ConfigurationError, ConnectionFailure, explain, PgcdcError, ProtocolError, SlotError
 from resources.lsn import LSN
 from resources.pgtypes import (
-    SESSION_SETTINGS,
-    PgColumnType,
-    PgValueError,
     arrow_schema,
     column_type_from_catalog,
     csv_direct_type,
     pg_type_catalog_params,
     pg_type_catalog_query,
+    PgColumnType,
+    PgValueError,
+    SESSION_SETTINGS,
     spark_ddl_type,
     to_arrow,
 )
-from resources.postgres.replication import CreatedSlot, ReplicationConnection, SlotState
+from resources.postgres.catalog import publication_exists, read_table, resolve_tables, table_oid, TableInfo, TableName
+from resources.postgres.connections import connect
+from resources.postgres.replication import CreatedSlot, ReplicationConnection
+from resources.postgres.slots import SlotState
+from resources.postgres.sql import quote_ident
 
 __all__ = [
     "EXPIRED_SNAPSHOT_LSN",

@@ -40,12 +40,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from resources.postgres.catalog import quote_ident
 from resources.config import PgcdcConfig
-from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import libpq_options
+from resources.postgres.sql import quote_ident
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import compare_table
 from tests.conftest import PgDatabase
 

@@ -20,17 +20,19 @@ import pytest
 import yaml
 from pyspark.sql import SparkSession
 
-from resources.postgres.catalog import TableName
 from resources.cdc.applier import SchemaChangeError
-from resources.config import PgcdcConfig, parse_config
+from resources.config import parse_config, PgcdcConfig
 from resources.errors import ConfigurationError, SlotError
-from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
-from resources.postgres.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
+from resources.pgoutput.options import PgOutputOptions
+from resources.postgres.catalog import TableName
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.stream import ReplicationStream
 from resources.snapshot import snapshot_tables
-from tests.conftest import PgDatabase
+from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
+from tests.conftest import PgDatabase
 
 pytest_plugins = ["tests.spark_fixtures"]
 

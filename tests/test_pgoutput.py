@@ -15,8 +15,8 @@ import pytest
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
-from resources.pgoutput.decoder import (
-    UNCHANGED_TOAST,
+from resources.pgoutput.decoder import PgOutputDecoder, RelationCache, TypeCache
+from resources.pgoutput.messages import (
     Begin,
     BeginPrepare,
     Commit,
@@ -25,10 +25,9 @@ from resources.pgoutput.decoder import (
     Insert,
     Message,
     Origin,
-    PgOutputDecoder,
+    pg_timestamp,
     Prepare,
     Relation,
-    RelationCache,
     RelationColumn,
     RollbackPrepared,
     StreamAbort,
@@ -39,9 +38,8 @@ from resources.pgoutput.decoder import (
     Truncate,
     TupleData,
     Type,
-    TypeCache,
+    UNCHANGED_TOAST,
     Update,
-    pg_timestamp,
 )
 from tests.conftest import PgDatabase
 

@@ -8,16 +8,13 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from resources.postgres.connections import libpq_options
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, SlotError
 from resources.lsn import LSN
-from resources.postgres.replication import (
-    PgOutputOptions,
-    ReplicationConnection,
-    ReplicationStream,
-    XLogData,
-    highest_proto_version,
-)
+from resources.pgoutput.options import highest_proto_version, PgOutputOptions
+from resources.postgres.connections import libpq_options
+from resources.postgres.frames import XLogData
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.stream import ReplicationStream
 from tests.conftest import PgDatabase
 
 

@@ -9,12 +9,11 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from resources.cdc.row_multiset import apply_row_deltas, comparable_rows, fold_row_changes, NET_COLUMN
 from resources.errors import PgcdcError
-from resources.pgoutput.decoder import UNCHANGED_TOAST
-from resources.cdc.row_multiset import NET_COLUMN, apply_row_deltas, comparable_rows, fold_row_changes
+from resources.pgoutput.messages import UNCHANGED_TOAST
 
 I, U, D = b"I"[0], b"U"[0], b"D"[0]
 SCHEMA = pa.schema([("x", pa.string()), ("f", pa.float64()), ("_pgcdc_lsn", pa.int64())])

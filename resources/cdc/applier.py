@@ -55,15 +55,16 @@ from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import DecimalType
 
-from resources.postgres.catalog import TableName
+from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
+from resources.cdc.transactions import CommittedTransaction, RowBatch
 from resources.delta.engine import (
-    OLD_KEY_PREFIX,
-    OP_COLUMN,
     add_columns,
     append_rows,
     delete_all_rows,
     fill_columns,
     merge_batch,
+    OLD_KEY_PREFIX,
+    OP_COLUMN,
     read_commit_metadata,
     replace_rows,
     table_schema,
@@ -71,12 +72,19 @@ from resources.delta.engine import (
     widen_columns,
 )
 from resources.errors import PgcdcError
-from resources.testing.faults import fault_point
 from resources.lsn import LSN
-from resources.pgoutput.decoder import UNCHANGED_TOAST, Relation
-from resources.pgtypes import PgColumnType, PgValueError, arrow_type, column_type_from_catalog, pg_type_catalog_query, to_arrow
-from resources.cdc.row_multiset import NET_COLUMN, RowDelta, apply_row_deltas, fold_row_changes
-from resources.cdc.transactions import CommittedTransaction, RowBatch
+from resources.pgoutput.messages import Relation, UNCHANGED_TOAST
+from resources.pgoutput.tags import BINARY, DELETE, INSERT, NULL, TEXT, UNCHANGED, UPDATE
+from resources.pgtypes import (
+    arrow_type,
+    column_type_from_catalog,
+    pg_type_catalog_query,
+    PgColumnType,
+    PgValueError,
+    to_arrow,
+)
+from resources.postgres.catalog import TableName
+from resources.testing.faults import fault_point
 
 __all__ = [
     "LSN_COLUMN",
@@ -335,7 +343,7 @@ class ChangeApplier:
             if target.relation is not relation:
                 self._use_relation(target, relation, end, seq)
             if target.mode == APPEND:
-                inserts = batch.ops[index] == _INSERT
+                inserts = batch.ops[index] == INSERT
                 if not inserts.all():
                     self._warn_keyless(target, chr(int(batch.ops[index[~inserts][0]])))
                     self.changes_skipped += int((~inserts).sum()) - 1
@@ -653,7 +661,7 @@ class ChangeApplier:
         new_images = _row_values(*tuple_columns_at(rows.data, rows.new, ncols))
         old_images = _row_values(*tuple_columns_at(rows.data, rows.old, ncols))
         ops = rows.ops.tolist()
-        if any(op == _UPDATE for op, old in zip(ops, rows.old.tolist()) if old < 0):
+        if any(op == UPDATE for op, old in zip(ops, rows.old.tolist()) if old < 0):
             raise PgcdcError(
                 f"an UPDATE of {target.table} (REPLICA IDENTITY FULL) arrived without its old row",
                 "PostgreSQL sends the old row only for a table (for a partition: the partition itself) with REPLICA "
@@ -676,9 +684,9 @@ class ChangeApplier:
             self._write(replace_rows, target.path, probe.select(value_columns), rewrite, _applied_marker(FULL, end, seq))
             target.applied_marker = (end, seq)
         stats = target.stats
-        stats.inserted += int((rows.ops == _INSERT).sum())
-        stats.updated += int((rows.ops == _UPDATE).sum())
-        stats.deleted += int((rows.ops == _DELETE).sum())
+        stats.inserted += int((rows.ops == INSERT).sum())
+        stats.updated += int((rows.ops == UPDATE).sum())
+        stats.deleted += int((rows.ops == DELETE).sum())
 
     def _row_values_table(self, target: TableTarget, changed: dict[tuple, RowDelta]) -> pa.Table:
         """Folded row values (text form) as typed columns, with their net count and new copies' LSN."""
@@ -707,7 +715,7 @@ class ChangeApplier:
         # Each change contributes its old key's image first (a delete, or the row an update
         # moved away from), then its new image.
         positions = np.stack([rows.old, rows.new], axis=1).ravel()
-        ops = np.stack([np.full(n, _DELETE, np.uint8), rows.ops], axis=1).ravel()
+        ops = np.stack([np.full(n, DELETE, np.uint8), rows.ops], axis=1).ravel()
         lsns = np.repeat(rows.lsns, 2)
         present = positions >= 0
         positions, ops, lsns = positions[present], ops[present], lsns[present]
@@ -720,14 +728,14 @@ class ChangeApplier:
         index = np.sort(last.column("row_max").to_numpy())
         batch = self._arrow_batch(target, columns, [None] * len(columns), pa.array(lsns[index]), None, pa.array(index))
         kept = ops[index]
-        op_names = np.where(kept == _INSERT, "I", np.where(kept == _UPDATE, "U", "D"))
+        op_names = np.where(kept == INSERT, "I", np.where(kept == UPDATE, "U", "D"))
         batch = batch.append_column(OP_COLUMN, pa.array(op_names, pa.string()))
         key_columns = [target.columns[i].column for i in target.key_index]
         self._merge(target, batch, key_columns)
         stats = target.stats
-        stats.inserted += int((rows.ops == _INSERT).sum())
-        stats.updated += int((rows.ops == _UPDATE).sum())
-        stats.deleted += int((rows.ops == _DELETE).sum())
+        stats.inserted += int((rows.ops == INSERT).sum())
+        stats.updated += int((rows.ops == UPDATE).sum())
+        stats.deleted += int((rows.ops == DELETE).sum())
         return True
 
     def _merge_by_row(self, target: TableTarget, rows: PendingRows) -> None:
@@ -842,8 +850,6 @@ class ChangeApplier:
 
 # --------------------------------------------------------------------------- column-wise TupleData parsing
 
-_TEXT, _BINARY, _NULL, _UNCHANGED = b"t"[0], b"b"[0], b"n"[0], b"u"[0]
-_INSERT, _UPDATE, _DELETE = b"I"[0], b"U"[0], b"D"[0]
 _SLICE_BYTES = 1 << 30
 """Payload bytes parsed at once: string views address their buffer with 32-bit offsets."""
 _LANES = np.arange(12)
@@ -913,8 +919,8 @@ def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[li
     masks: list[np.ndarray] = []
     for _ in range(ncols):
         at = np.where(present, np.minimum(pos, last), 0)
-        kind = np.where(present, buf[at], _NULL)
-        has = (kind == _TEXT) | (kind == _BINARY)
+        kind = np.where(present, buf[at], NULL)
+        has = (kind == TEXT) | (kind == BINARY)
         length_bytes = buf[np.minimum(at[:, None] + np.arange(1, 5), last)].astype(np.int64)
         size = np.where(
             has,
@@ -937,7 +943,7 @@ def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[li
         columns.append(
             pa.Array.from_buffers(pa.binary_view(), n, [pa.py_buffer(validity), pa.py_buffer(views), data_buffer])
         )
-        masks.append(present & (kind == _UNCHANGED))
+        masks.append(present & (kind == UNCHANGED))
         pos = pos + np.where(has, 5 + size, 1)
     return columns, masks
 

@@ -26,7 +26,8 @@ import numpy as np
 import pyarrow as pa
 
 from resources.errors import PgcdcError
-from resources.pgoutput.decoder import UNCHANGED_TOAST
+from resources.pgoutput.messages import UNCHANGED_TOAST
+from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 
 __all__ = [
     "NET_COLUMN",
@@ -39,7 +40,6 @@ __all__ = [
 
 NET_COLUMN = "_pgcdc_net"
 """Column of the folded batch: copies to add (positive) or remove (negative) per row value."""
-_INSERT, _UPDATE, _DELETE = b"I"[0], b"U"[0], b"D"[0]
 
 
 @dataclass
@@ -80,9 +80,9 @@ def fold_row_changes(
     group = FoldedChanges(0, 0)
     limit = max(2, max_values)
     for index, (op, old, new, lsn) in enumerate(zip(ops, old_images, new_images, lsns)):
-        if op == _UPDATE and UNCHANGED_TOAST in new:
+        if op == UPDATE and UNCHANGED_TOAST in new:
             new = tuple(before if value is UNCHANGED_TOAST else value for before, value in zip(old, new))
-        touched = [(old, -1)] if op == _DELETE else [(new, 1)] if op == _INSERT else [(old, -1), (new, 1)]
+        touched = [(old, -1)] if op == DELETE else [(new, 1)] if op == INSERT else [(old, -1), (new, 1)]
         if len(group.deltas) + len({row for row, _ in touched} - group.deltas.keys()) > limit:
             yield group
             group = FoldedChanges(index, index)

@@ -44,9 +44,9 @@ import numpy as np
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
-from resources.pgoutput.decoder import (
+from resources.pgoutput.decoder import PgOutputDecoder
+from resources.pgoutput.messages import (
     Begin,
-    PgOutputDecoder,
     Commit,
     PgOutputMessage,
     Relation,
@@ -56,14 +56,12 @@ from resources.pgoutput.decoder import (
     StreamStop,
     Truncate,
 )
+from resources.pgoutput.tags import BINARY, DELETE, INSERT, KEY, NEW, NULL, OLD, TEXT, UNCHANGED, UPDATE
 
 __all__ = ["Change", "ChangeLog", "CommittedTransaction", "RowBatch", "TransactionAssembler"]
 
 Change: TypeAlias = tuple[str, Any, bytes | None, int, int]
 
-_INSERT, _UPDATE, _DELETE = b"I"[0], b"U"[0], b"D"[0]
-_NEW, _KEY, _OLD = b"N"[0], b"K"[0], b"O"[0]
-_TEXT, _BINARY, _NULL, _UNCHANGED = b"t"[0], b"b"[0], b"n"[0], b"u"[0]
 
 
 def tuple_end(data: bytes, pos: int) -> int:
@@ -72,9 +70,9 @@ def tuple_end(data: bytes, pos: int) -> int:
     pos += 2
     for _ in range(ncols):
         kind = data[pos]
-        if kind == _TEXT or kind == _BINARY:
+        if kind == TEXT or kind == BINARY:
             pos += 5 + int.from_bytes(data[pos + 1 : pos + 5], "big")
-        elif kind == _NULL or kind == _UNCHANGED:
+        elif kind == NULL or kind == UNCHANGED:
             pos += 1
         else:
             raise ProtocolError(f"unknown TupleData column kind {chr(kind)!r}", "restart replication")
@@ -120,10 +118,10 @@ class RowBatch:
         oids = _be32(buf, base + offset)
         at = base + offset + 4
         kind = buf[at]
-        is_insert, is_update = ops == _INSERT, ops == _UPDATE
-        is_delete = ops == _DELETE
-        with_old = (kind == _KEY) | (kind == _OLD)
-        plain = kind == _NEW
+        is_insert, is_update = ops == INSERT, ops == UPDATE
+        is_delete = ops == DELETE
+        with_old = (kind == KEY) | (kind == OLD)
+        plain = kind == NEW
         valid = (is_insert & plain) | (is_update & (plain | with_old)) | (is_delete & with_old)
         if not valid.all():
             i = int(np.flatnonzero(~valid)[0])
@@ -137,7 +135,7 @@ class RowBatch:
             ends = np.empty(len(moved), np.int64)
             for j, i in enumerate(moved.tolist()):
                 ends[j] = tuple_end(data, int(old[i]))
-            if (buf[ends] != _NEW).any():
+            if (buf[ends] != NEW).any():
                 raise ProtocolError("an update's new tuple is missing", "restart replication")
             new[moved] = ends + 1
         self.data = data
@@ -380,7 +378,7 @@ class TransactionAssembler:
         through the pgoutput decoder, which also keeps the stream-block state.
         """
         tag = payload[0]
-        if tag == _INSERT or tag == _UPDATE or tag == _DELETE:
+        if tag == INSERT or tag == UPDATE or tag == DELETE:
             self._row_log().append_row(bytes(payload))
             return None
         return self.feed_message(self.decoder.decode(payload, wal_start), len(payload))

@@ -19,350 +19,79 @@ an unchanged TOASTed value is the ``UNCHANGED_TOAST`` sentinel.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from typing import Final, Generic, TypeAlias, TypeVar
+from datetime import datetime
+from typing import Generic, TypeVar
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
+from resources.pgoutput.messages import (
+    Begin,
+    BeginPrepare,
+    ColumnValue,
+    Commit,
+    CommitPrepared,
+    Delete,
+    Insert,
+    MAX_PROTO_VERSION,
+    Message,
+    MIN_PROTO_VERSION,
+    Origin,
+    pg_timestamp,
+    PgOutputMessage,
+    Prepare,
+    Relation,
+    RelationColumn,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    TupleData,
+    Type,
+    UNCHANGED_TOAST,
+    Update,
+)
+from resources.pgoutput.tags import (
+    BEGIN,
+    BEGIN_PREPARE,
+    BINARY,
+    COMMIT,
+    COMMIT_PREPARED,
+    DELETE,
+    INSERT,
+    KEY,
+    MESSAGE,
+    MESSAGE_NAMES,
+    NEW,
+    NULL,
+    OLD,
+    ORIGIN,
+    PREPARE,
+    RELATION,
+    ROLLBACK_PREPARED,
+    SINCE_VERSION,
+    STREAM_ABORT,
+    STREAM_COMMIT,
+    STREAM_PREPARE,
+    STREAM_START,
+    STREAM_STOP,
+    TEXT,
+    TRUNCATE,
+    TYPE,
+    UNCHANGED,
+    UPDATE,
+)
 
 __all__ = [
-    "UNCHANGED_TOAST",
-    "Begin",
-    "BeginPrepare",
-    "Commit",
-    "CommitPrepared",
-    "Delete",
-    "Insert",
-    "Message",
-    "Origin",
     "PgOutputDecoder",
-    "PgOutputMessage",
-    "Prepare",
-    "Relation",
     "RelationCache",
-    "RelationColumn",
-    "RollbackPrepared",
-    "StreamAbort",
-    "StreamCommit",
-    "StreamPrepare",
-    "StreamStart",
-    "StreamStop",
-    "Truncate",
-    "TupleData",
-    "Type",
     "TypeCache",
-    "Update",
-    "pg_timestamp",
 ]
-
-PG_EPOCH: Final = datetime(2000, 1, 1, tzinfo=timezone.utc)
-MIN_PROTO_VERSION: Final = 1
-MAX_PROTO_VERSION: Final = 4
-
-
-def pg_timestamp(microseconds: int) -> datetime:
-    """A PostgreSQL TimestampTz (microseconds since 2000-01-01 UTC) as an aware datetime."""
-    return PG_EPOCH + timedelta(microseconds=microseconds)
-
-
-class _UnchangedToast:
-    """Type of ``UNCHANGED_TOAST``: a TOASTed value the server did not resend."""
-
-    __slots__ = ()
-    _instance: _UnchangedToast | None = None
-
-    def __new__(cls) -> _UnchangedToast:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNCHANGED_TOAST"
-
-    def __reduce__(self) -> str:
-        return "UNCHANGED_TOAST"
-
-    def __bool__(self) -> bool:
-        return False
-
-
-UNCHANGED_TOAST: Final = _UnchangedToast()
-"""Column kind 'u': unchanged TOASTed value; the actual value is not sent."""
-
-ColumnValue: TypeAlias = "bytes | None | _UnchangedToast"
 
 
 # --------------------------------------------------------------------------- messages
-
-
-@dataclass(slots=True, frozen=True)
-class TupleData:
-    """A row image. ``values[i]`` is bytes (text or binary form), None (NULL) or UNCHANGED_TOAST."""
-
-    values: tuple[ColumnValue, ...]
-    #: True if at least one value was sent in binary form (kind 'b').
-    binary: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class RelationColumn:
-    flags: int
-    name: str
-    type_oid: int
-    type_modifier: int
-
-    @property
-    def is_key(self) -> bool:
-        """Part of the replica identity (flag bit 1; every column under REPLICA IDENTITY FULL)."""
-        return bool(self.flags & 1)
-
-
-@dataclass(slots=True, frozen=True)
-class Begin:
-    wal_start: LSN
-    final_lsn: LSN
-    commit_time: datetime
-    xid: int
-
-
-@dataclass(slots=True, frozen=True)
-class Message:
-    wal_start: LSN
-    xid: int | None
-    transactional: bool
-    lsn: LSN
-    prefix: str
-    content: bytes
-
-
-@dataclass(slots=True, frozen=True)
-class Commit:
-    wal_start: LSN
-    flags: int
-    commit_lsn: LSN
-    end_lsn: LSN
-    commit_time: datetime
-
-
-@dataclass(slots=True, frozen=True)
-class Origin:
-    wal_start: LSN
-    commit_lsn: LSN
-    name: str
-
-
-@dataclass(slots=True, frozen=True)
-class Relation:
-    wal_start: LSN
-    xid: int | None
-    oid: int
-    #: Schema name; the protocol's empty string is reported as "pg_catalog".
-    namespace: str
-    name: str
-    #: relreplident: 'd' default, 'n' nothing, 'f' full, 'i' index.
-    replica_identity: str
-    columns: tuple[RelationColumn, ...]
-
-    @property
-    def column_names(self) -> tuple[str, ...]:
-        return tuple(column.name for column in self.columns)
-
-
-@dataclass(slots=True, frozen=True)
-class Type:
-    wal_start: LSN
-    xid: int | None
-    oid: int
-    #: Schema of the (base) type; the protocol's empty string is reported as "pg_catalog".
-    namespace: str
-    #: Name of the base type (for a domain, the type it is over).
-    name: str
-
-
-@dataclass(slots=True, frozen=True)
-class Insert:
-    wal_start: LSN
-    xid: int | None
-    relation_oid: int
-    new: TupleData
-
-
-@dataclass(slots=True, frozen=True)
-class Update:
-    wal_start: LSN
-    xid: int | None
-    relation_oid: int
-    #: Old replica identity key ('K'), sent when the key changed.
-    key: TupleData | None
-    #: Old row ('O'), sent under REPLICA IDENTITY FULL.
-    old: TupleData | None
-    new: TupleData
-
-
-@dataclass(slots=True, frozen=True)
-class Delete:
-    wal_start: LSN
-    xid: int | None
-    relation_oid: int
-    key: TupleData | None
-    old: TupleData | None
-
-
-@dataclass(slots=True, frozen=True)
-class Truncate:
-    wal_start: LSN
-    xid: int | None
-    relation_oids: tuple[int, ...]
-    cascade: bool
-    restart_identity: bool
-
-
-@dataclass(slots=True, frozen=True)
-class StreamStart:
-    wal_start: LSN
-    xid: int
-    first_segment: bool
-
-
-@dataclass(slots=True, frozen=True)
-class StreamStop:
-    wal_start: LSN
-
-
-@dataclass(slots=True, frozen=True)
-class StreamCommit:
-    wal_start: LSN
-    xid: int
-    flags: int
-    commit_lsn: LSN
-    end_lsn: LSN
-    commit_time: datetime
-
-
-@dataclass(slots=True, frozen=True)
-class StreamAbort:
-    wal_start: LSN
-    xid: int
-    #: Equal to ``xid`` when the whole transaction aborted, else the aborted subtransaction.
-    subxid: int
-    #: Protocol 4 with streaming = parallel only; None otherwise.
-    abort_lsn: LSN | None = None
-    abort_time: datetime | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class BeginPrepare:
-    wal_start: LSN
-    prepare_lsn: LSN
-    end_lsn: LSN
-    prepare_time: datetime
-    xid: int
-    gid: str
-
-
-@dataclass(slots=True, frozen=True)
-class Prepare:
-    wal_start: LSN
-    flags: int
-    prepare_lsn: LSN
-    end_lsn: LSN
-    prepare_time: datetime
-    xid: int
-    gid: str
-
-
-@dataclass(slots=True, frozen=True)
-class CommitPrepared:
-    wal_start: LSN
-    flags: int
-    commit_lsn: LSN
-    end_lsn: LSN
-    commit_time: datetime
-    xid: int
-    gid: str
-
-
-@dataclass(slots=True, frozen=True)
-class RollbackPrepared:
-    wal_start: LSN
-    flags: int
-    prepare_end_lsn: LSN
-    rollback_end_lsn: LSN
-    prepare_time: datetime
-    rollback_time: datetime
-    xid: int
-    gid: str
-
-
-@dataclass(slots=True, frozen=True)
-class StreamPrepare:
-    wal_start: LSN
-    flags: int
-    prepare_lsn: LSN
-    end_lsn: LSN
-    prepare_time: datetime
-    xid: int
-    gid: str
-
-
-PgOutputMessage: TypeAlias = (
-    Begin
-    | Message
-    | Commit
-    | Origin
-    | Relation
-    | Type
-    | Insert
-    | Update
-    | Delete
-    | Truncate
-    | StreamStart
-    | StreamStop
-    | StreamCommit
-    | StreamAbort
-    | BeginPrepare
-    | Prepare
-    | CommitPrepared
-    | RollbackPrepared
-    | StreamPrepare
-)
-
-#: Type byte -> human name, for errors.
-MESSAGE_NAMES: Final[dict[int, str]] = {
-    ord("B"): "Begin",
-    ord("M"): "Message",
-    ord("C"): "Commit",
-    ord("O"): "Origin",
-    ord("R"): "Relation",
-    ord("Y"): "Type",
-    ord("I"): "Insert",
-    ord("U"): "Update",
-    ord("D"): "Delete",
-    ord("T"): "Truncate",
-    ord("S"): "Stream Start",
-    ord("E"): "Stream Stop",
-    ord("c"): "Stream Commit",
-    ord("A"): "Stream Abort",
-    ord("b"): "Begin Prepare",
-    ord("P"): "Prepare",
-    ord("K"): "Commit Prepared",
-    ord("r"): "Rollback Prepared",
-    ord("p"): "Stream Prepare",
-}
-
-#: Lowest protocol version that may send each message type.
-_SINCE_VERSION: Final[dict[int, int]] = {
-    ord("S"): 2,
-    ord("E"): 2,
-    ord("c"): 2,
-    ord("A"): 2,
-    ord("b"): 3,
-    ord("P"): 3,
-    ord("K"): 3,
-    ord("r"): 3,
-    ord("p"): 3,
-}
 
 
 # --------------------------------------------------------------------------- caches
@@ -445,14 +174,6 @@ _u16 = _I16.unpack_from
 _u32 = _I32.unpack_from
 _s32 = _S32.unpack_from
 
-_KIND_NULL = ord("n")
-_KIND_UNCHANGED = ord("u")
-_KIND_TEXT = ord("t")
-_KIND_BINARY = ord("b")
-_TUPLE_NEW = ord("N")
-_TUPLE_KEY = ord("K")
-_TUPLE_OLD = ord("O")
-
 
 class _Malformed(Exception):
     """Internal: the message bytes do not follow the layout; the argument says how."""
@@ -482,34 +203,34 @@ class PgOutputDecoder:
         self._in_stream = False
         self._stream_xid: int | None = None
         self._dispatch = {
-            ord("B"): self._begin,
-            ord("M"): self._message,
-            ord("C"): self._commit,
-            ord("O"): self._origin,
-            ord("R"): self._relation,
-            ord("Y"): self._type,
-            ord("I"): self._insert,
-            ord("U"): self._update,
-            ord("D"): self._delete,
-            ord("T"): self._truncate,
+            BEGIN: self._begin,
+            MESSAGE: self._message,
+            COMMIT: self._commit,
+            ORIGIN: self._origin,
+            RELATION: self._relation,
+            TYPE: self._type,
+            INSERT: self._insert,
+            UPDATE: self._update,
+            DELETE: self._delete,
+            TRUNCATE: self._truncate,
         }
         if proto_version >= 2:
             self._dispatch.update(
                 {
-                    ord("S"): self._stream_start,
-                    ord("E"): self._stream_stop,
-                    ord("c"): self._stream_commit,
-                    ord("A"): self._stream_abort,
+                    STREAM_START: self._stream_start,
+                    STREAM_STOP: self._stream_stop,
+                    STREAM_COMMIT: self._stream_commit,
+                    STREAM_ABORT: self._stream_abort,
                 }
             )
         if proto_version >= 3:
             self._dispatch.update(
                 {
-                    ord("b"): self._begin_prepare,
-                    ord("P"): self._prepare,
-                    ord("K"): self._commit_prepared,
-                    ord("r"): self._rollback_prepared,
-                    ord("p"): self._stream_prepare,
+                    BEGIN_PREPARE: self._begin_prepare,
+                    PREPARE: self._prepare,
+                    COMMIT_PREPARED: self._commit_prepared,
+                    ROLLBACK_PREPARED: self._rollback_prepared,
+                    STREAM_PREPARE: self._stream_prepare,
                 }
             )
 
@@ -560,7 +281,7 @@ class PgOutputDecoder:
         if name is not None:
             return ProtocolError(
                 f"pgoutput {name} message (type byte {chr(kind)!r}) at {wal_start} is not part of protocol version "
-                f"{self.proto_version} (needs {_SINCE_VERSION.get(kind, 1)})",
+                f"{self.proto_version} (needs {SINCE_VERSION.get(kind, 1)})",
                 "decode with the proto_version the replication was started with",
             )
         return ProtocolError(
@@ -666,10 +387,10 @@ class PgOutputDecoder:
             xid = None
             oid, kind = _REL_KIND.unpack_from(data, 1)
             pos = 6
-        if kind != _TUPLE_NEW:
-            raise self._error(ord("I"), wal_start, f"has tuple kind {chr(kind)!r} where 'N' was expected")
+        if kind != NEW:
+            raise self._error(INSERT, wal_start, f"has tuple kind {chr(kind)!r} where 'N' was expected")
         if oid not in self.relations._by_oid:
-            self._check_relation(ord("I"), oid, wal_start)
+            self._check_relation(INSERT, oid, wal_start)
         new, pos = _tuple(data, pos)
         return Insert(wal_start, xid, oid, new), pos
 
@@ -677,18 +398,18 @@ class PgOutputDecoder:
         xid, pos = self._xid(data)
         oid, kind = _REL_KIND.unpack_from(data, pos)
         pos += 5
-        self._check_relation(ord("U"), oid, wal_start)
+        self._check_relation(UPDATE, oid, wal_start)
         key = old = None
-        if kind == _TUPLE_KEY:
+        if kind == KEY:
             key, pos = _tuple(data, pos)
             kind = data[pos]
             pos += 1
-        elif kind == _TUPLE_OLD:
+        elif kind == OLD:
             old, pos = _tuple(data, pos)
             kind = data[pos]
             pos += 1
-        if kind != _TUPLE_NEW:
-            raise self._error(ord("U"), wal_start, f"has tuple kind {chr(kind)!r} where 'N' was expected")
+        if kind != NEW:
+            raise self._error(UPDATE, wal_start, f"has tuple kind {chr(kind)!r} where 'N' was expected")
         new, pos = _tuple(data, pos)
         return Update(wal_start, xid, oid, key, old, new), pos
 
@@ -696,14 +417,14 @@ class PgOutputDecoder:
         xid, pos = self._xid(data)
         oid, kind = _REL_KIND.unpack_from(data, pos)
         pos += 5
-        self._check_relation(ord("D"), oid, wal_start)
-        if kind == _TUPLE_KEY:
+        self._check_relation(DELETE, oid, wal_start)
+        if kind == KEY:
             key, pos = _tuple(data, pos)
             return Delete(wal_start, xid, oid, key, None), pos
-        if kind == _TUPLE_OLD:
+        if kind == OLD:
             old, pos = _tuple(data, pos)
             return Delete(wal_start, xid, oid, None, old), pos
-        raise self._error(ord("D"), wal_start, f"has tuple kind {chr(kind)!r} where 'K' or 'O' was expected")
+        raise self._error(DELETE, wal_start, f"has tuple kind {chr(kind)!r} where 'K' or 'O' was expected")
 
     def _truncate(self, data: bytes, wal_start: LSN) -> tuple[Truncate, int]:
         xid, pos = self._xid(data)
@@ -714,14 +435,14 @@ class PgOutputDecoder:
             raise _Truncated
         oids = struct.unpack_from(f">{count}I", data, pos)
         for oid in oids:
-            self._check_relation(ord("T"), oid, wal_start)
+            self._check_relation(TRUNCATE, oid, wal_start)
         return Truncate(wal_start, xid, oids, bool(flags & 1), bool(flags & 2)), end
 
     # -- streaming (protocol 2+)
 
     def _stream_start(self, data: bytes, wal_start: LSN) -> tuple[StreamStart, int]:
         if self._in_stream:
-            raise self._stream_state_error(ord("S"), wal_start, f"arrived inside the stream of xid {self._stream_xid}")
+            raise self._stream_state_error(STREAM_START, wal_start, f"arrived inside the stream of xid {self._stream_xid}")
         xid, first = _STREAM_START.unpack_from(data, 1)
         if len(data) == 6:  # state changes only for a well-formed message
             self._in_stream = True
@@ -730,7 +451,7 @@ class PgOutputDecoder:
 
     def _stream_stop(self, data: bytes, wal_start: LSN) -> tuple[StreamStop, int]:
         if not self._in_stream:
-            raise self._stream_state_error(ord("E"), wal_start, "arrived outside a stream block")
+            raise self._stream_state_error(STREAM_STOP, wal_start, "arrived outside a stream block")
         if len(data) == 1:
             self._in_stream = False
             self._stream_xid = None
@@ -808,19 +529,19 @@ def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
     binary = False
     for _ in range(ncols):
         kind = data[pos]
-        if kind == _KIND_TEXT:
+        if kind == TEXT:
             (size,) = _s32(data, pos + 1)
             pos += 5
             end = pos + size
             append(data[pos:end])
             pos = end
-        elif kind == _KIND_NULL:
+        elif kind == NULL:
             append(None)
             pos += 1
-        elif kind == _KIND_UNCHANGED:
+        elif kind == UNCHANGED:
             append(UNCHANGED_TOAST)
             pos += 1
-        elif kind == _KIND_BINARY:
+        elif kind == BINARY:
             (size,) = _s32(data, pos + 1)
             pos += 5
             end = pos + size

@@ -12,8 +12,8 @@ from datetime import datetime
 from typing import Any
 
 from resources.lsn import LSN
-from resources.pgoutput.decoder import (
-    UNCHANGED_TOAST,
+from resources.pgoutput.decoder import PgOutputDecoder
+from resources.pgoutput.messages import (
     Begin,
     BeginPrepare,
     Commit,
@@ -22,7 +22,6 @@ from resources.pgoutput.decoder import (
     Insert,
     Message,
     Origin,
-    PgOutputDecoder,
     PgOutputMessage,
     Prepare,
     Relation,
@@ -35,6 +34,7 @@ from resources.pgoutput.decoder import (
     Truncate,
     TupleData,
     Type,
+    UNCHANGED_TOAST,
     Update,
 )
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import psycopg
 
 from resources.errors import ConfigurationError
+from resources.postgres.sql import quote_ident
 
 
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
@@ -135,10 +136,6 @@ class TableInfo:
         only = "ONLY " if self.relkind == "r" else ""
         where = f" WHERE {self.row_filter}" if self.row_filter else ""
         return f"COPY (SELECT {columns} FROM {only}{self.table.quoted}{where}) TO STDOUT WITH (FORMAT csv)"
-
-
-def quote_ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _cursor(conn: psycopg.Connection) -> psycopg.ClientCursor:

@@ -24,9 +24,10 @@ import re
 from collections.abc import Mapping
 
 import psycopg
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict
 
-from resources.errors import ConfigurationError, explain
+from resources.errors import ConfigurationError, ConnectionFailure, explain, explain_server_error, PgcdcError
 
 #: What every pgcdc session runs with: nothing but pg_catalog is searched.
 SEARCH_PATH_SETTINGS: dict[str, str] = {"search_path": ""}
@@ -95,3 +96,20 @@ def connect(
         return psycopg.connect(autocommit=autocommit, **params)
     except psycopg.Error as exc:
         raise explain(exc, dsn) from None
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def from_psycopg(exc: psycopg.Error, *, slot: str | None = None, conn: psycopg.Connection | None = None) -> PgcdcError:
+    if (conn is not None and conn.closed) or (isinstance(exc, psycopg.OperationalError) and exc.sqlstate is None):
+        return ConnectionFailure(one_line(str(exc)) or "connection lost", "check that PostgreSQL is running and reachable, then retry")
+    return explain_server_error(exc.sqlstate, exc.diag.message_primary or str(exc), slot=slot)
+
+
+def from_result(res: pq.abc.PGresult, *, slot: str | None = None) -> PgcdcError:
+    sqlstate = res.error_field(pq.DiagnosticField.SQLSTATE)
+    primary = res.error_field(pq.DiagnosticField.MESSAGE_PRIMARY)
+    message = (primary or res.error_message or b"").decode("utf-8", "replace")
+    return explain_server_error(sqlstate.decode("ascii") if sqlstate else None, message, slot=slot)

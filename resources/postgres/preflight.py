@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from resources.errors import ConfigurationError, SlotError
-from resources.postgres.replication import ReplicationConnection, SlotState, quote_ident, quote_literal
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.slots import slot_in_use, SlotState
+from resources.postgres.sql import quote_ident, quote_literal
 
 MIN_SERVER_VERSION_NUM = 140000
 
@@ -83,9 +85,3 @@ def check_slot(conn: ReplicationConnection, slot: str) -> SlotState:
     return state
 
 
-def slot_in_use(slot: str, pid: object) -> SlotError:
-    """The error for a slot another consumer is reading (also when START_REPLICATION finds it so)."""
-    return SlotError(
-        f'replication slot "{slot}" is in use by PID {pid}',
-        "another run or consumer is reading it; stop the other consumer or wait for it to finish",
-    )

@@ -20,14 +20,11 @@ from collections.abc import Sequence
 import psycopg
 import pyarrow as pa
 
-from resources.postgres.connections import connect
 from resources.pgtypes import SESSION_SETTINGS
+from resources.postgres.connections import connect
+from resources.postgres.sql import quote_ident
 
 __all__ = ["assert_delta_equals_postgres", "compare_table", "delta_rows"]
-
-
-def _quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 class _ExactFloat(float):
@@ -76,7 +73,7 @@ def delta_rows(path: str) -> tuple[pa.Schema, list[dict]]:
 
 def _pg_expression(name: str, arrow: pa.DataType) -> str:
     """The SELECT expression giving PostgreSQL's value in the form Delta's column is compared in."""
-    column = _quote(name)
+    column = quote_ident(name)
     if pa.types.is_string(arrow):
         # The type's output function, as COPY and pgoutput use it: a ::text cast would differ
         # for some types (char(n) loses its blank padding, inet gains a /32 mask).
@@ -111,7 +108,7 @@ def compare_table(
         for (name,) in conn.execute(
             "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.regclass"
             " AND attnum OPERATOR(pg_catalog.>) 0 AND NOT attisdropped ORDER BY attnum",
-            (f"{_quote(schema_name)}.{_quote(table_name)}",),
+            (f"{quote_ident(schema_name)}.{quote_ident(table_name)}",),
         ).fetchall()
     ]
     delta_columns = [f.name for f in schema if not f.name.startswith("_pgcdc_")]
@@ -122,7 +119,7 @@ def compare_table(
     select = ", ".join(_pg_expression(name, schema.field(name).type) for name in pg_columns)
     pg_rows = [
         tuple(_hashable(value) for value in row)
-        for row in conn.execute(f"SELECT {select} FROM {_quote(schema_name)}.{_quote(table_name)}").fetchall()
+        for row in conn.execute(f"SELECT {select} FROM {quote_ident(schema_name)}.{quote_ident(table_name)}").fetchall()
     ]
     delta_tuples = [tuple(_hashable(row[name]) for name in pg_columns) for row in delta]
     if Counter(delta_tuples) != Counter(pg_rows):
