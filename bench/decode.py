@@ -26,11 +26,12 @@ from pathlib import Path
 
 import psycopg
 
-from resources.cdc.applier import tuple_columns_at
-from resources.cdc.transactions import RowBatch, TransactionAssembler
+from resources.cdc.row_batches import RowBatch
+from resources.cdc.transactions import TransactionAssembler
 from resources.lsn import LSN
 from resources.pgoutput.options import highest_proto_version, PgOutputOptions
 from resources.pgoutput.tags import INSERT
+from resources.pgoutput.tuples import tuple_columns_at
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
 from resources.testing.local_postgres import bin_dir_for, start_local_postgres

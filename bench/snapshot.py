@@ -29,10 +29,11 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 
-from resources.postgres.catalog import TableName
 from resources.delta.engine import SparkEngine
+from resources.postgres.catalog import TableName
+from resources.postgres.preflight import ensure_slot
+from resources.snapshot import snapshot_table, SnapshotResult
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
-from resources.snapshot import SnapshotResult, ensure_slot, snapshot_table
 
 PUBLICATION = "bench_pub"
 SLOT = "bench_slot"

@@ -11,24 +11,19 @@ import os
 from dagster import (
     AssetSelection,
     DefaultScheduleStatus,
-    Definitions,
-    ScheduleDefinition,
     define_asset_job,
+    Definitions,
     in_process_executor,
+    ScheduleDefinition,
 )
 
-from pgcdc_assets.common import (
-    INCREMENTAL_JOB,
-    INCREMENTAL_SCHEDULE,
-    RESNAPSHOT_JOB,
-    SNAPSHOT_JOB,
-    discover_tables,
-)
+from pgcdc_assets.common import discover_tables
+from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import build_incremental_assets
 from pgcdc_assets.snapshot_assets import build_snapshot_assets
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import CONFIG_ENV_VAR, load_config
-from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from resources.names import INCREMENTAL_JOB, INCREMENTAL_SCHEDULE, RESNAPSHOT_JOB, SNAPSHOT_JOB
 from sensors.slot_sensors import build_new_tables_sensor, build_slot_health_sensor, build_slot_lag_sensor
 
 

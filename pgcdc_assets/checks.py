@@ -19,14 +19,11 @@ from collections.abc import Iterator
 from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
 
-from resources.postgres.catalog import TableName, read_table
 from pgcdc_assets.dagster_resources import PostgresResource
+from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
+from resources.names import ROW_COUNT_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
 from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, spark_ddl_type
-from resources.snapshot import LSN_COLUMN, read_snapshot_lsn
-
-ROW_COUNT_CHECK = "row_count_matches_postgres"
-SCHEMA_CHECK = "schema_matches_postgres"
-SLOT_LAG_CHECK = "slot_lag_within_bound"
+from resources.postgres.catalog import read_table, TableName
 
 
 def table_check_specs(key: AssetKey) -> list[AssetCheckSpec]:

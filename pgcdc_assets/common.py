@@ -6,39 +6,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
-from dagster import Backoff, DagsterRunStatus, Failure, RetryPolicy
+from dagster import Backoff, Failure, RetryPolicy
 
-from resources.postgres.catalog import TableName, resolve_tables
 from resources.config import PgcdcConfig
+from resources.errors import ConnectionFailure, explain, PgcdcError
+from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
-from resources.errors import ConnectionFailure, PgcdcError, explain
+from resources.postgres.publication import resolve_tables
 
-SNAPSHOT_JOB = "pgcdc_snapshot"
-RESNAPSHOT_JOB = "pgcdc_resnapshot"
-INCREMENTAL_JOB = "pgcdc_incremental"
-INCREMENTAL_SCHEDULE = "pgcdc_incremental_schedule"
-
-#: Runs that will drain (or are draining) the slot: queued ones count, since they are about to.
-PENDING_RUN_STATUSES = [
-    DagsterRunStatus.QUEUED,
-    DagsterRunStatus.NOT_STARTED,
-    DagsterRunStatus.STARTING,
-    DagsterRunStatus.STARTED,
-    DagsterRunStatus.CANCELING,
-]
 
 #: Retries a step whose PostgreSQL connection failed; every other error fails at once (see ``user_facing``).
 TRANSIENT_RETRY_POLICY = RetryPolicy(max_retries=3, delay=5, backoff=Backoff.EXPONENTIAL)
-
-
-def slot_pool(slot: str) -> str:
-    """The Dagster concurrency pool of every step that drains ``slot``.
-
-    With a limit of 1 on it (``dagster instance concurrency set pgcdc_slot_<slot> 1``, or
-    ``concurrency: pools: default_limit: 1`` in dagster.yaml) a second drain waits for the
-    first instead of failing on the busy slot.
-    """
-    return f"pgcdc_slot_{slot}"
 
 
 def discover_tables(config: PgcdcConfig) -> list[TableName]:

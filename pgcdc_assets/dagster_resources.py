@@ -22,9 +22,10 @@ from resources.config import load_config, PgcdcConfig
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.lsn import LSN
-from resources.postgres.catalog import published_tables, TableName
+from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
-from resources.postgres.slots import slot_state, slot_state_query, SlotState
+from resources.postgres.publication import published_tables
+from resources.postgres.slots import read_slot, SlotState
 
 SparkMode = Literal["embedded", "remote", "classic"]
 
@@ -143,7 +144,7 @@ class PostgresResource(ConfigurableResource):
         and never moves the slot.
         """
         with self.connect() as conn:
-            return slot_state(conn.execute(slot_state_query(self.config.slot, conn.info.server_version)).fetchall())
+            return read_slot(conn, self.config.slot)
 
     def wal_lsn(self) -> LSN:
         """The server's current WAL write position, which a slot's lag is measured against."""

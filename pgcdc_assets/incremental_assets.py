@@ -32,12 +32,13 @@ from dagster import (
 )
 
 from pgcdc_assets.checks import evaluate_table_checks, table_check_specs
-from pgcdc_assets.common import SNAPSHOT_JOB, TRANSIENT_RETRY_POLICY, slot_pool, user_facing
-from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
-from resources.postgres.catalog import TableName
-from resources.config import PgcdcConfig
+from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
+from resources.config import PgcdcConfig
 from resources.incremental import IncrementalResult, run_incremental
+from resources.names import slot_pool, SNAPSHOT_JOB
+from resources.postgres.catalog import TableName
 
 
 def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, object]:

@@ -21,26 +21,23 @@ from dagster import (
     Failure,
     MaterializeResult,
     MetadataValue,
+    multi_asset,
     TableColumn,
     TableSchema,
-    multi_asset,
 )
 from pydantic import Field
 
-from pgcdc_assets.common import RESNAPSHOT_JOB, TRANSIENT_RETRY_POLICY, user_facing
-from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
-from resources.postgres.catalog import TableName
-from resources.config import PgcdcConfig
+from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-from resources.errors import ConfigurationError, ConnectionFailure, SlotError, explain
-from resources.snapshot import (
-    LSN_COLUMN,
-    SnapshotProgress,
-    SnapshotResult,
-    ensure_publication,
-    ensure_slot,
-    snapshot_each,
-)
+from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
+from resources.config import PgcdcConfig
+from resources.delta.markers import LSN_COLUMN
+from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
+from resources.names import RESNAPSHOT_JOB
+from resources.postgres.catalog import TableName
+from resources.postgres.preflight import ensure_slot
+from resources.postgres.publication import ensure_publication
+from resources.snapshot import snapshot_each, SnapshotProgress, SnapshotResult
 
 #: Seconds between progress lines per table: often enough to show life, rare enough to read.
 PROGRESS_INTERVAL_S = 2.0
@@ -111,7 +108,7 @@ def _requested_tables(
     if unselected:
         raise ConfigurationError(
             f"{', '.join(map(str, unselected))} named in run config but not selected",
-            "select their snapshot assets too, or run the pgcdc_resnapshot job",
+            f"select their snapshot assets too, or run the {RESNAPSHOT_JOB} job",
         )
     return requested
 

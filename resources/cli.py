@@ -23,7 +23,8 @@ from resources.pgoutput.messages import Commit, CommitPrepared, Prepare, Rollbac
 from resources.pgoutput.options import PgOutputOptions
 from resources.pgoutput.to_json import message_to_json
 from resources.pgtypes import SESSION_SETTINGS
-from resources.postgres.preflight import check_publications, check_server, check_slot
+from resources.postgres.preflight import check_server, check_slot
+from resources.postgres.publication import check_publications
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
 

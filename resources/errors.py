@@ -143,3 +143,7 @@ def explain_server_error(
             f"connection to {where} failed ({message})", "check that PostgreSQL is running and reachable, then retry"
         )
     return PgcdcError(f"PostgreSQL error on {where} ({message})", "see the PostgreSQL server log for details")
+
+
+class SnapshotError(PgcdcError):
+    """A table could not be copied: a value the mapping refuses, or the Delta write failed."""

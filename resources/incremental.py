@@ -39,28 +39,29 @@ from dataclasses import dataclass, field
 import psycopg
 from pyspark.sql import SparkSession
 
-from resources.cdc.applier import ChangeApplier, DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES, TableTarget, TypeResolver
+from resources.cdc.applier import ChangeApplier, DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES
+from resources.cdc.drain import drain, start_streaming
+from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import TransactionAssembler
 from resources.config import PgcdcConfig
-from resources.delta.engine import read_commit_metadata
+from resources.delta.markers import newest_version, read_snapshot_lsn
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
 from resources.lsn import LSN
+from resources.names import RESNAPSHOT_JOB, SNAPSHOT_JOB
 from resources.pgoutput.options import PgOutputOptions
 from resources.pgtypes import SESSION_SETTINGS
-from resources.postgres.catalog import resolve_tables
+from resources.postgres.column_types import TypeResolver
 from resources.postgres.connections import connect
-from resources.postgres.preflight import check_publications, check_server, check_slot
+from resources.postgres.preflight import check_server, check_slot
+from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.slots import slot_in_use
+from resources.postgres.slots import read_slot
 from resources.postgres.stream import ReplicationStream
-from resources.snapshot import read_snapshot_lsn
-from resources.testing.faults import fault_point
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Payload bytes per chunk: with ``max_chunk_changes`` this bounds the run's memory."""
-PROGRESS_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def run_incremental(
             # unmounted delta.root the real lake would never get those changes.
             raise ConfigurationError(
                 f"no replicated table has a snapshot under delta.root {config.delta.root}",
-                "run the pgcdc_snapshot job first, or fix delta.root if it points to the wrong place",
+                f"run the {SNAPSHOT_JOB} job first, or fix delta.root if it points to the wrong place",
             )
         if without_snapshot:
             say(
@@ -161,10 +162,10 @@ def run_incremental(
         end_lsn = rc.identify_system().xlogpos
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         options = PgOutputOptions([config.publication], streaming="on")
-        _start(stream, config.slot, options)
+        start_streaming(stream, config.slot, options)
         proto = options.resolve_proto_version(rc.server_version_num)
         with TransactionAssembler(proto, spill_dir) as assembler:
-            _drain(stream, assembler, applier, end_lsn, say, started)
+            drain(stream, assembler, applier, end_lsn, say, started)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
@@ -175,7 +176,7 @@ def run_incremental(
             target.stats.deleted,
             target.stats.truncates,
             target.stats.applied_lsn,
-            _delta_version(spark, target.path) if target.snapshot_lsn is not None else None,
+            newest_version(spark, target.path) if target.snapshot_lsn is not None else None,
         )
         for target in targets.values()
     }
@@ -200,75 +201,6 @@ def run_incremental(
     return result
 
 
-def _drain(
-    stream: ReplicationStream,
-    assembler: TransactionAssembler,
-    applier: ChangeApplier,
-    end_lsn: LSN,
-    say: Callable[[str], None],
-    started: float,
-) -> None:
-    """The main loop; on any error the stream stops having confirmed only durable positions."""
-    feed = assembler.feed
-    feed_rows = assembler.feed_rows
-    confirmed = stream.confirmed_lsn
-    next_report = time.monotonic() + PROGRESS_SECONDS
-
-    def confirm(position: LSN) -> None:
-        nonlocal confirmed
-        if position > confirmed:
-            fault_point("after_delta_commit")
-            stream.confirm(position)
-            stream.send_status()
-            confirmed = position
-            fault_point("after_confirm")
-
-    try:
-        for item in stream.drain_batches(end_lsn, stop=False):
-            if type(item) is list:  # row changes inside a transaction: kept undecoded
-                feed_rows(item)
-                continue
-            txn = feed(item.payload, item.wal_start)
-            if txn is None:
-                continue
-            if not applier.fits(txn):
-                applier.flush()
-            applier.add(txn)
-            confirm(applier.durable_lsn())  # moves when a background Delta write completes
-            now = time.monotonic()
-            if now >= next_report:
-                next_report = now + PROGRESS_SECONDS
-                elapsed = now - started
-                say(
-                    f"{applier.transactions} transactions, {applier.changes_applied} changes applied "
-                    f"({applier.changes_applied / elapsed:,.0f}/s), {applier.pending_changes} pending, "
-                    f"at {txn.end_lsn} of {end_lsn}"
-                )
-        applier.flush()
-        # Everything committed before end_lsn has been applied: confirm at least end_lsn so an
-        # idle slot advances (see the module docstring for why this loses nothing).
-        confirm(max(applier.finish(), end_lsn))
-    except BaseException:
-        try:
-            applier.close()
-            if stream.streaming:
-                stream.stop()
-        except Exception:  # noqa: BLE001 - the first failure is the one to report
-            pass
-        raise
-    applier.close()
-    stream.stop()
-
-
-def _start(stream: ReplicationStream, slot: str, options: PgOutputOptions) -> None:
-    try:
-        stream.start(slot, options=options)
-    except SlotError as exc:
-        if "active for PID" in exc.cause:
-            raise slot_in_use(slot, exc.cause.rsplit(" ", 1)[-1]) from None
-        raise
-
-
 def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | None:
     """read_snapshot_lsn, with a failure to read the location as one line naming delta.root."""
     try:
@@ -286,16 +218,9 @@ def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | 
 def _confirmed_flush(dsn: str, slot: str) -> LSN:
     """Re-read on a new connection: what the server recorded, not what we believe we sent."""
     with connect(dsn, application_name="pgcdc_incremental") as conn:
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn::pg_catalog.text FROM pg_catalog.pg_replication_slots"
-            " WHERE slot_name OPERATOR(pg_catalog.=) %s::pg_catalog.name",
-            (slot,),
-        ).fetchone()
-    if row is None or row[0] is None:
-        raise SlotError(f'replication slot "{slot}" disappeared during the run', "run the pgcdc_resnapshot job")
-    return LSN.parse(row[0])
+        state = read_slot(conn, slot)
+    if state is None or state.confirmed_flush_lsn is None:
+        raise SlotError(f'replication slot "{slot}" disappeared during the run', f"run the {RESNAPSHOT_JOB} job")
+    return state.confirmed_flush_lsn
 
 
-def _delta_version(spark: SparkSession, path: str) -> int | None:
-    newest = read_commit_metadata(spark, path, limit=1)
-    return newest[0].version if newest else None

@@ -10,24 +10,28 @@ from collections.abc import Mapping, Sequence
 
 from dagster import (
     AssetKey,
+    DagsterRunStatus,
     DefaultSensorStatus,
     RunRequest,
     RunsFilter,
+    sensor,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    sensor,
 )
 
-from pgcdc_assets.common import INCREMENTAL_JOB, PENDING_RUN_STATUSES, RESNAPSHOT_JOB, SNAPSHOT_JOB
-from resources.postgres.catalog import TableName
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import SlotError
-
-LAG_SENSOR = "pgcdc_slot_lag_sensor"
-NEW_TABLES_SENSOR = "pgcdc_new_tables_sensor"
-SLOT_HEALTH_SENSOR = "pgcdc_slot_health_sensor"
+from resources.names import (
+    INCREMENTAL_JOB,
+    LAG_SENSOR,
+    NEW_TABLES_SENSOR,
+    RESNAPSHOT_JOB,
+    SLOT_HEALTH_SENSOR,
+    SNAPSHOT_JOB,
+)
+from resources.postgres.catalog import TableName
 
 
 def _pending_runs(context: SensorEvaluationContext, job_names: Sequence[str]) -> list[str]:
@@ -96,7 +100,7 @@ def build_new_tables_sensor(
     def pgcdc_new_tables_sensor(
         context: SensorEvaluationContext, postgres: PostgresResource, spark: SparkDeltaResource
     ) -> SensorResult | SkipReason:
-        from resources.snapshot import read_snapshot_lsn
+        from resources.delta.markers import read_snapshot_lsn
 
         config = postgres.config
         published = postgres.publication_tables()
@@ -167,3 +171,13 @@ def build_slot_health_sensor(minimum_interval_seconds: int = 60) -> SensorDefini
         return SkipReason(f'slot "{config.slot}" is healthy: wal_status {state.wal_status}, lag {lag} bytes')
 
     return pgcdc_slot_health_sensor
+
+
+#: Runs that will drain (or are draining) the slot: queued ones count, since they are about to.
+PENDING_RUN_STATUSES = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]

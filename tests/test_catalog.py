@@ -2,8 +2,9 @@
 
 import pytest
 
-from resources.postgres.catalog import TableName, published_tables, read_table
 from resources.errors import ConfigurationError
+from resources.postgres.catalog import read_table, TableName
+from resources.postgres.publication import published_tables
 from tests.conftest import PgDatabase
 
 

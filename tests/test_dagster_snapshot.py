@@ -17,22 +17,15 @@ import deltalake
 import psycopg
 import pytest
 import yaml
-from dagster import (
-    AssetKey,
-    DagsterInstance,
-    Definitions,
-    ExecuteInProcessResult,
-    TableColumn,
-    TableSchema,
-)
+from dagster import AssetKey, DagsterInstance, Definitions, ExecuteInProcessResult, TableColumn, TableSchema
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
-from resources.config import CONFIG_ENV_VAR
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from resources.config import CONFIG_ENV_VAR
+from resources.delta.markers import read_snapshot_lsn
 from resources.errors import ConfigurationError, ConnectionFailure
 from resources.lsn import LSN
-from resources.snapshot import read_snapshot_lsn
 from tests.conftest import PgDatabase
 
 pytest_plugins = ["tests.spark_fixtures"]

@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from decimal import Decimal
 from pathlib import Path
 
+import datetime as dt
 import deltalake
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
-from resources.delta.engine import (
-    OP_COLUMN,
-    STAGING_DIRECTORY,
-    SparkEngine,
-    add_columns,
-    classic_delta_config,
-    delete_all_rows,
-    merge_batch,
-    nullable_schema,
-    read_commit_metadata,
-    replace_rows,
-    unchanged_flag_column,
-    write_snapshot,
-)
-from resources.pgtypes import TIMESTAMP_POSITIVE_INFINITY, PgColumnType, arrow_schema, to_arrow
+from resources.delta.dataframes import nullable_schema
+from resources.delta.engine import classic_delta_config, SparkEngine
+from resources.delta.markers import read_commit_metadata
+from resources.delta.merge import delete_all_rows, merge_batch, OP_COLUMN, replace_rows, unchanged_flag_column
+from resources.delta.schema_changes import add_columns
+from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
+from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
 
 pytest_plugins = ["tests.spark_fixtures"]
 

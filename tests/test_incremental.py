@@ -20,7 +20,7 @@ import pytest
 import yaml
 from pyspark.sql import SparkSession
 
-from resources.cdc.applier import SchemaChangeError
+from resources.cdc.schema import SchemaChangeError
 from resources.config import parse_config, PgcdcConfig
 from resources.errors import ConfigurationError, SlotError
 from resources.incremental import IncrementalResult, run_incremental

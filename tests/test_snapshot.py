@@ -21,23 +21,17 @@ from psycopg.types.datetime import TimestampLoader, TimestamptzLoader
 from psycopg.types.string import TextLoader
 from pyspark.sql import SparkSession
 
-from resources.postgres.catalog import TableName
-from resources.config import PgcdcConfig, parse_config
-from resources.postgres.connections import libpq_options
-from resources.errors import ConfigurationError, SlotError
+from resources.config import parse_config, PgcdcConfig
+from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
+from resources.errors import ConfigurationError, SlotError, SnapshotError
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS, TIMESTAMP_NEGATIVE_INFINITY, TIMESTAMP_POSITIVE_INFINITY
+from resources.postgres.catalog import TableName
+from resources.postgres.connections import libpq_options
+from resources.postgres.preflight import ensure_slot
+from resources.postgres.publication import ensure_publication
 from resources.postgres.replication import CreatedSlot
-from resources.snapshot import (
-    LSN_COLUMN,
-    SnapshotError,
-    SnapshotProgress,
-    ensure_publication,
-    ensure_slot,
-    read_snapshot_lsn,
-    snapshot_table,
-    snapshot_tables,
-)
+from resources.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
 from tests.conftest import PgDatabase
 
 pytest_plugins = ["tests.spark_fixtures"]

@@ -41,66 +41,52 @@ consistent point is a record boundary, so that is exactly the set the snapshot h
 from __future__ import annotations
 
 import functools
-import json
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 
 import numpy as np
-import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
-from pyspark.sql.pandas.types import from_arrow_type
-from pyspark.sql.types import DecimalType
 
+from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
-from resources.cdc.transactions import CommittedTransaction, RowBatch
-from resources.delta.engine import (
-    add_columns,
+from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
+from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
+from resources.cdc.transactions import CommittedTransaction
+from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, read_applied_marker, REPLACE_MARKER
+from resources.delta.merge import (
     append_rows,
     delete_all_rows,
-    fill_columns,
     merge_batch,
     OLD_KEY_PREFIX,
     OP_COLUMN,
-    read_commit_metadata,
     replace_rows,
-    table_schema,
     unchanged_flag_column,
+)
+from resources.delta.schema_changes import (
+    add_columns,
+    delta_type_name,
+    fill_columns,
+    is_safe_widening,
+    table_schema,
     widen_columns,
 )
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation, UNCHANGED_TOAST
-from resources.pgoutput.tags import BINARY, DELETE, INSERT, NULL, TEXT, UNCHANGED, UPDATE
-from resources.pgtypes import (
-    arrow_type,
-    column_type_from_catalog,
-    pg_type_catalog_query,
-    PgColumnType,
-    PgValueError,
-    to_arrow,
-)
+from resources.pgoutput.tags import DELETE, INSERT, UPDATE
+from resources.pgoutput.tuples import row_values, tuple_columns_at
+from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
 from resources.postgres.catalog import TableName
+from resources.postgres.column_types import TypeResolver
 from resources.testing.faults import fault_point
 
 __all__ = [
-    "LSN_COLUMN",
     "ChangeApplier",
-    "SchemaChangeError",
-    "TableStats",
-    "TableTarget",
-    "TypeResolver",
-    "read_applied_marker",
 ]
 
-LSN_COLUMN = "_pgcdc_lsn"
-KEYED, FULL, APPEND = "keyed", "full", "append"
-MARKED_MODES = (FULL, APPEND)
-"""Modes whose Delta commits carry an applied-position marker: replaying their changes is not idempotent."""
-_MARKER_KINDS = {FULL: "replace", APPEND: "append"}
 DEFAULT_REPLACE_VALUES = 2_000
 """Most distinct row values one REPLICA IDENTITY FULL commit rewrites: its predicate lists their
 hashes, and Sail 0.7.2 plans about 0.2 ms per listed value (docs/contracts.md)."""
@@ -110,137 +96,10 @@ DEFAULT_MERGE_ROWS = 200_000
 by default a chunk (200k changes) is still one MERGE per table."""
 HEARTBEAT_SECONDS = 0.1
 """How often a thread waiting for Delta calls the heartbeat (which decides itself whether to send)."""
-RESNAPSHOT_FIX = "re-snapshot the table (materialize its snapshot asset or run the pgcdc_resnapshot job)"
-
-_SAFE_WIDENINGS = {("smallint", "int"), ("smallint", "bigint"), ("int", "bigint"), ("float", "double")}
-
-
-class SchemaChangeError(PgcdcError):
-    """A column changed in a way Delta cannot follow in place."""
 
 
 class ChangeValueError(PgcdcError):
     """A changed value does not fit its Delta column."""
-
-
-class TypeResolver:
-    """Column types for Relation messages, from the catalog, cached per (type oid, typmod).
-
-    The Relation message names types only by oid and typmod; what they mean (domains,
-    arrays, numeric precision) is in pg_type, read over a normal connection.
-    """
-
-    def __init__(self, conn: psycopg.Connection) -> None:
-        self._conn = conn
-        self._rows: dict[tuple[int, int], tuple] = {}
-
-    def columns(self, relation: Relation) -> list[PgColumnType]:
-        wanted = [(c.type_oid, c.type_modifier) for c in relation.columns]
-        missing = list(dict.fromkeys(key for key in wanted if key not in self._rows))
-        if missing:
-            rows = self._conn.execute(
-                pg_type_catalog_query(),
-                {"type_oids": [oid for oid, _ in missing], "typmods": [mod for _, mod in missing]},
-            ).fetchall()
-            self._rows.update(zip(missing, rows))
-        return [column_type_from_catalog(c.name, self._rows[key]) for c, key in zip(relation.columns, wanted)]
-
-    def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
-        """What PostgreSQL gave the existing rows of the named columns, per column: the set over
-        the table's storage (the table, or every leaf partition) of (type oid, has a missing
-        value, that value as text output, has a default). A column that is gone (dropped or
-        renamed since) is absent."""
-        rows = self._conn.execute(
-            "SELECT a.attname, a.atttypid::pg_catalog.int8, a.atthasmissing,"
-            " pg_catalog.array_to_string(a.attmissingval, ''::pg_catalog.text), a.atthasdef"
-            " FROM pg_catalog.pg_attribute a WHERE a.attrelid OPERATOR(pg_catalog.=) ANY ("
-            "   SELECT relid FROM pg_catalog.pg_partition_tree(%(oid)s::pg_catalog.oid::pg_catalog.regclass)"
-            "   WHERE isleaf UNION SELECT oid FROM pg_catalog.pg_class"
-            "   WHERE oid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND relkind OPERATOR(pg_catalog.<>) 'p')"
-            " AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped"
-            " AND a.attname OPERATOR(pg_catalog.=) ANY (%(names)s::pg_catalog.name[])",
-            {"oid": relation.oid, "names": names},
-        ).fetchall()
-        found: dict[str, set[tuple]] = {}
-        for name, type_oid, has_missing, missing, has_default in rows:
-            found.setdefault(name, set()).add((type_oid, has_missing, missing if has_missing else None, has_default))
-        return found
-
-
-@dataclass
-class TableStats:
-    inserted: int = 0
-    updated: int = 0
-    deleted: int = 0
-    truncates: int = 0
-    #: Commit end LSN of the newest change applied to Delta in this run.
-    applied_lsn: LSN | None = None
-
-
-@dataclass(eq=False)
-class TableTarget:
-    """One replicated table: where its Delta table is and what has been applied to it."""
-
-    table: TableName
-    path: str
-    #: None: never snapshotted, so every change is skipped (its snapshot will come later).
-    snapshot_lsn: LSN | None
-    stats: TableStats = field(default_factory=TableStats)
-    relation: Relation | None = None
-    columns: list[PgColumnType] = field(default_factory=list)
-    mode: str = KEYED
-    key_index: tuple[int, ...] = ()
-    #: Delta columns the relation no longer has: written NULL from now on.
-    dropped: list[pa.Field] = field(default_factory=list)
-    delta_schema: pa.Schema | None = None
-    #: (commit end LSN, position) of the last change in Delta, for keyless and FULL tables.
-    applied_marker: tuple[int, int] | None = None
-    applied_marker_loaded: bool = False
-    #: (row batch, indexes of this table's rows in it, commit end LSN, position of the batch's first change)
-    pending: list[tuple] = field(default_factory=list)
-    pending_bytes: int = 0
-    warned: bool = False
-
-    def skips(self, end_lsn: int) -> bool:
-        return self.snapshot_lsn is None or end_lsn <= self.snapshot_lsn
-
-
-def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:
-    """The newest applied-position marker (commit end LSN, position) of an append or FULL
-    rewrite commit in the table's commit log, unless a snapshot replaced the table since:
-    the rows a marker vouches for went with it."""
-    for commit in read_commit_metadata(spark, path):
-        try:
-            marker = json.loads(commit.user_metadata or "")
-        except ValueError:
-            continue
-        pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
-        kind = pgcdc.get("kind") if isinstance(pgcdc, dict) else None
-        if kind == "snapshot":
-            return None
-        if kind in _MARKER_KINDS.values():
-            return int(LSN.parse(pgcdc["applied_lsn"])), int(pgcdc["applied_seq"])  # type: ignore[index]
-    return None
-
-
-def _applied_marker(mode: str, end: int, seq: int) -> str:
-    return json.dumps({"pgcdc": {"kind": _MARKER_KINDS[mode], "applied_lsn": str(LSN(end)), "applied_seq": seq}})
-
-
-def _spark_type_name(arrow: pa.DataType) -> str:
-    return from_arrow_type(arrow).simpleString()
-
-
-def _is_safe_widening(old: pa.DataType, new: pa.DataType) -> bool:
-    old_spark, new_spark = from_arrow_type(old), from_arrow_type(new)
-    if (old_spark.simpleString(), new_spark.simpleString()) in _SAFE_WIDENINGS:
-        return True
-    return (
-        isinstance(old_spark, DecimalType)
-        and isinstance(new_spark, DecimalType)
-        and new_spark.scale == old_spark.scale
-        and new_spark.precision >= old_spark.precision
-    )
 
 
 class ChangeApplier:
@@ -477,11 +336,11 @@ class ChangeApplier:
             current = existing.get(column.column)
             if current is None:
                 added.append(pa.field(column.column, wanted))
-            elif _spark_type_name(current) != _spark_type_name(wanted):
-                if not _is_safe_widening(current, wanted):
+            elif delta_type_name(current) != delta_type_name(wanted):
+                if not is_safe_widening(current, wanted):
                     raise SchemaChangeError(
                         f"column {column.column!r} of {target.table} changed type from "
-                        f"{_spark_type_name(current)} to {column.type_name} ({_spark_type_name(wanted)})",
+                        f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
                         RESNAPSHOT_FIX,
                     )
                 widened[column.column] = wanted
@@ -613,7 +472,7 @@ class ChangeApplier:
         self.pending_changes -= sum(len(taken) for _, taken, _, _ in pending)
         self.pending_bytes -= target.pending_bytes
         target.pending_bytes = 0
-        for rows in _gather(pending):
+        for rows in gather(pending):
             fault_point("before_merge")
             if target.mode == APPEND:
                 self._append(target, rows)
@@ -650,7 +509,7 @@ class ChangeApplier:
         lsns = pa.array(rows.lsns, pa.int64())
         batch = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
         end, seq = int(rows.lsns[-1]), int(rows.seqs[-1])
-        self._write(append_rows, target.path, batch, _applied_marker(APPEND, end, seq))
+        self._write(append_rows, target.path, batch, applied_marker(APPEND_MARKER, end, seq))
         target.applied_marker = (end, seq)
         target.stats.inserted += len(rows)
 
@@ -658,8 +517,8 @@ class ChangeApplier:
         """REPLICA IDENTITY FULL: fold the changes into net copies per row value, then rewrite the
         copies of the changed values, a commit (with its applied marker) per few thousand values."""
         ncols = len(target.columns)
-        new_images = _row_values(*tuple_columns_at(rows.data, rows.new, ncols))
-        old_images = _row_values(*tuple_columns_at(rows.data, rows.old, ncols))
+        new_images = row_values(*tuple_columns_at(rows.data, rows.new, ncols))
+        old_images = row_values(*tuple_columns_at(rows.data, rows.old, ncols))
         ops = rows.ops.tolist()
         if any(op == UPDATE for op, old in zip(ops, rows.old.tolist()) if old < 0):
             raise PgcdcError(
@@ -681,7 +540,7 @@ class ChangeApplier:
                 lsn_column=LSN_COLUMN,
                 on_missing=functools.partial(self._warn_missing_rows, target),
             )
-            self._write(replace_rows, target.path, probe.select(value_columns), rewrite, _applied_marker(FULL, end, seq))
+            self._write(replace_rows, target.path, probe.select(value_columns), rewrite, applied_marker(REPLACE_MARKER, end, seq))
             target.applied_marker = (end, seq)
         stats = target.stats
         stats.inserted += int((rows.ops == INSERT).sum())
@@ -741,8 +600,8 @@ class ChangeApplier:
     def _merge_by_row(self, target: TableTarget, rows: PendingRows) -> None:
         """Fold change by change (keyed tables with unchanged TOAST), then one MERGE."""
         ncols = len(target.columns)
-        new_images = _row_values(*tuple_columns_at(rows.data, rows.new, ncols))
-        old_images = _row_values(*tuple_columns_at(rows.data, rows.old, ncols))
+        new_images = row_values(*tuple_columns_at(rows.data, rows.new, ncols))
+        old_images = row_values(*tuple_columns_at(rows.data, rows.old, ncols))
         index = target.key_index
         unchanged = UNCHANGED_TOAST
         final: dict[tuple, tuple] = {}
@@ -850,158 +709,4 @@ class ChangeApplier:
 
 # --------------------------------------------------------------------------- column-wise TupleData parsing
 
-_SLICE_BYTES = 1 << 30
-"""Payload bytes parsed at once: string views address their buffer with 32-bit offsets."""
-_LANES = np.arange(12)
 
-
-def tuple_columns(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
-    """Parse the TupleData at ``starts[i]`` in ``payloads[i]`` (-1: none, all NULL) into columns.
-
-    Returns per column a ``binary_view`` array of the values' text (NULL where NULL, absent
-    or unchanged TOAST) and a boolean mask of the unchanged-TOAST cells. The work is numpy
-    over all rows per column, never Python per value: the views point into one joined
-    buffer of the payloads, and only values of at most 12 bytes are copied (inline).
-    """
-    if not payloads:
-        return tuple_columns_at(b"", np.zeros(0, np.int64), ncols)
-    pieces: list[tuple[list[pa.Array], list[np.ndarray]]] = []
-    first = 0
-    total = 0
-    for i, payload in enumerate(payloads):
-        if total + len(payload) > _SLICE_BYTES and i > first:
-            pieces.append(_parse_payloads(payloads[first:i], starts[first:i], ncols))
-            first, total = i, 0
-        total += len(payload)
-    pieces.append(_parse_payloads(payloads[first:], starts[first:], ncols))
-    if len(pieces) == 1:
-        return pieces[0]
-    columns = [pa.concat_arrays([piece[0][c] for piece in pieces]) for c in range(ncols)]
-    masks = [np.concatenate([piece[1][c] for piece in pieces]) for c in range(ncols)]
-    return columns, masks
-
-
-def _parse_payloads(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
-    n = len(payloads)
-    sizes = np.fromiter(map(len, payloads), np.int64, n)
-    base = np.zeros(n, np.int64)
-    np.cumsum(sizes[:-1], out=base[1:])
-    start = np.asarray(starts, np.int64)
-    return tuple_columns_at(b"".join(payloads), np.where(start >= 0, base + start, -1), ncols)
-
-
-def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
-    """:func:`tuple_columns` for TupleData at absolute ``positions`` in ``data`` (-1: none, all NULL).
-
-    ``data`` must stay under 2 GiB (string views address it with 32-bit offsets).
-    """
-    n = len(positions)
-    if not n:
-        return [pa.array([], pa.binary_view()) for _ in range(ncols)], [np.zeros(0, bool) for _ in range(ncols)]
-    if len(data) >= 1 << 31:
-        raise ValueError("TupleData buffer over 2 GiB")
-    buf = np.frombuffer(data, np.uint8)
-    last = len(buf) - 1
-    start = np.asarray(positions, np.int64)
-    present = start >= 0
-    pos = np.where(present, start, 0) + 2
-    if pos.max() > last + 1:
-        raise PgcdcError("a row image lies outside its message", "the replication stream is inconsistent; restart replication")
-    counts = (buf[pos - 2].astype(np.int64) << 8) | buf[pos - 1]
-    if (counts[present] != ncols).any():
-        raise PgcdcError(
-            f"a row image has {int(counts[present][counts[present] != ncols][0])} columns where its Relation message"
-            f" has {ncols}",
-            "the replication stream is inconsistent; restart replication",
-        )
-    data_buffer = pa.py_buffer(data)
-    columns: list[pa.Array] = []
-    masks: list[np.ndarray] = []
-    for _ in range(ncols):
-        at = np.where(present, np.minimum(pos, last), 0)
-        kind = np.where(present, buf[at], NULL)
-        has = (kind == TEXT) | (kind == BINARY)
-        length_bytes = buf[np.minimum(at[:, None] + np.arange(1, 5), last)].astype(np.int64)
-        size = np.where(
-            has,
-            (length_bytes[:, 0] << 24) | (length_bytes[:, 1] << 16) | (length_bytes[:, 2] << 8) | length_bytes[:, 3],
-            0,
-        )
-        data_at = at + 5
-        if (has & (data_at + size > len(buf))).any():
-            raise PgcdcError("a value runs past the end of its message", "the replication stream is inconsistent; restart replication")
-        inline = buf[np.minimum(data_at[:, None] + _LANES, last)]
-        inline[_LANES[None, :] >= size[:, None]] = 0
-        views = np.zeros((n, 16), np.uint8)
-        views[:, 0:4] = size.astype("<i4").view(np.uint8).reshape(n, 4)
-        views[:, 4:16] = inline
-        long = size > 12
-        if long.any():
-            views[long, 8:12] = 0  # buffer index 0: the joined payloads
-            views[long, 12:16] = data_at[long].astype("<i4").view(np.uint8).reshape(-1, 4)
-        validity = np.packbits(has, bitorder="little")
-        columns.append(
-            pa.Array.from_buffers(pa.binary_view(), n, [pa.py_buffer(validity), pa.py_buffer(views), data_buffer])
-        )
-        masks.append(present & (kind == UNCHANGED))
-        pos = pos + np.where(has, 5 + size, 1)
-    return columns, masks
-
-
-class PendingRows:
-    """Pending row changes of one table, gathered for a write: one buffer and column arrays."""
-
-    __slots__ = ("data", "ops", "new", "old", "lsns", "seqs")
-
-    def __init__(self, data: bytes, ops: np.ndarray, new: np.ndarray, old: np.ndarray, lsns: np.ndarray, seqs: np.ndarray) -> None:
-        self.data, self.ops, self.new, self.old, self.lsns, self.seqs = data, ops, new, old, lsns, seqs
-
-    def __len__(self) -> int:
-        return len(self.ops)
-
-
-def _gather(pending: list[tuple[RowBatch, np.ndarray, int, int]]) -> list[PendingRows]:
-    """Pending slices (batch, row indexes, commit end LSN, first position) -> PendingRows, in order;
-    more than one only when their buffers together would pass :data:`_SLICE_BYTES`."""
-    groups: list[PendingRows] = []
-    first = 0
-    while first < len(pending):
-        offsets: dict[int, int] = {}
-        buffers: list[bytes] = []
-        total = 0
-        stop = first
-        while stop < len(pending):
-            batch = pending[stop][0]
-            if id(batch) not in offsets:
-                if buffers and total + len(batch.data) > _SLICE_BYTES:
-                    break
-                offsets[id(batch)] = total
-                buffers.append(batch.data)
-                total += len(batch.data)
-            stop += 1
-        parts = pending[first:stop]
-        shifts = [offsets[id(batch)] for batch, _, _, _ in parts]
-        new = np.concatenate([_shifted(batch.new[index], shift) for (batch, index, _, _), shift in zip(parts, shifts)])
-        old = np.concatenate([_shifted(batch.old[index], shift) for (batch, index, _, _), shift in zip(parts, shifts)])
-        ops = np.concatenate([batch.ops[index] for batch, index, _, _ in parts])
-        lsns = np.concatenate([np.full(len(index), end, np.int64) for _, index, end, _ in parts])
-        seqs = np.concatenate([index + seq for _, index, _, seq in parts])
-        groups.append(PendingRows(b"".join(buffers), ops, new, old, lsns, seqs))
-        first = stop
-    return groups
-
-
-def _shifted(positions: np.ndarray, shift: int) -> np.ndarray:
-    return np.where(positions >= 0, positions + shift, -1) if shift else positions
-
-
-def _row_values(columns: list[pa.Array], masks: list[np.ndarray]) -> list[tuple]:
-    """Columns back to row tuples of bytes / None / UNCHANGED_TOAST, for the change-by-change fold."""
-    lists = []
-    for column, mask in zip(columns, masks):
-        values = column.to_pylist()
-        if mask.any():
-            for i in np.flatnonzero(mask):
-                values[i] = UNCHANGED_TOAST
-        lists.append(values)
-    return list(zip(*lists))

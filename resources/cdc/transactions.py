@@ -38,10 +38,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, TypeAlias
+from typing import Any, BinaryIO
 
 import numpy as np
 
+from resources.cdc.row_batches import Change, RowBatch
 from resources.errors import ProtocolError
 from resources.lsn import LSN
 from resources.pgoutput.decoder import PgOutputDecoder
@@ -56,117 +57,17 @@ from resources.pgoutput.messages import (
     StreamStop,
     Truncate,
 )
-from resources.pgoutput.tags import BINARY, DELETE, INSERT, KEY, NEW, NULL, OLD, TEXT, UNCHANGED, UPDATE
+from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 
-__all__ = ["Change", "ChangeLog", "CommittedTransaction", "RowBatch", "TransactionAssembler"]
+__all__ = [
+    "ChangeLog",
+    "CommittedTransaction",
+    "TransactionAssembler",
+]
 
-Change: TypeAlias = tuple[str, Any, bytes | None, int, int]
-
-
-
-def tuple_end(data: bytes, pos: int) -> int:
-    """The offset just past the TupleData starting at ``pos``."""
-    ncols = (data[pos] << 8) | data[pos + 1]
-    pos += 2
-    for _ in range(ncols):
-        kind = data[pos]
-        if kind == TEXT or kind == BINARY:
-            pos += 5 + int.from_bytes(data[pos + 1 : pos + 5], "big")
-        elif kind == NULL or kind == UNCHANGED:
-            pos += 1
-        else:
-            raise ProtocolError(f"unknown TupleData column kind {chr(kind)!r}", "restart replication")
-    return pos
 
 DEFAULT_SPILL_BYTES = 16 * 1024 * 1024
 """In-memory bytes per transaction before its changes go to disk."""
-
-
-class RowBatch:
-    """A run of row changes of one transaction, located column-wise (no Python object per change).
-
-    ``data`` holds the messages' payloads back to back (plus zero padding); ``base[i]`` is where
-    message ``i`` starts in it. ``ops`` holds the tag bytes (``I``/``U``/``D``), ``oids`` the
-    relations, ``new`` / ``old`` the absolute offsets in ``data`` of the new and old TupleData
-    (-1: absent), ``sizes`` the payload lengths.
-    """
-
-    __slots__ = ("data", "base", "sizes", "ops", "oids", "new", "old")
-
-    def __init__(self, payloads: list[bytes], streamed: bool, dropped: set[int] | frozenset[int] = frozenset()) -> None:
-        n = len(payloads)
-        offset = 5 if streamed else 1
-        payloads.append(_PADDING)
-        try:
-            data = b"".join(payloads)
-        finally:
-            payloads.pop()
-        buf = np.frombuffer(data, np.uint8)
-        sizes = np.fromiter(map(len, payloads), np.int64, n)
-        base = np.zeros(n, np.int64)
-        np.cumsum(sizes[:-1], out=base[1:])
-        if n and int(sizes.min()) < offset + 7:
-            raise ProtocolError("a row change message is truncated", "restart replication")
-        if dropped and n:
-            xids = _be32(buf, base + 1)
-            keep = ~np.isin(xids, np.fromiter(dropped, np.int64, len(dropped)))
-            if not keep.all():
-                payloads = [payloads[i] for i in np.flatnonzero(keep)]
-                self.__init__(payloads, streamed)  # type: ignore[misc]
-                return
-        ops = buf[base]
-        oids = _be32(buf, base + offset)
-        at = base + offset + 4
-        kind = buf[at]
-        is_insert, is_update = ops == INSERT, ops == UPDATE
-        is_delete = ops == DELETE
-        with_old = (kind == KEY) | (kind == OLD)
-        plain = kind == NEW
-        valid = (is_insert & plain) | (is_update & (plain | with_old)) | (is_delete & with_old)
-        if not valid.all():
-            i = int(np.flatnonzero(~valid)[0])
-            raise ProtocolError(
-                f"unexpected row change layout ({chr(ops[i])!r} with tuple kind {chr(kind[i])!r})", "restart replication"
-            )
-        new = np.where(plain, at + 1, -1)
-        old = np.where(with_old, at + 1, -1)
-        moved = np.flatnonzero(is_update & with_old)
-        if len(moved):
-            ends = np.empty(len(moved), np.int64)
-            for j, i in enumerate(moved.tolist()):
-                ends[j] = tuple_end(data, int(old[i]))
-            if (buf[ends] != NEW).any():
-                raise ProtocolError("an update's new tuple is missing", "restart replication")
-            new[moved] = ends + 1
-        self.data = data
-        self.base = base
-        self.sizes = sizes
-        self.ops = ops
-        self.oids = oids
-        self.new = new
-        self.old = old
-
-    def __len__(self) -> int:
-        return len(self.ops)
-
-    def changes(self) -> Iterator[Change]:
-        """The batch as Change 5-tuples (offsets relative to each payload)."""
-        data = self.data
-        for b, size, op, oid, new, old in zip(
-            self.base.tolist(), self.sizes.tolist(), self.ops.tolist(), self.oids.tolist(),
-            self.new.tolist(), self.old.tolist(),
-        ):  # fmt: skip
-            yield (chr(op), oid, data[b : b + size], new - b if new >= 0 else -1, old - b if old >= 0 else -1)
-
-
-_PADDING = bytes(16)
-
-
-def _be32(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
-    return (
-        (buf[at].astype(np.int64) << 24) | (buf[at + 1].astype(np.int64) << 16) | (buf[at + 2].astype(np.int64) << 8)
-        | buf[at + 3]
-    )  # fmt: skip
 
 
 class ChangeLog:

@@ -1,3 +1,5 @@
+"""pgoutput messages as Python values: one frozen dataclass per message type, and the unchanged-TOAST sentinel."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,3 +1,5 @@
+"""The pgoutput plugin options of START_REPLICATION, and the protocol version each server supports."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

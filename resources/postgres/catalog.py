@@ -17,7 +17,6 @@ the snapshot reads the catalog inside its replication transaction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -138,7 +137,7 @@ class TableInfo:
         return f"COPY (SELECT {columns} FROM {only}{self.table.quoted}{where}) TO STDOUT WITH (FORMAT csv)"
 
 
-def _cursor(conn: psycopg.Connection) -> psycopg.ClientCursor:
+def client_cursor(conn: psycopg.Connection) -> psycopg.ClientCursor:
     return psycopg.ClientCursor(conn)
 
 
@@ -147,55 +146,9 @@ def server_version_num(conn: psycopg.Connection) -> int:
     return conn.info.server_version
 
 
-def publication_exists(conn: psycopg.Connection, publication: str) -> bool:
-    row = _cursor(conn).execute(
-        "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
-        (publication,),
-    ).fetchone()
-    return row is not None
-
-
-def published_tables(conn: psycopg.Connection, publication: str) -> list[TableName]:
-    """The tables a publication publishes, as pg_publication_tables lists them."""
-    if not publication_exists(conn, publication):
-        raise ConfigurationError(
-            f'publication "{publication}" does not exist',
-            f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE ... (or set create_publication: true)",
-        )
-    rows = _cursor(conn).execute(
-        "SELECT DISTINCT schemaname, tablename FROM pg_catalog.pg_publication_tables"
-        " WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name ORDER BY 1, 2",
-        (publication,),
-    ).fetchall()
-    if not rows:
-        # Draining an empty publication would confirm the slot past every change for nothing.
-        raise ConfigurationError(
-            f'publication "{publication}" publishes no tables',
-            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE ...",
-        )
-    return [TableName(schema, name) for schema, name in rows]
-
-
-def resolve_tables(conn: psycopg.Connection, publication: str, configured: Sequence[str]) -> list[TableName]:
-    """The tables to replicate: ``configured`` (schema.table names), each checked to be published,
-    or the whole publication when none are configured."""
-    published = published_tables(conn, publication)
-    if not configured:
-        return published
-    wanted = [TableName.parse(name) for name in configured]
-    missing = [table for table in wanted if table not in published]
-    if missing:
-        raise ConfigurationError(
-            f'{", ".join(str(table) for table in missing)} not published by "{publication}"',
-            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE {', '.join(t.quoted for t in missing)}, "
-            "or remove them from 'tables' (a partitioned table needs publish_via_partition_root = true)",
-        )
-    return wanted
-
-
 def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str]:
     """(oid, relkind, relreplident) of ``table``; fails naming the table if it does not exist."""
-    row = _cursor(conn).execute(
+    row = client_cursor(conn).execute(
         "SELECT c.oid::pg_catalog.int8, c.relkind::pg_catalog.text, c.relreplident::pg_catalog.text"
         " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
         " WHERE n.nspname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
@@ -213,7 +166,7 @@ def table_oid(conn: psycopg.Connection, table: TableName) -> int:
 
 def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> TableInfo:
     """The relation as the publication publishes it; fails if the table is not published."""
-    cursor = _cursor(conn)
+    cursor = client_cursor(conn)
     oid, relkind, replica_identity = _relation(conn, table)
 
     modern = server_version_num(conn) >= 150000

@@ -1,3 +1,5 @@
+"""The streaming replication protocol's frames (XLogData 'w', keepalive 'k', standby status 'r') and the PostgreSQL epoch."""
+
 from __future__ import annotations
 
 import struct

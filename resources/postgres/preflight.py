@@ -11,12 +11,10 @@ the incremental run (``resources/incremental.py``) both call :func:`check_server
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from resources.errors import ConfigurationError, SlotError
-from resources.postgres.replication import ReplicationConnection
+from resources.names import RESNAPSHOT_JOB, SNAPSHOT_JOB
+from resources.postgres.replication import CreatedSlot, ReplicationConnection
 from resources.postgres.slots import slot_in_use, SlotState
-from resources.postgres.sql import quote_ident, quote_literal
 
 MIN_SERVER_VERSION_NUM = 140000
 
@@ -36,31 +34,13 @@ def check_server(conn: ReplicationConnection) -> None:
         )
 
 
-def check_publications(conn: ReplicationConnection, publications: Sequence[str]) -> None:
-    """Every publication must exist in the connected database."""
-    wanted = ", ".join(quote_literal(name) for name in publications)
-    found = {
-        name
-        for (name,) in conn.execute(
-            "SELECT pubname::pg_catalog.text FROM pg_catalog.pg_publication"
-            f" WHERE pubname OPERATOR(pg_catalog.=) ANY (ARRAY[{wanted}]::pg_catalog.name[])"
-        )
-    }
-    for name in publications:
-        if name not in found:
-            raise ConfigurationError(
-                f'publication "{name}" does not exist in this database',
-                f"CREATE PUBLICATION {quote_ident(name)} FOR TABLE ..., or fix the publication name",
-            )
-
-
 def check_slot(conn: ReplicationConnection, slot: str) -> SlotState:
     """The slot must exist here, decode with pgoutput, be valid, and be free."""
     state = conn.read_slot(slot)
     if state is None:
         raise SlotError(
             f'replication slot "{slot}" does not exist',
-            "create it (run the pgcdc_snapshot job, or pgcdc changes --create-slot) or fix the slot name",
+            f"create it (run the {SNAPSHOT_JOB} job, or pgcdc changes --create-slot) or fix the slot name",
         )
     database = conn.identify_system().dbname
     if state.slot_type != "logical" or state.database != database:
@@ -77,7 +57,7 @@ def check_slot(conn: ReplicationConnection, slot: str) -> SlotState:
         reason = f", {state.invalidation_reason}" if state.invalidation_reason else ""
         raise SlotError(
             f'replication slot "{slot}" is invalidated (wal_status {state.wal_status}{reason}): the changes it held are gone',
-            "run the pgcdc_resnapshot job (it recreates the slot and copies every table afresh),"
+            f"run the {RESNAPSHOT_JOB} job (it recreates the slot and copies every table afresh),"
             " or drop and recreate the slot and re-snapshot every table",
         )
     if state.active:
@@ -85,3 +65,43 @@ def check_slot(conn: ReplicationConnection, slot: str) -> SlotState:
     return state
 
 
+def ensure_slot(dsn: str, slot: str) -> CreatedSlot | SlotState:
+    """Create the permanent pgoutput slot if missing; refuse one that cannot serve pgcdc.
+
+    Run before any table is copied: every table's snapshot LSN is then at or after the
+    slot's start, so the stream covers every change a snapshot misses.
+    """
+    with ReplicationConnection(dsn, application_name="pgcdc") as conn:
+        state = conn.read_slot(slot)
+        if state is None:
+            return conn.create_slot(slot, snapshot="nothing")
+        (database,), = conn.execute("SELECT pg_catalog.current_database()::pg_catalog.text")
+    if state.slot_type != "logical":
+        raise SlotError(
+            f'replication slot "{slot}" is a physical slot',
+            "choose another slot name in 'slot' (pgcdc needs a logical pgoutput slot)",
+        )
+    if state.database != database:
+        raise SlotError(
+            f'replication slot "{slot}" belongs to database "{state.database}", not "{database}"',
+            "choose another slot name in 'slot' or point the DSN at that database",
+        )
+    if state.plugin != "pgoutput":
+        raise SlotError(
+            f'replication slot "{slot}" uses output plugin {state.plugin}, not pgoutput',
+            "choose another slot name in 'slot', or drop that slot if nothing else uses it",
+        )
+    if state.temporary:
+        raise SlotError(
+            f'replication slot "{slot}" is a temporary slot of another session',
+            "choose another slot name in 'slot'",
+        )
+    if state.wal_status == "lost" or state.invalidation_reason is not None:
+        why = f", {state.invalidation_reason}" if state.invalidation_reason else ""
+        reason = f"wal_status {state.wal_status}{why}"
+        raise SlotError(
+            f'replication slot "{slot}" is invalidated ({reason}): changes since its position are gone',
+            f"drop it (SELECT pg_drop_replication_slot('{slot}')) and run the snapshot again, "
+            "which recreates it and copies every table afresh",
+        )
+    return state

@@ -1,8 +1,12 @@
+"""Replication slots: name validation, and the one version-aware pg_replication_slots query every caller reads a slot with."""
+
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import psycopg
 
 from resources.errors import SlotError
 from resources.lsn import LSN
@@ -71,6 +75,15 @@ def slot_state(rows: Sequence[tuple]) -> SlotState | None:
         slot_name, plugin, slot_type, database, temporary, active, pid,
         lsn_or_none(restart), lsn_or_none(confirmed), wal_status, tp, why,
     )  # fmt: skip
+
+
+def read_slot(conn: psycopg.Connection, name: str) -> SlotState | None:
+    """Slot ``name``'s row over a normal connection; None when there is no such slot.
+
+    A plain query: watching a slot never opens a walsender and never moves the slot. A
+    replication connection reads the same row with ``ReplicationConnection.read_slot``.
+    """
+    return slot_state(conn.execute(slot_state_query(name, conn.info.server_version)).fetchall())
 
 
 def slot_in_use(slot: str, pid: object) -> SlotError:

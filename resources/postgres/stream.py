@@ -1,3 +1,5 @@
+"""The COPY BOTH stream of a replication session: frames out, batched by transaction boundaries, status updates and keepalives back."""
+
 from __future__ import annotations
 
 import select

@@ -1,0 +1,58 @@
+"""How each replicated table is written (keyed MERGE, REPLICA IDENTITY FULL rewrite, keyless append) and what a run counts for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from resources.delta.markers import applied_marker
+from resources.lsn import LSN
+from resources.pgoutput.messages import Relation
+from resources.pgtypes import PgColumnType
+from resources.postgres.catalog import TableName
+
+
+KEYED, FULL, APPEND = "keyed", "full", "append"
+
+
+MARKED_MODES = (FULL, APPEND)
+"""Modes whose Delta commits carry an applied-position marker: replaying their changes is not idempotent."""
+
+
+@dataclass
+class TableStats:
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    truncates: int = 0
+    #: Commit end LSN of the newest change applied to Delta in this run.
+    applied_lsn: LSN | None = None
+
+
+@dataclass(eq=False)
+class TableTarget:
+    """One replicated table: where its Delta table is and what has been applied to it."""
+
+    table: TableName
+    path: str
+    #: None: never snapshotted, so every change is skipped (its snapshot will come later).
+    snapshot_lsn: LSN | None
+    stats: TableStats = field(default_factory=TableStats)
+    relation: Relation | None = None
+    columns: list[PgColumnType] = field(default_factory=list)
+    mode: str = KEYED
+    key_index: tuple[int, ...] = ()
+    #: Delta columns the relation no longer has: written NULL from now on.
+    dropped: list[pa.Field] = field(default_factory=list)
+    delta_schema: pa.Schema | None = None
+    #: (commit end LSN, position) of the last change in Delta, for keyless and FULL tables.
+    applied_marker: tuple[int, int] | None = None
+    applied_marker_loaded: bool = False
+    #: (row batch, indexes of this table's rows in it, commit end LSN, position of the batch's first change)
+    pending: list[tuple] = field(default_factory=list)
+    pending_bytes: int = 0
+    warned: bool = False
+
+    def skips(self, end_lsn: int) -> bool:
+        return self.snapshot_lsn is None or end_lsn <= self.snapshot_lsn

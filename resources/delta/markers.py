@@ -1,0 +1,161 @@
+"""What pgcdc keeps in Delta besides the rows: the LSN column, commit markers and the commit log reads.
+
+Every pgcdc commit that the next run must be able to find carries a JSON marker in its Delta
+``userMetadata``, ``{"pgcdc": {"kind": ...}}``:
+
+* ``snapshot``: the table was (re)written from a COPY at ``snapshot_lsn``; changes at or below
+  it are already in the rows.
+* ``append`` / ``replace``: a keyless append or a REPLICA IDENTITY FULL rewrite applied the
+  changes of one transaction up to position ``applied_seq`` of the commit ending at
+  ``applied_lsn``; a replay skips exactly those.
+
+Other writers' metadata (free text, other JSON) is ignored. Reading the log is one Spark query
+over ``_delta_log`` (:func:`read_commit_metadata`), newest commit first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.errors import AnalysisException
+from pyspark.sql import functions as F, SparkSession
+
+from resources.lsn import LSN
+
+LSN_COLUMN = "_pgcdc_lsn"
+"""The column every Delta table gets: the commit end LSN of the change that wrote the row (the snapshot LSN for copied rows)."""
+
+APPEND_MARKER, REPLACE_MARKER = "append", "replace"
+"""Marker kinds of the commits that apply changes without a key (keyless append, REPLICA IDENTITY FULL rewrite)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """One Delta commit as recorded in ``_delta_log``."""
+
+    version: int
+    timestamp_ms: int
+    operation: str
+    user_metadata: str | None
+
+
+_COMMIT_INFO_SCHEMA = "commitInfo STRUCT<timestamp: BIGINT, operation: STRING, userMetadata: STRING>"
+
+
+def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = None) -> list[CommitRecord]:
+    """Commits of the table at ``path``, newest first, read from its log through Spark.
+
+    Commits removed by log cleanup (after a checkpoint and ``delta.logRetentionDuration``)
+    are gone; keep that retention longer than the longest a table may sit idle.
+    """
+    commits = (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.json")
+        .load(f"{path.rstrip('/')}/_delta_log")
+        .select(
+            F.regexp_extract("path", r"(\d+)\.json$", 1).cast("bigint").alias("version"),
+            F.explode(F.split(F.col("content").cast("string"), "\n")).alias("line"),
+        )
+        .where(F.col("line").startswith('{"commitInfo"'))
+        .select("version", F.from_json("line", _COMMIT_INFO_SCHEMA).alias("action"))
+        .select("version", "action.commitInfo.*")
+        .orderBy(F.desc("version"))
+    )
+    if limit is not None:
+        commits = commits.limit(limit)
+    return [
+        CommitRecord(row["version"], row["timestamp"], row["operation"], row["userMetadata"])
+        for row in commits.collect()
+    ]
+
+
+def version_with_metadata(spark: SparkSession, path: str, user_metadata: str) -> int:
+    """Our commit's version, found by its marker so a concurrent writer cannot be mistaken for it."""
+    for commit in read_commit_metadata(spark, path):
+        if commit.user_metadata == user_metadata:
+            return commit.version
+    raise RuntimeError(f"no commit with userMetadata {user_metadata!r} in {path}")
+
+
+
+
+EXPIRED_SNAPSHOT_LSN = LSN(0)
+"""What :func:`read_snapshot_lsn` answers for a table whose snapshot commit has left the log."""
+
+
+def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
+    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker.
+
+    Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a
+    newer checkpoint covers them, so a table replicated for longer than that has lost its
+    snapshot commit, and with it the marker. The LSN no longer matters by then: every
+    incremental run confirms the slot past the WAL position at its start, so the slot passed the
+    snapshot LSN with the first run after the snapshot, long before the commit expired. A table
+    whose log no longer starts at version 0 and holds no marker is therefore snapshotted at
+    :data:`EXPIRED_SNAPSHOT_LSN` (nothing of what the slot sends is skipped) rather than treated as
+    never snapshotted, which would skip all its changes.
+    """
+    try:
+        commits = read_commit_metadata(spark, path)
+    except AnalysisException as exc:
+        if exc.getCondition() == "PATH_NOT_FOUND":  # JVM Spark; Sail lists no commits instead
+            return None
+        raise
+    for commit in commits:
+        marker = _pgcdc_marker(commit.user_metadata)
+        if marker is not None and marker.get("kind") == "snapshot":
+            return LSN.parse(marker["snapshot_lsn"])
+    if commits and min(commit.version for commit in commits) > 0:
+        return EXPIRED_SNAPSHOT_LSN
+    return None
+
+
+
+def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:
+    """The newest applied-position marker (commit end LSN, position) of an append or FULL
+    rewrite commit in the table's commit log, unless a snapshot replaced the table since:
+    the rows a marker vouches for went with it."""
+    return newest_applied_marker(commit.user_metadata for commit in read_commit_metadata(spark, path))
+
+
+def newest_applied_marker(user_metadata_newest_first: Iterable[str | None]) -> tuple[int, int] | None:
+    """:func:`read_applied_marker` over the commits' userMetadata, newest first (any destination's log)."""
+    for user_metadata in user_metadata_newest_first:
+        marker = _pgcdc_marker(user_metadata)
+        kind = marker.get("kind") if marker is not None else None
+        if kind == "snapshot":
+            return None
+        if kind in (APPEND_MARKER, REPLACE_MARKER):
+            return int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
+    return None
+
+
+def applied_marker(kind: str, end: int, seq: int) -> str:
+    """The marker of an append or replace commit: changes up to ``seq`` of the transaction ending at ``end``."""
+    return json.dumps({"pgcdc": {"kind": kind, "applied_lsn": str(LSN(end)), "applied_seq": seq}})
+
+
+def snapshot_marker(snapshot_lsn: LSN, slot: str, table: str) -> str:
+    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``."""
+    return json.dumps({"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": table}})
+
+
+def _pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
+    """The ``pgcdc`` object of a commit's userMetadata; None for no metadata or another writer's."""
+    if not user_metadata:
+        return None
+    try:
+        marker = json.loads(user_metadata)
+    except ValueError:
+        return None  # another writer's free-form metadata
+    pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
+    return pgcdc if isinstance(pgcdc, dict) else None
+
+
+def newest_version(spark: SparkSession, path: str) -> int | None:
+    """The table's newest Delta version; None for a table without commits."""
+    newest = read_commit_metadata(spark, path, limit=1)
+    return newest[0].version if newest else None

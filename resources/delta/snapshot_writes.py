@@ -1,0 +1,125 @@
+"""Writing a snapshot into Delta as one atomic commit: pieces shipped as temporary views while COPY still runs, then one overwrite."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+
+from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, spark_dataframe
+from resources.delta.markers import version_with_metadata
+
+
+STAGING_DIRECTORY = "_pgcdc_staging"
+"""Inside a table directory; Delta readers and VACUUM ignore directories starting with '_'."""
+
+
+SHIP_BYTES = 16 * 1024 * 1024
+"""Most Arrow bytes per temporary view a snapshot ships to the server while the source is
+still being read (and at most ``chunk_bytes``); smaller batches are gathered to
+:data:`SHIP_MIN_BYTES` first, so a table of many small batches does not cost a round trip each."""
+
+
+SHIP_MIN_BYTES = 4 * 1024 * 1024
+
+
+def write_snapshot(
+    spark: SparkSession,
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    path: str,
+    user_metadata: str,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> int:
+    """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
+
+    Readers see the old table or the whole new one, never a prefix. Batches are shipped to
+    the server as they arrive, each piece (at most :data:`SHIP_BYTES`) as a temporary view,
+    so the transfer overlaps with whatever produces ``data``. A snapshot whose views fit in
+    one chunk is written directly from their union; a larger one is appended chunk by chunk
+    (a union of views each) to a staging table inside ``path`` and then copied over in a
+    single overwrite. Memory stays bounded by ``chunk_bytes`` (held by the server, as views,
+    until their chunk is written) and a crash leaves only staging debris. The one commit
+    carries ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without
+    the data.
+    """
+    pieces = chunks(data, schema, max(1, min(chunk_bytes, SHIP_BYTES)), SHIP_MIN_BYTES)
+    staging: str | None = None
+    pending: list[str] = []  # views shipped but not yet written
+    pending_bytes = 0
+    try:
+        for piece in pieces:
+            if pending and pending_bytes >= chunk_bytes:
+                staging = _write_staged(spark, pending, path, staging)
+                _drop_views(spark, pending)
+                pending_bytes = 0
+            view = f"pgcdc_snapshot_{uuid.uuid4().hex}"
+            spark_dataframe(spark, piece).createOrReplaceTempView(view)
+            pending.append(view)
+            pending_bytes += piece.nbytes
+        if staging is None:
+            _overwrite(_union(spark, pending), path, user_metadata)
+        else:
+            _write_staged(spark, pending, path, staging)
+            _drop_views(spark, pending)
+            _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
+            remove_local(staging)
+    finally:
+        try:
+            _drop_views(spark, pending)
+        except Exception:  # noqa: BLE001 - the session is gone; its views went with it
+            pass
+    return version_with_metadata(spark, path, user_metadata)
+
+
+def _union(spark: SparkSession, views: Sequence[str]) -> DataFrame:
+    frames = [spark.table(view) for view in views]
+    union = frames[0]
+    for frame in frames[1:]:
+        union = union.unionAll(frame)
+    return union
+
+
+def _write_staged(spark: SparkSession, views: Sequence[str], path: str, staging: str | None) -> str:
+    """Append the views to the staging table (created by the first call); return its path."""
+    if staging is None:
+        staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
+        _overwrite(_union(spark, views), staging, None)
+    else:
+        _append(_union(spark, views), staging)
+    return staging
+
+
+def _drop_views(spark: SparkSession, views: list[str]) -> None:
+    """Drop the views (the server frees their data) and empty the list."""
+    while views:
+        spark.catalog.dropTempView(views[-1])
+        views.pop()
+
+
+def _overwrite(frame: DataFrame, path: str, user_metadata: str | None) -> None:
+    writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+    if user_metadata is not None:
+        writer = writer.option("userMetadata", user_metadata)
+    writer.save(path)
+
+
+def _append(frame: DataFrame, path: str) -> None:
+    frame.write.format("delta").mode("append").save(path)
+
+
+def remove_local(staging: str) -> None:
+    """Staging data is useless once written over; object-store paths are left to lifecycle rules,
+    since Spark offers no portable way to delete files."""
+    local = staging.removeprefix("file://")
+    if "://" not in local:
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            Path(local).parent.rmdir()  # the staging directory, unless another write uses it
+        except OSError:
+            pass

@@ -1,0 +1,276 @@
+"""COPY a table out of PostgreSQL into Arrow record batches: pieces read with non-blocking libpq, parsed as CSV in a thread, prefetched."""
+
+from __future__ import annotations
+
+import queue
+import re
+import select
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import psycopg
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+from psycopg import pq
+
+from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SnapshotError
+from resources.lsn import LSN
+from resources.pgtypes import (
+    column_type_from_catalog,
+    csv_direct_type,
+    pg_type_catalog_params,
+    pg_type_catalog_query,
+    PgColumnType,
+    to_arrow,
+)
+from resources.postgres.catalog import TableInfo
+from resources.postgres.replication import ReplicationConnection
+
+
+DEFAULT_CHUNK_ROWS = 1_000_000
+"""Rows per parsed piece; the byte bound usually closes a piece first."""
+
+
+PARSE_BYTES = 16 * 1024 * 1024
+"""CSV bytes per parsed piece (unless ``chunk_bytes`` is smaller): small enough to overlap
+reading PostgreSQL with writing Spark, large enough that per-piece overhead is noise."""
+
+
+PREFETCH_PIECES = 2
+"""Parsed pieces waiting for the writer; with the piece being parsed and the chunk being
+written this bounds memory to a few chunks."""
+
+
+_POLL_SECONDS = 1.0
+
+
+T = TypeVar("T")
+
+
+def read_column_types(conn: ReplicationConnection, info: TableInfo) -> list[PgColumnType]:
+    if not info.columns:
+        raise ConfigurationError(f"table {info.table} has no published columns", "publish at least one column")
+    rows = psycopg.ClientCursor(conn.connection).execute(
+        pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
+    ).fetchall()
+    return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]
+
+
+class PieceParser:
+    """PostgreSQL CSV rows -> one typed Arrow batch with the snapshot LSN column.
+
+    In PostgreSQL's CSV a NULL is an unquoted empty field and an empty string is ``""``;
+    the options below keep that distinction and keep empty lines (the NULL row of a
+    one-column table). Each piece is parsed as a single block sized to it, so a row of any
+    size (TOASTed values up to 1 GB) never straddles blocks.
+
+    Columns whose PostgreSQL text Arrow's CSV converter parses exactly like ``to_arrow``
+    (integers, floats, numeric(p,s), bool, date, timestamps: ``pgtypes.csv_direct_type``)
+    are typed by the CSV reader itself, with no string column in between. A value it
+    refuses (timestamp ``infinity``, numeric ``NaN``, a BC date) makes that column, from
+    then on, text converted by ``to_arrow``, which maps the value or raises the mapping's
+    error; the piece is parsed again. Everything else is read as text for ``to_arrow``.
+    """
+
+    def __init__(self, columns: Sequence[PgColumnType], schema: pa.Schema, snapshot_lsn: LSN) -> None:
+        self._columns = list(columns)
+        self._schema = schema
+        self._names = [f"c{i}" for i in range(len(columns))]
+        self._direct: list[pa.DataType | None] = [csv_direct_type(col) for col in self._columns]
+        self._parse_options = pa_csv.ParseOptions(newlines_in_values=True, ignore_empty_lines=False)
+        self._lsn_bytes = struct.pack("<q", int(snapshot_lsn))
+
+    def _convert_options(self) -> pa_csv.ConvertOptions:
+        return pa_csv.ConvertOptions(
+            column_types={
+                name: pa.string() if direct is None else direct for name, direct in zip(self._names, self._direct)
+            },
+            null_values=[""],
+            true_values=["t"],
+            false_values=["f"],
+            strings_can_be_null=True,
+            quoted_strings_can_be_null=False,
+        )
+
+    def _read(self, data: bytearray) -> pa.Table:
+        read_options = pa_csv.ReadOptions(column_names=self._names, block_size=len(data) + 1, use_threads=False)
+        while True:
+            try:
+                return pa_csv.read_csv(pa.py_buffer(data), read_options, self._parse_options, self._convert_options())
+            except pa.ArrowInvalid as exc:
+                failed = _failed_csv_column(str(exc))
+                if failed is None or failed >= len(self._direct) or self._direct[failed] is None:
+                    if not any(direct is not None for direct in self._direct):
+                        raise
+                    self._direct = [None] * len(self._direct)  # not a conversion error: all as text
+                else:
+                    self._direct[failed] = None
+
+    def __call__(self, data: bytearray, rows: int) -> pa.RecordBatch:
+        if rows == 0:  # Arrow's reader refuses an empty document
+            return pa.RecordBatch.from_pylist([], schema=self._schema)
+        parsed = self._read(data)
+        if parsed.num_rows != rows:
+            raise ProtocolError(
+                f"COPY sent {rows} rows but {parsed.num_rows} parsed", "report this with the table definition"
+            )
+        arrays = [
+            to_arrow(parsed.column(i), col) if direct is None else _single_chunk(parsed.column(i))
+            for i, (col, direct) in enumerate(zip(self._columns, self._direct, strict=True))
+        ]
+        arrays.append(pa.Array.from_buffers(pa.int64(), rows, [None, pa.py_buffer(self._lsn_bytes * rows)]))
+        return pa.RecordBatch.from_arrays(arrays, schema=self._schema)
+
+
+_CSV_COLUMN_ERROR = re.compile(r"In CSV column #(\d+): CSV conversion error")
+
+
+def _failed_csv_column(message: str) -> int | None:
+    match = _CSV_COLUMN_ERROR.search(message)
+    return int(match.group(1)) if match else None
+
+
+def _single_chunk(column: pa.ChunkedArray) -> pa.Array:
+    return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
+def unparsed(data: bytearray, rows: int) -> tuple[bytearray, int]:
+    return data, rows
+
+
+def parse_each(
+    pieces: Iterator[tuple[tuple[bytearray, int], int]], parse: Callable[[bytearray, int], pa.RecordBatch]
+) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """Parse the pieces of another thread's COPY: the CSV reader releases the GIL, so
+    reading PostgreSQL, parsing and the Spark transfer proceed side by side."""
+    try:
+        for (data, rows), nbytes in pieces:
+            yield parse(data, rows), nbytes
+    finally:
+        pieces.close()
+
+
+def copy_pieces(
+    pgconn: pq.abc.PGconn,
+    query: str,
+    parse: Callable[[bytearray, int], T],
+    piece_bytes: int,
+    piece_rows: int,
+) -> Iterator[tuple[T, int]]:
+    """Run the COPY and yield (batch, CSV bytes) pieces; at least one, possibly empty.
+
+    Straight on libpq: psycopg's Copy costs microseconds per row, which is most of the
+    budget for narrow rows. The protocol guarantees that each CopyData message the server
+    sends is one whole row, so pieces always end on row boundaries. Non-blocking reads
+    wait in select(), releasing the GIL for the writer thread.
+    """
+    pgconn.send_query(query.encode())
+    result = _next_result(pgconn)
+    if result is None or result.status != pq.ExecStatus.COPY_OUT:
+        error = _result_error(result, query)
+        _drain_results(pgconn)
+        raise error
+    get_copy_data = pgconn.get_copy_data
+    buffer = bytearray()
+    rows = size = 0
+    yielded = False
+    try:
+        while True:
+            nbytes, data = get_copy_data(1)
+            if nbytes > 0:
+                buffer += data
+                rows += 1
+                size += nbytes
+                if size >= piece_bytes or rows >= piece_rows:
+                    yield parse(buffer, rows), size
+                    yielded = True
+                    buffer = bytearray()
+                    rows = size = 0
+            elif nbytes == 0:
+                select.select([pgconn.socket], [], [], _POLL_SECONDS)
+                pgconn.consume_input()
+            else:
+                break
+    except psycopg.OperationalError as exc:
+        raise ConnectionFailure(f"COPY interrupted: {exc}", "check the server, then run the snapshot again") from None
+    error = _drain_results(pgconn)
+    if error is not None:
+        raise error
+    if rows or not yielded:
+        yield parse(buffer, rows), size
+
+
+def _next_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
+    while True:
+        pgconn.consume_input()
+        if not pgconn.is_busy():
+            return pgconn.get_result()
+        select.select([pgconn.socket], [], [], _POLL_SECONDS)
+
+
+def _drain_results(pgconn: pq.abc.PGconn) -> PgcdcError | None:
+    """Read the results after COPY (leaving the connection usable); the first error, if any."""
+    error: PgcdcError | None = None
+    while (result := _next_result(pgconn)) is not None:
+        if result.status == pq.ExecStatus.FATAL_ERROR and error is None:
+            error = _result_error(result, "COPY")
+    return error
+
+
+def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
+    if result is None:
+        return ProtocolError(f"no result for {query[:80]}", "check the server log")
+    if result.status != pq.ExecStatus.FATAL_ERROR:
+        return ProtocolError(f"unexpected {result.status.name} answer to {query[:80]}", "check the server version")
+    primary = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or result.error_message or b""
+    return SnapshotError(
+        f"COPY failed: {primary.decode('utf-8', 'replace')}", "fix the cause named by PostgreSQL, then run the snapshot again"
+    )
+
+
+_END = object()
+
+
+def prefetched(source: Iterator[T], depth: int, name: str) -> Iterator[T]:
+    """Run ``source`` in a thread, ``depth`` items ahead of the consumer.
+
+    When the consumer stops early (the write failed), the producer notices at its next
+    hand-over and closes ``source``; the caller then closes the connection it was reading.
+    """
+    handover: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def offer(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                handover.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in source:
+                if not offer(item):
+                    break
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            failure.append(exc)
+        finally:
+            source.close()
+            offer(_END)
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := handover.get()) is not _END:
+            yield item  # type: ignore[misc]
+        thread.join()
+        if failure:
+            raise failure[0]
+    finally:
+        stop.set()
+        thread.join()
