@@ -9,15 +9,14 @@ binary_view.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from resources.errors import PgcdcError, ProtocolError
 from resources.pgoutput import tuples
 from resources.pgoutput.decoder import _tuple
 from resources.pgoutput.messages import UNCHANGED_TOAST
 from resources.pgoutput.tuples import tuple_columns, tuple_end
-from tests.pgoutput_messages import UNCHANGED, insert, tuple_data
+from tests.pgoutput_messages import insert, tuple_data, UNCHANGED
 
 HEAD = 6  # 'I', Int32 relation oid, 'N': where the TupleData of an Insert starts
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 
 from resources.delta.markers import newest_applied_marker
-from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, UNCHANGED_PREFIX, unchanged_flag_column
+from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
 
