@@ -45,6 +45,7 @@ from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import TransactionAssembler
 from resources.config import PgcdcConfig
 from resources.delta.markers import newest_version, read_snapshot_lsn
+from resources.delta.spark_destination import SparkDeltaDestination
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, SNAPSHOT_JOB
@@ -156,7 +157,7 @@ def run_incremental(
             )
         stream = ReplicationStream(rc)
         applier = ChangeApplier(
-            spark, TypeResolver(conn), targets, max_changes=max_chunk_changes, max_bytes=max_chunk_bytes, log=say,
+            SparkDeltaDestination(spark), TypeResolver(conn), targets, max_changes=max_chunk_changes, max_bytes=max_chunk_bytes, log=say,
             heartbeat=stream.keepalive, max_merge_rows=max_merge_rows, max_replace_values=max_replace_values,
         )
         end_lsn = rc.identify_system().xlogpos

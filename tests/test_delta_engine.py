@@ -18,6 +18,7 @@ from resources.delta.merge import delete_all_rows, merge_batch, OP_COLUMN, repla
 from resources.delta.schema_changes import add_columns
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
+from resources.testing.memory_destination import InMemoryDestination
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -179,3 +180,32 @@ def test_delete_all_rows_keeps_schema_and_history(spark: SparkSession, tmp_path:
     assert table.num_rows == 0 and table.schema.names == SCHEMA.names
     latest = read_commit_metadata(spark, str(path), limit=1)
     assert [(c.version, c.operation) for c in latest] == [(1, "DELETE")]
+
+
+def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_path: Path) -> None:
+    """The same folded batches through merge_batch on Sail and through InMemoryDestination give the same rows.
+
+    This keeps the fast applier tests (test_applier_memory.py) honest: their destination must
+    mean what the MERGE means, including unchanged flags and rows moved from an old key.
+    """
+    schema = pa.schema([pa.field("id", pa.int64()), pa.field("body", pa.string()), pa.field("n", pa.int32())])
+    start = pa.table({"id": [1, 2, 3, 4], "body": ["a", "b", "c", "d"], "n": pa.array([1, 2, 3, 4], pa.int32())}, schema=schema)
+    flag = unchanged_flag_column("body")
+    batches = [
+        pa.table({"id": [1, 2, 9], "body": ["a1", None, "new"], "n": pa.array([10, None, 90], pa.int32()),
+                  OP_COLUMN: ["U", "D", "I"]}),
+        pa.table({"id": [3, 7, 4], "body": [None, None, "d2"], "n": pa.array([30, 70, 40], pa.int32()),
+                  flag: [True, True, False], "_pgcdc_oldkey_id": pa.array([None, 1, None], pa.int64()),
+                  OP_COLUMN: ["U", "U", "U"]}),
+        pa.table({"id": [8, 9], "body": [None, "x"], "n": pa.array([None, 99], pa.int32()), OP_COLUMN: ["D", "U"]}),
+    ]
+    path = str(tmp_path / "t")
+    memory = InMemoryDestination()
+    write_snapshot(spark, start, schema, path, "{}")
+    memory.write_snapshot(start, schema, path, "{}")
+    for batch in batches:
+        merge_batch(spark, path, batch, ["id"])
+        memory.merge_batch(path, batch, ["id"])
+    on_sail = spark.read.format("delta").load(path).toArrow().sort_by("id").to_pylist()
+    assert on_sail == memory.tables[path].sort_by("id").to_pylist()
+    assert {row["id"]: row["body"] for row in on_sail} == {1: "a1", 3: "c", 4: "d2", 7: "a1", 9: "x"}

@@ -17,7 +17,7 @@ How each table is written, decided from its Relation message:
 * **full** (REPLICA IDENTITY FULL): the table is a multiset of rows, which may repeat, and
   each change adds or removes one copy (``resources/cdc/row_multiset.py``): a batch folds into a
   net count per row value and rewrites only the copies of those values
-  (``delta_engine.replace_rows``), in commits of a few thousand values, each carrying the
+  (``resources/delta/merge.py: replace_rows``), in commits of a few thousand values, each carrying the
   marker ``{"pgcdc": {"kind": "replace", "applied_lsn", "applied_seq"}}``; unchanged-TOAST
   values come from the old row image, which FULL sends whole.
 * **append** (no usable identity: PostgreSQL refuses UPDATE/DELETE on such published
@@ -48,31 +48,16 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import SparkSession
 
 from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
 from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
-from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, read_applied_marker, REPLACE_MARKER
-from resources.delta.merge import (
-    append_rows,
-    delete_all_rows,
-    merge_batch,
-    OLD_KEY_PREFIX,
-    OP_COLUMN,
-    replace_rows,
-    unchanged_flag_column,
-)
-from resources.delta.schema_changes import (
-    add_columns,
-    delta_type_name,
-    fill_columns,
-    is_safe_widening,
-    table_schema,
-    widen_columns,
-)
+from resources.delta.destination import Destination
+from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
+from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
+from resources.delta.schema_changes import delta_type_name, is_safe_widening
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation, UNCHANGED_TOAST
@@ -80,7 +65,7 @@ from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 from resources.pgoutput.tuples import row_values, tuple_columns_at
 from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
 from resources.postgres.catalog import TableName
-from resources.postgres.column_types import TypeResolver
+from resources.postgres.column_types import ColumnTypes
 from resources.testing.faults import fault_point
 
 __all__ = [
@@ -113,8 +98,8 @@ class ChangeApplier:
 
     def __init__(
         self,
-        spark: SparkSession,
-        types: TypeResolver,
+        destination: Destination,
+        types: ColumnTypes,
         targets: Mapping[TableName, TableTarget],
         *,
         max_changes: int,
@@ -126,7 +111,7 @@ class ChangeApplier:
     ) -> None:
         """``heartbeat`` is called about every :data:`HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out)."""
-        self._spark = spark
+        self._destination = destination
         self._heartbeat = heartbeat
         self._types = types
         self._targets = targets
@@ -140,8 +125,8 @@ class ChangeApplier:
         self._complete_end = 0
         self._durable = 0
         # One Delta write runs in the background while the next chunk is decoded and folded
-        # (the Spark call waits on the engine, not on Python): writes stay in order, and at
-        # most one chunk is in flight besides the one being built. Every Spark call of the
+        # (the write waits on the engine, not on Python): writes stay in order, and at
+        # most one chunk is in flight besides the one being built. Every Destination call of the
         # applier runs on this thread; the caller's thread only waits for it (see _wait).
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgcdc-delta-write")
         self._in_flight: deque[tuple[Future[None], int | None]] = deque()
@@ -261,7 +246,7 @@ class ChangeApplier:
         self._collect(wait=False)
         while self._in_flight:
             self._collect_one()
-        self._in_flight.append((self._writer.submit(operation, self._spark, *args, **kwargs), None))
+        self._in_flight.append((self._writer.submit(operation, *args, **kwargs), None))
 
     def _collect(self, wait: bool) -> None:
         while self._in_flight and (wait or self._in_flight[0][0].done()):
@@ -283,9 +268,9 @@ class ChangeApplier:
         return future.result()
 
     def _call(self, operation: Callable[..., object], *args: object) -> object:
-        """Run a Spark call on the writer thread after every queued write, and wait for its result."""
+        """Run a Destination call on the writer thread after every queued write, and wait for its result."""
         self._collect(wait=True)
-        return self._wait(self._writer.submit(operation, self._spark, *args))
+        return self._wait(self._writer.submit(operation, *args))
 
     # -- schema
 
@@ -311,7 +296,7 @@ class ChangeApplier:
         else:
             target.mode, target.key_index = APPEND, ()
         if target.mode in MARKED_MODES and not target.applied_marker_loaded:
-            target.applied_marker = self._call(read_applied_marker, target.path)  # type: ignore[assignment]
+            target.applied_marker = self._call(self._destination.read_applied_marker, target.path)  # type: ignore[assignment]
             target.applied_marker_loaded = True
         self._reconcile_schema(target, columns, previous, relation, end, seq)
         target.relation = relation
@@ -327,7 +312,7 @@ class ChangeApplier:
         seq: int,
     ) -> None:
         if target.delta_schema is None:
-            target.delta_schema = self._call(table_schema, target.path)  # type: ignore[assignment]
+            target.delta_schema = self._call(self._destination.table_schema, target.path)  # type: ignore[assignment]
         existing = {f.name: f.type for f in target.delta_schema}
         added: list[pa.Field] = []
         widened: dict[str, pa.DataType] = {}
@@ -351,19 +336,19 @@ class ChangeApplier:
         added = [f for f in added if f.name not in fills]
         if widened:
             self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
-            self._call(widen_columns, target.path, widened)
+            self._call(self._destination.widen_columns, target.path, widened)
         if added:
             self._log(f"{target.table}: adding column(s) {', '.join(f.name for f in added)}")
-            self._call(add_columns, target.path, pa.schema(added))
+            self._call(self._destination.add_columns, target.path, pa.schema(added))
         if fills:
             self._log(
                 f"{target.table}: setting {', '.join(fills)} in the rows written up to {LSN(end)} to the value "
                 "PostgreSQL gave the rows that existed when the column was added (rewrites the Delta table)"
             )
             values = pa.table({name: value for name, value in fills.items()})
-            self._call(fill_columns, target.path, values, LSN_COLUMN, end)
+            self._call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
         if widened or added or fills:
-            target.delta_schema = self._call(table_schema, target.path)  # type: ignore[assignment]
+            target.delta_schema = self._call(self._destination.table_schema, target.path)  # type: ignore[assignment]
         names = {column.column for column in columns}
         target.dropped = [
             f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
@@ -463,7 +448,7 @@ class ChangeApplier:
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
-        self._write(delete_all_rows, target.path)
+        self._write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)
 
@@ -493,15 +478,15 @@ class ChangeApplier:
         """
         limit = self._max_merge_rows
         if batch.num_rows <= limit:
-            self._write(merge_batch, target.path, batch, key_columns)
+            self._write(self._destination.merge_batch, target.path, batch, key_columns)
             return
         batch = batch.take(pc.sort_indices(pc.equal(batch.column(OP_COLUMN), "D")))  # stable: deletes last
         for start in range(0, batch.num_rows, limit):
             piece = batch.slice(start, limit)
             if start == 0:
-                self._write(merge_batch, target.path, piece, key_columns)
+                self._write(self._destination.merge_batch, target.path, piece, key_columns)
             else:
-                future = self._writer.submit(merge_batch, self._spark, target.path, piece, key_columns)
+                future = self._writer.submit(self._destination.merge_batch, target.path, piece, key_columns)
                 self._in_flight.append((future, None))
 
     def _append(self, target: TableTarget, rows: PendingRows) -> None:
@@ -509,7 +494,7 @@ class ChangeApplier:
         lsns = pa.array(rows.lsns, pa.int64())
         batch = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
         end, seq = int(rows.lsns[-1]), int(rows.seqs[-1])
-        self._write(append_rows, target.path, batch, applied_marker(APPEND_MARKER, end, seq))
+        self._write(self._destination.append_rows, target.path, batch, applied_marker(APPEND_MARKER, end, seq))
         target.applied_marker = (end, seq)
         target.stats.inserted += len(rows)
 
@@ -540,7 +525,7 @@ class ChangeApplier:
                 lsn_column=LSN_COLUMN,
                 on_missing=functools.partial(self._warn_missing_rows, target),
             )
-            self._write(replace_rows, target.path, probe.select(value_columns), rewrite, applied_marker(REPLACE_MARKER, end, seq))
+            self._write(self._destination.replace_rows, target.path, probe.select(value_columns), rewrite, applied_marker(REPLACE_MARKER, end, seq))
             target.applied_marker = (end, seq)
         stats = target.stats
         stats.inserted += int((rows.ops == INSERT).sum())

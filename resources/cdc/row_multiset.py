@@ -5,7 +5,7 @@ change (its own subscriber does the same): an insert adds one copy, a delete rem
 copy equal to the old image, an update replaces one such copy by the new image. Adding and
 removing copies commute, so a batch of changes folds into one *net* count per distinct row
 value (:func:`fold_row_changes`), and the batch is applied by rewriting just the copies of
-those values (:func:`apply_row_deltas`; the Delta side is ``delta_engine.replace_rows``).
+those values (:func:`apply_row_deltas`; the Delta side is ``resources/delta/merge.py: replace_rows``).
 
 Rows are compared as pgoutput sends them: the text form of every column, NULL equal to NULL.
 That is stricter than PostgreSQL's equality operators, and exactly right: the old image is

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from resources.delta.markers import applied_marker
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import psycopg
 
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import column_type_from_catalog, pg_type_catalog_query, PgColumnType
+
+
+class ColumnTypes(Protocol):
+    """What the change applier asks about a Relation's columns (``StaticTypes`` answers it in fast tests)."""
+
+    def columns(self, relation: Relation) -> list[PgColumnType]: ...
+
+    def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]: ...
 
 
 class TypeResolver:
