@@ -51,6 +51,7 @@ from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, SNAPSHOT_JOB
 from resources.pgoutput.options import PgOutputOptions
 from resources.pgtypes import SESSION_SETTINGS
+from resources.postgres.catalog import TableName
 from resources.postgres.column_types import TypeResolver
 from resources.postgres.connections import connect
 from resources.postgres.preflight import check_server, check_slot
@@ -137,28 +138,11 @@ def run_incremental(
             tables = resolve_tables(conn, config.publication, config.tables)
         except psycopg.Error as exc:
             raise explain(exc, dsn) from None
-        targets = {
-            table: TableTarget(table, path, _snapshot_lsn(spark, path, config))
-            for table in tables
-            for path in [config.table_path(table.schema, table.name)]
-        }
-        without_snapshot = [str(t.table) for t in targets.values() if t.snapshot_lsn is None]
-        if targets and len(without_snapshot) == len(targets):
-            # Every change would be skipped and the slot confirmed past it: with a mistyped or
-            # unmounted delta.root the real lake would never get those changes.
-            raise ConfigurationError(
-                f"no replicated table has a snapshot under delta.root {config.delta.root}",
-                f"run the {SNAPSHOT_JOB} job first, or fix delta.root if it points to the wrong place",
-            )
-        if without_snapshot:
-            say(
-                f"no snapshot yet for {', '.join(without_snapshot)}: their changes are skipped "
-                "(their snapshot will start after this run's position)"
-            )
+        targets, without_snapshot = _targets(config, spark, tables, say)
         stream = ReplicationStream(rc)
         applier = ChangeApplier(
-            SparkDeltaDestination(spark), TypeResolver(conn), targets, max_changes=max_chunk_changes, max_bytes=max_chunk_bytes, log=say,
-            heartbeat=stream.keepalive, max_merge_rows=max_merge_rows, max_replace_values=max_replace_values,
+            SparkDeltaDestination(spark), TypeResolver(conn), targets, max_changes=max_chunk_changes,
+            max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows, max_replace_values=max_replace_values,
         )
         end_lsn = rc.identify_system().xlogpos
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
@@ -170,23 +154,12 @@ def run_incremental(
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
-    tables = {
-        str(target.table): TableResult(
-            target.stats.inserted,
-            target.stats.updated,
-            target.stats.deleted,
-            target.stats.truncates,
-            target.stats.applied_lsn,
-            newest_version(spark, target.path) if target.snapshot_lsn is not None else None,
-        )
-        for target in targets.values()
-    }
     duration = time.monotonic() - started
     result = IncrementalResult(
         start_lsn=start_lsn,
         end_lsn=end_lsn,
         confirmed_flush_lsn=confirmed,
-        tables=tables,
+        tables=_table_results(spark, targets),
         transactions=applier.transactions,
         changes=applier.changes_applied,
         changes_skipped=applier.changes_skipped,
@@ -200,6 +173,46 @@ def run_incremental(
         f"({result.changes_per_second:,.0f}/s), {result.changes_skipped} skipped, slot confirmed at {confirmed}"
     )
     return result
+
+
+def _targets(
+    config: PgcdcConfig, spark: SparkSession, tables: list[TableName], say: Callable[[str], None]
+) -> tuple[dict[TableName, TableTarget], list[str]]:
+    """The run's tables with their snapshot LSNs, and the names of those without a snapshot yet."""
+    targets = {
+        table: TableTarget(table, path, _snapshot_lsn(spark, path, config))
+        for table in tables
+        for path in [config.table_path(table.schema, table.name)]
+    }
+    without_snapshot = [str(t.table) for t in targets.values() if t.snapshot_lsn is None]
+    if targets and len(without_snapshot) == len(targets):
+        # Every change would be skipped and the slot confirmed past it: with a mistyped or
+        # unmounted delta.root the real lake would never get those changes.
+        raise ConfigurationError(
+            f"no replicated table has a snapshot under delta.root {config.delta.root}",
+            f"run the {SNAPSHOT_JOB} job first, or fix delta.root if it points to the wrong place",
+        )
+    if without_snapshot:
+        say(
+            f"no snapshot yet for {', '.join(without_snapshot)}: their changes are skipped "
+            "(their snapshot will start after this run's position)"
+        )
+    return targets, without_snapshot
+
+
+def _table_results(spark: SparkSession, targets: dict[TableName, TableTarget]) -> dict[str, TableResult]:
+    """Per table: what the run applied, and the Delta version it left (None without a snapshot)."""
+    return {
+        str(target.table): TableResult(
+            target.stats.inserted,
+            target.stats.updated,
+            target.stats.deleted,
+            target.stats.truncates,
+            target.stats.applied_lsn,
+            newest_version(spark, target.path) if target.snapshot_lsn is not None else None,
+        )
+        for target in targets.values()
+    }
 
 
 def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | None:

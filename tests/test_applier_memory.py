@@ -9,6 +9,8 @@ same against PostgreSQL and Delta; these run in a second and explore many more o
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 from resources.cdc.applier import ChangeApplier
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import CommittedTransaction, TransactionAssembler
+from resources.cdc.writer import OrderedWriter
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
@@ -196,3 +199,24 @@ def test_the_memory_merge_refuses_two_changes_for_one_key() -> None:
     source = pa.table({"id": pa.array([1, 1], pa.int32()), "body": ["a", "b"], LSN_COLUMN: [1, 2], "_pgcdc_op": ["I", "U"]})
     with pytest.raises(ValueError, match="two changes for key"):
         destination.merge_batch(PATH, source, ["id"])
+
+
+def test_the_writer_calls_the_heartbeat_while_a_write_blocks() -> None:
+    """A Delta commit may take minutes; the walsender must hear from the drain meanwhile."""
+    release = threading.Event()
+    beats: list[float] = []
+
+    def heartbeat() -> None:
+        beats.append(time.monotonic())
+        if len(beats) == 5:
+            release.set()
+
+    writer = OrderedWriter(heartbeat)
+    try:
+        writer.write(release.wait)
+        writer.durable_after_queued(42)
+        assert writer.durable == 0
+        writer.collect(wait=True)
+        assert writer.durable == 42 and len(beats) >= 5
+    finally:
+        writer.close()

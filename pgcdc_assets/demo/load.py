@@ -85,103 +85,113 @@ class LoadGenerator(threading.Thread):
         conn.commit()
 
     def _actions(self) -> dict[str, tuple[int, Callable[[psycopg.Connection], None]]]:
-        r = self._random
-
-        def new_order(conn: psycopg.Connection) -> None:
-            products = r.sample(self.products, r.randint(1, 3))
-            ((order_id,),) = conn.execute(
-                "INSERT INTO shop.orders (customer_id, total, note) VALUES (%s, %s, %s) RETURNING id",
-                (r.choice(self.customers), Decimal(r.randint(500, 90000)) / 100, r.choice([None, None, "asap"])),
-            ).fetchall()
-            for product in products:
-                conn.execute(
-                    "INSERT INTO shop.order_items (order_id, product_id, qty) VALUES (%s, %s, %s)",
-                    (order_id, product, r.randint(1, 5)),
-                )
-                self.items.add((order_id, product))
-            self.orders.append(order_id)
-
-        def advance_order(conn: psycopg.Connection) -> None:
-            conn.execute(
-                "UPDATE shop.orders SET status = %s::shop.order_status, note = %s WHERE id = %s",
-                (r.choice(["paid", "shipped", "delivered", "cancelled"]), r.choice([None, "updated", "ça va ✓"]),
-                 r.choice(self.orders)),
-            )  # fmt: skip
-
-        def change_qty(conn: psycopg.Connection) -> None:
-            if self.items:
-                order_id, product = r.choice(tuple(self.items))
-                conn.execute(
-                    "UPDATE shop.order_items SET qty = qty + 1 WHERE order_id = %s AND product_id = %s",
-                    (order_id, product),
-                )
-
-        def remove_item(conn: psycopg.Connection) -> None:
-            if self.items:
-                item = r.choice(tuple(self.items))
-                conn.execute("DELETE FROM shop.order_items WHERE order_id = %s AND product_id = %s", item)
-                self.items.discard(item)
-
-        def delete_order(conn: psycopg.Connection) -> None:
-            if len(self.orders) > 10:
-                order_id = self.orders.pop(r.randrange(len(self.orders)))
-                conn.execute("DELETE FROM shop.orders WHERE id = %s", (order_id,))  # items cascade
-                self.items = {item for item in self.items if item[0] != order_id}
-
-        def reprice(conn: psycopg.Connection) -> None:
-            # Leaves attributes alone: for the large (TOASTed) ones pgoutput sends "unchanged".
-            conn.execute(
-                "UPDATE shop.products SET price = round(price * %s, 2) WHERE id = %s",
-                (Decimal(r.choice(["0.9", "1.05", "1.1"])), r.choice(self.products)),
-            )
-
-        def retag(conn: psycopg.Connection) -> None:
-            conn.execute(
-                "UPDATE shop.products SET tags = %s, attributes = attributes || %s WHERE id = %s",
-                (r.choice([["sale"], ["new", "limited"], [], None, ['quote"d', "com,ma"]]),
-                 Jsonb({"rating": r.randint(1, 5)}), r.choice(self.products)),
-            )  # fmt: skip
-
-        def new_customer(conn: psycopg.Connection) -> None:
-            ((customer_id,),) = conn.execute(
-                "INSERT INTO shop.customers (name, email) VALUES (%s, %s) RETURNING id",
-                (r.choice(["Grace", "Linus", "Barbara", "Edsger", "Zoë"]) + f" {r.randint(1, 10**6)}", None),
-            ).fetchall()
-            conn.execute(
-                "UPDATE shop.customers SET email = %s WHERE id = %s", (f"Customer{customer_id}@Shop.test", customer_id)
-            )
-            self.customers.append(customer_id)
-
-        def new_email(conn: psycopg.Connection) -> None:
-            customer_id = r.choice(self.customers)
-            conn.execute(
-                "UPDATE shop.customers SET email = %s WHERE id = %s",
-                (f"c{customer_id}.{r.randint(1, 10**6)}@example.org", customer_id),
-            )
-
-        def forget_customer(conn: psycopg.Connection) -> None:
-            if len(self.customers) > 10:
-                customer_id = self.customers.pop(r.randrange(len(self.customers)))
-                conn.execute("DELETE FROM shop.customers WHERE id = %s", (customer_id,))  # orders: SET NULL
-
-        def page_views(conn: psycopg.Connection) -> None:
-            with conn.cursor() as cursor:
-                cursor.executemany(
-                    "INSERT INTO shop.page_views (at, path, customer_id) VALUES (now(), %s, %s)",
-                    [(f"/products/{r.choice(self.products)}", r.choice([None, r.choice(self.customers)]))
-                     for _ in range(r.randint(1, 5))],
-                )  # fmt: skip
-
+        """Each kind of shop transaction with its weight."""
         return {
-            "new_order": (20, new_order),
-            "advance_order": (20, advance_order),
-            "change_qty": (8, change_qty),
-            "remove_item": (5, remove_item),
-            "delete_order": (4, delete_order),
-            "reprice": (10, reprice),
-            "retag": (5, retag),
-            "new_customer": (6, new_customer),
-            "new_email": (6, new_email),
-            "forget_customer": (2, forget_customer),
-            "page_views": (15, page_views),
+            "new_order": (20, self._new_order),
+            "advance_order": (20, self._advance_order),
+            "change_qty": (8, self._change_qty),
+            "remove_item": (5, self._remove_item),
+            "delete_order": (4, self._delete_order),
+            "reprice": (10, self._reprice),
+            "retag": (5, self._retag),
+            "new_customer": (6, self._new_customer),
+            "new_email": (6, self._new_email),
+            "forget_customer": (2, self._forget_customer),
+            "page_views": (15, self._page_views),
         }
+
+    def _new_order(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        products = r.sample(self.products, r.randint(1, 3))
+        ((order_id,),) = conn.execute(
+            "INSERT INTO shop.orders (customer_id, total, note) VALUES (%s, %s, %s) RETURNING id",
+            (r.choice(self.customers), Decimal(r.randint(500, 90000)) / 100, r.choice([None, None, "asap"])),
+        ).fetchall()
+        for product in products:
+            conn.execute(
+                "INSERT INTO shop.order_items (order_id, product_id, qty) VALUES (%s, %s, %s)",
+                (order_id, product, r.randint(1, 5)),
+            )
+            self.items.add((order_id, product))
+        self.orders.append(order_id)
+
+    def _advance_order(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        conn.execute(
+            "UPDATE shop.orders SET status = %s::shop.order_status, note = %s WHERE id = %s",
+            (r.choice(["paid", "shipped", "delivered", "cancelled"]), r.choice([None, "updated", "ça va ✓"]),
+             r.choice(self.orders)),
+        )  # fmt: skip
+
+    def _change_qty(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        if self.items:
+            order_id, product = r.choice(tuple(self.items))
+            conn.execute(
+                "UPDATE shop.order_items SET qty = qty + 1 WHERE order_id = %s AND product_id = %s",
+                (order_id, product),
+            )
+
+    def _remove_item(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        if self.items:
+            item = r.choice(tuple(self.items))
+            conn.execute("DELETE FROM shop.order_items WHERE order_id = %s AND product_id = %s", item)
+            self.items.discard(item)
+
+    def _delete_order(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        if len(self.orders) > 10:
+            order_id = self.orders.pop(r.randrange(len(self.orders)))
+            conn.execute("DELETE FROM shop.orders WHERE id = %s", (order_id,))  # items cascade
+            self.items = {item for item in self.items if item[0] != order_id}
+
+    def _reprice(self, conn: psycopg.Connection) -> None:
+        # Leaves attributes alone: for the large (TOASTed) ones pgoutput sends "unchanged".
+        r = self._random
+        conn.execute(
+            "UPDATE shop.products SET price = round(price * %s, 2) WHERE id = %s",
+            (Decimal(r.choice(["0.9", "1.05", "1.1"])), r.choice(self.products)),
+        )
+
+    def _retag(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        conn.execute(
+            "UPDATE shop.products SET tags = %s, attributes = attributes || %s WHERE id = %s",
+            (r.choice([["sale"], ["new", "limited"], [], None, ['quote"d', "com,ma"]]),
+             Jsonb({"rating": r.randint(1, 5)}), r.choice(self.products)),
+        )  # fmt: skip
+
+    def _new_customer(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        ((customer_id,),) = conn.execute(
+            "INSERT INTO shop.customers (name, email) VALUES (%s, %s) RETURNING id",
+            (r.choice(["Grace", "Linus", "Barbara", "Edsger", "Zoë"]) + f" {r.randint(1, 10**6)}", None),
+        ).fetchall()
+        conn.execute(
+            "UPDATE shop.customers SET email = %s WHERE id = %s", (f"Customer{customer_id}@Shop.test", customer_id)
+        )
+        self.customers.append(customer_id)
+
+    def _new_email(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        customer_id = r.choice(self.customers)
+        conn.execute(
+            "UPDATE shop.customers SET email = %s WHERE id = %s",
+            (f"c{customer_id}.{r.randint(1, 10**6)}@example.org", customer_id),
+        )
+
+    def _forget_customer(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        if len(self.customers) > 10:
+            customer_id = self.customers.pop(r.randrange(len(self.customers)))
+            conn.execute("DELETE FROM shop.customers WHERE id = %s", (customer_id,))  # orders: SET NULL
+
+    def _page_views(self, conn: psycopg.Connection) -> None:
+        r = self._random
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO shop.page_views (at, path, customer_id) VALUES (now(), %s, %s)",
+                [(f"/products/{r.choice(self.products)}", r.choice([None, r.choice(self.customers)]))
+                 for _ in range(r.randint(1, 5))],
+            )  # fmt: skip

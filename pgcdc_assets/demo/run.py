@@ -306,39 +306,8 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
         say(f"snapshot run {result.run_id[:8]} in {time.monotonic() - t0:.1f} s;"
             f" verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows)")  # fmt: skip
 
-        step(f"{args.runs} incremental runs (Dagster job pgcdc_incremental) while the load generator writes")
-        say("per table: +inserted/~updated/-deleted; each run is verified against the PostgreSQL snapshot")
-        say("matching its end LSN, while the load keeps writing")
-        load = LoadGenerator(dsn)
-        load.start()
-        load.resume()
-        try:
-            for number in range(1, args.runs + 1):
-                time.sleep(LOAD_SECONDS)
-                t0 = time.monotonic()
-                result, snapshot = incremental_with_load(driver, dsn, load)
-                say(describe_run(f"run {number}/{args.runs}", materialized(result), time.monotonic() - t0))
-                with snapshot:
-                    rows = verify_all(snapshot, lake)
-                say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)}")
-        finally:
-            load.stop()
-        say(f"load generator stopped after {load.transactions:,} transactions: "
-            + ", ".join(f"{name} {n}" for name, n in load.counts.most_common()))  # fmt: skip
-
-        step("Final run with the load stopped, then exact verification against live PostgreSQL")
-        t0 = time.monotonic()
-        result = driver.run("pgcdc_incremental")
-        say(describe_run("final run", materialized(result), time.monotonic() - t0))
-        with _verify_connection(dsn) as conn:
-            rows = verify_all(conn, lake)
-            (lag,) = conn.execute(
-                "SELECT pg_catalog.pg_current_wal_lsn() OPERATOR(pg_catalog.-) confirmed_flush_lsn"
-                " FROM pg_catalog.pg_replication_slots WHERE slot_name OPERATOR(pg_catalog.=) %s::pg_catalog.name",
-                (SLOT,),
-            ).fetchone()  # type: ignore[misc]
-        say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)};"
-            f" slot lag now {lag} bytes")  # fmt: skip
+        _incremental_runs(args, driver, dsn, lake)
+        _final_run(driver, dsn, lake)
     finally:
         driver.close()
     say(f"\nall verifications passed; demo took {time.monotonic() - started:.0f} s so far")
@@ -353,6 +322,46 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
             f" DAGSTER_HOME={shlex.quote(str(dagster_home))} {shlex.join(command)}")  # fmt: skip
         return 0
     return serve_dagster(env, args.port, args.dagster_seconds)
+
+
+def _incremental_runs(args: argparse.Namespace, driver: DagsterDriver, dsn: str, lake: Path) -> None:
+    """``--runs`` incremental runs under load, each verified against the snapshot matching its end."""
+    step(f"{args.runs} incremental runs (Dagster job pgcdc_incremental) while the load generator writes")
+    say("per table: +inserted/~updated/-deleted; each run is verified against the PostgreSQL snapshot")
+    say("matching its end LSN, while the load keeps writing")
+    load = LoadGenerator(dsn)
+    load.start()
+    load.resume()
+    try:
+        for number in range(1, args.runs + 1):
+            time.sleep(LOAD_SECONDS)
+            t0 = time.monotonic()
+            result, snapshot = incremental_with_load(driver, dsn, load)
+            say(describe_run(f"run {number}/{args.runs}", materialized(result), time.monotonic() - t0))
+            with snapshot:
+                rows = verify_all(snapshot, lake)
+            say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)}")
+    finally:
+        load.stop()
+    say(f"load generator stopped after {load.transactions:,} transactions: "
+        + ", ".join(f"{name} {n}" for name, n in load.counts.most_common()))  # fmt: skip
+
+
+def _final_run(driver: DagsterDriver, dsn: str, lake: Path) -> None:
+    """One more run with the load stopped, verified against live PostgreSQL."""
+    step("Final run with the load stopped, then exact verification against live PostgreSQL")
+    t0 = time.monotonic()
+    result = driver.run("pgcdc_incremental")
+    say(describe_run("final run", materialized(result), time.monotonic() - t0))
+    with _verify_connection(dsn) as conn:
+        rows = verify_all(conn, lake)
+        (lag,) = conn.execute(
+            "SELECT pg_catalog.pg_current_wal_lsn() OPERATOR(pg_catalog.-) confirmed_flush_lsn"
+            " FROM pg_catalog.pg_replication_slots WHERE slot_name OPERATOR(pg_catalog.=) %s::pg_catalog.name",
+            (SLOT,),
+        ).fetchone()  # type: ignore[misc]
+    say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)};"
+        f" slot lag now {lag} bytes")  # fmt: skip
 
 
 def _finish(server: Any, directory: Path, *, keep: bool) -> None:

@@ -41,9 +41,7 @@ consistent point is a record boundary, so that is exactly the set the snapshot h
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import pyarrow as pa
@@ -51,19 +49,19 @@ import pyarrow.compute as pc
 
 from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
-from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
+from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaReconciler
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
+from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination
 from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
-from resources.delta.schema_changes import delta_type_name, is_safe_widening
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation, UNCHANGED_TOAST
 from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 from resources.pgoutput.tuples import row_values, tuple_columns_at
-from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
+from resources.pgtypes import PgColumnType, PgValueError, to_arrow
 from resources.postgres.catalog import TableName
 from resources.postgres.column_types import ColumnTypes
 from resources.testing.faults import fault_point
@@ -79,12 +77,6 @@ DEFAULT_MERGE_ROWS = 200_000
 """Most source rows per MERGE. Smaller pieces lowered Sail's memory only at a steep throughput cost
 (docs/engine-notes.md: 25k rows 1.4 GiB at 0.3x the speed; 50k no lower than one MERGE per chunk), so
 by default a chunk (200k changes) is still one MERGE per table."""
-HEARTBEAT_SECONDS = 0.1
-"""How often a thread waiting for Delta calls the heartbeat (which decides itself whether to send)."""
-
-
-class ChangeValueError(PgcdcError):
-    """A changed value does not fit its Delta column."""
 
 
 class ChangeApplier:
@@ -109,10 +101,9 @@ class ChangeApplier:
         max_merge_rows: int = DEFAULT_MERGE_ROWS,
         max_replace_values: int = DEFAULT_REPLACE_VALUES,
     ) -> None:
-        """``heartbeat`` is called about every :data:`HEARTBEAT_SECONDS` while this thread waits
+        """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out)."""
         self._destination = destination
-        self._heartbeat = heartbeat
         self._types = types
         self._targets = targets
         self._max_changes = max(1, max_changes)
@@ -123,13 +114,8 @@ class ChangeApplier:
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
         self._complete_end = 0
-        self._durable = 0
-        # One Delta write runs in the background while the next chunk is decoded and folded
-        # (the write waits on the engine, not on Python): writes stay in order, and at
-        # most one chunk is in flight besides the one being built. Every Destination call of the
-        # applier runs on this thread; the caller's thread only waits for it (see _wait).
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgcdc-delta-write")
-        self._in_flight: deque[tuple[Future[None], int | None]] = deque()
+        self._writer = OrderedWriter(heartbeat)
+        self._schema = SchemaReconciler(destination, self._writer, types, log)
         self.pending_changes = 0
         self.pending_bytes = 0
         self.transactions = 0
@@ -217,60 +203,21 @@ class ChangeApplier:
         for target in self._targets.values():
             if target.pending:
                 self._flush_target(target)
-        if self._in_flight:
-            self._in_flight.append((self._writer.submit(lambda: None), self._complete_end))
-        else:
-            self._durable = self._complete_end
+        self._writer.durable_after_queued(self._complete_end)
 
     def durable_lsn(self) -> LSN:
         """The end LSN of the newest transaction whose changes are all committed to Delta (does not wait)."""
-        self._collect(wait=False)
-        return LSN(self._durable)
+        self._writer.collect(wait=False)
+        return LSN(self._writer.durable)
 
     def finish(self) -> LSN:
         """Wait for every write; returns :meth:`durable_lsn`."""
-        self._collect(wait=True)
-        return LSN(self._durable)
+        self._writer.collect(wait=True)
+        return LSN(self._writer.durable)
 
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
-        for future, _ in self._in_flight:
-            try:
-                self._wait(future)
-            except Exception:  # noqa: BLE001 - closing after a failure: the failure is already on its way
-                break
-        self._writer.shutdown(wait=True)
-
-    def _write(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
-        """Run a Delta write in the writer thread, after those submitted before it."""
-        self._collect(wait=False)
-        while self._in_flight:
-            self._collect_one()
-        self._in_flight.append((self._writer.submit(operation, *args, **kwargs), None))
-
-    def _collect(self, wait: bool) -> None:
-        while self._in_flight and (wait or self._in_flight[0][0].done()):
-            self._collect_one()
-
-    def _collect_one(self) -> None:
-        future, durable = self._in_flight.popleft()
-        self._wait(future)  # a failed write fails the run here, before anything later is confirmed
-        if durable is not None:
-            self._durable = durable
-
-    def _wait(self, future: Future):  # type: ignore[type-arg]
-        """The future's result; calls the heartbeat while waiting, however long a Delta commit takes."""
-        heartbeat = self._heartbeat
-        if heartbeat is not None:
-            while not future.done():
-                heartbeat()
-                wait((future,), timeout=HEARTBEAT_SECONDS, return_when=FIRST_COMPLETED)
-        return future.result()
-
-    def _call(self, operation: Callable[..., object], *args: object) -> object:
-        """Run a Destination call on the writer thread after every queued write, and wait for its result."""
-        self._collect(wait=True)
-        return self._wait(self._writer.submit(operation, *args))
+        self._writer.close()
 
     # -- schema
 
@@ -286,7 +233,7 @@ class ChangeApplier:
             return
         if target.pending:
             self._flush_target(target)
-        self._collect(wait=True)  # the schema is read and changed below, behind the queued writes
+        self._writer.collect(wait=True)  # the schema is read and changed below, behind the queued writes
         columns = self._types.columns(relation)
         key_index = tuple(i for i, column in enumerate(relation.columns) if column.is_key)
         if relation.replica_identity == "f":
@@ -296,137 +243,11 @@ class ChangeApplier:
         else:
             target.mode, target.key_index = APPEND, ()
         if target.mode in MARKED_MODES and not target.applied_marker_loaded:
-            target.applied_marker = self._call(self._destination.read_applied_marker, target.path)  # type: ignore[assignment]
+            target.applied_marker = self._writer.call(self._destination.read_applied_marker, target.path)  # type: ignore[assignment]
             target.applied_marker_loaded = True
-        self._reconcile_schema(target, columns, previous, relation, end, seq)
+        self._schema.reconcile(target, columns, previous, relation, end, seq)
         target.relation = relation
         target.columns = columns
-
-    def _reconcile_schema(
-        self,
-        target: TableTarget,
-        columns: list[PgColumnType],
-        previous: Relation | None,
-        relation: Relation,
-        end: int,
-        seq: int,
-    ) -> None:
-        if target.delta_schema is None:
-            target.delta_schema = self._call(self._destination.table_schema, target.path)  # type: ignore[assignment]
-        existing = {f.name: f.type for f in target.delta_schema}
-        added: list[pa.Field] = []
-        widened: dict[str, pa.DataType] = {}
-        for column in columns:
-            wanted = arrow_type(column)
-            current = existing.get(column.column)
-            if current is None:
-                added.append(pa.field(column.column, wanted))
-            elif delta_type_name(current) != delta_type_name(wanted):
-                if not is_safe_widening(current, wanted):
-                    raise SchemaChangeError(
-                        f"column {column.column!r} of {target.table} changed type from "
-                        f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
-                        RESNAPSHOT_FIX,
-                    )
-                widened[column.column] = wanted
-        # Columns new since the previous Relation message (or, for the first one of the run, new
-        # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows.
-        seen = {c.name for c in previous.columns} if previous is not None else set(existing)
-        fills = self._fills(target, relation, columns, [c for c in columns if c.column not in seen], end, seq)
-        added = [f for f in added if f.name not in fills]
-        if widened:
-            self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
-            self._call(self._destination.widen_columns, target.path, widened)
-        if added:
-            self._log(f"{target.table}: adding column(s) {', '.join(f.name for f in added)}")
-            self._call(self._destination.add_columns, target.path, pa.schema(added))
-        if fills:
-            self._log(
-                f"{target.table}: setting {', '.join(fills)} in the rows written up to {LSN(end)} to the value "
-                "PostgreSQL gave the rows that existed when the column was added (rewrites the Delta table)"
-            )
-            values = pa.table({name: value for name, value in fills.items()})
-            self._call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
-        if widened or added or fills:
-            target.delta_schema = self._call(self._destination.table_schema, target.path)  # type: ignore[assignment]
-        names = {column.column for column in columns}
-        target.dropped = [
-            f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
-        ]
-
-    def _fills(
-        self,
-        target: TableTarget,
-        relation: Relation,
-        columns: list[PgColumnType],
-        new: list[PgColumnType],
-        end: int,
-        seq: int,
-    ) -> dict[str, pa.Array]:
-        """The value (one-element typed array) each newly appearing column must get in the rows
-        already in Delta, for the columns that need one.
-
-        ``ALTER TABLE ... ADD COLUMN c ... DEFAULT x`` gives existing rows ``x`` without any row
-        change in the WAL: PostgreSQL 11+ stores a non-volatile default once as the column's
-        missing value (pg_attribute.attmissingval). A volatile default, or one set after the
-        column was added, is in the rows themselves and cannot be told from the catalog.
-        """
-        if not new:
-            return {}
-        if target.mode in MARKED_MODES and target.applied_marker is not None and target.applied_marker >= (end, seq):
-            return {}  # a replay: changes after this Relation message are in Delta, so it was handled before
-        facts = self._types.added_columns(relation, [c.column for c in new])
-        in_delta = {f.name for f in target.delta_schema or []}
-        fills: dict[str, pa.Array] = {}
-        for column, attribute in zip(columns, relation.columns):
-            if column not in new:
-                continue
-            name = column.column
-            seen = facts.get(name)
-            if not seen:
-                # Gone again (dropped or renamed) before we looked, which also clears its missing value.
-                # It is a dropped column in Delta from here on; only the rows written before it was
-                # added lack what PostgreSQL gave them there (NULL instead), which no longer exists in
-                # PostgreSQL. Refusing would stop every ADD COLUMN ... DROP COLUMN between two runs.
-                self._log(
-                    f"warning: {target.table}: column {name} was added and is gone again (dropped or renamed) "
-                    "before this run: rows written before it was added hold NULL in it in Delta"
-                )
-                continue
-            if len(seen) > 1:
-                raise SchemaChangeError(
-                    f"column {name!r} of {target.table} differs between its partitions: "
-                    "what its existing rows hold cannot be told from the catalog",
-                    RESNAPSHOT_FIX,
-                )
-            ((type_oid, has_missing, missing, has_default),) = seen
-            if has_missing and type_oid != attribute.type_oid:
-                # A type change rewrites the table and clears the missing value: this one belongs to
-                # a column of the same name added again since.
-                raise SchemaChangeError(
-                    f"column {name!r} of {target.table} was added and has since been dropped and added again: "
-                    "what its existing rows held cannot be read any more",
-                    RESNAPSHOT_FIX,
-                )
-            if has_missing:
-                try:
-                    fills[name] = to_arrow(pa.array([missing], pa.string()), column)
-                except PgValueError as exc:
-                    raise ChangeValueError(
-                        f"cannot apply the default of the added column {name!r} to {target.table}: {exc}",
-                        "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
-                    ) from exc
-            elif has_default:
-                raise SchemaChangeError(
-                    f"column {name!r} of {target.table} was added with a default that PostgreSQL wrote into the "
-                    "existing rows without logging them (a volatile default, or a default set after the column "
-                    "was added)",
-                    RESNAPSHOT_FIX,
-                )
-            elif name in in_delta:
-                # Added again under the name of a column dropped earlier (kept in Delta): existing rows are NULL.
-                fills[name] = pa.nulls(1, arrow_type(column))
-        return fills
 
     def _warn_keyless(self, target: TableTarget, op: str) -> None:
         self.changes_skipped += 1
@@ -448,7 +269,7 @@ class ChangeApplier:
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
-        self._write(self._destination.delete_all_rows, target.path)
+        self._writer.write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)
 
@@ -478,23 +299,22 @@ class ChangeApplier:
         """
         limit = self._max_merge_rows
         if batch.num_rows <= limit:
-            self._write(self._destination.merge_batch, target.path, batch, key_columns)
+            self._writer.write(self._destination.merge_batch, target.path, batch, key_columns)
             return
         batch = batch.take(pc.sort_indices(pc.equal(batch.column(OP_COLUMN), "D")))  # stable: deletes last
         for start in range(0, batch.num_rows, limit):
             piece = batch.slice(start, limit)
             if start == 0:
-                self._write(self._destination.merge_batch, target.path, piece, key_columns)
+                self._writer.write(self._destination.merge_batch, target.path, piece, key_columns)
             else:
-                future = self._writer.submit(self._destination.merge_batch, target.path, piece, key_columns)
-                self._in_flight.append((future, None))
+                self._writer.write_behind(self._destination.merge_batch, target.path, piece, key_columns)
 
     def _append(self, target: TableTarget, rows: PendingRows) -> None:
         columns, _ = tuple_columns_at(rows.data, rows.new, len(target.columns))
         lsns = pa.array(rows.lsns, pa.int64())
         batch = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
         end, seq = int(rows.lsns[-1]), int(rows.seqs[-1])
-        self._write(self._destination.append_rows, target.path, batch, applied_marker(APPEND_MARKER, end, seq))
+        self._writer.write(self._destination.append_rows, target.path, batch, applied_marker(APPEND_MARKER, end, seq))
         target.applied_marker = (end, seq)
         target.stats.inserted += len(rows)
 
@@ -525,7 +345,7 @@ class ChangeApplier:
                 lsn_column=LSN_COLUMN,
                 on_missing=functools.partial(self._warn_missing_rows, target),
             )
-            self._write(self._destination.replace_rows, target.path, probe.select(value_columns), rewrite, applied_marker(REPLACE_MARKER, end, seq))
+            self._writer.write(self._destination.replace_rows, target.path, probe.select(value_columns), rewrite, applied_marker(REPLACE_MARKER, end, seq))
             target.applied_marker = (end, seq)
         stats = target.stats
         stats.inserted += int((rows.ops == INSERT).sum())

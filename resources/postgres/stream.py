@@ -12,19 +12,10 @@ from psycopg import pq
 
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError
 from resources.lsn import LSN
+from resources.pgoutput.boundaries import HOLD, LAST, TransactionBoundaries
 from resources.pgoutput.options import PgOutputOptions
-from resources.pgoutput.tags import (
-    BEGIN,
-    BEGIN_PREPARE,
-    COMMIT,
-    DELETE,
-    INSERT,
-    PREPARE,
-    STANDALONE,
-    STREAM_START,
-    STREAM_STOP,
-    UPDATE,
-)
+from resources.pgoutput.tags import DELETE, INSERT, UPDATE
+from resources.postgres import libpq_io
 from resources.postgres.connections import from_result, one_line
 from resources.postgres.frames import (
     Keepalive,
@@ -35,7 +26,6 @@ from resources.postgres.frames import (
     pg_epoch_micros,
     STATUS,
     unpack_keepalive,
-    unpack_u64,
     unpack_xlog,
     XLogData,
     XLOGDATA,
@@ -99,8 +89,7 @@ class ReplicationStream:
         self._reported_flush = 0  # highest flush LSN sent to the server
         self._next_status = 0.0
         # protocol state kept across drains
-        self._in_txn = False
-        self._in_block = False
+        self._boundaries = TransactionBoundaries()
         self._pending: XLogData | None = None  # a frame peeked at by drain but not handed out
         self._pending_start = 0
         # progress counters
@@ -139,7 +128,7 @@ class ReplicationStream:
     @property
     def in_transaction(self) -> bool:
         """A transaction (or streamed block) was begun and not yet closed."""
-        return self._in_txn or self._in_block
+        return self._boundaries.open
 
     # -- lifecycle
 
@@ -190,7 +179,7 @@ class ReplicationStream:
         self._confirmed = max(self._confirmed, floor)
         self._reported_flush = floor
         self._received = max(floor, int(start_lsn))
-        self._in_txn = self._in_block = False
+        self._boundaries = TransactionBoundaries()
         self._pending = None
 
         pgconn = self._pgconn
@@ -199,8 +188,8 @@ class ReplicationStream:
         pgconn.nonblocking = 1
         try:
             pgconn.send_query(command.encode())
-            self._flush(deadline=time.monotonic() + self.idle_timeout)
-            res = self._get_result(deadline=time.monotonic() + self.idle_timeout)
+            libpq_io.flush(self._pgconn, time.monotonic() + self.idle_timeout)
+            res = libpq_io.get_result(self._pgconn, self._poller, time.monotonic() + self.idle_timeout)
         except psycopg.OperationalError as exc:
             raise self._lost(exc) from None
         if res is None or res.status != pq.ExecStatus.COPY_BOTH:
@@ -236,8 +225,8 @@ class ReplicationStream:
         pgconn = self._pgconn
         try:
             while pgconn.put_copy_data(message) == 0:
-                self._wait_writable(time.monotonic() + self.idle_timeout)
-            self._flush(time.monotonic() + self.idle_timeout)
+                libpq_io.wait_writable(self._pgconn, time.monotonic() + self.idle_timeout)
+            libpq_io.flush(self._pgconn, time.monotonic() + self.idle_timeout)
         except psycopg.OperationalError as exc:
             raise self._lost(exc) from None
         self._reported_flush = flush
@@ -263,15 +252,15 @@ class ReplicationStream:
         try:
             self.send_status()
             while pgconn.put_copy_end() == 0:
-                self._wait_writable(deadline)
-            self._flush(deadline)
+                libpq_io.wait_writable(self._pgconn, deadline)
+            libpq_io.flush(self._pgconn, deadline)
             while True:
                 nbytes, _ = pgconn.get_copy_data(1)
                 if nbytes > 0:
                     self.discarded += 1
                     continue
                 if nbytes == 0:
-                    self._wait_readable(deadline)
+                    libpq_io.wait_readable(self._pgconn, self._poller, deadline)
                     pgconn.consume_input()
                     continue
                 break  # -1: the server answered with CopyDone
@@ -298,7 +287,7 @@ class ReplicationStream:
         self._require_streaming()
         if self._pending is not None:
             frame, self._pending = self._pending, None
-            self._track(frame)
+            self._boundaries.track(frame.payload, int(frame.wal_start))
             return frame
         deadline = None if timeout is None else time.monotonic() + timeout
         pgconn = self._pgconn
@@ -317,7 +306,7 @@ class ReplicationStream:
                         self._received = end
                     lsn = new_lsn(LSN, start)
                     frame = new_tuple(XLogData, (lsn, lsn if end == start else new_lsn(LSN, end), sent, buf[PAYLOAD:]))
-                    self._track(frame)
+                    self._boundaries.track(frame.payload, start)
                     return frame
                 if kind == KEEPALIVE_TAG:
                     return self._keepalive(buf)
@@ -330,7 +319,7 @@ class ReplicationStream:
             if now >= self._next_status:
                 self.send_status()
             wait_until = self._next_status if deadline is None else min(deadline, self._next_status)
-            self._wait_readable(wait_until, raise_on_timeout=False)
+            libpq_io.wait_readable(self._pgconn, self._poller, wait_until, raise_on_timeout=False)
             self._consume()
 
     def drain(self, end_lsn: LSN, *, stop: bool = True) -> Iterator[XLogData]:
@@ -368,23 +357,23 @@ class ReplicationStream:
 
     def _drain(self, end: int, max_batch_bytes: int = 0) -> Iterator[XLogData | list[bytes]]:
         """The drain loop; with ``max_batch_bytes`` > 0, row changes are batched (:meth:`drain_batches`)."""
+        # hot loop: one function so the per-frame state stays in locals (bench.decode measures it);
+        # the transaction-boundary rules are TransactionBoundaries.classify, waiting is _idle.
+        bounds = self._boundaries
         pending = self._pending
         if pending is not None:
             # A frame an earlier drain stopped in front of; _pending_start is where its record starts.
             if self._pending_start >= end:
                 return
             self._pending = None
-            record_end = self._track(pending)
+            record_end = bounds.track(pending.payload, int(pending.wal_start))
             yield pending
             if record_end >= end:
                 return
-        pgconn = self._pgconn
-        get = pgconn.get_copy_data
-        standalone = STANDALONE
-        in_txn = self._in_txn
-        in_block = self._in_block
-        frames = 0
-        nbytes_total = 0
+        get = self._pgconn.get_copy_data
+        classify = bounds.classify
+        is_open = bounds.open
+        frames = nbytes_total = 0
         received = self._received
         last_activity = time.monotonic()
         probed_at = 0.0
@@ -401,7 +390,7 @@ class ReplicationStream:
                         nbytes_total += nbytes
                         if batching:
                             tag = buf[PAYLOAD]
-                            if (tag == INSERT or tag == UPDATE or tag == DELETE) and (in_txn or in_block):
+                            if (tag == INSERT or tag == UPDATE or tag == DELETE) and is_open:
                                 # Row changes never end a drain and lie below their commit's LSN, which
                                 # `received` takes when the commit arrives: no header unpacking here.
                                 add(bytes(buf[PAYLOAD:]))
@@ -413,14 +402,8 @@ class ReplicationStream:
                                     add = batch.append
                                     batch_bytes = 0
                                 if not frames & 0x3FF:
-                                    self.frames += frames
-                                    self.bytes += nbytes_total
+                                    last_activity = self._account(frames, nbytes_total, received)
                                     frames = nbytes_total = 0
-                                    now = time.monotonic()
-                                    last_activity = now
-                                    if now >= self._next_status:
-                                        self._received = received
-                                        self.send_status()
                                 continue
                             if batch:
                                 yield batch
@@ -435,89 +418,25 @@ class ReplicationStream:
                         frame = new_tuple(
                             XLogData, (lsn, lsn if wal_end == start else new_lsn(LSN, wal_end), sent, buf[PAYLOAD:])
                         )
-                        tag = buf[PAYLOAD]
-                        if in_txn:
-                            if tag == COMMIT or tag == PREPARE:
-                                in_txn = False
-                                self._in_txn = False
-                                yield frame
-                                last_activity = _resumed(self, received)
-                                if unpack_u64(buf, PAYLOAD + 10)[0] >= end:
-                                    return
-                            else:
-                                yield frame
-                                last_activity = _resumed(self, received)
-                        elif in_block:
-                            if tag == STREAM_STOP:
-                                in_block = False
-                                self._in_block = False
-                                yield frame
-                                last_activity = _resumed(self, received)
-                                if start >= end:
-                                    return
-                            else:
-                                yield frame
-                                last_activity = _resumed(self, received)
-                        elif tag == BEGIN or tag == BEGIN_PREPARE:
-                            begin_at = unpack_u64(buf, PAYLOAD + 1)[0]
-                            if begin_at >= end:
-                                self._pending, self._pending_start = frame, begin_at
-                                return
-                            in_txn = True
-                            self._in_txn = True
-                            yield frame
-                            last_activity = _resumed(self, received)
-                        elif tag == STREAM_START:
-                            if start >= end:
-                                self._pending, self._pending_start = frame, start
-                                return
-                            in_block = True
-                            self._in_block = True
-                            yield frame
-                            last_activity = _resumed(self, received)
-                        else:
-                            offsets = standalone.get(tag)
-                            if offsets is None:  # e.g. a non-transactional logical message
-                                if start >= end:
-                                    self._pending, self._pending_start = frame, start
-                                    return
-                                yield frame
-                                last_activity = _resumed(self, received)
-                                continue
-                            begin_at, end_at = offsets
-                            record_end = start if end_at is None else unpack_u64(buf, PAYLOAD + end_at)[0]
-                            if begin_at is not None:
-                                past_end = unpack_u64(buf, PAYLOAD + begin_at)[0] >= end
-                            elif end_at is not None:
-                                # Only the record's end is known ('r'): records never straddle the
-                                # flush position, so it started before `end` unless it ends past it.
-                                past_end = record_end > end
-                            else:
-                                past_end = start >= end
-                            if past_end:
-                                # Any position inside the record serves as its start for the next drain.
-                                self._pending, self._pending_start = frame, record_end - 1
-                                return
-                            yield frame
-                            last_activity = _resumed(self, received)
-                            if record_end >= end:
-                                return
+                        verdict = classify(buf, PAYLOAD, start, end)
+                        if verdict == HOLD:
+                            self._pending, self._pending_start = frame, bounds.held_at
+                            return
+                        is_open = bounds.in_transaction or bounds.in_block
+                        yield frame
+                        last_activity = _resumed(self, received)
+                        if verdict == LAST:
+                            return
                         if not frames & 0x3FF:
-                            self.frames += frames
-                            self.bytes += nbytes_total
+                            last_activity = self._account(frames, nbytes_total, received)
                             frames = nbytes_total = 0
-                            self._received = received
-                            now = time.monotonic()
-                            last_activity = now
-                            if now >= self._next_status:
-                                self.send_status()
                         continue
                     if buf[0] == KEEPALIVE_TAG:
                         self._received = max(received, self._received)
                         keepalive = self._keepalive(buf)
                         received = self._received
                         last_activity = time.monotonic()
-                        if keepalive.wal_end >= end and not in_txn and not in_block:
+                        if keepalive.wal_end >= end and not is_open:
                             return
                         continue
                     raise ProtocolError(
@@ -525,29 +444,9 @@ class ReplicationStream:
                     )
                 if nbytes == -1:
                     self._end_of_copy()
-                # Nothing buffered: account, maybe report or probe, then wait for the socket.
-                self.frames += frames
-                self.bytes += nbytes_total
+                self._account(frames, nbytes_total, received)
                 frames = nbytes_total = 0
-                self._received = received
-                now = time.monotonic()
-                if now >= self._next_status:
-                    self.send_status()
-                quiet_since = max(last_activity, probed_at)
-                if now - quiet_since >= self.idle_probe:
-                    # Ask the walsender where it is: it answers with a keepalive carrying wal_end.
-                    self.send_status(reply_requested=True)
-                    probed_at = now
-                    quiet_since = now
-                if now - last_activity >= self.idle_timeout:
-                    raise ConnectionFailure(
-                        f"no message from the server for {self.idle_timeout:.0f} s",
-                        "check the server and the network, then retry",
-                    )
-                wait_until = min(self._next_status, quiet_since + self.idle_probe, last_activity + self.idle_timeout)
-                if self._wait_readable(wait_until, raise_on_timeout=False):
-                    last_activity = time.monotonic()
-                self._consume()
+                last_activity, probed_at = self._idle(last_activity, probed_at)
         except psycopg.OperationalError as exc:
             raise self._lost(exc) from None
         finally:
@@ -558,24 +457,40 @@ class ReplicationStream:
 
     # -- internals
 
-    def _track(self, frame: XLogData) -> int:
-        """Follow transaction state for a frame handed out on the slow path; returns its end LSN."""
-        payload = frame.payload
-        tag = payload[0]
-        start = int(frame.wal_start)
-        if tag == BEGIN or tag == BEGIN_PREPARE:
-            self._in_txn = True
-        elif tag == COMMIT or tag == PREPARE:
-            self._in_txn = False
-            return unpack_u64(payload, 10)[0]
-        elif tag == STREAM_START:
-            self._in_block = True
-        elif tag == STREAM_STOP:
-            self._in_block = False
-        elif not self.in_transaction and tag in STANDALONE:
-            end_at = STANDALONE[tag][1]
-            return start if end_at is None else unpack_u64(payload, end_at)[0]
-        return -1 if self.in_transaction else start
+    def _account(self, frames: int, nbytes: int, received: int) -> float:
+        """Add a run of frames to the counters and ``received`` to the position, and send a status
+        update if one is due; returns the time."""
+        self.frames += frames
+        self.bytes += nbytes
+        if received > self._received:
+            self._received = received
+        now = time.monotonic()
+        if now >= self._next_status:
+            self.send_status()
+        return now
+
+    def _idle(self, last_activity: float, probed_at: float) -> tuple[float, float]:
+        """Nothing buffered: probe a quiet server, fail a silent one, else wait for the socket.
+
+        Returns the new (last activity, last probe) times.
+        """
+        now = time.monotonic()
+        quiet_since = max(last_activity, probed_at)
+        if now - quiet_since >= self.idle_probe:
+            # Ask the walsender where it is: it answers with a keepalive carrying wal_end.
+            self.send_status(reply_requested=True)
+            probed_at = now
+            quiet_since = now
+        if now - last_activity >= self.idle_timeout:
+            raise ConnectionFailure(
+                f"no message from the server for {self.idle_timeout:.0f} s",
+                "check the server and the network, then retry",
+            )
+        wait_until = min(self._next_status, quiet_since + self.idle_probe, last_activity + self.idle_timeout)
+        if libpq_io.wait_readable(self._pgconn, self._poller, wait_until, raise_on_timeout=False):
+            last_activity = time.monotonic()
+        self._consume()
+        return last_activity, probed_at
 
     def _keepalive(self, buf: memoryview) -> Keepalive:
         wal_end, sent, reply = unpack_keepalive(buf, 1)
@@ -617,7 +532,7 @@ class ReplicationStream:
         deadline = deadline or time.monotonic() + self.idle_timeout
         while True:
             try:
-                res = self._get_result(deadline)
+                res = libpq_io.get_result(self._pgconn, self._poller, deadline)
             except psycopg.OperationalError as exc:
                 return error or self._lost(exc)
             if res is None:
@@ -628,35 +543,3 @@ class ReplicationStream:
                 return error or ProtocolError("unexpected COPY state after the stream ended", "reconnect")
             if self._pgconn.status == pq.ConnStatus.BAD:
                 return error or ConnectionFailure("replication connection lost", "check the server, then retry")
-
-    def _get_result(self, deadline: float) -> pq.abc.PGresult | None:
-        pgconn = self._pgconn
-        while True:
-            pgconn.consume_input()
-            if not pgconn.is_busy():
-                return pgconn.get_result()
-            self._wait_readable(deadline)
-
-    def _flush(self, deadline: float) -> None:
-        while self._pgconn.flush() == 1:
-            self._wait_writable(deadline)
-
-    def _wait_readable(self, deadline: float, raise_on_timeout: bool = True) -> bool:
-        timeout = max(0.0, deadline - time.monotonic())
-        if self._poller is not None:
-            ready = bool(self._poller.poll(timeout * 1000.0))
-        else:
-            ready = bool(select.select([self._pgconn.socket], [], [], timeout)[0])
-        if not ready and raise_on_timeout and time.monotonic() >= deadline:
-            raise ConnectionFailure("timed out waiting for the server", "check the server and the network, then retry")
-        return ready
-
-    def _wait_writable(self, deadline: float) -> None:
-        # Read while waiting: the server may itself be blocked writing to us.
-        sock = self._pgconn.socket
-        timeout = max(0.0, deadline - time.monotonic())
-        readable, writable, _ = select.select([sock], [sock], [], timeout)
-        if readable:
-            self._pgconn.consume_input()
-        elif not writable:
-            raise ConnectionFailure("timed out sending to the server", "check the server and the network, then retry")

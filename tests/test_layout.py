@@ -1,0 +1,82 @@
+"""The layering of docs/architecture.md, checked on the imports themselves (no server).
+
+A module in the wrong layer still works, which is why nothing else would notice: these
+checks keep the data-flow order of the packages true as the code changes.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imports(package: str) -> dict[str, set[str]]:
+    """Module path -> the modules it imports (top level or inside functions)."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package.replace(".", "/")).rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(
+        f"{module} imports {name}"
+        for module, names in imports(package).items()
+        for name in names
+        if any(name == bad or name.startswith(bad + ".") for bad in forbidden)
+    )
+
+
+def test_postgres_and_pgoutput_know_nothing_of_cdc_delta_spark_or_dagster() -> None:
+    forbidden = ("resources.cdc", "resources.delta", "pyspark", "dagster")
+    assert offenders("resources.postgres", forbidden) == []
+    assert offenders("resources.pgoutput", forbidden) == []
+
+
+def test_delta_knows_nothing_of_postgres_pgoutput_or_cdc() -> None:
+    assert offenders("resources.delta", ("resources.postgres", "resources.pgoutput", "resources.cdc")) == []
+
+
+def test_cdc_writes_only_through_the_destination() -> None:
+    forbidden = ("resources.delta.engine", "resources.delta.spark_destination", "resources.delta.snapshot_writes", "pyspark")
+    assert offenders("resources.cdc", forbidden) == []
+
+
+def test_resources_import_neither_assets_nor_sensors_and_the_runtime_only_faults_from_testing() -> None:
+    assert offenders("resources", ("pgcdc_assets", "sensors")) == []
+    runtime = {module: names for module, names in imports("resources").items() if not module.startswith("resources/testing/")}
+    testing = sorted(f"{module} imports {name}" for module, names in runtime.items() for name in names
+                     if name.startswith("resources.testing") and name != "resources.testing.faults")
+    assert testing == []
+
+
+def test_every_package_directory_has_an_init() -> None:
+    """setuptools' find_packages skips a directory without __init__.py: it would be missing from a wheel."""
+    missing = [
+        str(directory.relative_to(ROOT))
+        for package in ("resources", "pgcdc_assets", "sensors")
+        for directory in [ROOT / package, *(ROOT / package).rglob("*")]
+        if directory.is_dir() and directory.name != "__pycache__" and any(directory.glob("*.py"))
+        and not (directory / "__init__.py").exists()
+    ]
+    assert missing == []
+
+
+def test_the_sensors_load_no_asset_module() -> None:
+    code = (
+        "import sys, sensors.slot_sensors\n"
+        "loaded = [m for m in ('pgcdc_assets.builder', 'pgcdc_assets.common', 'pgcdc_assets.snapshot_assets') if m in sys.modules]\n"
+        "print(loaded)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
