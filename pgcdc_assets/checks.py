@@ -128,4 +128,3 @@ def evaluate_table_checks(
                 passed=slot_lag <= bound,
                 metadata={"slot_lag_bytes": MetadataValue.int(slot_lag), "max_lag_bytes": MetadataValue.int(bound)},
             )
-

@@ -236,5 +236,3 @@ def _confirmed_flush(dsn: str, slot: str) -> LSN:
     if state is None or state.confirmed_flush_lsn is None:
         raise SlotError(f'replication slot "{slot}" disappeared during the run', f"run the {RESNAPSHOT_JOB} job")
     return state.confirmed_flush_lsn
-
-

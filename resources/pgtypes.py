@@ -536,4 +536,3 @@ def parse_array_literal(
             position = end
         position += 1
     return elements
-

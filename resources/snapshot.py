@@ -93,9 +93,6 @@ class SnapshotResult:
         return self.rows / self.duration_s if self.duration_s > 0 else 0.0
 
 
-# --------------------------------------------------------------------------- publication and slot
-
-
 # --------------------------------------------------------------------------- one table
 
 
@@ -212,9 +209,6 @@ def _snapshot_table(
     )
 
 
-# --------------------------------------------------------------------------- COPY -> Arrow
-
-
 # --------------------------------------------------------------------------- many tables
 
 
@@ -287,8 +281,3 @@ def snapshot_each(
                 table = pending.pop(future)
                 error = future.exception()
                 yield table, error if error is not None else future.result()
-
-
-# --------------------------------------------------------------------------- reading the marker
-
-

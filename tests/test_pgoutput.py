@@ -15,7 +15,7 @@ import pytest
 
 from resources.errors import ProtocolError
 from resources.lsn import LSN
-from resources.pgoutput.decoder import PgOutputDecoder, RelationCache, TypeCache
+from resources.pgoutput.decoder import PgOutputDecoder
 from resources.pgoutput.messages import (
     Begin,
     BeginPrepare,
@@ -41,6 +41,7 @@ from resources.pgoutput.messages import (
     UNCHANGED_TOAST,
     Update,
 )
+from resources.pgoutput.relations import RelationCache, TypeCache
 from tests.conftest import PgDatabase
 
 INT4, INT8, TEXT = 23, 20, 25

@@ -136,12 +136,6 @@ def peek_with_cli(dsn: str) -> None:
     say(f"scratch slot {PEEK_SLOT} dropped")
 
 
-# --------------------------------------------------------------------------- load generator
-
-
-# --------------------------------------------------------------------------- Dagster
-
-
 # --------------------------------------------------------------------------- verification
 
 
@@ -204,9 +198,6 @@ def _verify_connection(dsn: str, *, autocommit: bool = True) -> psycopg.Connecti
     from resources.pgtypes import SESSION_SETTINGS
 
     return connect(dsn, application_name="pgcdc-demo-verify", session_settings=SESSION_SETTINGS, autocommit=autocommit)
-
-
-# --------------------------------------------------------------------------- dagster dev
 
 
 # --------------------------------------------------------------------------- main
@@ -373,4 +364,3 @@ def _finish(server: Any, directory: Path, *, keep: bool) -> None:
     server.destroy()
     shutil.rmtree(directory / "lake", ignore_errors=True)
     say(f"\nPostgreSQL stopped; server data and lake removed (config and DAGSTER_HOME kept in {directory})")
-

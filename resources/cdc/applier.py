@@ -510,8 +510,3 @@ class ChangeApplier:
                 f"cannot apply a change to {target.table}: {exc}",
                 "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
             ) from exc
-
-
-# --------------------------------------------------------------------------- column-wise TupleData parsing
-
-

@@ -178,5 +178,3 @@ def classic_session_builder(app_name: str, user_config: Mapping[str, str] | None
 
     builder = _with_config(SparkSession.builder.appName(app_name), classic_delta_config(user_config))
     return configure_spark_with_delta_pip(builder)
-
-

@@ -80,8 +80,6 @@ def version_with_metadata(spark: SparkSession, path: str, user_metadata: str) ->
     raise RuntimeError(f"no commit with userMetadata {user_metadata!r} in {path}")
 
 
-
-
 EXPIRED_SNAPSHOT_LSN = LSN(0)
 """What :func:`read_snapshot_lsn` answers for a table whose snapshot commit has left the log."""
 
@@ -111,7 +109,6 @@ def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
     if commits and min(commit.version for commit in commits) > 0:
         return EXPIRED_SNAPSHOT_LSN
     return None
-
 
 
 def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:

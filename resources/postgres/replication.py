@@ -47,12 +47,6 @@ __all__ = [
 SnapshotAction = Literal["export", "use", "nothing"]
 
 
-# --------------------------------------------------------------------------- quoting
-
-
-# --------------------------------------------------------------------------- errors
-
-
 # --------------------------------------------------------------------------- results
 
 
@@ -209,11 +203,3 @@ class ReplicationConnection:
     def read_slot(self, name: str) -> SlotState | None:
         """The slot's row in pg_replication_slots, or None when there is no such slot."""
         return slot_state(self.execute(slot_state_query(name, self.server_version_num)))
-
-
-# --------------------------------------------------------------------------- pgoutput options
-
-
-# --------------------------------------------------------------------------- frames
-
-
