@@ -23,6 +23,7 @@ from resources.config import PgcdcConfig, load_config
 from resources.connections import connect
 from resources.delta_engine import SparkEngine, classic_delta_config, classic_session_builder
 from resources.errors import ConfigurationError, explain, mask_dsn
+from resources.lake_storage import LakeStorage, StorageSettings
 from resources.lsn import LSN
 from resources.replication import SlotState, slot_state, slot_state_query
 
@@ -42,6 +43,10 @@ class SparkDeltaResource(PySparkResource):
     mode: SparkMode = Field(default="embedded", description="embedded (Sail in a child process), remote or classic")
     remote: str | None = Field(default=None, description="sc://host:port of the Spark Connect server (remote mode)")
     app_name: str = Field(default="pgcdc", description="Spark application name (classic mode)")
+    lake_root: str | None = Field(default=None, description="delta.root, when the embedded engine must reach a store")
+    lake_storage: dict[str, Any] = Field(
+        default_factory=dict, description="delta.storage (secrets only as ${ENV} references, resolved on start)"
+    )
 
     _engine: SparkEngine | None = PrivateAttr(default=None)
 
@@ -56,6 +61,8 @@ class SparkDeltaResource(PySparkResource):
             spark_config=dict(config.spark.config),
             mode="remote" if config.spark.remote else "embedded",
             remote=config.spark.remote,
+            lake_root=config.delta.root,
+            lake_storage=config.delta.storage.model_dump(exclude_defaults=True),
         )
 
     def session_config(self) -> dict[str, str]:
@@ -75,7 +82,8 @@ class SparkDeltaResource(PySparkResource):
 
     def _start(self) -> SparkEngine:
         if self.mode == "embedded":
-            return SparkEngine.embedded(self.session_config())
+            lake = LakeStorage(self.lake_root or ".", StorageSettings(**self.lake_storage))
+            return SparkEngine.embedded(self.session_config(), lake.engine_environment())
         if self.mode == "remote":
             if not self.remote:
                 raise ConfigurationError("Spark mode 'remote' without a URL", "set spark.remote: sc://host:port")

@@ -18,14 +18,12 @@ Findings that shaped this module (details and timings in ``docs/engine-notes.md`
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
 import pyarrow as pa
@@ -34,6 +32,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type, to_arrow_schema
 
 from resources.errors import ConfigurationError
+from resources.lake_storage import remove_tree
 
 OP_COLUMN = "_pgcdc_op"
 """Merge source column holding 'I', 'U' or 'D' for each change."""
@@ -70,13 +69,19 @@ class SparkEngine:
             client.disable_reattachable_execute()
 
     @classmethod
-    def embedded(cls, config: Mapping[str, str] | None = None) -> SparkEngine:
-        """Start Sail in a child process (``resources.sail_server``) on a free loopback port and connect."""
+    def embedded(
+        cls, config: Mapping[str, str] | None = None, storage_environment: Mapping[str, str] | None = None
+    ) -> SparkEngine:
+        """Start Sail in a child process (``resources.sail_server``) on a free loopback port and connect.
+
+        ``storage_environment`` (``LakeStorage.engine_environment``) reaches an object-store lake:
+        Sail reads storage settings only from its process environment; they win over pgcdc's own.
+        """
         server = subprocess.Popen(
             [sys.executable, "-m", "resources.sail_server"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**EMBEDDED_ENVIRONMENT, **os.environ},
+            env={**EMBEDDED_ENVIRONMENT, **os.environ, **(storage_environment or {})},
         )
         try:
             assert server.stdout is not None
@@ -295,7 +300,7 @@ def write_snapshot(
             _write_staged(spark, pending, path, staging)
             _drop_views(spark, pending)
             _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
-            _remove_local(staging)
+            remove_tree(staging)
     finally:
         try:
             _drop_views(spark, pending)
@@ -338,18 +343,6 @@ def _overwrite(frame: DataFrame, path: str, user_metadata: str | None) -> None:
 
 def _append(frame: DataFrame, path: str) -> None:
     frame.write.format("delta").mode("append").save(path)
-
-
-def _remove_local(staging: str) -> None:
-    """Staging data is useless once written over; object-store paths are left to lifecycle rules,
-    since Spark offers no portable way to delete files."""
-    local = staging.removeprefix("file://")
-    if "://" not in local:
-        shutil.rmtree(local, ignore_errors=True)
-        try:
-            Path(local).parent.rmdir()  # the staging directory, unless another write uses it
-        except OSError:
-            pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,7 +471,7 @@ def merge_batch(
             f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
         ).collect()
     finally:
-        _remove_local(staged)
+        remove_tree(staged)
 
 
 def _merge_source(path: str) -> str:

@@ -46,6 +46,7 @@ from resources.connections import connect
 from resources.delta_engine import read_commit_metadata
 from resources.errors import ConfigurationError, PgcdcError, SlotError, explain
 from resources.faults import fault_point
+from resources.lake_storage import open_lake
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
 from resources.preflight import check_publications, check_server, check_slot, slot_in_use
@@ -128,6 +129,7 @@ def run_incremental(
         check_publications(rc, [config.publication])
         start_lsn = check_slot(rc, config.slot).confirmed_flush_lsn
         assert start_lsn is not None  # check_slot refuses a slot without one
+        open_lake(config.delta.root, config.delta.storage)
         try:
             tables = resolve_tables(conn, config.publication, config.tables)
         except psycopg.Error as exc:
@@ -276,7 +278,7 @@ def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | 
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
         raise ConfigurationError(
             f"cannot read the Delta table at {path} ({first_line})",
-            f"check delta.root ({config.delta.root}): it must be a writable directory holding the snapshots",
+            f"check delta.root ({config.delta.root}) and delta.storage: it must be a writable location holding the snapshots",
         ) from None
 
 

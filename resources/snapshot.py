@@ -53,6 +53,7 @@ from resources.config import PgcdcConfig
 from resources.connections import connect
 from resources.delta_engine import DEFAULT_CHUNK_BYTES, read_commit_metadata, write_snapshot
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SlotError, explain
+from resources.lake_storage import open_lake
 from resources.lsn import LSN
 from resources.pgtypes import (
     SESSION_SETTINGS,
@@ -584,6 +585,7 @@ def snapshot_tables(
     the others; once all have finished, the first failure is raised (later ones are attached
     as notes). ``on_progress`` is called from the worker threads.
     """
+    open_lake(config.delta.root, config.delta.storage)  # before the publication or slot is touched
     replicated = ensure_publication(config)
     selected = list(tables) if tables is not None else replicated
     unknown = [table for table in selected if table not in replicated]
@@ -619,6 +621,7 @@ def snapshot_each(
     Callers report per table as soon as one is done (a Dagster step materializes it)
     instead of waiting for the slowest; the publication and slot must already be set up.
     """
+    open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {
