@@ -22,7 +22,7 @@ EXIT_PGCDC_ERROR = 2
 
 def main() -> int:
     config = load_config(sys.argv[1])
-    with SparkEngine.embedded() as engine:
+    with SparkEngine.from_config(config.spark) as engine:
         print("engine up", flush=True)
         try:
             result = run_incremental(
