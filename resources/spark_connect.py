@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -38,6 +39,10 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+# PySpark warns when a call used up its retries, just before it raises: the failure itself
+# becomes pgcdc's one line (engine_unavailable), the warning would be a second one.
+warnings.filterwarnings("ignore", message=r"\[RETRIES_EXCEEDED\]", category=UserWarning)
 
 _ENGINE_GONE_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})
 

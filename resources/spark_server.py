@@ -117,7 +117,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def new_group_dying_with_parent() -> None:
     """In the JVM's process, before exec: a process group of its own, and SIGKILL when the
     watchdog (whose main thread starts it and lives as long as the watchdog) dies."""
     os.setsid()
@@ -140,7 +140,7 @@ def start_jvm(master: str, port: int, config: Mapping[str, str], log_path: Path,
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             [*args, "spark-internal"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=env, cwd=work_dir, preexec_fn=_die_with_parent,
+            env=env, cwd=work_dir, preexec_fn=new_group_dying_with_parent,
         )  # fmt: skip
 
 
