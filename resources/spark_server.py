@@ -98,8 +98,8 @@ def delta_jar_config() -> dict[str, str]:
 
 def managed_server_config(user_config: Mapping[str, str] | None = None) -> dict[str, str]:
     """Everything a managed (or classic) Spark with Delta is started with; user settings win."""
-    return {**SMALL_TABLE_CONFIG, "spark.driver.memory": "1g", **DELTA_SQL_CONFIG, **delta_jar_config(),
-            **(user_config or {})}
+    return {**SMALL_TABLE_CONFIG, "spark.driver.memory": "1g", "spark.log.level": "WARN", **DELTA_SQL_CONFIG,
+            **delta_jar_config(), **(user_config or {})}
 
 
 def spark_home() -> Path:

@@ -14,6 +14,7 @@ covered by the embedded tests, runs the lifecycle and the kill only.
 from __future__ import annotations
 
 import subprocess
+from importlib import metadata
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from resources.engine_capabilities import engine_capabilities
 from resources.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables
+from resources.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.verify import assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 
@@ -100,7 +102,7 @@ def writes(pg: PgDatabase, transactions: int, offset: int) -> None:
     with pg.connect() as conn:
         for i in range(transactions):
             with conn.transaction():
-                conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id %% 10 = %s", (f"w{i}", i % 10))
+                conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id = %s", (f"w{i}", 1 + i % 50))
                 conn.execute("INSERT INTO journal VALUES (%s, 'w')", (offset + i,))
                 conn.execute("INSERT INTO dup VALUES (%s, 'x'), (%s, 'x')", (i % 3, i % 3))
 
@@ -123,9 +125,9 @@ def test_lifecycle_matches_postgres_after_every_step(engine: EngineUnderTest, pg
     assert_lake_exact(pg, config, 300)
 
     # Drains while another connection keeps writing: whatever the first drain misses, the next one gets.
-    writer = threading.Thread(target=writes, args=(pg, 40, 0))
+    writer = threading.Thread(target=writes, args=(pg, 30, 0))
     writer.start()
-    step("drain under writes", lambda: run_incremental(config, spark, max_chunk_changes=60))
+    step("drain under writes", lambda: run_incremental(config, spark, max_chunk_changes=40))
     writer.join()
     step("drain", lambda: run_incremental(config, spark))
     assert_lake_exact(pg, config, 300)
@@ -253,3 +255,9 @@ def test_classic_in_process_session_snapshots_and_drains(pg: PgDatabase, tmp_pat
             child.kill()
             child.wait()
     assert_lake_exact(pg, config, 300)
+
+
+def test_delta_spark_pin_matches_the_jars_pgcdc_loads() -> None:
+    """pip's delta-spark (dev and classic extras) and the jar coordinate pinned in code must not drift."""
+    assert metadata.version("delta-spark") == DELTA_VERSION
+    assert DELTA_PACKAGE == f"io.delta:delta-spark_4.1_2.13:{DELTA_VERSION}"
