@@ -28,10 +28,11 @@ from resources.config import PgcdcConfig, parse_config
 from resources.engine_capabilities import engine_capabilities
 from resources.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
+from resources.local_postgres import LocalPostgres, start_local_postgres
 from resources.snapshot import snapshot_tables
 from resources.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.verify import assert_delta_equals_postgres
-from tests.conftest import PgDatabase
+from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest.register_assert_rewrite("tests.engine_fixtures")  # imported here before pytest loads it as a plugin
 from tests.engine_fixtures import ENGINES, SPARK_ENGINES, EngineUnderTest, group_alive
@@ -62,16 +63,42 @@ LIFECYCLE_DDL = """
     CREATE PUBLICATION pub FOR TABLE acct, dup, journal;
 """
 SEED = 20240601
-RANDOM_OPS = 60
+RANDOM_OPS = 40
 #: Tests that run on the Spark engines only: Sail runs them embedded (tests/test_faults.py, test_randomized.py).
 SPARK_ONLY = {"test_crash_points_then_the_rerun_is_exact", "test_seeded_randomized_workload"}
+#: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
+#: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
+CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge"}
+ENGINE_VERSIONS = {
+    "spark-local": POSTGRES_VERSIONS[:1],
+    "spark-cluster": POSTGRES_VERSIONS[-1:],
+    "sail-server": POSTGRES_VERSIONS,
+}
+
+
+@pytest.fixture(scope="session")
+def pg_server(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
+    """conftest's server, parametrized here rather than over every version (see ENGINE_VERSIONS)."""
+    server = start_local_postgres(request.param, TEST_SERVER_SETTINGS)
+    try:
+        yield server
+    finally:
+        server.destroy()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One session-wide engine instance per name, shared by every test that runs on it."""
+    """One session-wide engine instance per name, shared by every test that runs on it, paired
+    with the PostgreSQL versions it runs against."""
     if "engine" in metafunc.fixturenames:
         names = SPARK_ENGINES if metafunc.function.__name__ in SPARK_ONLY else ENGINES
-        metafunc.parametrize("engine", names, indirect=True, scope="session")
+        pairs = [(name, version) for name in names for version in ENGINE_VERSIONS[name]]
+        metafunc.parametrize(
+            ("engine", "pg_server"), pairs, indirect=True, scope="session",
+            ids=[f"{name}-pg{version}" for name, version in pairs],
+        )  # fmt: skip
+    elif "pg_server" in metafunc.fixturenames:  # the classic session: one JVM start, the newest version
+        metafunc.parametrize("pg_server", POSTGRES_VERSIONS[-1:], indirect=True, scope="session",
+                             ids=[f"pg{POSTGRES_VERSIONS[-1]}"])  # fmt: skip
 
 
 def engine_config(pg: PgDatabase, tmp_path: Path, engine: EngineUnderTest, **spark: object) -> PgcdcConfig:
@@ -125,7 +152,7 @@ def test_lifecycle_matches_postgres_after_every_step(engine: EngineUnderTest, pg
     assert_lake_exact(pg, config, 300)
 
     # Drains while another connection keeps writing: whatever the first drain misses, the next one gets.
-    writer = threading.Thread(target=writes, args=(pg, 30, 0))
+    writer = threading.Thread(target=writes, args=(pg, 20, 0))
     writer.start()
     step("drain under writes", lambda: run_incremental(config, spark, max_chunk_changes=40))
     writer.join()
@@ -190,20 +217,19 @@ def test_engine_killed_during_a_drain_fails_in_one_line_and_the_next_run_is_exac
     rerun_converges(pg, config, engine.spark)
 
 
-@pytest.mark.parametrize("point", ["before_merge", "after_delta_commit"])
-def test_crash_points_then_the_rerun_is_exact(
-    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path, point: str
-) -> None:
-    """The drain process SIGKILLs itself at a fault point; the re-run applies exactly the rest.
+def test_crash_points_then_the_rerun_is_exact(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    """The drain process SIGKILLs itself at a fault point (one per engine, to save JVM time; all
+    points run on embedded Sail in tests/test_faults.py); the re-run applies exactly the rest.
     On the managed engine the crashed process had started its own Spark JVM
     (``spark.engine: spark``): that JVM must die with it."""
+    point = CRASH_POINT[engine.name]
     spark = engine.spark
     assert spark is not None
     pg.execute(FAULT_DDL)
     config = engine_config(pg, tmp_path, engine)
     snapshot_tables(config, spark)
     backlog(pg, 30)
-    own_jvm = engine.name == "spark-local" and point == "after_delta_commit"
+    own_jvm = engine.name == "spark-local"
     child_config = config.model_copy(update={"spark": config.spark.model_copy(update={"remote": None, "engine": "spark"})}) if own_jvm else config
     child = Child(write_config(child_config, tmp_path), chunk=100, env={FAULT_POINT_ENV: point})
     try:
