@@ -28,7 +28,7 @@ from dagster import (
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
-from resources.config import CONFIG_ENV_VAR
+from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import ConfigurationError, ConnectionFailure
 from resources.lsn import LSN
@@ -145,6 +145,12 @@ def test_spark_resource_modes() -> None:
     assert classic_config["spark.sql.shuffle.partitions"] == "4"
     embedded = SparkDeltaResource(spark_config={"spark.sql.shuffle.partitions": "4"})
     assert embedded.session_config() == {"spark.sql.shuffle.partitions": "4"}
+    settings = {"postgres": {"dsn": "host=x"}, "publication": "p"}
+    assert SparkDeltaResource.from_pgcdc_config(parse_config(settings)).mode == "embedded"
+    managed = SparkDeltaResource.from_pgcdc_config(parse_config({**settings, "spark": {"engine": "spark"}}))
+    assert managed.mode == "spark"
+    remote = parse_config({**settings, "spark": {"engine": "spark", "remote": "sc://h:15002"}})
+    assert SparkDeltaResource.from_pgcdc_config(remote).mode == "remote"  # a named server wins
 
 
 def test_embedded_spark_resource_starts_and_stops_sail() -> None:
