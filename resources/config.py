@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -51,7 +51,15 @@ class DeltaSettings(_Section):
 
 class SparkSettings(_Section):
     remote: str | None = Field(default=None, description="sc://host:port of a Spark Connect server; null = embedded")
-    config: dict[str, str] = Field(default_factory=dict, description="extra Spark settings, passed through")
+    engine: Literal["sail", "spark"] = Field(
+        default="sail",
+        description="the engine pgcdc starts when remote is null: sail (embedded, no JVM) or spark "
+        "(a Spark Connect server with Delta's jars on local[N]; needs Java 17)",
+    )
+    config: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra Spark settings: session settings for sail and remote, server settings for spark",
+    )
 
     @field_validator("remote")
     @classmethod

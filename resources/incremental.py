@@ -52,6 +52,7 @@ from resources.pgtypes import SESSION_SETTINGS
 from resources.preflight import check_publications, check_server, check_slot, slot_in_use
 from resources.replication import PgOutputOptions, ReplicationConnection, ReplicationStream
 from resources.snapshot import read_snapshot_lsn
+from resources.spark_connect import reports_dead_engine
 from resources.transactions import TransactionAssembler
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
@@ -97,6 +98,7 @@ class IncrementalResult:
         return self.changes / self.duration_s if self.duration_s > 0 else 0.0
 
 
+@reports_dead_engine
 def run_incremental(
     config: PgcdcConfig,
     spark: SparkSession,

@@ -68,6 +68,7 @@ from resources.pgtypes import (
     to_arrow,
 )
 from resources.replication import CreatedSlot, ReplicationConnection, SlotState
+from resources.spark_connect import reports_dead_engine
 
 __all__ = [
     "EXPIRED_SNAPSHOT_LSN",
@@ -572,6 +573,7 @@ def _prefetched(source: Iterator[T], depth: int, name: str) -> Iterator[T]:
 # --------------------------------------------------------------------------- many tables
 
 
+@reports_dead_engine
 def snapshot_tables(
     config: PgcdcConfig,
     spark: SparkSession,
