@@ -4,7 +4,8 @@
 reached with the usual ``AWS_*`` environment variables, or ``s3``: a local S3-compatible server
 (moto's, from the dev extra) that the benchmark starts in a child process of its own, so its
 memory does not count as pgcdc's, and stops at the end. ``--engine`` is ``sail`` (embedded, the
-default) or the ``sc://host:port`` URL of a running Spark Connect server.
+default), ``spark`` (Apache Spark with Delta that pgcdc starts, ``spark.engine: spark``) or the
+``sc://host:port`` URL of a running Spark Connect server.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ KEY_VARIABLE, SECRET_VARIABLE = "PGCDC_BENCH_S3_KEY", "PGCDC_BENCH_S3_SECRET"
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--engine", default="sail", help="sail (embedded) or sc://host:port of a Spark Connect server")
+    parser.add_argument("--engine", default="sail", help="sail (embedded), spark (managed) or sc://host:port")
     parser.add_argument(
         "--lake", default=None, help="directory, s3://bucket/prefix, or 's3' for a local S3 server (default: a temp dir)"
     )
@@ -55,9 +56,11 @@ def open_engine(spec: str, root: str, storage: dict[str, Any]) -> SparkEngine:
     lake = open_lake(root, StorageSettings(**storage))
     if spec == "sail":
         return SparkEngine.embedded(storage_environment=lake.engine_environment())
+    if spec == "spark":
+        return SparkEngine.managed_spark(lake.spark_settings(), storage_environment=lake.engine_environment())
     if spec.startswith("sc://"):
         return SparkEngine.remote(spec)
-    raise SystemExit(f"--engine {spec}: use sail or sc://host:port")
+    raise SystemExit(f"--engine {spec}: use sail, spark or sc://host:port")
 
 
 def lake_storage(root: str, storage: dict[str, Any]) -> LakeStorage:

@@ -30,7 +30,7 @@ from resources.errors import ConfigurationError
 from resources.incremental import run_incremental
 from resources.lake_storage import open_lake, remove_tree
 from resources.snapshot import snapshot_tables
-from tests.conftest import PgDatabase
+from tests.conftest import POSTGRES_VERSIONS, PgDatabase
 from tests.oracle import assert_delta_equals_postgres
 from tests.s3_fixtures import BUCKET, TEST_SECRET, S3Server
 
@@ -98,11 +98,29 @@ def test_storage_settings_refuse_literal_secrets_and_plain_http_without_saying_t
 
 
 def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession) -> None:
+    lifecycle(pg, s3_server, s3_root, s3_spark)
+
+
+@pytest.mark.parametrize("pg_server", POSTGRES_VERSIONS[-1:], indirect=True, ids=lambda v: f"pg{v}")
+def test_lifecycle_on_s3_with_apache_spark_and_delta(
+    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_apache_spark: SparkSession
+) -> None:
+    """The same on Apache Spark with Delta's jars (the managed engine), through Hadoop's S3A client
+    under the same s3:// URL; one PostgreSQL version, since a JVM engine costs minutes on two cores."""
+    lifecycle(pg, s3_server, s3_root, s3_apache_spark, drains_under_writes=1)
+
+
+def lifecycle(
+    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, drains_under_writes: int = 2
+) -> None:
+    steps: dict[str, float] = {}
+    started = time.monotonic()
     pg.execute(DDL)
     config = parse_config(settings(pg, s3_root, s3_server.storage()))
     messages: list[str] = []
     snapshot_tables(config, s3_spark)
     all_same(pg, s3_server, s3_root)
+    steps["snapshot"] = time.monotonic() - started
 
     # Drains while PostgreSQL is being written: each drain is exact up to where it started.
     stop = threading.Event()
@@ -129,7 +147,7 @@ def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s
     writer = threading.Thread(target=write_while_draining)
     writer.start()
     try:
-        for _ in range(2):
+        for _ in range(drains_under_writes):
             run_incremental(config, s3_spark, log=messages.append)
     finally:
         stop.set()
@@ -137,6 +155,7 @@ def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s
     assert not writer_failures, writer_failures
     run_incremental(config, s3_spark, log=messages.append)
     all_same(pg, s3_server, s3_root)
+    steps["drains under writes"] = time.monotonic() - started - sum(steps.values())
 
     # Duplicates of a REPLICA IDENTITY FULL table change one copy at a time; TRUNCATE empties.
     with pg.connect() as conn:
@@ -148,6 +167,8 @@ def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s
     result = run_incremental(config, s3_spark, log=messages.append)
     assert result.tables["public.orders"].truncates == 1
     all_same(pg, s3_server, s3_root)
+    steps["duplicates, truncate"] = time.monotonic() - started - sum(steps.values())
+    print("lifecycle seconds:", {step: round(seconds, 1) for step, seconds in steps.items()})
 
     prefix = s3_root.removeprefix(f"s3://{BUCKET}/") + "/"
     assert staged_objects(s3_server, prefix) == []
