@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit

@@ -22,8 +22,8 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.config import parse_config
 from resources import delta_engine
+from resources.config import parse_config
 from resources.dagster_resources import SparkDeltaResource
 from resources.delta_engine import STAGING_DIRECTORY, read_commit_metadata, write_snapshot
 from resources.errors import ConfigurationError
