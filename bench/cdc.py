@@ -1,6 +1,7 @@
 """CDC throughput: pgcdc's incremental run against pg_recvlogical on the same backlog.
 
-Run ``python -m bench.cdc [--major 18] [--inserts N] [--updates N] [--deletes N] [--chunk N] [--merge-rows N]``.
+Run ``python -m bench.cdc [--major 18] [--inserts N] [--updates N] [--deletes N] [--chunk N] [--merge-rows N]
+[--engine E] [--lake L]`` (``bench/lakes.py``: the engine and where the lake lives).
 It starts a throwaway PostgreSQL, snapshots a table into Delta (which creates pgcdc's slot),
 creates two more slots at the same point for pg_recvlogical, then builds the backlog in many
 transactions: inserts of new rows, updates of existing ones, deletes. Then:
@@ -34,7 +35,7 @@ import pyarrow.compute as pc
 
 from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
-from resources.delta.engine import SparkEngine
+from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.incremental import run_incremental
 from resources.pgoutput.options import highest_proto_version
 from resources.snapshot import snapshot_tables
@@ -91,59 +92,69 @@ def main() -> None:
     parser.add_argument("--per-txn", type=int, default=1_000)
     parser.add_argument("--chunk", type=int, default=200_000)
     parser.add_argument("--merge-rows", type=int, default=DEFAULT_MERGE_ROWS, help="most source rows per MERGE")
+    add_arguments(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-cdc-"))
     server = start_local_postgres(args.major, base_dir=work / "pg")
     try:
-        dsn = server.dsn()
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(DDL)
-            conn.execute(f"INSERT INTO orders {ROWS}", (1, BASE_ROWS))
-            conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE orders")
-        config = parse_config(
-            {"postgres": {"dsn": dsn}, "publication": PUBLICATION, "slot": SLOT, "delta": {"root": str(work / "lake")}}
-        )
-        with SparkEngine.embedded() as engine:
-            snapshot_tables(config, engine.spark)  # creates SLOT; no change to orders follows before RECV_SLOTS
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            for recv_slot in RECV_SLOTS:
-                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (recv_slot,))
-        started = time.perf_counter()
-        changes = build_backlog(dsn, args.inserts, args.updates, args.deletes, args.per_txn)
-        print(f"backlog: {changes:,} changes in {time.perf_counter() - started:.1f} s")
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            (end,), = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchall()
-            proto = highest_proto_version(conn.info.server_version)
-        out = work / "recvlogical.bin"
-        before_run = recvlogical(server, dsn, RECV_SLOTS[0], end, proto, out)
-        print(f"pg_recvlogical: {before_run:.2f} s, {changes / before_run:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB")
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"peak RSS of this process before the incremental run (snapshot client, backlog): {before:,.0f} MiB")
-        with SparkEngine.embedded() as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
-            result = run_incremental(
-                config, engine.spark, log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
-            )
-            _, server_peak = engine.server_memory_mib()
-        ours = result.duration_s
-        client_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        peak = client_peak + server_peak
-        after_run = recvlogical(server, dsn, RECV_SLOTS[1], end, proto, out)
-        print(f"pg_recvlogical again, after pgcdc: {after_run:.2f} s, {changes / after_run:,.0f} changes/s")
-        baseline = min(before_run, after_run)  # the faster of the two: WAL is warm for one of them
-        print(f"pgcdc incremental: {ours:.2f} s, {changes / ours:,.0f} changes/s "
-              f"({result.transactions} transactions, {result.changes:,} changes applied)")
-        print(f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB "
-              f"= pgcdc {client_peak:,.0f} + Sail server {server_peak:,.0f} "
-              f"(chunks of {args.chunk:,} changes, MERGEs of at most {args.merge_rows:,} rows)")
-        table = deltalake.DeltaTable(config.table_path("public", "orders")).to_pyarrow_table(columns=["id", "amount"])
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            (count, amount), = conn.execute("SELECT count(*), sum(amount) FROM orders").fetchall()
-        delta_amount = pc.sum(table.column("amount")).as_py()
-        assert (table.num_rows, delta_amount) == (count, amount), (table.num_rows, delta_amount, count, amount)
-        print(f"check: Delta and PostgreSQL both hold {count:,} rows, amount total {amount}")
+        with bench_lake(args.lake, work) as (root, storage):
+            run(server, args, root, storage, work)
     finally:
         server.destroy()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dict, work: Path) -> None:
+    """Snapshot, backlog, both drains and the check, on the lake at ``root``."""
+    dsn = server.dsn()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(DDL)
+        conn.execute(f"INSERT INTO orders {ROWS}", (1, BASE_ROWS))
+        conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE orders")
+    config = parse_config(
+        {"postgres": {"dsn": dsn}, "publication": PUBLICATION, "slot": SLOT, "delta": {"root": root, "storage": storage}}
+    )
+    with open_engine(args.engine, root, storage) as engine:
+        snapshot_tables(config, engine.spark)  # creates SLOT; no change to orders follows before RECV_SLOTS
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for recv_slot in RECV_SLOTS:
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (recv_slot,))
+    started = time.perf_counter()
+    changes = build_backlog(dsn, args.inserts, args.updates, args.deletes, args.per_txn)
+    print(f"backlog: {changes:,} changes in {time.perf_counter() - started:.1f} s")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        (end,), = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchall()
+        proto = highest_proto_version(conn.info.server_version)
+    out = work / "recvlogical.bin"
+    before_run = recvlogical(server, dsn, RECV_SLOTS[0], end, proto, out)
+    print(f"pg_recvlogical: {before_run:.2f} s, {changes / before_run:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS of this process before the incremental run (snapshot client, backlog): {before:,.0f} MiB")
+    with open_engine(args.engine, root, storage) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
+        result = run_incremental(
+            config, engine.spark, log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
+        )
+        _, server_peak = engine.server_memory_mib()
+    ours = result.duration_s
+    client_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = client_peak + server_peak
+    after_run = recvlogical(server, dsn, RECV_SLOTS[1], end, proto, out)
+    print(f"pg_recvlogical again, after pgcdc: {after_run:.2f} s, {changes / after_run:,.0f} changes/s")
+    baseline = min(before_run, after_run)  # the faster of the two: WAL is warm for one of them
+    print(f"pgcdc incremental: {ours:.2f} s, {changes / ours:,.0f} changes/s "
+          f"({result.transactions} transactions, {result.changes:,} changes applied)")
+    print(f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB "
+          f"= pgcdc {client_peak:,.0f} + Sail server {server_peak:,.0f} "
+          f"(chunks of {args.chunk:,} changes, MERGEs of at most {args.merge_rows:,} rows)")
+    options = lake_storage(root, storage).object_store_options() or None
+    table = deltalake.DeltaTable(config.table_path("public", "orders"), storage_options=options).to_pyarrow_table(
+        columns=["id", "amount"]
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        (count, amount), = conn.execute("SELECT count(*), sum(amount) FROM orders").fetchall()
+    delta_amount = pc.sum(table.column("amount")).as_py()
+    assert (table.num_rows, delta_amount) == (count, amount), (table.num_rows, delta_amount, count, amount)
+    print(f"check: Delta and PostgreSQL both hold {count:,} rows, amount total {amount}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Snapshot throughput: pgcdc's end-to-end copy into Delta against PostgreSQL's raw COPY.
 
-Run ``python -m bench.snapshot [--narrow-rows N] [--wide-rows N] [--runs N]``. It starts a
+Run ``python -m bench.snapshot [--narrow-rows N] [--wide-rows N] [--runs N] [--engine E] [--lake L]``
+(``bench/lakes.py``: the engine and where the lake lives). It starts a
 throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measures
 
 * the baseline: ``psql -c "COPY t TO STDOUT" > /dev/null`` with the server's own psql, the
@@ -29,10 +30,11 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 
-from resources.delta.engine import SparkEngine
+from bench.lakes import add_arguments, bench_lake, open_engine
+from resources.delta.lake_storage import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
-from resources.snapshot import snapshot_table, SnapshotResult
+from resources.snapshot import SnapshotResult, snapshot_table
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 
 PUBLICATION = "bench_pub"
@@ -105,49 +107,62 @@ def main() -> None:
     parser.add_argument("--narrow-rows", type=int, default=1_000_000)
     parser.add_argument("--wide-rows", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
+    add_arguments(parser)
     args = parser.parse_args()
 
-    lake = Path(tempfile.mkdtemp(prefix="pgcdc-bench-lake-"))
+    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-lake-"))
     server = start_local_postgres(18)
     try:
-        print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
-        load_tables(server, args.narrow_rows, args.wide_rows)
-        ensure_slot(server.dsn(), SLOT)
-        with SparkEngine.embedded() as engine:
-            measurements = []
-            results: dict[str, SnapshotResult] = {}
-
-            for table in ("narrow", "wide"):
-                def pgcdc_seconds(table: str = table) -> float:
-                    started = time.perf_counter()
-                    results[table] = snapshot_table(
-                        server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
-                        str(lake / table), slot=SLOT,
-                    )
-                    return time.perf_counter() - started
-
-                copy_s = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table))
-                pgcdc_s = best_of(args.runs, pgcdc_seconds)
-                with psycopg.connect(server.dsn()) as conn:
-                    (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
-                result = results[table]
-                measurements.append(
-                    Measurement(table, result.rows, len(result.columns), int(csv_bytes), copy_s, pgcdc_s)
-                )
-
-            rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            _, server_peak_mib = engine.server_memory_mib()
-            arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
-            tracemalloc.start()
-            snapshot_table(
-                server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, str(lake / "narrow"), slot=SLOT
-            )
-            _, heap_peak = tracemalloc.get_traced_memory()
-            tracemalloc.stop()
+        with bench_lake(args.lake, work) as (root, storage):
+            measurements, rss_mib, server_peak_mib, arrow_peak_mib, heap_peak = run(server, args, root, storage)
     finally:
         server.destroy()
-        shutil.rmtree(lake, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    report(measurements, rss_mib, server_peak_mib, arrow_peak_mib, heap_peak)
 
+
+def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dict) -> tuple:
+    """The measurements on the lake at ``root``, and the memory figures."""
+    print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
+    load_tables(server, args.narrow_rows, args.wide_rows)
+    ensure_slot(server.dsn(), SLOT)
+    with open_engine(args.engine, root, storage) as engine:
+        measurements = []
+        results: dict[str, SnapshotResult] = {}
+
+        for table in ("narrow", "wide"):
+            def pgcdc_seconds(table: str = table) -> float:
+                started = time.perf_counter()
+                results[table] = snapshot_table(
+                    server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
+                    join_location(root, table), slot=SLOT,
+                )
+                return time.perf_counter() - started
+
+            copy_s = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table))
+            pgcdc_s = best_of(args.runs, pgcdc_seconds)
+            with psycopg.connect(server.dsn()) as conn:
+                (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
+            result = results[table]
+            measurements.append(
+                Measurement(table, result.rows, len(result.columns), int(csv_bytes), copy_s, pgcdc_s)
+            )
+
+        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        _, server_peak_mib = engine.server_memory_mib()
+        arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
+        tracemalloc.start()
+        snapshot_table(
+            server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, join_location(root, "narrow"), slot=SLOT
+        )
+        _, heap_peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return measurements, rss_mib, server_peak_mib, arrow_peak_mib, heap_peak
+
+
+def report(
+    measurements: list[Measurement], rss_mib: float, server_peak_mib: float, arrow_peak_mib: float, heap_peak: float
+) -> None:
     print()
     print(f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'pgcdc s':>8} {'pgcdc rows/s':>13} {'ratio':>6}")
     for m in measurements:

@@ -21,28 +21,38 @@ from pyspark.sql import SparkSession
 from resources.config import load_config, PgcdcConfig
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.errors import ConfigurationError, explain, mask_dsn
+from resources.delta.lake_storage import LakeStorage, StorageSettings
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
 from resources.postgres.publication import published_tables
 from resources.postgres.slots import read_slot, SlotState
 
-SparkMode = Literal["embedded", "remote", "classic"]
+SparkMode = Literal["embedded", "spark", "remote", "classic"]
 
 
 class SparkDeltaResource(PySparkResource):
     """A Spark session able to read and write Delta, started on first use and stopped when the run (or step) ends.
 
-    ``embedded`` starts a Sail Spark Connect server inside this process on a free loopback
-    port, so a laptop needs no cluster; ``remote`` connects to ``sc://host:port``;
-    ``classic`` builds a JVM session with the Delta jars (needs the ``classic`` extra).
-    ``spark_config`` is passed to the session in every mode.
+    ``embedded`` starts a Sail Spark Connect server in a child process on a free loopback
+    port, so a laptop needs no cluster or JVM; ``spark`` starts a Spark Connect server with
+    Delta on ``local[N]`` the same way (``resources.delta.spark_server``); ``remote`` connects to
+    ``sc://host:port``. All three are Spark Connect: one client code path. ``classic`` builds an
+    in-process JVM session with Delta's jars, for code that needs the classic API; it cannot
+    share a process with Spark Connect sessions. ``spark_config`` goes to the session (to the
+    server in ``spark`` mode).
     """
 
     spark_config: dict[str, Any] = Field(default_factory=dict, description="Spark settings for the session")
-    mode: SparkMode = Field(default="embedded", description="embedded (Sail in a child process), remote or classic")
+    mode: SparkMode = Field(
+        default="embedded", description="embedded (Sail in a child process), spark (managed Spark + Delta), remote or classic"
+    )
     remote: str | None = Field(default=None, description="sc://host:port of the Spark Connect server (remote mode)")
     app_name: str = Field(default="pgcdc", description="Spark application name (classic mode)")
+    lake_root: str | None = Field(default=None, description="delta.root, when the embedded engine must reach a store")
+    lake_storage: dict[str, Any] = Field(
+        default_factory=dict, description="delta.storage (secrets only as ${ENV} references, resolved on start)"
+    )
 
     _engine: SparkEngine | None = PrivateAttr(default=None)
 
@@ -52,11 +62,14 @@ class SparkDeltaResource(PySparkResource):
 
     @classmethod
     def from_pgcdc_config(cls, config: PgcdcConfig) -> SparkDeltaResource:
-        """Embedded unless the configuration names a Spark Connect server."""
+        """Remote when the configuration names a Spark Connect server, else the engine it names."""
+        mode: SparkMode = "remote" if config.spark.remote else ("spark" if config.spark.engine == "spark" else "embedded")
         return cls(
             spark_config=dict(config.spark.config),
-            mode="remote" if config.spark.remote else "embedded",
+            mode=mode,
             remote=config.spark.remote,
+            lake_root=config.delta.root,
+            lake_storage=config.delta.storage.model_dump(exclude_defaults=True),
         )
 
     def session_config(self) -> dict[str, str]:
@@ -76,18 +89,20 @@ class SparkDeltaResource(PySparkResource):
 
     def _start(self) -> SparkEngine:
         if self.mode == "embedded":
-            return SparkEngine.embedded(self.session_config())
+            return SparkEngine.embedded(self.session_config(), self._lake().engine_environment())
+        if self.mode == "spark":
+            lake = self._lake()
+            return SparkEngine.managed_spark(
+                {**lake.spark_settings(), **self.session_config()}, storage_environment=lake.engine_environment()
+            )
         if self.mode == "remote":
             if not self.remote:
                 raise ConfigurationError("Spark mode 'remote' without a URL", "set spark.remote: sc://host:port")
             return SparkEngine.remote(self.remote, self.session_config())
-        try:
-            builder = classic_session_builder(self.app_name, self.session_config())
-        except ImportError:
-            raise ConfigurationError(
-                "classic Spark needs delta-spark, which is not installed", "pip install 'pgcdc[classic]'"
-            ) from None
-        return SparkEngine(builder.getOrCreate())
+        return SparkEngine(classic_session_builder(self.app_name, self.session_config()).getOrCreate())
+
+    def _lake(self) -> LakeStorage:
+        return LakeStorage(self.lake_root or ".", StorageSettings(**self.lake_storage))
 
     @property
     def spark_session(self) -> SparkSession:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, ValidationError
 
 from resources.errors import ConfigurationError, mask_dsn
+from resources.delta.lake_storage import LakeStorage, StorageSettings, join_location
 from resources.postgres.slots import SLOT_NAME
 
 CONFIG_ENV_VAR = "PGCDC_CONFIG"
@@ -37,12 +38,28 @@ class PostgresSettings(_Section):
 
 
 class DeltaSettings(_Section):
-    root: str = Field(default="./lake", description="the Delta table of schema.table lives at <root>/<schema>/<table>")
+    root: str = Field(
+        default="./lake",
+        description="directory or s3://bucket/prefix; the Delta table of schema.table lives at <root>/<schema>/<table>",
+    )
+    storage: StorageSettings = Field(default_factory=StorageSettings, description="object-store settings for root")
+
+    def lake(self) -> LakeStorage:
+        """The lake at ``root``, with what each client needs to reach it (``resources.lake_storage``)."""
+        return LakeStorage(self.root, self.storage)
 
 
 class SparkSettings(_Section):
     remote: str | None = Field(default=None, description="sc://host:port of a Spark Connect server; null = embedded")
-    config: dict[str, str] = Field(default_factory=dict, description="extra Spark settings, passed through")
+    engine: Literal["sail", "spark"] = Field(
+        default="sail",
+        description="the engine pgcdc starts when remote is null: sail (embedded, no JVM) or spark "
+        "(a Spark Connect server with Delta's jars on local[N]; needs Java 17)",
+    )
+    config: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra Spark settings: session settings for sail and remote, server settings for spark",
+    )
 
     @field_validator("remote")
     @classmethod
@@ -106,10 +123,12 @@ class PgcdcConfig(_Section):
         engines percent-encode paths inconsistently (Sail 0.7.2 writes ``Mixed Case``'s log
         under ``Mixed%20Case`` and its data under ``Mixed%2520Case``); this encoding leaves
         them nothing to encode, cannot produce ``.``/``..`` or a ``/``, and is reversible.
+        A URL root (``s3://bucket/prefix``) is joined with ``/``; a local root is resolved
+        against the working directory.
         Case is kept, so on a case-insensitive file system ``"Orders"`` and ``orders``
         share a directory.
         """
-        return str(Path(self.delta.root).resolve() / _path_component(schema) / _path_component(table))
+        return join_location(self.delta.root, _path_component(schema), _path_component(table))
 
 
 _PLAIN_PATH_CHARACTER = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")

@@ -47,6 +47,8 @@ from resources.config import PgcdcConfig
 from resources.delta.markers import newest_version, read_snapshot_lsn
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
+from resources.delta.lake_storage import open_lake
+from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, SNAPSHOT_JOB
 from resources.pgoutput.options import PgOutputOptions
@@ -102,6 +104,7 @@ class IncrementalResult:
         return self.changes / self.duration_s if self.duration_s > 0 else 0.0
 
 
+@reports_dead_engine
 def run_incremental(
     config: PgcdcConfig,
     spark: SparkSession,
@@ -134,6 +137,7 @@ def run_incremental(
         check_publications(rc, [config.publication])
         start_lsn = check_slot(rc, config.slot).confirmed_flush_lsn
         assert start_lsn is not None  # check_slot refuses a slot without one
+        open_lake(config.delta.root, config.delta.storage)
         try:
             tables = resolve_tables(conn, config.publication, config.tables)
         except psycopg.Error as exc:
@@ -225,7 +229,7 @@ def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | 
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
         raise ConfigurationError(
             f"cannot read the Delta table at {path} ({first_line})",
-            f"check delta.root ({config.delta.root}): it must be a writable directory holding the snapshots",
+            f"check delta.root ({config.delta.root}) and delta.storage: it must be a writable location holding the snapshots",
         ) from None
 
 

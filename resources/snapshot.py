@@ -35,6 +35,8 @@ from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.delta.snapshot_writes import write_snapshot
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
+from resources.delta.lake_storage import open_lake
+from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
 from resources.postgres.catalog import read_table, table_oid, TableName
@@ -212,6 +214,7 @@ def _snapshot_table(
 # --------------------------------------------------------------------------- many tables
 
 
+@reports_dead_engine
 def snapshot_tables(
     config: PgcdcConfig,
     spark: SparkSession,
@@ -225,6 +228,7 @@ def snapshot_tables(
     the others; once all have finished, the first failure is raised (later ones are attached
     as notes). ``on_progress`` is called from the worker threads.
     """
+    open_lake(config.delta.root, config.delta.storage)  # before the publication or slot is touched
     replicated = ensure_publication(config)
     selected = list(tables) if tables is not None else replicated
     unknown = [table for table in selected if table not in replicated]
@@ -260,6 +264,7 @@ def snapshot_each(
     Callers report per table as soon as one is done (a Dagster step materializes it)
     instead of waiting for the slowest; the publication and slot must already be set up.
     """
+    open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {

@@ -22,8 +22,8 @@ EXIT_PGCDC_ERROR = 2
 
 def main() -> int:
     config = load_config(sys.argv[1])
-    with SparkEngine.embedded() as engine:
-        print("engine up", flush=True)
+    with SparkEngine.from_config(config.spark) as engine:
+        print(f"engine up {engine.server_pid}", flush=True)  # the engine process pgcdc started, if any
         try:
             result = run_incremental(
                 config, engine.spark, log=lambda line: print(line, flush=True), max_chunk_changes=int(sys.argv[2])

@@ -17,7 +17,7 @@ from resources.incremental import run_incremental
 def main() -> None:
     config = load_config(sys.argv[1])
     replace_values = int(sys.argv[3]) if len(sys.argv) > 3 else DEFAULT_REPLACE_VALUES
-    with SparkEngine.embedded() as engine:
+    with SparkEngine.from_config(config.spark) as engine:
         result = run_incremental(
             config, engine.spark, log=print, max_chunk_changes=int(sys.argv[2]), max_replace_values=replace_values
         )

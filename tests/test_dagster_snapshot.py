@@ -22,7 +22,7 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-from resources.config import CONFIG_ENV_VAR
+from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.delta.markers import read_snapshot_lsn
 from resources.errors import ConfigurationError, ConnectionFailure
 from resources.lsn import LSN
@@ -132,22 +132,18 @@ def test_postgres_resource_never_shows_the_password(pg: PgDatabase, tmp_path: Pa
 
 def test_spark_resource_modes() -> None:
     classic = SparkDeltaResource(mode="classic", spark_config={"spark.sql.shuffle.partitions": "4"})
-    assert classic.session_config() == {
-        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
-        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-        "spark.sql.shuffle.partitions": "4",
-    }
+    classic_config = classic.session_config()
+    assert classic_config["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
+    assert classic_config["spark.jars.packages"] == "io.delta:delta-spark_4.1_2.13:4.4.0"
+    assert classic_config["spark.sql.shuffle.partitions"] == "4"
     embedded = SparkDeltaResource(spark_config={"spark.sql.shuffle.partitions": "4"})
     assert embedded.session_config() == {"spark.sql.shuffle.partitions": "4"}
-
-
-def test_classic_spark_without_delta_spark_fails_with_the_fix() -> None:
-    with SparkDeltaResource(mode="classic").yield_for_execution(_init_context()) as ready:
-        with pytest.raises(ConfigurationError) as failure:
-            ready.spark_session
-    assert str(failure.value) == (
-        "classic Spark needs delta-spark, which is not installed: pip install 'pgcdc[classic]'"
-    )
+    settings = {"postgres": {"dsn": "host=x"}, "publication": "p"}
+    assert SparkDeltaResource.from_pgcdc_config(parse_config(settings)).mode == "embedded"
+    managed = SparkDeltaResource.from_pgcdc_config(parse_config({**settings, "spark": {"engine": "spark"}}))
+    assert managed.mode == "spark"
+    remote = parse_config({**settings, "spark": {"engine": "spark", "remote": "sc://h:15002"}})
+    assert SparkDeltaResource.from_pgcdc_config(remote).mode == "remote"  # a named server wins
 
 
 def test_embedded_spark_resource_starts_and_stops_sail() -> None:

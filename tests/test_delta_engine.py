@@ -55,11 +55,12 @@ def read_back(path: Path) -> pa.Table:
 
 
 def test_classic_config_adds_delta_and_keeps_user_settings() -> None:
-    assert classic_delta_config({"spark.sql.shuffle.partitions": "4"}) == {
-        "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
-        "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-        "spark.sql.shuffle.partitions": "4",
-    }
+    config = classic_delta_config({"spark.sql.shuffle.partitions": "4"})
+    assert config["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
+    assert config["spark.sql.catalog.spark_catalog"] == "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+    assert config["spark.jars.packages"] == "io.delta:delta-spark_4.1_2.13:4.4.0"
+    assert config["spark.databricks.delta.snapshotPartitions"] == "2"
+    assert config["spark.sql.shuffle.partitions"] == "4"  # the user's setting wins
 
 
 def test_second_engine_is_independent_and_stops_cleanly(spark: SparkSession) -> None:

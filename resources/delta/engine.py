@@ -17,6 +17,7 @@ Findings that shaped this module (details and timings in ``docs/engine-notes.md`
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -26,59 +27,110 @@ from types import TracebackType
 
 from pyspark.sql import SparkSession
 
+from resources.config import SparkSettings
+from resources.delta.spark_connect import connect_session
+from resources.delta.spark_server import managed_server_config
 from resources.errors import ConfigurationError
 
 
-DELTA_CLASSIC_CONFIG: dict[str, str] = {
-    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
-    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-}
-
-
 class SparkEngine:
-    """A Spark session and, in embedded mode, the Sail server process behind it; close() stops both."""
+    """A Spark session and, for an engine pgcdc runs itself (embedded Sail, managed Spark), the
+    server process behind it; close() stops both. Every session is a Spark Connect session
+    built by :func:`resources.delta.spark_connect.connect_session`, except a classic in-process one."""
 
     def __init__(self, spark: SparkSession, server: subprocess.Popen[bytes] | None = None) -> None:
         self.spark = spark
         self._server = server
-        client = getattr(spark, "client", None)  # Spark Connect sessions only
-        if client is not None:
-            # Reattachable execution releases results on a thread pool shared by every
-            # session of the process, and closing any session (also from its finalizer,
-            # which the garbage collector may run on one of those pool threads while it
-            # holds the gRPC channel's lock) joins that pool: a deadlock seen under parallel
-            # snapshots. Our operations are short commands, so plain execution loses nothing.
-            client.disable_reattachable_execute()
+        self.server_pid: int | None = None
+        """The engine's own process (Sail's server or the Spark JVM) when pgcdc started it."""
 
     @classmethod
-    def embedded(cls, config: Mapping[str, str] | None = None) -> SparkEngine:
-        """Start Sail in a child process (``resources.delta.sail_server``) on a free loopback port and connect."""
+    def from_config(cls, spark: SparkSettings) -> SparkEngine:
+        """The engine ``spark:`` in the pgcdc configuration names: ``remote`` when set, else
+        ``engine`` (embedded Sail or a managed Spark with Delta)."""
+        if spark.remote:
+            return cls.remote(spark.remote, spark.config)
+        if spark.engine == "spark":
+            return cls.managed_spark(spark.config)
+        return cls.embedded(spark.config)
+
+    @classmethod
+    def embedded(
+        cls, config: Mapping[str, str] | None = None, storage_environment: Mapping[str, str] | None = None
+    ) -> SparkEngine:
+        """Start Sail in a child process (``resources.delta.sail_server``) on a free loopback port and connect.
+
+        ``storage_environment`` (``LakeStorage.engine_environment``) reaches an object-store lake:
+        Sail reads storage settings only from its process environment; they win over pgcdc's own.
+        """
         server = subprocess.Popen(
             [sys.executable, "-m", "resources.delta.sail_server"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**EMBEDDED_ENVIRONMENT, **os.environ},
+            env={**EMBEDDED_ENVIRONMENT, **os.environ, **(storage_environment or {})},
         )
         try:
             assert server.stdout is not None
             line = server.stdout.readline()
             if not line.strip().isdigit():
                 raise RuntimeError(f"the embedded Sail server did not start (exit status {server.wait()})")
-            spark = _with_config(SparkSession.builder.remote(f"sc://127.0.0.1:{int(line)}"), config).create()
+            spark = connect_session(f"sc://127.0.0.1:{int(line)}", config)
         except BaseException:
             _stop_server(server)
             raise
-        return cls(spark, server)
+        engine = cls(spark, server)
+        engine.server_pid = server.pid
+        return engine
+
+    @classmethod
+    def managed_spark(
+        cls,
+        config: Mapping[str, str] | None = None,
+        master: str | None = None,
+        *,
+        storage_environment: Mapping[str, str] | None = None,
+    ) -> SparkEngine:
+        """Start a Spark Connect server with Delta on ``local[N]`` (``resources.delta.spark_server``) and connect.
+
+        ``config`` goes to the server (JVM settings such as ``spark.driver.memory`` can only be
+        set there); ``master`` defaults to ``local[<cores>]``. ``storage_environment`` goes to the
+        server's environment: object-store credentials reach the JVM there, not on its command line.
+        """
+        request = {"master": master or f"local[{len(os.sched_getaffinity(0))}]",
+                   "config": managed_server_config(config)}
+        server = subprocess.Popen(
+            [sys.executable, "-m", "resources.delta.spark_server", json.dumps(request)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(storage_environment or {})},
+        )
+        try:
+            assert server.stdout is not None and server.stderr is not None
+            fields = server.stdout.readline().split()
+            if len(fields) != 2:
+                reason = server.stderr.read().decode(errors="replace").strip() or f"exit status {server.wait()}"
+                raise ConfigurationError(
+                    f"the managed Spark engine did not start ({reason})",
+                    "check Java 17 and access to Maven Central (or a filled $PGCDC_JAR_CACHE), "
+                    "or use spark.engine: sail",
+                )
+            spark = connect_session(f"sc://127.0.0.1:{int(fields[0])}")
+        except BaseException:
+            _stop_server(server)
+            raise
+        engine = cls(spark, server)
+        engine.server_pid = int(fields[1])
+        return engine
 
     @classmethod
     def remote(cls, url: str, config: Mapping[str, str] | None = None) -> SparkEngine:
         """Connect to a running Spark Connect server (``sc://host:port``).
 
-        The server is probed first: the Spark Connect client retries an unreachable
-        address with back-off for minutes, where a user wants the cause at once.
+        The server is probed first, so an unreachable address is one line at once.
         """
         _probe_spark_connect(url)
-        return cls(_with_config(SparkSession.builder.remote(url), config).create())
+        return cls(connect_session(url, config))
 
     def server_memory_mib(self) -> tuple[float, float]:
         """The embedded server's resident and peak resident memory (VmRSS, VmHWM); zeros without one."""
@@ -136,8 +188,9 @@ def _stop_server(server: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
-    if server.stdout is not None:
-        server.stdout.close()
+    for stream in (server.stdout, server.stderr):
+        if stream is not None:
+            stream.close()
 
 
 SPARK_CONNECT_DEFAULT_PORT = 15002
@@ -165,16 +218,21 @@ def _with_config(builder: SparkSession.Builder, config: Mapping[str, str] | None
 
 
 def classic_delta_config(user_config: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Spark configuration for a classic (JVM) session with Delta; user settings win."""
-    return {**DELTA_CLASSIC_CONFIG, **(user_config or {})}
+    """Spark configuration for a classic (in-process JVM) session with Delta; user settings win.
+
+    The same settings as the managed engine: Delta's extension, catalog and pinned jars
+    (through the jar cache), and the small-table settings.
+    """
+    return managed_server_config(user_config)
 
 
 def classic_session_builder(app_name: str, user_config: Mapping[str, str] | None = None) -> SparkSession.Builder:
-    """A classic session builder with the Delta jars matching the installed delta-spark.
+    """A classic session builder on ``local[<cores>]`` with Delta's jars (:data:`DELTA_PACKAGE`).
 
-    Needs the ``classic`` extra (delta-spark) and Maven access for the jars.
+    A process that has created a Spark Connect session cannot build a classic one any more
+    (PySpark: ``CONNECT_URL_NOT_SET``), so classic mode needs a process of its own.
     """
-    from delta.pip_utils import configure_spark_with_delta_pip
+    builder = SparkSession.builder.appName(app_name).master(f"local[{len(os.sched_getaffinity(0))}]")
+    return _with_config(builder, classic_delta_config(user_config))
 
-    builder = _with_config(SparkSession.builder.appName(app_name), classic_delta_config(user_config))
-    return configure_spark_with_delta_pip(builder)
+

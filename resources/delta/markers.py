@@ -23,6 +23,7 @@ from typing import Any
 from pyspark.errors import AnalysisException
 from pyspark.sql import functions as F, SparkSession
 
+from resources.delta.capabilities import engine_capabilities
 from resources.lsn import LSN
 
 LSN_COLUMN = "_pgcdc_lsn"
@@ -46,11 +47,27 @@ _COMMIT_INFO_SCHEMA = "commitInfo STRUCT<timestamp: BIGINT, operation: STRING, u
 
 
 def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = None) -> list[CommitRecord]:
-    """Commits of the table at ``path``, newest first, read from its log through Spark.
+    """Commits of the table at ``path``, newest first, read from its log through the engine.
 
     Commits removed by log cleanup (after a checkpoint and ``delta.logRetentionDuration``)
-    are gone; keep that retention longer than the longest a table may sit idle.
+    are gone; keep that retention longer than the longest a table may sit idle. Delta on
+    Spark reads them with ``DESCRIBE HISTORY`` (the capability seam); other engines scan the
+    log's JSON files: the same records.
     """
+    if engine_capabilities(spark).delta_commands:
+        table = "`" + path.replace("`", "``") + "`"
+        try:
+            history = spark.sql(f"DESCRIBE HISTORY delta.{table}" + (f" LIMIT {int(limit)}" if limit else ""))
+        except AnalysisException as error:
+            if error.getCondition() == "DELTA_TABLE_ONLY_OPERATION":  # no table (yet): no commits, as the log scan says
+                return []
+            raise
+        return [
+            CommitRecord(row["version"], row["timestamp_ms"], row["operation"], row["userMetadata"])
+            for row in history.select(
+                "version", F.unix_millis("timestamp").alias("timestamp_ms"), "operation", "userMetadata"
+            ).orderBy(F.desc("version")).collect()
+        ]
     commits = (
         spark.read.format("binaryFile")
         .option("pathGlobFilter", "*.json")

@@ -8,7 +8,8 @@ import pyarrow as pa
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.dataframes import spark_dataframe
-from resources.delta.snapshot_writes import remove_local, STAGING_DIRECTORY
+from resources.delta.lake_storage import remove_tree
+from resources.delta.snapshot_writes import STAGING_DIRECTORY
 
 
 OP_COLUMN = "_pgcdc_op"
@@ -102,7 +103,7 @@ def merge_batch(
             f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
         ).collect()
     finally:
-        remove_local(staged)
+        remove_tree(staged)
 
 
 def _merge_source(path: str) -> str:

@@ -9,6 +9,7 @@ from pyspark.sql import functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import DecimalType
 
+from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.merge import quote_column
 
@@ -36,12 +37,20 @@ def widen_columns(spark: SparkSession, path: str, widened: Mapping[str, pa.DataT
 
 
 def add_columns(spark: SparkSession, path: str, new_columns: pa.Schema) -> None:
-    """Add nullable columns to the table: an empty append with mergeSchema.
+    """Add nullable columns to the table, committing the schema alone.
 
     Sail has no ``ALTER TABLE ... ADD COLUMNS``; an append of an empty Arrow frame with the
     widened schema commits the new schema (an empty list or query result commits nothing there),
-    and Delta on a JVM Spark accepts it the same way.
+    and Delta on a JVM Spark accepts it the same way. Where the engine has Delta's commands
+    (the capability seam) the ALTER commits the same schema without a write job.
     """
+    if engine_capabilities(spark).delta_commands:
+        columns = ", ".join(
+            f"{quote_column(field.name)} {from_arrow_type(field.type, prefer_timestamp_ntz=True).simpleString()}"
+            for field in new_columns
+        )
+        spark.sql(f"ALTER TABLE delta.{quote_column(path)} ADD COLUMNS ({columns})").collect()
+        return
     existing = to_arrow_schema(spark.read.format("delta").load(path).schema)
     frame = spark_dataframe(spark, pa.schema([*existing, *new_columns]).empty_table())
     frame.write.format("delta").mode("append").option("mergeSchema", "true").save(path)

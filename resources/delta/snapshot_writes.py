@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
+from resources.delta.lake_storage import remove_tree
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, spark_dataframe
 from resources.delta.markers import version_with_metadata
 
@@ -68,7 +67,7 @@ def write_snapshot(
             _write_staged(spark, pending, path, staging)
             _drop_views(spark, pending)
             _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
-            remove_local(staging)
+            remove_tree(staging)
     finally:
         try:
             _drop_views(spark, pending)
@@ -111,15 +110,3 @@ def _overwrite(frame: DataFrame, path: str, user_metadata: str | None) -> None:
 
 def _append(frame: DataFrame, path: str) -> None:
     frame.write.format("delta").mode("append").save(path)
-
-
-def remove_local(staging: str) -> None:
-    """Staging data is useless once written over; object-store paths are left to lifecycle rules,
-    since Spark offers no portable way to delete files."""
-    local = staging.removeprefix("file://")
-    if "://" not in local:
-        shutil.rmtree(local, ignore_errors=True)
-        try:
-            Path(local).parent.rmdir()  # the staging directory, unless another write uses it
-        except OSError:
-            pass

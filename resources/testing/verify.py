@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import psycopg
 import pyarrow as pa
@@ -58,12 +58,14 @@ def _sort_key(row: tuple) -> tuple:
     return tuple((value is None, repr(value)) for value in row)
 
 
-def delta_rows(path: str) -> tuple[pa.Schema, list[dict]]:
+def delta_rows(path: str, storage_options: Mapping[str, str] | None = None) -> tuple[pa.Schema, list[dict]]:
     """Rows as Python values; timestamps as int64 microseconds, since pgcdc stores PostgreSQL's
-    infinity at the int64 limits, beyond Python's datetime."""
+    infinity at the int64 limits, beyond Python's datetime. ``storage_options`` reach an
+    object-store lake (``LakeStorage.object_store_options``)."""
     import deltalake  # the dev extra; imported here so the package works without it
 
-    table = deltalake.DeltaTable(path).to_pyarrow_table()
+    options = dict(storage_options) if storage_options else None
+    table = deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table()
     schema = table.schema
     for i, f in enumerate(schema):
         if pa.types.is_timestamp(f.type):
@@ -94,6 +96,7 @@ def compare_table(
     *,
     key: Sequence[str] = (),
     extra_delta_columns: Sequence[str] = (),
+    storage_options: Mapping[str, str] | None = None,
 ) -> int:
     """Raise AssertionError with a readable diff unless the Delta table at ``path`` equals
     ``table`` (``schema.name``) as ``conn`` sees it, ignoring ``_pgcdc_*`` columns; returns the row count.
@@ -101,7 +104,7 @@ def compare_table(
     ``extra_delta_columns`` are Delta columns PostgreSQL no longer has (dropped columns,
     kept in Delta by design); they are not compared. ``key`` only shapes the diff.
     """
-    schema, delta = delta_rows(path)
+    schema, delta = delta_rows(path, storage_options)
     schema_name, _, table_name = table.partition(".")
     pg_columns = [
         name
@@ -134,10 +137,13 @@ def assert_delta_equals_postgres(
     *,
     key: Sequence[str] = (),
     extra_delta_columns: Sequence[str] = (),
+    storage_options: Mapping[str, str] | None = None,
 ) -> int:
     """:func:`compare_table` on a fresh connection to ``dsn``."""
     with connect(dsn, application_name="pgcdc-verify", session_settings=SESSION_SETTINGS) as conn:
-        return compare_table(conn, table, path, key=key, extra_delta_columns=extra_delta_columns)
+        return compare_table(
+            conn, table, path, key=key, extra_delta_columns=extra_delta_columns, storage_options=storage_options
+        )
 
 
 def _diff(table: str, columns: list[str], key: Sequence[str], pg_rows: list[tuple], delta_rows_: list[tuple]) -> str:

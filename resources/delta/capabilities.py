@@ -1,0 +1,57 @@
+"""The one engine-capability seam: what the engine can do beyond the SQL every engine shares.
+
+pgcdc's logic never forks per engine: every operation has one formulation that works on
+embedded Sail, on Spark with Delta's jars and on any Spark Connect server, and the Delta
+tables come out the same. Where Delta on Spark has a cheaper way to the same result, the
+Delta writers ask this module, and only there (docs/engine-notes.md):
+
+* commit metadata: ``DESCRIBE HISTORY ... LIMIT n`` reads the newest commits from Delta's log
+  instead of a ``binaryFile`` scan of every JSON commit (a Spark job per call on a JVM);
+* new columns: ``ALTER TABLE ... ADD COLUMNS`` commits the schema alone instead of an empty
+  append with ``mergeSchema`` (a write job).
+
+Delta on Spark also has ``OPTIMIZE``, ``VACUUM``, ``TRUNCATE TABLE`` and MERGE ``userMetadata``
+(``spark.databricks.delta.commitInfo.userMetadata``); Sail 0.7.2 has none of these. pgcdc
+does not need them for correctness; maintenance may use them through ``delta_commands``.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from dataclasses import dataclass
+
+from pyspark.sql import SparkSession
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    #: Delta Lake's SQL commands (DESCRIBE HISTORY, ALTER TABLE ADD COLUMNS, OPTIMIZE, VACUUM, ...).
+    delta_commands: bool
+
+
+_DETECTED: weakref.WeakKeyDictionary[SparkSession, EngineCapabilities] = weakref.WeakKeyDictionary()
+
+
+def engine_capabilities(spark: SparkSession) -> EngineCapabilities:
+    """Detected once per session, by asking for the history of a path that holds no table.
+
+    Delta on Spark answers that the table does not exist (an analysis error naming Delta); an
+    engine without the command fails to parse it. Any other outcome counts as "no": the
+    common path is always correct.
+    """
+    known = _DETECTED.get(spark)
+    if known is None:
+        known = EngineCapabilities(delta_commands=_has_describe_history(spark))
+        _DETECTED[spark] = known
+    return known
+
+
+def _has_describe_history(spark: SparkSession) -> bool:
+    probe = f"/nonexistent-pgcdc-capability-probe-{uuid.uuid4().hex}"
+    try:
+        spark.sql(f"DESCRIBE HISTORY delta.`{probe}`").collect()
+    except Exception as error:  # noqa: BLE001 - the kind of refusal is the answer
+        condition = getattr(error, "getCondition", lambda: None)() or ""
+        return condition.startswith("DELTA_")
+    return True

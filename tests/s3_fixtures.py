@@ -1,0 +1,119 @@
+"""A local S3 for the suite: moto's server mode in a thread of the test process, on a free port.
+
+One server for the whole session (start and stop take about a second); each test gets a lake
+of its own under a fresh prefix of one bucket. The test credentials reach pgcdc the way a
+user's would: through environment variables that ``delta.storage`` names as ``${...}``
+references. moto accepts any key pair, so a missing key pair is caught by pgcdc's preflight,
+which is what the bad-input tests check.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+from pyspark.sql import SparkSession
+
+from resources.delta.engine import SparkEngine
+from resources.delta.lake_storage import LakeStorage, StorageSettings
+
+BUCKET = "lake"
+REGION = "us-east-1"
+KEY_VARIABLE = "PGCDC_TEST_S3_KEY"
+SECRET_VARIABLE = "PGCDC_TEST_S3_SECRET"
+TEST_KEY = "pgcdc-test-key"
+TEST_SECRET = "pgcdc-test-secret-Zq81xW"
+"""Distinctive, so a test can search logs, errors and metadata for it."""
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+
+    def storage(self, **overrides: Any) -> dict[str, Any]:
+        """``delta.storage`` for this server, credentials as environment references."""
+        return {
+            "endpoint": self.endpoint,
+            "region": REGION,
+            "allow_http": True,
+            "access_key_id": f"${{{KEY_VARIABLE}}}",
+            "secret_access_key": f"${{{SECRET_VARIABLE}}}",
+            **overrides,
+        }
+
+    def lake(self, root: str) -> LakeStorage:
+        return LakeStorage(root, StorageSettings(**self.storage()))
+
+    def keys(self, prefix: str) -> list[str]:
+        """Every object key under ``prefix`` in the bucket (boto3, independent of pgcdc's client)."""
+        client = boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET,
+            region_name=REGION,
+        )  # fmt: skip
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto logs every request otherwise
+    saved = {name: os.environ.get(name) for name in (KEY_VARIABLE, SECRET_VARIABLE)}
+    os.environ[KEY_VARIABLE], os.environ[SECRET_VARIABLE] = TEST_KEY, TEST_SECRET
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        s3 = S3Server(f"http://127.0.0.1:{port}")
+        boto3.client(
+            "s3", endpoint_url=s3.endpoint, aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET,
+            region_name=REGION,
+        ).create_bucket(Bucket=BUCKET)  # fmt: skip
+        yield s3
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture
+def s3_root(s3_server: S3Server) -> str:
+    """A fresh, empty lake root for one test."""
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def s3_spark_engine(s3_server: S3Server) -> Iterator[SparkEngine]:
+    """An embedded Sail engine whose server process can reach the moto store."""
+    with SparkEngine.embedded(storage_environment=s3_server.lake(f"s3://{BUCKET}/").engine_environment()) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def s3_spark(s3_spark_engine: SparkEngine) -> SparkSession:
+    return s3_spark_engine.spark
+
+
+@pytest.fixture(scope="module")
+def s3_apache_spark(s3_server: S3Server) -> Iterator[SparkSession]:
+    """Apache Spark with Delta (the managed engine, ``spark.engine: spark``) reaching the moto store
+    through S3A; the first use on a fresh machine downloads S3A's jars into the jar cache."""
+    lake = s3_server.lake(f"s3://{BUCKET}/")
+    with SparkEngine.managed_spark(lake.spark_settings(), storage_environment=lake.engine_environment()) as engine:
+        yield engine.spark

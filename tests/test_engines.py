@@ -1,0 +1,290 @@
+"""pgcdc on the engines beyond embedded Sail: Apache Spark with Delta (managed by pgcdc, and a
+standalone cluster behind a Spark Connect server) and Sail's standalone server.
+
+Each engine (``tests/engine_fixtures.py``, one at a time) runs a representative lifecycle,
+compared with PostgreSQL after every step by ``resources/verify.py`` (delta-rs, independent of
+the writer): snapshot, drains under concurrent writes, re-snapshot of one table, TRUNCATE,
+ADD COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table.
+Then: the engine is SIGKILLed during a drain (one-line failure within seconds, the slot not
+moved past Delta, exact after a restart). The Spark engines also run the crash points (the
+drain process SIGKILLs itself) and a short seeded randomized workload; Sail's server, cheap and
+covered by the embedded tests, runs the lifecycle and the kill only.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from importlib import metadata
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from resources.postgres.catalog import TableName
+from resources.config import PgcdcConfig, parse_config
+from resources.delta.capabilities import engine_capabilities
+from resources.testing.faults import FAULT_POINT_ENV
+from resources.incremental import run_incremental
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.snapshot import snapshot_tables
+from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
+from resources.testing.verify import assert_delta_equals_postgres
+from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+
+pytest.register_assert_rewrite("tests.engine_fixtures")  # imported here before pytest loads it as a plugin
+from tests.engine_fixtures import ENGINES, SPARK_ENGINES, EngineUnderTest, group_alive
+from tests.test_faults import (
+    DDL as FAULT_DDL,
+    REPO,
+    SLOT,
+    Child,
+    assert_one_line_failure,
+    backlog,
+    confirmed,
+    rerun_converges,
+    wait_mid_drain,
+)
+from tests.test_randomized import Replay
+from tests.workload import generate
+
+pytest_plugins = ["tests.engine_fixtures"]
+
+LIFECYCLE_DDL = """
+    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
+    CREATE TABLE dup (k int, v text);
+    ALTER TABLE dup REPLICA IDENTITY FULL;
+    CREATE TABLE journal (entry int, note text);
+    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 300) g;
+    INSERT INTO dup VALUES (1, 'a'), (1, 'a'), (1, 'a'), (2, 'b'), (2, 'b'), (3, NULL), (3, NULL);
+    INSERT INTO journal VALUES (-1, 'seed');
+    CREATE PUBLICATION pub FOR TABLE acct, dup, journal;
+"""
+SEED = 20240601
+RANDOM_OPS = 40
+#: Tests that run on the Spark engines only: Sail runs them embedded (tests/test_faults.py, test_randomized.py).
+SPARK_ONLY = {"test_crash_points_then_the_rerun_is_exact", "test_seeded_randomized_workload"}
+#: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
+#: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
+CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge"}
+ENGINE_VERSIONS = {
+    "spark-local": POSTGRES_VERSIONS[:1],
+    "spark-cluster": POSTGRES_VERSIONS[-1:],
+    "sail-server": POSTGRES_VERSIONS,
+}
+
+
+@pytest.fixture(scope="session")
+def pg_server(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
+    """conftest's server, parametrized here rather than over every version (see ENGINE_VERSIONS)."""
+    server = start_local_postgres(request.param, TEST_SERVER_SETTINGS)
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One session-wide engine instance per name, shared by every test that runs on it, paired
+    with the PostgreSQL versions it runs against."""
+    if "engine" in metafunc.fixturenames:
+        names = SPARK_ENGINES if metafunc.function.__name__ in SPARK_ONLY else ENGINES
+        pairs = [(name, version) for name in names for version in ENGINE_VERSIONS[name]]
+        metafunc.parametrize(
+            ("engine", "pg_server"), pairs, indirect=True, scope="session",
+            ids=[f"{name}-pg{version}" for name, version in pairs],
+        )  # fmt: skip
+    elif "pg_server" in metafunc.fixturenames:  # the classic session: one JVM start, the newest version
+        metafunc.parametrize("pg_server", POSTGRES_VERSIONS[-1:], indirect=True, scope="session",
+                             ids=[f"pg{POSTGRES_VERSIONS[-1]}"])  # fmt: skip
+
+
+def engine_config(pg: PgDatabase, tmp_path: Path, engine: EngineUnderTest, **spark: object) -> PgcdcConfig:
+    """pgcdc configured as a user would for this engine: ``spark.remote`` is its URL."""
+    return parse_config({
+        "postgres": {"dsn": pg.dsn},
+        "publication": "pub",
+        "slot": SLOT,
+        "delta": {"root": str(tmp_path / "lake")},
+        "spark": {"remote": engine.url, **spark},
+    })  # fmt: skip
+
+
+def write_config(config: PgcdcConfig, tmp_path: Path) -> Path:
+    path = tmp_path / "pgcdc.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump()), encoding="utf-8")
+    return path
+
+
+def assert_lake_exact(pg: PgDatabase, config: PgcdcConfig, acct_rows: int | None = None) -> None:
+    acct = assert_delta_equals_postgres(pg.dsn, "public.acct", config.table_path("public", "acct"), key=("id",))
+    assert acct_rows is None or acct == acct_rows
+    assert_delta_equals_postgres(pg.dsn, "public.dup", config.table_path("public", "dup"))
+    assert_delta_equals_postgres(pg.dsn, "public.journal", config.table_path("public", "journal"))
+
+
+def writes(pg: PgDatabase, transactions: int, offset: int) -> None:
+    with pg.connect() as conn:
+        for i in range(transactions):
+            with conn.transaction():
+                conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id = %s", (f"w{i}", 1 + i % 50))
+                conn.execute("INSERT INTO journal VALUES (%s, 'w')", (offset + i,))
+                conn.execute("INSERT INTO dup VALUES (%s, 'x'), (%s, 'x')", (i % 3, i % 3))
+
+
+def test_lifecycle_matches_postgres_after_every_step(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    spark = engine.spark
+    assert spark is not None
+    # The seam says what the engine is; nothing below depends on it but the cost.
+    assert engine_capabilities(spark).delta_commands == engine.name.startswith("spark")
+    pg.execute(LIFECYCLE_DDL)
+    config = engine_config(pg, tmp_path, engine)
+    timings: dict[str, float] = {}
+
+    def step(label: str, action: object) -> None:
+        started = time.monotonic()
+        action()  # type: ignore[operator]
+        timings[label] = round(time.monotonic() - started, 1)
+
+    step("snapshot", lambda: snapshot_tables(config, spark))
+    assert_lake_exact(pg, config, 300)
+
+    # Drains while another connection keeps writing: whatever the first drain misses, the next one gets.
+    writer = threading.Thread(target=writes, args=(pg, 20, 0))
+    writer.start()
+    step("drain under writes", lambda: run_incremental(config, spark, max_chunk_changes=40))
+    writer.join()
+    step("drain", lambda: run_incremental(config, spark))
+    assert_lake_exact(pg, config, 300)
+
+    # Re-snapshot of one table between changes, then the changes on both sides of it.
+    pg.execute("UPDATE acct SET note = 'before resnapshot' WHERE id <= 20")
+    step("re-snapshot", lambda: snapshot_tables(config, spark, [TableName("public", "acct")]))
+    pg.execute("UPDATE acct SET note = 'after resnapshot' WHERE id BETWEEN 10 AND 30")
+    step("drain after re-snapshot", lambda: run_incremental(config, spark))
+    assert_lake_exact(pg, config, 300)
+
+    # TRUNCATE of the keyless table and of a keyed one, with rows after it.
+    pg.execute("TRUNCATE journal; INSERT INTO journal VALUES (1, 'after'), (1, 'after');"
+               " TRUNCATE acct; INSERT INTO acct SELECT g, g, 'reborn' FROM generate_series(1, 50) g")
+    step("drain with TRUNCATE", lambda: run_incremental(config, spark))
+    assert_lake_exact(pg, config, 50)
+
+    # A column added with a default reaches the rows no change touched.
+    pg.execute("ALTER TABLE acct ADD COLUMN status text NOT NULL DEFAULT 'new'; UPDATE acct SET balance = -1 WHERE id = 1")
+    step("drain with ADD COLUMN", lambda: run_incremental(config, spark))
+    assert_lake_exact(pg, config, 50)
+
+    # REPLICA IDENTITY FULL with identical rows: one copy changes, one is deleted, NULLs included.
+    pg.execute("UPDATE dup SET v = 'c' WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 1 AND v = 'a');"
+               " DELETE FROM dup WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 3);"
+               " INSERT INTO dup VALUES (2, 'b')")
+    step("drain on FULL identity", lambda: run_incremental(config, spark))
+    assert_lake_exact(pg, config, 50)
+    print(f"{engine.name} (PostgreSQL {pg.major}) lifecycle seconds: {timings}")
+
+
+def test_engine_killed_during_a_drain_fails_in_one_line_and_the_next_run_is_exact(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
+    """SIGKILL of the engine's server (the Spark Connect JVM or the Sail server) while a drain
+    in another process is applying chunks: that process fails within seconds with one line,
+    the slot stays where the last durable chunk put it, and after a restart the next run is exact."""
+    spark = engine.spark
+    assert spark is not None
+    pg.execute(FAULT_DDL)
+    config = engine_config(pg, tmp_path, engine)
+    snapshot_tables(config, spark)
+    start = confirmed(pg)
+    backlog(pg, 60)
+    child = Child(write_config(config, tmp_path), chunk=40)
+    try:
+        wait_mid_drain(pg, child, start, timeout=180)
+        engine.kill()
+        killed = time.monotonic()
+        line = assert_one_line_failure(child, "EngineUnavailable", f"Spark engine at {engine.url} stopped answering (")
+        took = time.monotonic() - killed
+    finally:
+        child.kill()
+    print(f"{engine.name}: failed {took:.1f} s after the kill: {line}")
+    assert took < 30, f"the drain took {took:.1f} s to notice the dead engine"
+    after_failure = confirmed(pg)
+    engine.restart()
+    assert confirmed(pg) == after_failure  # nothing moved the slot meanwhile
+    config = engine_config(pg, tmp_path, engine)  # the managed engine restarts on a new port
+    rerun_converges(pg, config, engine.spark)
+
+
+def test_crash_points_then_the_rerun_is_exact(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    """The drain process SIGKILLs itself at a fault point (one per engine, to save JVM time; all
+    points run on embedded Sail in tests/test_faults.py); the re-run applies exactly the rest.
+    On the managed engine the crashed process had started its own Spark JVM
+    (``spark.engine: spark``): that JVM must die with it."""
+    point = CRASH_POINT[engine.name]
+    spark = engine.spark
+    assert spark is not None
+    pg.execute(FAULT_DDL)
+    config = engine_config(pg, tmp_path, engine)
+    snapshot_tables(config, spark)
+    backlog(pg, 30)
+    own_jvm = engine.name == "spark-local"
+    child_config = config.model_copy(update={"spark": config.spark.model_copy(update={"remote": None, "engine": "spark"})}) if own_jvm else config
+    child = Child(write_config(child_config, tmp_path), chunk=100, env={FAULT_POINT_ENV: point})
+    try:
+        assert child.wait(timeout=600) == -9, child.output()
+    finally:
+        child.kill()
+    if own_jvm:
+        jvm = int(child.out.read_text().split("engine up ", 1)[1].split()[0])
+        deadline = time.monotonic() + 30
+        while group_alive(jvm) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_alive(jvm), "the managed Spark JVM outlived the pgcdc process that started it"
+    rerun_converges(pg, config, spark)
+
+
+def test_seeded_randomized_workload(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    """A short run of the randomized differential test (tests/test_randomized.py) on the engine."""
+    assert engine.spark is not None
+    started = time.monotonic()
+    replay = Replay(pg, tmp_path, engine.spark, SEED, RANDOM_OPS)
+    replay.execute(generate(SEED, RANDOM_OPS))
+    assert replay.runs > 0 and replay.oracle_checks > 0
+    print(f"{engine.name}: seed {SEED}, {RANDOM_OPS} ops, {replay.runs} runs, {replay.oracle_checks} comparisons, "
+          f"{time.monotonic() - started:.1f}s")
+
+
+def test_classic_in_process_session_snapshots_and_drains(pg: PgDatabase, tmp_path: Path) -> None:
+    """Dagster's ``classic`` mode (an in-process JVM session with Delta's jars) in a child process."""
+    pg.execute(LIFECYCLE_DDL)
+    config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
+                           "delta": {"root": str(tmp_path / "lake")}})  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "delta commands: True"
+        assert child.stdout.readline().strip() == "snapshot done", child.stderr.read() if child.stderr else ""
+        assert_lake_exact(pg, config, 300)
+        writes(pg, 10, 100)
+        child.stdin.write("drain\n")
+        child.stdin.flush()
+        output, errors = child.communicate(timeout=600)
+        assert child.returncode == 0, errors[-3000:]
+        assert output.startswith("confirmed "), output
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert_lake_exact(pg, config, 300)
+
+
+def test_delta_spark_pin_matches_the_jars_pgcdc_loads() -> None:
+    """pip's delta-spark (dev and classic extras) and the jar coordinate pinned in code must not drift."""
+    assert metadata.version("delta-spark") == DELTA_VERSION
+    assert DELTA_PACKAGE == f"io.delta:delta-spark_4.1_2.13:{DELTA_VERSION}"
