@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 
 import pyarrow as pa
+from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type, to_arrow_schema
@@ -417,7 +418,12 @@ def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = Non
     log's JSON files: the same records.
     """
     if engine_capabilities(spark).delta_commands:
-        history = spark.sql(f"DESCRIBE HISTORY delta.{_quote(path)}" + (f" LIMIT {int(limit)}" if limit else ""))
+        try:
+            history = spark.sql(f"DESCRIBE HISTORY delta.{_quote(path)}" + (f" LIMIT {int(limit)}" if limit else ""))
+        except AnalysisException as error:
+            if error.getCondition() == "DELTA_TABLE_ONLY_OPERATION":  # no table (yet): no commits, as the log scan says
+                return []
+            raise
         return [
             CommitRecord(row["version"], row["timestamp_ms"], row["operation"], row["userMetadata"])
             for row in history.select(

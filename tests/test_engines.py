@@ -63,7 +63,7 @@ LIFECYCLE_DDL = """
     CREATE PUBLICATION pub FOR TABLE acct, dup, journal;
 """
 SEED = 20240601
-RANDOM_OPS = 40
+RANDOM_OPS = 30
 #: Tests that run on the Spark engines only: Sail runs them embedded (tests/test_faults.py, test_randomized.py).
 SPARK_ONLY = {"test_crash_points_then_the_rerun_is_exact", "test_seeded_randomized_workload"}
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
