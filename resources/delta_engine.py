@@ -54,6 +54,7 @@ DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Arrow bytes sent per createDataFrame: bounds client memory and stays under Spark Connect's
 local-relation cache threshold (64 MiB by default)."""
 
+
 class SparkEngine:
     """A Spark session and, for an engine pgcdc runs itself (embedded Sail, managed Spark), the
     server process behind it; close() stops both. Every session is a Spark Connect session
