@@ -45,7 +45,7 @@ class DeltaSettings(_Section):
     storage: StorageSettings = Field(default_factory=StorageSettings, description="object-store settings for root")
 
     def lake(self) -> LakeStorage:
-        """The lake at ``root``, with what each client needs to reach it (``resources.lake_storage``)."""
+        """The lake at ``root``, with what each client needs to reach it (``resources.delta.lake_storage``)."""
         return LakeStorage(self.root, self.storage)
 
 

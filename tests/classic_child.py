@@ -24,7 +24,7 @@ def main() -> None:
     resource = SparkDeltaResource(mode="classic", spark_config={"spark.master": "local[1]"})
     with resource.yield_for_execution(build_init_resource_context()) as ready:
         spark = ready.spark_session
-        assert not hasattr(spark, "client"), "not a classic session"
+        assert ".connect." not in type(spark).__module__, "not a classic session"
         print(f"delta commands: {engine_capabilities(spark).delta_commands}", flush=True)
         snapshot_tables(config, spark)
         print("snapshot done", flush=True)

@@ -79,8 +79,9 @@ def connect_session(url: str, config: Mapping[str, str] | None = None) -> SparkS
 
 def engine_address(spark: SparkSession) -> str:
     """``sc://host:port`` of a Connect session, without the token or other parameters."""
-    client = getattr(spark, "client", None)
-    url = getattr(getattr(client, "_builder", None), "url", None)
+    if ".connect." not in type(spark).__module__:  # a classic session's .client raises
+        return "the in-process Spark session"
+    url = getattr(getattr(spark.client, "_builder", None), "url", None)
     return f"sc://{url.netloc}" if url is not None else "the in-process Spark session"
 
 
