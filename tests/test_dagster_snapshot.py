@@ -24,6 +24,7 @@ from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.delta.markers import read_snapshot_lsn
+from resources.errors import ConnectionFailure
 from resources.lsn import LSN
 from tests.conftest import PgDatabase
 
