@@ -22,16 +22,17 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 
-from resources import delta_engine
+from resources.delta import snapshot_writes
 from resources.config import parse_config
 from pgcdc_assets.dagster_resources import SparkDeltaResource
-from resources.delta.engine import STAGING_DIRECTORY, read_commit_metadata, write_snapshot
+from resources.delta.markers import read_commit_metadata
+from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.errors import ConfigurationError
 from resources.incremental import run_incremental
 from resources.delta.lake_storage import open_lake, remove_tree
 from resources.snapshot import snapshot_tables
 from tests.conftest import POSTGRES_VERSIONS, PgDatabase
-from tests.oracle import assert_delta_equals_postgres
+from resources.testing.verify import assert_delta_equals_postgres
 from tests.s3_fixtures import BUCKET, TEST_SECRET, S3Server
 
 pytest_plugins = ["tests.s3_fixtures"]
@@ -185,7 +186,7 @@ def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
 ) -> None:
     open_lake(s3_root, s3_server.lake(s3_root).settings)
     removed: list[str] = []
-    monkeypatch.setattr(delta_engine, "remove_tree", lambda location: (removed.append(location), remove_tree(location)))
+    monkeypatch.setattr(snapshot_writes, "remove_tree", lambda location: (removed.append(location), remove_tree(location)))
     schema = pa.schema([("id", pa.int64())])
     batches = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(4))
     path = f"{s3_root}/public/t"
