@@ -199,6 +199,9 @@ def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_pat
                   flag: [True, True, False], "_pgcdc_oldkey_id": pa.array([None, 1, None], pa.int64()),
                   OP_COLUMN: ["U", "U", "U"]}),
         pa.table({"id": [8, 9], "body": [None, "x"], "n": pa.array([None, 99], pa.int32()), OP_COLUMN: ["D", "U"]}),
+        # 4 deleted, 3 moved onto 4 keeping its value: the match under 4 is stale, 3's value wins.
+        pa.table({"id": [3, 4], "body": [None, None], "n": pa.array([None, 41], pa.int32()),
+                  flag: [None, True], "_pgcdc_oldkey_id": pa.array([None, 3], pa.int64()), OP_COLUMN: ["D", "U"]}),
     ]
     path = str(tmp_path / "t")
     memory = InMemoryDestination()
@@ -209,4 +212,4 @@ def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_pat
         memory.merge_batch(path, batch, ["id"])
     on_sail = spark.read.format("delta").load(path).toArrow().sort_by("id").to_pylist()
     assert on_sail == memory.tables[path].sort_by("id").to_pylist()
-    assert {row["id"]: row["body"] for row in on_sail} == {1: "a1", 3: "c", 4: "d2", 7: "a1", 9: "x"}
+    assert {row["id"]: row["body"] for row in on_sail} == {1: "a1", 4: "c", 7: "a1", 9: "x"}

@@ -152,6 +152,11 @@ def test_unchanged_toast_keeps_the_delta_value(pg: PgDatabase, tmp_path: Path, s
     pg.execute("UPDATE docs SET id = id + 100 WHERE id IN (4, 70)")
     drain(config, spark, max_chunk_changes=3)
     assert same(pg, config, "public.docs") == 7
+    # A row moved onto a key whose row the same batch deletes keeps its own value, not the deleted one's.
+    pg.execute("DELETE FROM docs WHERE id = 1")
+    pg.execute("UPDATE docs SET id = 1 WHERE id = 2")
+    drain(config, spark)
+    assert same(pg, config, "public.docs") == 6
 
 
 def test_truncate_applies_in_order(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:

@@ -44,8 +44,8 @@ def merge_batch(
     ``source`` holds the row values, :data:`OP_COLUMN` and optional boolean
     ``_pgcdc_unchanged_<col>`` columns: where True, an update keeps the target's value
     (PostgreSQL does not resend unchanged TOASTed values). With ``_pgcdc_oldkey_<key>``
-    columns, such a row that finds no target under its (new) key is inserted with the
-    values of the target row under its old key instead.
+    columns (set only on a key-changing update that kept such values), the kept values come
+    from the target row under the old key instead, whether or not the new key matches a row.
     The MERGE rejects two changes for one key, so callers fold a batch per key first.
 
     The source is staged as Parquet (:func:`_merge_source`) rather than shipped as a view:
@@ -77,10 +77,15 @@ def merge_batch(
     else:
         using = staged_source
     on = " AND ".join(f"t.{quote_column(key)} = s.{quote_column(key)}" for key in key_columns)
+    moved = f"s.{quote_column(old_keys[0])} IS NOT NULL" if old_keys else "false"
     updates = ", ".join(
         f"{quote_column(name)} = "
         + (
-            f"CASE WHEN s.{quote_column(unchanged_flag_column(name))} THEN t.{quote_column(name)} ELSE s.{quote_column(name)} END"
+            f"CASE WHEN NOT s.{quote_column(unchanged_flag_column(name))} THEN s.{quote_column(name)} "
+            # A moved row keeps the value of the row under its old key, even where its new key
+            # still matches a row (one the same batch deletes): that row's value is stale.
+            + (f"WHEN {moved} THEN s.{quote_column(_carried(name))} " if using != staged_source else "")
+            + f"ELSE t.{quote_column(name)} END"
             if name in kept
             else f"s.{quote_column(name)}"
         )

@@ -82,13 +82,16 @@ class InMemoryDestination:
                 raise ValueError(f"two changes for key {key} in one MERGE batch: fold the batch per key first")
             seen.add(key)
             kept = {n for n in value_columns if change.get(unchanged_flag_column(n)) is True}
+            moved = bool(old_keys) and change[old_keys[0]] is not None
+            old = by_old_key.get(tuple(change[n] for n in old_keys)) if moved else None
             if key in rows and None not in key:
                 if change[OP_COLUMN] == "D":
                     del rows[key]
                 else:
                     rows[key].update({n: change[n] for n in value_columns if n not in key_columns and n not in kept})
+                    if moved:
+                        rows[key].update({n: old[n] if old is not None else None for n in kept})
             elif change[OP_COLUMN] != "D":
-                old = by_old_key.get(tuple(change[n] for n in old_keys)) if old_keys else None
                 row = dict.fromkeys(target.column_names)
                 for n in value_columns:
                     if n in kept and old_keys:
