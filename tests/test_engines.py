@@ -14,6 +14,7 @@ extreme timestamp read back as timestamp[ns]; see docs/engine-notes.md).
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from importlib import metadata
@@ -260,6 +261,9 @@ def test_classic_in_process_session_snapshots_and_drains(pg: PgDatabase, tmp_pat
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path))],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
+        # This process has had Spark Connect sessions, which mark the environment as Connect mode
+        # (SPARK_CONNECT_MODE_ENABLED); a child inheriting that cannot build a classic session.
+        env={name: value for name, value in os.environ.items() if name != "SPARK_CONNECT_MODE_ENABLED"},
     )  # fmt: skip
     try:
         assert child.stdout is not None and child.stdin is not None
