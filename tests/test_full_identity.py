@@ -206,3 +206,23 @@ def test_replayed_commits_add_and_remove_no_copy_twice(
     assert final.returncode == 0, final.stdout + final.stderr
     assert slot_confirmed(pg) > start
     assert same(pg, config, "public.c", key=()) == 7
+
+
+def test_a_full_table_with_a_primary_key_is_merged_per_key(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """A primary key rules out duplicates: REPLICA IDENTITY FULL with one takes the keyed MERGE
+    (no row-value rewrite, no replace marker), key changes and unchanged TOAST included."""
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE docs (id int PRIMARY KEY, body text, n int); ALTER TABLE docs REPLICA IDENTITY FULL;
+        ALTER TABLE docs ALTER COLUMN body SET STORAGE EXTERNAL;
+        INSERT INTO docs SELECT g, repeat(md5(g::text), 300), 0 FROM generate_series(1, 5) g;
+        CREATE PUBLICATION pub FOR TABLE docs;
+    """)
+    with pg.connect() as conn, conn.transaction():
+        conn.execute("UPDATE docs SET n = 1 WHERE id IN (1, 2)")
+        conn.execute("UPDATE docs SET id = 20 WHERE id = 3")
+        conn.execute("DELETE FROM docs WHERE id = 4")
+        conn.execute("INSERT INTO docs VALUES (6, 'six', 6)")
+    drain(config, spark)
+    assert same(pg, config, "public.docs") == 5
+    operations = [entry["operation"] for entry in deltalake.DeltaTable(config.table_path("public", "docs")).history()]
+    assert operations[0] == "MERGE" and "WRITE" not in operations[:-1]

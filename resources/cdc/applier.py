@@ -237,7 +237,13 @@ class ChangeApplier:
         columns = self._types.columns(relation)
         key_index = tuple(i for i, column in enumerate(relation.columns) if column.is_key)
         if relation.replica_identity == "f":
-            target.mode, target.key_index = FULL, tuple(range(len(relation.columns)))
+            # A primary key rules out duplicate rows: such a table is matched per key, as a keyed one.
+            names = [column.name for column in relation.columns]
+            primary_key = self._types.primary_key(relation)
+            if primary_key and all(name in names for name in primary_key):
+                target.mode, target.key_index = KEYED, tuple(names.index(name) for name in primary_key)
+            else:
+                target.mode, target.key_index = FULL, tuple(range(len(relation.columns)))
         elif key_index:
             target.mode, target.key_index = KEYED, key_index
         else:

@@ -15,6 +15,8 @@ class ColumnTypes(Protocol):
 
     def columns(self, relation: Relation) -> list[PgColumnType]: ...
 
+    def primary_key(self, relation: Relation) -> tuple[str, ...]: ...
+
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]: ...
 
 
@@ -39,6 +41,22 @@ class TypeResolver:
             ).fetchall()
             self._rows.update(zip(missing, rows))
         return [column_type_from_catalog(c.name, self._rows[key]) for c, key in zip(relation.columns, wanted)]
+
+    def primary_key(self, relation: Relation) -> tuple[str, ...]:
+        """The relation's primary-key columns, empty without one.
+
+        Under REPLICA IDENTITY FULL the Relation message flags every column as identity; a
+        table that also has a primary key holds no duplicate rows, so it can be matched per
+        key (a MERGE) instead of per row value.
+        """
+        rows = self._conn.execute(
+            "SELECT a.attname FROM pg_catalog.pg_index i"
+            " JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) i.indrelid"
+            " AND a.attnum OPERATOR(pg_catalog.=) ANY (i.indkey::pg_catalog.int2[])"
+            " WHERE i.indrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND i.indisprimary",
+            {"oid": relation.oid},
+        ).fetchall()
+        return tuple(name for (name,) in rows)
 
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
         """What PostgreSQL gave the existing rows of the named columns, per column: the set over

@@ -32,15 +32,20 @@ STATIC_TYPES: dict[int, tuple[str, str]] = {
 class StaticTypes:
     """The ``TypeResolver`` interface from a fixed table instead of pg_type."""
 
-    def __init__(self, added: Mapping[str, set[tuple]] | None = None) -> None:
-        """``added``: what :meth:`added_columns` answers (column -> PostgreSQL's missing-value facts)."""
+    def __init__(self, added: Mapping[str, set[tuple]] | None = None, primary_key: tuple[str, ...] = ()) -> None:
+        """``added``: what :meth:`added_columns` answers (column -> PostgreSQL's missing-value facts);
+        ``primary_key``: what :meth:`primary_key` answers for every relation."""
         self._added = dict(added or {})
+        self._primary_key = primary_key
 
     def columns(self, relation: Relation) -> list[PgColumnType]:
         return [
             PgColumnType(column=c.name, type_oid=c.type_oid, type_name=STATIC_TYPES[c.type_oid][0], base_name=STATIC_TYPES[c.type_oid][1])
             for c in relation.columns
         ]
+
+    def primary_key(self, relation: Relation) -> tuple[str, ...]:
+        return self._primary_key
 
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
         return {name: self._added[name] for name in names if name in self._added}
