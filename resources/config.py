@@ -69,8 +69,22 @@ class SparkSettings(_Section):
         return value
 
 
+DEFAULT_WORKERS = 2
+"""Sessions reading one big table (docs/architecture.md has the figures behind the choice)."""
+
+DEFAULT_CHUNK_MB = 64
+"""Heap megabytes per ctid range: a table up to this size is read by one COPY."""
+
+
 class SnapshotSettings(_Section):
-    parallel_tables: int = Field(default=2, ge=1, le=64)
+    parallel_tables: int = Field(default=2, ge=1, le=64, description="tables copied at once")
+    workers: int = Field(
+        default=DEFAULT_WORKERS, ge=1, le=64,
+        description="sessions copying one big table's ctid ranges under one snapshot (1 = one COPY per table)",
+    )  # fmt: skip
+    chunk_mb: int = Field(
+        default=DEFAULT_CHUNK_MB, ge=1, le=1024 * 1024, description="heap megabytes per ctid range; a smaller table is one COPY"
+    )
 
 
 class ScheduleSettings(_Section):

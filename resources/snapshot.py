@@ -16,13 +16,21 @@ Memory stays bounded whatever the table size: COPY rows are gathered into pieces
 reader (typed directly where it can, otherwise converted column-wise by ``resources.pgtypes``),
 and shipped to Spark on the caller's thread while the next pieces are read and parsed (queues of
 :data:`PREFETCH_PIECES` pieces decouple the three).
+
+A table bigger than one chunk (``snapshot.chunk_mb`` of heap) is read in parallel when
+``snapshot.workers`` > 1: the snapshot transaction exports its snapshot
+(``pg_export_snapshot()``), the heap is split into ctid block ranges and that many worker
+sessions import the snapshot and COPY a range at a time. Every worker sees exactly the
+slot's consistent point, the ranges partition the table's tuple ids, and all pieces still
+go into the one atomic Delta commit, so the result is the same table a single COPY gives.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -30,7 +38,7 @@ import psycopg
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.config import PgcdcConfig
+from resources.config import DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.delta.snapshot_writes import write_snapshot
@@ -41,8 +49,12 @@ from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
 from resources.postgres.catalog import read_table, table_oid, TableName
 from resources.postgres.copy import (
+    block_ranges,
     copy_pieces,
     DEFAULT_CHUNK_ROWS,
+    export_snapshot,
+    heap_blocks,
+    parallel_copy,
     PARSE_BYTES,
     parse_each,
     PieceParser,
@@ -63,6 +75,8 @@ __all__ = [
     "snapshot_tables",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class SnapshotProgress:
@@ -72,10 +86,19 @@ class SnapshotProgress:
     rows: int
     bytes: int  # CSV bytes received from PostgreSQL so far
     elapsed_s: float
+    chunks_done: int = 0  # ctid ranges copied completely
+    chunks: int = 1  # ctid ranges in all (1: one COPY of the whole table)
 
     @property
     def rows_per_second(self) -> float:
         return self.rows / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the pace of the chunks done so far; None until one is done (or with one chunk)."""
+        if self.chunks <= 1 or self.chunks_done == 0:
+            return None
+        return self.elapsed_s * (self.chunks - self.chunks_done) / self.chunks_done
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +112,8 @@ class SnapshotResult:
     delta_version: int
     duration_s: float
     columns: list[tuple[str, str, str]]  # (name, PostgreSQL type, Delta type) of the published columns
+    chunks: int = 1  # ctid ranges the table was read in
+    workers: int = 1  # sessions that read them
 
     @property
     def rows_per_second(self) -> float:
@@ -108,6 +133,8 @@ def snapshot_table(
     slot: str,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: int = DEFAULT_WORKERS,
+    chunk_mb: int = DEFAULT_CHUNK_MB,
     on_progress: Callable[[SnapshotProgress], None] | None = None,
 ) -> SnapshotResult:
     """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path``.
@@ -115,13 +142,14 @@ def snapshot_table(
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
     (:func:`ensure_slot`). ``chunk_bytes`` bounds each Spark write and each parsed piece,
-    ``chunk_rows`` each parsed piece. ``on_progress`` runs on the calling thread.
+    ``chunk_rows`` each parsed piece. A heap bigger than ``chunk_mb`` is read as ctid ranges
+    of about that size by ``workers`` sessions under the one snapshot. ``on_progress`` runs
+    on the calling thread.
     """
     started = time.monotonic()
+    reading = _Reading(max(1, workers), max(1, chunk_mb) * 2**20, max(1, chunk_rows), max(1, chunk_bytes))
     try:
-        return _snapshot_table(
-            dsn, publication, table, spark, path, slot, max(1, chunk_rows), max(1, chunk_bytes), on_progress, started
-        )
+        return _snapshot_table(dsn, publication, table, spark, path, slot, reading, on_progress, started)
     except PgcdcError as exc:
         raise _naming_table(exc, table) from exc
     except PgValueError as exc:
@@ -147,6 +175,16 @@ def _naming_table(exc: PgcdcError, table: TableName) -> PgcdcError:
         return SnapshotError(f"{table}: {exc.cause}", exc.fix)
 
 
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """How one table is read: sessions, heap bytes per ctid range, rows and bytes per piece."""
+
+    workers: int
+    range_bytes: int
+    chunk_rows: int
+    chunk_bytes: int
+
+
 def _snapshot_table(
     dsn: str,
     publication: str,
@@ -154,11 +192,11 @@ def _snapshot_table(
     spark: SparkSession,
     path: str,
     slot: str,
-    chunk_rows: int,
-    chunk_bytes: int,
+    reading: _Reading,
     on_progress: Callable[[SnapshotProgress], None] | None,
     started: float,
 ) -> SnapshotResult:
+    chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
         # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
         # first command: look it up before BEGIN.
@@ -170,29 +208,54 @@ def _snapshot_table(
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
         marker = snapshot_marker(snapshot_lsn, slot, str(table))
+        blocks, block_size = heap_blocks(conn.connection, info.oid)
+        ranges = block_ranges(blocks, max(1, reading.range_bytes // block_size))
+        workers = min(reading.workers, len(ranges))
+        snapshot_name = export_snapshot(conn) if workers > 1 else ""
+        if workers > 1:
+            logger.info(
+                "snapshot %s: %.0f MB heap in %d ctid chunks on %d sessions under one snapshot",
+                table, blocks * block_size / 1e6, len(ranges), workers,
+            )  # fmt: skip
+        else:
+            ranges = [(0, None)]
+            logger.info("snapshot %s: %.0f MB heap in one COPY", table, blocks * block_size / 1e6)
         counted = {"rows": 0, "bytes": 0}
+        chunks_done: list[int] = []  # one entry per finished range; list.append is atomic across threads
 
         def copied() -> None:
             """The COPY is complete: end the transaction and free the slot before Spark finishes."""
             conn.commit()
             conn.drop_slot(temp_slot)
 
-        def pieces() -> Iterator[pa.RecordBatch]:
-            parse = PieceParser(columns, schema, snapshot_lsn)
+        def read() -> Generator[tuple[pa.RecordBatch, int], None, None]:
             piece_bytes = min(chunk_bytes, PARSE_BYTES)
+            if workers > 1:
+                return parallel_copy(
+                    dsn, snapshot_name, [info.copy_query(block_range) for block_range in ranges],
+                    lambda: PieceParser(columns, schema, snapshot_lsn), workers, piece_bytes, chunk_rows,
+                    f"pgcdc-copy-{table}", on_query_done=lambda: chunks_done.append(1),
+                )  # fmt: skip
             source = copy_pieces(conn.pgconn, info.copy_query(), unparsed, piece_bytes, chunk_rows)
             copied_pieces = prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{table}")
-            prefetch = prefetched(parse_each(copied_pieces, parse), PREFETCH_PIECES, f"pgcdc-parse-{table}")
+            parse = PieceParser(columns, schema, snapshot_lsn)
+            return prefetched(parse_each(copied_pieces, parse), PREFETCH_PIECES, f"pgcdc-parse-{table}")
+
+        def pieces() -> Iterator[pa.RecordBatch]:
+            source = read()
             try:
-                for batch, nbytes in prefetch:
+                for batch, nbytes in source:
                     counted["rows"] += batch.num_rows
                     counted["bytes"] += nbytes
                     if on_progress is not None:
                         elapsed = time.monotonic() - started
-                        on_progress(SnapshotProgress(table, counted["rows"], counted["bytes"], elapsed))
+                        progress = SnapshotProgress(
+                            table, counted["rows"], counted["bytes"], elapsed, len(chunks_done), len(ranges)
+                        )
+                        on_progress(progress)
                     yield batch
             finally:
-                prefetch.close()  # stops the reader thread before the connection closes
+                source.close()  # stops the reader threads before the connection closes
             copied()
 
         stream = pieces()
@@ -208,6 +271,8 @@ def _snapshot_table(
         delta_version=version,
         duration_s=time.monotonic() - started,
         columns=[(col.column, col.type_name, spark_ddl_type(col)) for col in columns],
+        chunks=len(ranges),
+        workers=workers,
     )
 
 
@@ -276,6 +341,8 @@ def snapshot_each(
                 spark,
                 config.table_path(table.schema, table.name),
                 slot=config.slot,
+                workers=config.snapshot.workers,
+                chunk_mb=config.snapshot.chunk_mb,
                 on_progress=on_progress,
             ): table
             for table in tables

@@ -1,0 +1,239 @@
+"""Big-table snapshots read as ctid ranges by parallel sessions under one exported snapshot.
+
+Real PostgreSQL 15 and 18, the embedded Sail engine, Delta read back by delta-rs: the parallel
+read must give the same table as one COPY, row for row with multiplicity, also while other
+sessions write, and for keyless and partitioned tables.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+
+import deltalake
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from pyspark.sql import SparkSession
+
+from resources.config import parse_config
+from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
+from resources.errors import ConfigurationError
+from resources.pgtypes import SESSION_SETTINGS
+from resources.postgres.catalog import ColumnInfo, TableInfo, TableName
+from resources.postgres.connections import connect
+from resources.postgres.copy import block_ranges
+from resources.postgres.preflight import ensure_slot
+from resources.incremental import run_incremental
+from resources.snapshot import snapshot_table, snapshot_tables, SnapshotProgress, SnapshotResult
+from resources.testing.verify import compare_table, delta_rows
+from tests.conftest import PgDatabase
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+SLOT = "pgcdc_slot"
+
+
+# --------------------------------------------------------------------------- pure
+
+
+@pytest.mark.parametrize("blocks", [0, 1, 2, 127, 128, 129, 1000, 1001, 4097])
+@pytest.mark.parametrize("chunk", [1, 3, 128, 5000])
+def test_block_ranges_partition_every_tuple_id(blocks: int, chunk: int) -> None:
+    ranges = block_ranges(blocks, chunk)
+    assert ranges[0][0] == 0 and ranges[-1][1] is None  # nothing before, nothing after is left out
+    for (_, end), (start, _) in zip(ranges, ranges[1:]):
+        assert end == start  # adjacent, so disjoint and gap-free
+    sizes = [end - start for start, end in ranges[:-1] if end is not None]
+    assert all(size > 0 for size in sizes)
+    assert len(ranges) == max(1, -(-blocks // chunk))
+    assert all(size <= chunk for size in sizes) and max(sizes, default=0) - min(sizes, default=0) <= 1
+
+
+def test_ranged_copy_query_keeps_the_row_filter_and_qualifies_operators() -> None:
+    column = ColumnInfo("id", 1, 20, -1, "bigint", True, True)
+    info = TableInfo(1, TableName("public", "t"), "r", "d", (column,), "(id > 5) OR (id < 2)")
+    assert info.copy_query((128, 256)) == (
+        "COPY (SELECT \"id\" FROM ONLY \"public\".\"t\" WHERE ((id > 5) OR (id < 2))"
+        " AND ctid OPERATOR(pg_catalog.>=) '(128,0)'::pg_catalog.tid"
+        " AND ctid OPERATOR(pg_catalog.<) '(256,0)'::pg_catalog.tid) TO STDOUT WITH (FORMAT csv)"
+    )
+    assert info.copy_query((256, None)).endswith(
+        "AND ctid OPERATOR(pg_catalog.>=) '(256,0)'::pg_catalog.tid) TO STDOUT WITH (FORMAT csv)"
+    )
+
+
+@pytest.mark.parametrize(("key", "value"), [("workers", 0), ("chunk_mb", 0), ("workers", "many")])
+def test_bad_chunk_settings_are_refused_naming_the_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"'snapshot.{key}'"):
+        parse_config({"postgres": {"dsn": "host=x"}, "publication": "p", "snapshot": {key: value}})
+
+
+# --------------------------------------------------------------------------- against PostgreSQL
+
+
+def _content(path: Path) -> Counter[tuple]:
+    """The Delta table's rows without pgcdc's columns, with multiplicity."""
+    schema, rows = delta_rows(str(path))
+    names = [name for name in schema.names if not name.startswith("_pgcdc_")]
+    return Counter(tuple(repr(row[name]) for name in names) for row in rows)
+
+
+def test_parallel_ctid_chunks_give_the_table_one_copy_gives(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path
+) -> None:
+    pg.execute(
+        """
+        CREATE TABLE narrow (id bigint PRIMARY KEY, v text, f float8, at timestamptz);
+        INSERT INTO narrow SELECT g, md5(g::text) || repeat('v', 150), g / 3.0,
+            timestamptz '2024-01-01 00:00Z' + g * interval '1 s' FROM generate_series(1, 15000) g;
+        DELETE FROM narrow WHERE id % 11 = 0;  -- holes, and dead tuples in every range
+        UPDATE narrow SET v = 'moved ' || id WHERE id % 13 = 0;  -- new versions at the end of the heap
+        CREATE TABLE dups (word text, n int);  -- keyless: the same row many times, across ranges
+        INSERT INTO dups SELECT 'w' || (g % 300) || repeat('d', 150), g % 7 FROM generate_series(1, 12000) g;
+        INSERT INTO dups VALUES (NULL, NULL), (NULL, NULL);
+        CREATE TABLE measures (id int, region text, v float8, pad text) PARTITION BY LIST (region);
+        CREATE TABLE measures_eu PARTITION OF measures FOR VALUES IN ('eu');
+        CREATE TABLE measures_us PARTITION OF measures FOR VALUES IN ('us');
+        INSERT INTO measures SELECT g, CASE WHEN g % 3 = 0 THEN 'eu' ELSE 'us' END, g / 4.0, repeat('x', 150)
+            FROM generate_series(1, 20000) g;
+        CREATE PUBLICATION via_root FOR TABLE narrow, dups, measures WITH (publish_via_partition_root = true);
+        CREATE PUBLICATION via_leaves FOR TABLE measures;
+        """
+    )
+    ensure_slot(pg.dsn, SLOT)
+    published = {
+        "via_root": ["narrow", "dups", "measures"],
+        "via_leaves": ["measures_eu", "measures_us"],
+    }
+    for publication, tables in published.items():
+        for name in tables:
+            parallel = tmp_path / publication / f"{name}_parallel"
+            split = snapshot_table(
+                pg.dsn, publication, TableName("public", name), spark, str(parallel),
+                slot=SLOT, workers=3, chunk_mb=1,
+            )  # fmt: skip
+            assert split.chunks >= 2 and split.workers == min(3, split.chunks), (name, split.chunks)
+            if publication == "via_root":  # the leaves are the same rows again
+                one = tmp_path / publication / f"{name}_one"
+                single = snapshot_table(pg.dsn, publication, TableName("public", name), spark, str(one), slot=SLOT, workers=1)
+                assert (single.chunks, single.workers) == (1, 1)
+                assert split.rows == single.rows and _content(parallel) == _content(one), name
+            with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
+                assert compare_table(conn, f"public.{name}", str(parallel)) == split.rows
+            assert read_snapshot_lsn(spark, str(parallel)) == split.snapshot_lsn
+            assert {row[LSN_COLUMN] for row in delta_rows(str(parallel))[1]} == {int(split.snapshot_lsn)}
+
+
+def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path
+) -> None:
+    """Writers commit all through the snapshot; the drain then applies exactly the changes after the
+    snapshot LSN. A worker whose snapshot were later than the slot's would see some of them and
+    the keyless table, where every insert is an append, would end with duplicates."""
+    pg.execute(
+        """
+        CREATE TABLE accounts (id bigint PRIMARY KEY, balance bigint, note text);
+        INSERT INTO accounts SELECT g, 1000, repeat('n', 30) FROM generate_series(1, 40000) g;
+        CREATE TABLE ledger (account bigint, amount bigint, note text);
+        INSERT INTO ledger SELECT g % 1000, g % 97, repeat('l', 30) FROM generate_series(1, 40000) g;
+        ALTER TABLE ledger REPLICA IDENTITY FULL;
+        CREATE PUBLICATION pub FOR TABLE accounts, ledger;
+        """
+    )
+    config = parse_config(
+        {
+            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path)},
+            "snapshot": {"workers": 3, "chunk_mb": 1, "parallel_tables": 2},
+        }
+    )  # fmt: skip
+    stop = threading.Event()
+    committed = [0]
+
+    def write() -> None:
+        """pgbench-like transactions: move money between accounts, log it, now and then open or close one."""
+        with pg.connect() as conn:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                with conn.transaction():
+                    conn.execute("UPDATE accounts SET balance = balance - 1 WHERE id = %s", (n * 7919 % 40000 + 1,))
+                    conn.execute("UPDATE accounts SET balance = balance + 1, note = 'moved' WHERE id = %s", (n * 104729 % 40000 + 1,))
+                    conn.execute("INSERT INTO ledger VALUES (%s, 1, 'during')", (n % 1000,))
+                    if n % 5 == 0:
+                        conn.execute("INSERT INTO accounts VALUES (%s, 0, 'opened')", (100000 + n,))
+                        conn.execute("DELETE FROM ledger WHERE ctid = (SELECT min(ctid) FROM ledger WHERE account = %s)", (n % 1000,))
+                    if n % 7 == 0:
+                        conn.execute("DELETE FROM accounts WHERE id = %s", (n * 31 % 40000 + 1,))
+                committed[0] = n
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        while committed[0] < 20:  # writes are under way before the snapshot starts
+            time.sleep(0.01)
+        results = snapshot_tables(config, spark)
+        during = committed[0]
+    finally:
+        stop.set()
+        writer.join()
+    assert [r.chunks >= 3 and r.workers == 3 for r in results] == [True, True]
+    assert committed[0] > during > 20  # the writer was still committing while the copies ran
+    run_incremental(config, spark, log=lambda line: None)
+    with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
+        assert compare_table(conn, "public.accounts", config.table_path("public", "accounts"), key=("id",)) > 40000
+        assert compare_table(conn, "public.ledger", config.table_path("public", "ledger")) > 40000
+
+
+def test_parallel_chunks_copy_with_bounded_memory(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
+    rows = 120_000
+    pg.execute(
+        f"""
+        CREATE TABLE big (id int PRIMARY KEY, payload text);
+        INSERT INTO big SELECT g, repeat(md5(g::text), 31) FROM generate_series(1, {rows}) g;
+        CREATE PUBLICATION pub FOR TABLE big;
+        """
+    )  # 1 KB rows stay inline: a heap of about 130 MB, read as 16 MB ranges
+    ensure_slot(pg.dsn, SLOT)
+    chunk = 4 * 1024 * 1024
+    arrow_peak = [0]
+    done = threading.Event()
+    progress: list[SnapshotProgress] = []
+
+    def sample_arrow() -> None:
+        while not done.is_set():
+            arrow_peak[0] = max(arrow_peak[0], pa.total_allocated_bytes())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample_arrow)
+    arrow_before = pa.total_allocated_bytes()
+    tracemalloc.start()
+    sampler.start()
+    try:
+        result: SnapshotResult = snapshot_table(
+            pg.dsn, "pub", TableName("public", "big"), spark, str(tmp_path / "big"),
+            slot=SLOT, chunk_bytes=chunk, workers=3, chunk_mb=16, on_progress=progress.append,
+        )  # fmt: skip
+    finally:
+        done.set()
+        sampler.join()
+        _, python_peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+
+    assert result.rows == rows and result.chunks >= 8 and result.workers == 3
+    # Measured 28 MiB and 42 MiB: a few 4 MiB pieces per worker, whatever the table's 125 MB.
+    assert python_peak < 48 * 2**20, f"Python heap peaked at {python_peak / 2**20:.1f} MiB"
+    assert arrow_peak[0] - arrow_before < 48 * 2**20, f"Arrow peaked at {arrow_peak[0] / 2**20:.1f} MiB"
+    assert [p.chunks for p in progress] == [result.chunks] * len(progress)
+    assert progress[-1].chunks_done >= result.chunks - result.workers and progress[-1].eta_s is not None
+    dataset = deltalake.DeltaTable(str(tmp_path / "big")).to_pyarrow_dataset()
+    ids = dataset.to_table(columns=["id"])["id"]
+    assert (pc.min(ids).as_py(), pc.max(ids).as_py(), pc.count_distinct(ids).as_py()) == (1, rows, rows)
+    assert pc.sum(pc.utf8_length(dataset.to_table(columns=["payload"])["payload"])).as_py() == rows * 31 * 32
+    with psycopg.connect(pg.dsn) as conn:
+        (temporary,) = conn.execute("SELECT count(*) FROM pg_replication_slots WHERE temporary").fetchone() or (1,)
+    assert temporary == 0
