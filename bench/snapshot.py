@@ -7,11 +7,15 @@ throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measure
 * the baseline: ``psql -c "COPY t TO STDOUT" > /dev/null`` with the server's own psql, the
   fastest a client can take the rows out (text format, no parsing);
 * pgcdc: ``snapshot_table`` into a fresh Delta table through the embedded Sail engine,
-  the whole path: temporary slot, COPY, CSV -> typed Arrow, Spark write, atomic commit.
+  the whole path: temporary slot, COPY, CSV -> typed Arrow, Spark write, atomic commit;
+  once per ``--workers`` count (sessions reading ctid ranges of ``--chunk-mb`` under one
+  snapshot; 1 = one COPY).
 
 Both take the best of ``--runs``, after one warm-up each (page cache, Sail's first write).
 A final pgcdc run with tracemalloc on gives the Python heap's peak; it is not timed,
-because tracemalloc slows every allocation.
+because tracemalloc slows every allocation. For a big table's memory, run e.g.
+``--narrow-rows 10000000 --wide-rows 1000 --runs 1 --workers 2``: the RSS figures are the
+process's and the Sail server's high-water marks.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class Measurement:
     columns: int
     csv_bytes: int
     copy_s: float
+    workers: int
+    chunks: int
     pgcdc_s: float
 
     @property
@@ -107,6 +113,8 @@ def main() -> None:
     parser.add_argument("--narrow-rows", type=int, default=1_000_000)
     parser.add_argument("--wide-rows", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--workers", default="1,2,4", help="comma-separated session counts to measure")
+    parser.add_argument("--chunk-mb", type=int, default=16, help="heap megabytes per ctid range")
     add_arguments(parser)
     args = parser.parse_args()
 
@@ -130,30 +138,36 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         measurements = []
         results: dict[str, SnapshotResult] = {}
 
+        worker_counts = [int(w) for w in args.workers.split(",")]
         for table in ("narrow", "wide"):
-            def pgcdc_seconds(table: str = table) -> float:
+            def pgcdc_seconds(table: str, workers: int) -> float:
                 started = time.perf_counter()
                 results[table] = snapshot_table(
                     server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
-                    join_location(root, table), slot=SLOT,
+                    join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
                 )
                 return time.perf_counter() - started
 
             copy_s = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table))
-            pgcdc_s = best_of(args.runs, pgcdc_seconds)
             with psycopg.connect(server.dsn()) as conn:
                 (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
-            result = results[table]
-            measurements.append(
-                Measurement(table, result.rows, len(result.columns), int(csv_bytes), copy_s, pgcdc_s)
-            )
+            for workers in worker_counts:
+                pgcdc_s = best_of(args.runs, lambda table=table, workers=workers: pgcdc_seconds(table, workers))
+                result = results[table]
+                measurements.append(
+                    Measurement(
+                        table, result.rows, len(result.columns), int(csv_bytes), copy_s,
+                        result.workers, result.chunks, pgcdc_s,
+                    )
+                )  # fmt: skip
 
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         _, server_peak_mib = engine.server_memory_mib()
         arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
         tracemalloc.start()
         snapshot_table(
-            server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, join_location(root, "narrow"), slot=SLOT
+            server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, join_location(root, "narrow"),
+            slot=SLOT, workers=max(worker_counts), chunk_mb=args.chunk_mb,
         )
         _, heap_peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
@@ -164,10 +178,13 @@ def report(
     measurements: list[Measurement], rss_mib: float, server_peak_mib: float, arrow_peak_mib: float, heap_peak: float
 ) -> None:
     print()
-    print(f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'pgcdc s':>8} {'pgcdc rows/s':>13} {'ratio':>6}")
+    print(
+        f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'workers':>7} {'chunks':>6}"
+        f" {'pgcdc s':>8} {'pgcdc rows/s':>13} {'ratio':>6}"
+    )
     for m in measurements:
         print(
-            f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f}"
+            f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f} {m.workers:>7} {m.chunks:>6}"
             f" {m.pgcdc_s:>8.3f} {m.pgcdc_rate:>13,.0f} {m.pgcdc_rate / m.copy_rate:>6.0%}"
         )
     print()

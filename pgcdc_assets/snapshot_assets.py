@@ -69,6 +69,8 @@ def snapshot_metadata(result: SnapshotResult) -> dict[str, object]:
         "pgcdc/snapshot_lsn": MetadataValue.text(str(result.snapshot_lsn)),
         "pgcdc/duration_s": MetadataValue.float(round(result.duration_s, 3)),
         "pgcdc/rows_per_second": MetadataValue.float(round(result.rows_per_second, 1)),
+        "pgcdc/chunks": MetadataValue.int(result.chunks),
+        "pgcdc/workers": MetadataValue.int(result.workers),
     }
 
 
@@ -86,10 +88,7 @@ class _ProgressLog:
             if now - self._last.get(progress.table, 0.0) < PROGRESS_INTERVAL_S:
                 return
             self._last[progress.table] = now
-        self._context.log.info(
-            f"snapshot {progress.table}: {progress.rows:,} rows, {progress.bytes / 1e6:,.1f} MB copied"
-            f" in {progress.elapsed_s:,.1f} s ({progress.rows_per_second:,.0f} rows/s)"
-        )
+        self._context.log.info(progress.describe())
 
 
 def _requested_tables(
@@ -192,7 +191,7 @@ def _copy_all(
             continue
         context.log.info(
             f"snapshot {table}: {outcome.rows:,} rows at LSN {outcome.snapshot_lsn} in {outcome.duration_s:.1f} s"
-            f" -> Delta version {outcome.delta_version}"
+            f" ({outcome.mode}) -> Delta version {outcome.delta_version}"
         )
         yield MaterializeResult(asset_key=key_of[table], metadata=snapshot_metadata(outcome))
     if failures:

@@ -100,6 +100,18 @@ class SnapshotProgress:
             return None
         return self.elapsed_s * (self.chunks - self.chunks_done) / self.chunks_done
 
+    def describe(self) -> str:
+        """One log line: rows, bytes, speed, and for a table read in ctid chunks, chunks done and time left."""
+        line = (
+            f"snapshot {self.table}: {self.rows:,} rows, {self.bytes / 1e6:,.1f} MB copied"
+            f" in {self.elapsed_s:,.1f} s ({self.rows_per_second:,.0f} rows/s)"
+        )
+        if self.chunks > 1:
+            line += f", ctid chunks {self.chunks_done}/{self.chunks} done"
+            if self.eta_s is not None:
+                line += f", about {self.eta_s:,.0f} s left"
+        return line
+
 
 @dataclass(frozen=True, slots=True)
 class SnapshotResult:
@@ -118,6 +130,13 @@ class SnapshotResult:
     @property
     def rows_per_second(self) -> float:
         return self.rows / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def mode(self) -> str:
+        """How the table was read, for logs: one COPY, or ctid chunks on parallel sessions."""
+        if self.chunks <= 1:
+            return "one COPY"
+        return f"{self.chunks} ctid chunks on {self.workers} sessions under one snapshot"
 
 
 # --------------------------------------------------------------------------- one table

@@ -230,6 +230,8 @@ def test_parallel_chunks_copy_with_bounded_memory(pg: PgDatabase, spark: SparkSe
     assert arrow_peak[0] - arrow_before < 48 * 2**20, f"Arrow peaked at {arrow_peak[0] / 2**20:.1f} MiB"
     assert [p.chunks for p in progress] == [result.chunks] * len(progress)
     assert progress[-1].chunks_done >= result.chunks - result.workers and progress[-1].eta_s is not None
+    assert f"ctid chunks {progress[-1].chunks_done}/{result.chunks} done, about" in progress[-1].describe()
+    assert result.mode == f"{result.chunks} ctid chunks on 3 sessions under one snapshot"
     dataset = deltalake.DeltaTable(str(tmp_path / "big")).to_pyarrow_dataset()
     ids = dataset.to_table(columns=["id"])["id"]
     assert (pc.min(ids).as_py(), pc.max(ids).as_py(), pc.count_distinct(ids).as_py()) == (1, rows, rows)
