@@ -233,6 +233,7 @@ def test_snapshot_job_copies_every_table_with_metadata(
     assert LSN.parse(orders["pgcdc/snapshot_lsn"]) == read_snapshot_lsn(spark, path)
     assert orders["pgcdc/duration_s"] > 0
     assert orders["pgcdc/rows_per_second"] > 0
+    assert (orders["pgcdc/chunks"], orders["pgcdc/workers"]) == (1, 1)  # a small table is one COPY
     assert orders["dagster/column_schema"] == TableSchema(
         columns=[
             TableColumn("id", "bigint", description="PostgreSQL bigint", tags={"pgcdc/postgres_type": "bigint"}),

@@ -103,12 +103,14 @@ def test_parallel_ctid_chunks_give_the_table_one_copy_gives(
             FROM generate_series(1, 20000) g;
         CREATE PUBLICATION via_root FOR TABLE narrow, dups, measures WITH (publish_via_partition_root = true);
         CREATE PUBLICATION via_leaves FOR TABLE measures;
+        CREATE PUBLICATION filtered FOR TABLE narrow (id, v) WHERE (id % 5 <> 0);
         """
     )
     ensure_slot(pg.dsn, SLOT)
     published = {
         "via_root": ["narrow", "dups", "measures"],
         "via_leaves": ["measures_eu", "measures_us"],
+        "filtered": ["narrow"],
     }
     for publication, tables in published.items():
         for name in tables:
@@ -118,15 +120,19 @@ def test_parallel_ctid_chunks_give_the_table_one_copy_gives(
                 slot=SLOT, workers=3, chunk_mb=1,
             )  # fmt: skip
             assert split.chunks >= 2 and split.workers == min(3, split.chunks), (name, split.chunks)
-            if publication == "via_root":  # the leaves are the same rows again
+            assert read_snapshot_lsn(spark, str(parallel)) == split.snapshot_lsn
+            assert {row[LSN_COLUMN] for row in delta_rows(str(parallel))[1]} == {int(split.snapshot_lsn)}
+            if publication != "via_leaves":  # the leaves are the root's rows again
                 one = tmp_path / publication / f"{name}_one"
                 single = snapshot_table(pg.dsn, publication, TableName("public", name), spark, str(one), slot=SLOT, workers=1)
                 assert (single.chunks, single.workers) == (1, 1)
                 assert split.rows == single.rows and _content(parallel) == _content(one), name
+            if publication == "filtered":  # what the row filter and column list publish, no more
+                ((published_rows,),) = pg.execute("SELECT count(*) FROM narrow WHERE id % 5 <> 0")
+                assert split.rows == published_rows and delta_rows(str(parallel))[0].names == ["id", "v", LSN_COLUMN]
+                continue
             with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
                 assert compare_table(conn, f"public.{name}", str(parallel)) == split.rows
-            assert read_snapshot_lsn(spark, str(parallel)) == split.snapshot_lsn
-            assert {row[LSN_COLUMN] for row in delta_rows(str(parallel))[1]} == {int(split.snapshot_lsn)}
 
 
 def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
