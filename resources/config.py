@@ -70,7 +70,7 @@ class SparkSettings(_Section):
 
 
 DEFAULT_WORKERS = 2
-"""Sessions reading one big table (docs/architecture.md has the figures behind the choice)."""
+"""Sessions reading one big table; docs/engine-notes.md has the figures behind the choice."""
 
 DEFAULT_CHUNK_MB = 64
 """Heap megabytes per ctid range: a table up to this size is read by one COPY."""

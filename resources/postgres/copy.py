@@ -24,11 +24,11 @@ from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, 
 from resources.lsn import LSN
 from resources.pgtypes import (
     column_type_from_catalog,
-    SESSION_SETTINGS,
     csv_direct_type,
     pg_type_catalog_params,
     pg_type_catalog_query,
     PgColumnType,
+    SESSION_SETTINGS,
     to_arrow,
 )
 from resources.postgres.catalog import TableInfo
