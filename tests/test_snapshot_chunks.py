@@ -22,7 +22,7 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config
 from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
-from resources.errors import ConfigurationError
+from resources.errors import ConfigurationError, SnapshotError
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import ColumnInfo, TableInfo, TableName
 from resources.postgres.connections import connect
@@ -246,3 +246,29 @@ def test_parallel_chunks_copy_with_bounded_memory(pg: PgDatabase, spark: SparkSe
     with psycopg.connect(pg.dsn) as conn:
         (temporary,) = conn.execute("SELECT count(*) FROM pg_replication_slots WHERE temporary").fetchone() or (1,)
     assert temporary == 0
+
+
+def test_a_refused_value_in_one_range_fails_the_table_and_leaves_nothing(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path
+) -> None:
+    pg.execute(
+        """
+        CREATE TABLE prices (id int PRIMARY KEY, amount numeric(10,2), pad text);
+        INSERT INTO prices SELECT g, g / 4.0, repeat('p', 400) FROM generate_series(1, 4000) g;
+        UPDATE prices SET amount = 'NaN' WHERE id = 3999;  -- a new version near the heap's end
+        CREATE PUBLICATION pub FOR TABLE prices;
+        """
+    )
+    ensure_slot(pg.dsn, SLOT)
+    assert pg.execute("SELECT pg_relation_size('prices') > 1024 * 1024")[0][0]  # more than one 1 MB range
+    path = tmp_path / "prices"
+    with pytest.raises(SnapshotError) as refused:
+        snapshot_table(pg.dsn, "pub", TableName("public", "prices"), spark, str(path), slot=SLOT, workers=3, chunk_mb=1)
+    assert "public.prices" in str(refused.value) and "'NaN'" in str(refused.value) and "amount" in str(refused.value)
+    assert not (path / "_delta_log").exists() and read_snapshot_lsn(spark, str(path)) is None
+    leftovers = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgcdc_snapshot'"
+    deadline = time.monotonic() + 10
+    while pg.execute(leftovers)[0][0] and time.monotonic() < deadline:  # backends exit just after their client
+        time.sleep(0.05)
+    assert pg.execute(leftovers)[0][0] == 0
+    assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE temporary")[0][0] == 0
