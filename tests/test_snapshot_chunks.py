@@ -25,6 +25,7 @@ from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
 from resources.errors import ConfigurationError, SnapshotError
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import ColumnInfo, TableInfo, TableName
+from resources.postgres import connections
 from resources.postgres.connections import connect
 from resources.postgres.copy import block_ranges
 from resources.postgres.preflight import ensure_slot
@@ -272,3 +273,44 @@ def test_a_refused_value_in_one_range_fails_the_table_and_leaves_nothing(
         time.sleep(0.05)
     assert pg.execute(leftovers)[0][0] == 0
     assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE temporary")[0][0] == 0
+
+
+PLANTED = """
+    CREATE SCHEMA evil;
+    CREATE FUNCTION evil.planted() RETURNS boolean LANGUAGE plpgsql AS $$BEGIN RAISE EXCEPTION 'planted object called'; END$$;
+    CREATE FUNCTION evil.pg_export_snapshot() RETURNS text LANGUAGE sql AS $$SELECT evil.planted()::text$$;
+    CREATE FUNCTION evil.pg_relation_size(oid) RETURNS bigint LANGUAGE sql AS $$SELECT evil.planted()::int::bigint$$;
+    CREATE FUNCTION evil.pg_relation_size(regclass) RETURNS bigint LANGUAGE sql AS $$SELECT evil.planted()::int::bigint$$;
+    CREATE FUNCTION evil.current_setting(text) RETURNS text LANGUAGE sql AS $$SELECT evil.planted()::text$$;
+    CREATE FUNCTION evil.tid_compare(tid, tid) RETURNS boolean LANGUAGE sql AS $$SELECT evil.planted()$$;
+    CREATE OPERATOR evil.>= (LEFTARG = tid, RIGHTARG = tid, FUNCTION = evil.tid_compare);
+    CREATE OPERATOR evil.< (LEFTARG = tid, RIGHTARG = tid, FUNCTION = evil.tid_compare);
+    CREATE DOMAIN evil.tid AS pg_catalog.tid CHECK (evil.planted());
+"""
+
+
+def test_parallel_chunks_call_nothing_a_search_path_could_plant(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new SQL (heap size, snapshot export and import, ctid ranges) is pg_catalog-qualified: in
+    sessions that search a schema of look-alikes first, none of them runs."""
+    pg.execute(
+        PLANTED
+        + """
+        CREATE TABLE public.wide_rows (id int PRIMARY KEY, pad text);
+        INSERT INTO public.wide_rows SELECT g, repeat('w', 400) FROM generate_series(1, 4000) g;
+        CREATE PUBLICATION pub FOR TABLE public.wide_rows;
+        """
+    )
+    ensure_slot(pg.dsn, SLOT)
+    monkeypatch.setattr(connections, "SEARCH_PATH_SETTINGS", {"search_path": "evil, pg_catalog, public"})
+    with pg.connect() as probe:  # the trap works: unqualified, the look-alikes win
+        probe.execute("SET search_path = evil, pg_catalog, public")
+        with pytest.raises(psycopg.errors.RaiseException, match="planted"):
+            probe.execute("SELECT count(*) FROM wide_rows WHERE ctid >= '(1,0)'")
+    result = snapshot_table(
+        pg.dsn, "pub", TableName("public", "wide_rows"), spark, str(tmp_path / "w"), slot=SLOT, workers=2, chunk_mb=1
+    )
+    assert result.chunks >= 2 and result.workers == 2
+    with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
+        assert compare_table(conn, "public.wide_rows", str(tmp_path / "w")) == 4000
