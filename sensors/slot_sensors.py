@@ -2,6 +2,11 @@
 
 They only read ``pg_replication_slots`` and the catalog (plus, for new tables, the Delta
 snapshot marker), so a sensor tick can never move the slot or compete with a drain.
+
+Each sensor names its resources by the pipeline's keys (``PipelineNames.postgres_key``) and
+reads them from ``context.resources``. Calling a sensor directly (``sensor(context)``, as
+tests do) also passes those resources as keyword arguments, which ``**_invoked_with`` absorbs;
+the daemon passes none.
 """
 
 # No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
@@ -61,7 +66,7 @@ def build_slot_lag_sensor(names: PipelineNames, minimum_interval_seconds: int = 
         required_resource_keys={names.postgres_key},
         description=f"Requests a {incremental_job} run when the slot's lag exceeds sensors.lag_bytes.",
     )
-    def pgcdc_slot_lag_sensor(context: SensorEvaluationContext) -> RunRequest | SkipReason:
+    def pgcdc_slot_lag_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> RunRequest | SkipReason:
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         config = postgres.config
         state = postgres.read_slot()
@@ -103,7 +108,7 @@ def build_new_tables_sensor(
         required_resource_keys={names.postgres_key, names.spark_key},
         description="Snapshots published tables that have no Delta snapshot; reports tables needing a reload.",
     )
-    def pgcdc_new_tables_sensor(context: SensorEvaluationContext) -> SensorResult | SkipReason:
+    def pgcdc_new_tables_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> SensorResult | SkipReason:
         from resources.delta.markers import read_snapshot_lsn
 
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
@@ -163,7 +168,7 @@ def build_slot_health_sensor(names: PipelineNames, minimum_interval_seconds: int
         required_resource_keys={names.postgres_key},
         description="Fails with the fix when the replication slot is missing or lost (wal_status='lost').",
     )
-    def pgcdc_slot_health_sensor(context: SensorEvaluationContext) -> SkipReason:
+    def pgcdc_slot_health_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> SkipReason:
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         config = postgres.config
         state = postgres.read_slot()
