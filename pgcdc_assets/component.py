@@ -82,7 +82,8 @@ class PgcdcComponentScaffolder(Scaffolder):
 
     def scaffold(self, request: ScaffoldRequest) -> None:
         request.target_path.mkdir(parents=True, exist_ok=True)
-        (request.target_path / DEFS_FILE).write_text(SCAFFOLD_YAML.format(type_name=request.type_name), encoding="utf-8")
+        defs_file = request.target_path / DEFS_FILE
+        defs_file.write_text(SCAFFOLD_YAML.format(type_name=request.type_name), encoding="utf-8")
 
 
 def _server(config: PgcdcConfig) -> tuple[str, str]:
@@ -145,10 +146,13 @@ class PgcdcComponent(Component, Resolvable, Model):
 
     def _build(self, defs_file: Path) -> Definitions:
         if not self.pipelines:
-            raise ConfigurationError(f"{defs_file}: 'pipelines' is empty", "add at least one pipeline under 'pipelines'")
+            raise ConfigurationError(
+                f"{defs_file}: 'pipelines' is empty", "add at least one pipeline under 'pipelines'"
+            )
         raw = read_raw_pipelines(defs_file)
         configs = {
-            name: validate_pipeline(name, settings, raw.get(name), defs_file) for name, settings in self.pipelines.items()
+            name: validate_pipeline(name, settings, raw.get(name), defs_file)
+            for name, settings in self.pipelines.items()
         }
         for name, config in configs.items():
             if load_pipeline_config(defs_file, name) != config:

@@ -69,7 +69,9 @@ def read_raw_pipelines(defs_file: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         documents = list(yaml.safe_load_all(Path(defs_file).read_text(encoding="utf-8")))
     except OSError as error:
-        raise ConfigurationError(f"cannot read {defs_file} ({error.strerror})", "restore the component's defs.yaml") from None
+        raise ConfigurationError(
+            f"cannot read {defs_file} ({error.strerror})", "restore the component's defs.yaml"
+        ) from None
     except yaml.YAMLError as error:
         raise ConfigurationError(f"{defs_file} is not valid YAML ({error})", "fix the YAML syntax") from None
     pipelines: dict[str, Any] = {}
@@ -99,11 +101,14 @@ def load_pipeline_config(defs_file: str | os.PathLike[str], pipeline: str) -> Pg
     raw = read_raw_pipelines(defs_file).get(pipeline)
     if raw is None:
         raise ConfigurationError(
-            f"{defs_file} has no pipeline '{pipeline}'", "reload the code location after renaming or removing a pipeline"
+            f"{defs_file} has no pipeline '{pipeline}'",
+            "reload the code location after renaming or removing a pipeline",
         )
     try:
         rendered = ResolutionContext.default().resolve_value(raw)
     except ResolutionException as error:
         message = str(error).strip().splitlines()[-1]
-        raise ConfigurationError(f"{defs_file} pipeline '{pipeline}': {message}", "set the variable or fix the template") from None
+        raise ConfigurationError(
+            f"{defs_file} pipeline '{pipeline}': {message}", "set the variable or fix the template"
+        ) from None
     return validate_pipeline(pipeline, rendered, raw, defs_file)
