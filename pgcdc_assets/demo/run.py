@@ -395,16 +395,14 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
     say(f"\nall verifications passed; demo took {time.monotonic() - started:.0f} s so far")
 
     module = f"{PROJECT_PACKAGE}.definitions"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(project), str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    python_path = os.pathsep.join([str(project), str(REPO_ROOT)])  # the project's package and pgcdc's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [python_path, os.environ.get("PYTHONPATH")]))}
     command = dagster_dev_command(module, args.port)
     step("Dagster UI")
     if args.no_dagster:
         say("skipped (--no-dagster). To look at the runs, assets, metadata plots, checks and freshness, keep")
         say("PostgreSQL running (re-run with --keep) and start:")
-        say(f"  cd {shlex.quote(str(REPO_ROOT))} && {exports} PYTHONPATH={shlex.quote(str(project))}"
+        say(f"  cd {shlex.quote(str(REPO_ROOT))} && {exports} PYTHONPATH={shlex.quote(python_path)}"
             f" DAGSTER_HOME={shlex.quote(str(dagster_home))} {shlex.join(command)}")  # fmt: skip
         return 0
     return serve_dagster(env, module, args.port, args.dagster_seconds)
@@ -464,4 +462,4 @@ def _finish(server: Any, directory: Path, *, keep: bool) -> None:
         return
     server.destroy()
     shutil.rmtree(directory / "lake", ignore_errors=True)
-    say(f"\nPostgreSQL stopped; server data and lake removed (config and DAGSTER_HOME kept in {directory})")
+    say(f"\nPostgreSQL stopped; server data and lake removed (the dg project and DAGSTER_HOME kept in {directory})")
