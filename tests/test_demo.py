@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHOP_VERIFIED = "verified: Delta == PostgreSQL for 5 shop tables"
@@ -42,7 +43,12 @@ def test_demo_runs_and_verifies_every_run(tmp_path: Path) -> None:
     assert "all verifications passed" in out
     assert "dagster dev -m pgcdc_demo_project.definitions" in out  # --no-dagster prints the command
     # The project and Dagster history stay; the PostgreSQL server and the lake are gone without --keep.
-    defs_yaml = (directory / "project" / "pgcdc_demo_project" / "defs" / "pipelines" / "defs.yaml").read_text()
-    assert "pgcdc_assets.component.PgcdcComponent" in defs_yaml and "env('PGCDC_DEMO_INVENTORY_DSN')" in defs_yaml
+    defs_yaml = yaml.safe_load((directory / "project" / "pgcdc_demo_project" / "defs" / "pipelines" / "defs.yaml").read_text())
+    assert defs_yaml["type"] == "pgcdc_assets.component.PgcdcComponent"
+    pipelines = defs_yaml["attributes"]["pipelines"]
+    assert pipelines["inventory"]["postgres"]["dsn"] == "{{ env('PGCDC_DEMO_INVENTORY_DSN') }}" and set(pipelines) == {
+        "shop",
+        "inventory",
+    }
     assert "default_limit: 1" in (directory / "dagster_home" / "dagster.yaml").read_text()
     assert not (directory / "postgres").exists() and not (directory / "lake").exists()
