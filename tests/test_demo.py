@@ -43,12 +43,11 @@ def test_demo_runs_and_verifies_every_run(tmp_path: Path) -> None:
     assert "all verifications passed" in out
     assert "dagster dev -m pgcdc_demo_project.definitions" in out  # --no-dagster prints the command
     # The project and Dagster history stay; the PostgreSQL server and the lake are gone without --keep.
-    defs_yaml = yaml.safe_load((directory / "project" / "pgcdc_demo_project" / "defs" / "pipelines" / "defs.yaml").read_text())
+    defs_file = directory / "project" / "pgcdc_demo_project" / "defs" / "pipelines" / "defs.yaml"
+    defs_yaml = yaml.safe_load(defs_file.read_text())
     assert defs_yaml["type"] == "pgcdc_assets.component.PgcdcComponent"
     pipelines = defs_yaml["attributes"]["pipelines"]
-    assert pipelines["inventory"]["postgres"]["dsn"] == "{{ env('PGCDC_DEMO_INVENTORY_DSN') }}" and set(pipelines) == {
-        "shop",
-        "inventory",
-    }
+    assert set(pipelines) == {"shop", "inventory"}
+    assert pipelines["inventory"]["postgres"]["dsn"] == "{{ env('PGCDC_DEMO_INVENTORY_DSN') }}"
     assert "default_limit: 1" in (directory / "dagster_home" / "dagster.yaml").read_text()
     assert not (directory / "postgres").exists() and not (directory / "lake").exists()
