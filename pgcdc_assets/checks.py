@@ -21,7 +21,7 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
 from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
-from resources.names import ROW_COUNT_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
+from resources.names import PipelineNames, ROW_COUNT_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, spark_ddl_type
 from resources.postgres.catalog import read_table, TableName
 
@@ -69,12 +69,14 @@ def evaluate_table_checks(
     key: AssetKey,
     selected: set[AssetCheckKey],
     slot_lag: int | None,
+    names: PipelineNames,
 ) -> Iterator[AssetCheckResult]:
     """The selected checks of one table; ``slot_lag`` None means the slot does not exist."""
     config = postgres.config
     path = config.table_path(table.schema, table.name)
     has_snapshot = read_snapshot_lsn(spark, path) is not None
-    no_snapshot = f"no snapshot of {table} at {path}: run the pgcdc_snapshot job"
+    snapshot_job = names.scoped(SNAPSHOT_JOB)
+    no_snapshot = f"no snapshot of {table} at {path}: run the {snapshot_job} job"
 
     if AssetCheckKey(key, ROW_COUNT_CHECK) in selected:
         if not has_snapshot:
@@ -119,7 +121,7 @@ def evaluate_table_checks(
         if slot_lag is None:
             yield AssetCheckResult(
                 asset_key=key, check_name=SLOT_LAG_CHECK, passed=False,
-                description=f'replication slot "{config.slot}" does not exist: run the pgcdc_snapshot job',
+                description=f'replication slot "{config.slot}" does not exist: run the {snapshot_job} job',
             )  # fmt: skip
         else:
             yield AssetCheckResult(

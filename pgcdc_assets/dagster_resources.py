@@ -1,7 +1,8 @@
 """Dagster resources: the PostgreSQL source and the Spark session that writes Delta.
 
 Both are built from the pgcdc configuration file. The PostgreSQL resource keeps only the
-*path* of that file as Dagster config and reads the DSN from it when used: Dagster shows
+*path* of that file (and, for a pipeline of the pgcdc Component, the pipeline's name in
+that ``defs.yaml``) as Dagster config and reads the DSN from it when used: Dagster shows
 resource config in its UI and in run config snapshots, and a DSN may carry a password.
 Its ``repr`` shows the masked DSN.
 """
@@ -18,6 +19,7 @@ from dagster_pyspark import PySparkResource
 from pydantic import Field, PrivateAttr
 from pyspark.sql import SparkSession
 
+from pgcdc_assets.pipelines_file import load_pipeline_config
 from resources.config import load_config, PgcdcConfig
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.errors import ConfigurationError, explain, mask_dsn
@@ -119,14 +121,21 @@ class PostgresResource(ConfigurableResource):
     in Dagster's UI; ``repr`` and every metadata value use the masked DSN.
     """
 
-    config_file: str = Field(description="path of the pgcdc YAML configuration (what PGCDC_CONFIG names)")
+    config_file: str = Field(
+        description="path of the pgcdc YAML configuration (what PGCDC_CONFIG names), or of the component's defs.yaml"
+    )
+    pipeline: str | None = Field(default=None, description="the pipeline's name in defs.yaml; null for PGCDC_CONFIG")
 
     _config: PgcdcConfig | None = PrivateAttr(default=None)
 
     @property
     def config(self) -> PgcdcConfig:
         if self._config is None:
-            self._config = load_config(self.config_file)
+            self._config = (
+                load_config(self.config_file)
+                if self.pipeline is None
+                else load_pipeline_config(self.config_file, self.pipeline)
+            )
         return self._config
 
     @property
@@ -138,7 +147,8 @@ class PostgresResource(ConfigurableResource):
         return mask_dsn(self.dsn)
 
     def __repr__(self) -> str:
-        return f"PostgresResource(config_file={self.config_file!r}, dsn={self.masked_dsn!r})"
+        pipeline = "" if self.pipeline is None else f", pipeline={self.pipeline!r}"
+        return f"PostgresResource(config_file={self.config_file!r}{pipeline}, dsn={self.masked_dsn!r})"
 
     __str__ = __repr__
 

@@ -11,6 +11,8 @@ Decisions:
   ``pgcdc/skipped`` so the asset page says why, instead of a materialization claiming data.
 * **One drain per slot at a time**: the step runs in the concurrency pool
   ``pgcdc_slot_<slot>``; PostgreSQL itself refuses a second consumer of an active slot.
+  Pipelines of one code location with different slots are in different pools and drain
+  at the same time.
 * **Retries only for ConnectionFailure** (see ``common.user_facing``).
 * Checks run in this step after the drain (see ``checks.py``); selecting only checks runs
   them without draining.
@@ -37,7 +39,7 @@ from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
 from resources.incremental import IncrementalResult, run_incremental
-from resources.names import slot_pool, SNAPSHOT_JOB
+from resources.names import PipelineNames, slot_pool, SNAPSHOT_JOB
 from resources.postgres.catalog import TableName
 
 
@@ -67,40 +69,41 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
     return metadata
 
 
-def _skip_reason(result: IncrementalResult, table: TableName) -> str | None:
+def _skip_reason(result: IncrementalResult, table: TableName, names: PipelineNames) -> str | None:
     """Why the drain did not write ``table``, or None when it did."""
     if str(table) in result.tables_without_snapshot:
-        return f"{table} has no snapshot yet: its changes were skipped; run the {SNAPSHOT_JOB} job for it"
+        return f"{table} has no snapshot yet: its changes were skipped; run the {names.scoped(SNAPSHOT_JOB)} job for it"
     if str(table) not in result.tables:
         return f"{table} is no longer replicated (not in the publication or 'tables'): reload the code location"
     return None
 
 
 def build_incremental_assets(
-    config: PgcdcConfig, tables: Sequence[TableName], translator: PgcdcTranslator
+    config: PgcdcConfig, tables: Sequence[TableName], translator: PgcdcTranslator, names: PipelineNames
 ) -> AssetsDefinition:
-    props = {table: PgcdcTableProps.of(config, table) for table in tables}
+    props = {table: PgcdcTableProps.of(config, table, names) for table in tables}
     key_of: Mapping[TableName, AssetKey] = {t: translator.get_table_asset_key(p) for t, p in props.items()}
 
     @multi_asset(
-        name="drain_slot",
+        name=names.scoped("drain_slot"),
         specs=[translator.get_table_asset_spec(p) for p in props.values()],
         check_specs=[spec for key in key_of.values() for spec in table_check_specs(key)],
         can_subset=True,
         pool=slot_pool(config.slot),
+        required_resource_keys={names.postgres_key, names.spark_key},
         retry_policy=TRANSIENT_RETRY_POLICY,
         description="Drain the replication slot once into Delta, confirm it, then check the tables.",
     )
-    def drain_slot(
-        context: AssetExecutionContext, postgres: PostgresResource, spark: SparkDeltaResource
-    ) -> Iterator[MaterializeResult | AssetObservation | AssetCheckResult]:
+    def drain_slot(context: AssetExecutionContext) -> Iterator[MaterializeResult | AssetObservation | AssetCheckResult]:
+        postgres: PostgresResource = getattr(context.resources, names.postgres_key)
+        spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
         with user_facing():
             session = spark.spark_session
             if selected:
                 result = run_incremental(postgres.config, session, log=context.log.info)
                 for table in selected:
-                    reason = _skip_reason(result, table)
+                    reason = _skip_reason(result, table, names)
                     if reason:
                         context.log.warning(reason)
                         yield AssetObservation(asset_key=key_of[table], metadata={"pgcdc/skipped": reason})
@@ -111,6 +114,6 @@ def build_incremental_assets(
                 state = postgres.read_slot()
                 lag = None if state is None else postgres.slot_lag_bytes(state)
                 for table in tables:
-                    yield from evaluate_table_checks(postgres, session, table, key_of[table], checked, lag)
+                    yield from evaluate_table_checks(postgres, session, table, key_of[table], checked, lag, names)
 
     return drain_slot

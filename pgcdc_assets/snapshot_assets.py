@@ -33,7 +33,7 @@ from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
 from resources.delta.markers import LSN_COLUMN
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
-from resources.names import RESNAPSHOT_JOB
+from resources.names import PipelineNames, RESNAPSHOT_JOB
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
@@ -92,7 +92,7 @@ class _ProgressLog:
 
 
 def _requested_tables(
-    run_config: SnapshotRunConfig, selected: Sequence[TableName], defined: Sequence[TableName]
+    run_config: SnapshotRunConfig, selected: Sequence[TableName], defined: Sequence[TableName], names: PipelineNames
 ) -> list[TableName]:
     if not run_config.tables:
         return list(selected)
@@ -107,12 +107,14 @@ def _requested_tables(
     if unselected:
         raise ConfigurationError(
             f"{', '.join(map(str, unselected))} named in run config but not selected",
-            f"select their snapshot assets too, or run the {RESNAPSHOT_JOB} job",
+            f"select their snapshot assets too, or run the {names.scoped(RESNAPSHOT_JOB)} job",
         )
     return requested
 
 
-def _recover_lost_slot(postgres: PostgresResource, to_copy: Sequence[TableName], defined: Sequence[TableName]) -> bool:
+def _recover_lost_slot(
+    postgres: PostgresResource, to_copy: Sequence[TableName], defined: Sequence[TableName], names: PipelineNames
+) -> bool:
     """Drop a lost slot when this run re-snapshots every table; True when it did.
 
     A lost slot has skipped changes of every table, so recreating it is only safe together
@@ -125,7 +127,7 @@ def _recover_lost_slot(postgres: PostgresResource, to_copy: Sequence[TableName],
         raise SlotError(
             f'replication slot "{state.slot_name}" is lost (wal_status lost), and this run copies only'
             f" {len(to_copy)} of {len(defined)} tables",
-            f"run the {RESNAPSHOT_JOB} job without a table list: it recreates the slot and re-snapshots every table",
+            f"run the {names.scoped(RESNAPSHOT_JOB)} job without a table list: it recreates the slot and re-snapshots every table",
         )
     with postgres.connect() as conn:
         try:
@@ -136,31 +138,33 @@ def _recover_lost_slot(postgres: PostgresResource, to_copy: Sequence[TableName],
 
 
 def build_snapshot_assets(
-    config: PgcdcConfig, tables: Sequence[TableName], translator: PgcdcTranslator
+    config: PgcdcConfig, tables: Sequence[TableName], translator: PgcdcTranslator, names: PipelineNames
 ) -> AssetsDefinition:
-    """One multi-asset covering every table, subsettable per table."""
-    props = {table: PgcdcTableProps.of(config, table) for table in tables}
+    """One multi-asset covering every table, subsettable per table.
+
+    Resources are found under the pipeline's keys (``names.postgres_key``/``spark_key``), so
+    every pipeline of a code location brings its own source and engine settings.
+    """
+    props = {table: PgcdcTableProps.of(config, table, names) for table in tables}
     keys: Mapping[AssetKey, TableName] = {translator.get_snapshot_asset_key(p): t for t, p in props.items()}
     key_of = {table: key for key, table in keys.items()}
 
     @multi_asset(
-        name="snapshot_tables",
+        name=names.scoped("snapshot_tables"),
         specs=[translator.get_snapshot_asset_spec(p) for p in props.values()],
         can_subset=True,
+        required_resource_keys={names.postgres_key, names.spark_key},
         retry_policy=TRANSIENT_RETRY_POLICY,
         description="Copy the selected tables into Delta, each consistent with the replication slot.",
     )
-    def snapshot_tables(
-        context: AssetExecutionContext,
-        config: SnapshotRunConfig,
-        postgres: PostgresResource,
-        spark: SparkDeltaResource,
-    ) -> Iterator[MaterializeResult]:
+    def snapshot_tables(context: AssetExecutionContext, config: SnapshotRunConfig) -> Iterator[MaterializeResult]:
+        postgres: PostgresResource = getattr(context.resources, names.postgres_key)
+        spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
         with user_facing():
-            to_copy = _requested_tables(config, selected, tables)
+            to_copy = _requested_tables(config, selected, tables, names)
             settings = postgres.config
-            if _recover_lost_slot(postgres, to_copy, tables):
+            if _recover_lost_slot(postgres, to_copy, tables, names):
                 context.log.warning(
                     f'replication slot "{settings.slot}" was lost: dropped it; recreating it and'
                     f" re-snapshotting all {len(to_copy)} tables"

@@ -4,20 +4,46 @@ Every table gets two assets: its *snapshot* (the initial copy, taken consistentl
 slot) and its *Delta table* (kept current by incremental drains, downstream of the
 snapshot). Subclass :class:`PgcdcTranslator` to change keys, groups or metadata; the
 assets, jobs, checks and sensors all ask the translator, so they stay consistent.
+
+A pipeline of the pgcdc Component (``props.pipeline`` set) gets its own key prefix
+``pgcdc/<pipeline>/...`` and groups ``pgcdc_<pipeline>``/``pgcdc_<pipeline>_snapshot``;
+the single-file path (``pipeline`` None) keeps the keys and groups it always had.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import timedelta
+from itertools import islice, pairwise
 
-from dagster import AssetKey, AssetSpec, MetadataValue
+from dagster import AssetKey, AssetSpec, FreshnessPolicy, MetadataValue
+from dagster._utils.schedules import cron_string_iterator
 
-from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig
+from resources.names import PipelineNames
+from resources.postgres.catalog import TableName
 
 KINDS = {"postgres", "delta", "spark"}
 SNAPSHOT_GROUP = "pgcdc_snapshot"
 TABLE_GROUP = "pgcdc"
+
+#: Freshness windows as multiples of the schedule's longest gap between ticks: one missed
+#: drain warns, two missed drains fail.
+FRESHNESS_WARN_INTERVALS = 2
+FRESHNESS_FAIL_INTERVALS = 3
+#: Ticks looked at to find a schedule's longest gap (a week of a */30 schedule; weekday schedules included).
+_CRON_TICKS_EXAMINED = 400
+
+
+def schedule_interval(cron: str) -> timedelta:
+    """The longest gap between consecutive ticks of ``cron`` (UTC): how stale a table may be between drains.
+
+    The longest gap, not the typical one, so a weekday schedule does not mark every table
+    stale over the weekend.
+    """
+    ticks = islice(cron_string_iterator(time.time(), cron, "UTC"), _CRON_TICKS_EXAMINED)
+    return max(later - earlier for earlier, later in pairwise(ticks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,23 +54,52 @@ class PgcdcTableProps:
     delta_path: str
     publication: str
     slot: str
+    #: The Component pipeline's name; None on the single-file (PGCDC_CONFIG) path.
+    pipeline: str | None = None
+    #: The pipeline's schedule.cron: what the freshness policy is derived from.
+    cron: str = "*/5 * * * *"
 
     @classmethod
-    def of(cls, config: PgcdcConfig, table: TableName) -> PgcdcTableProps:
-        return cls(table, config.table_path(table.schema, table.name), config.publication, config.slot)
+    def of(cls, config: PgcdcConfig, table: TableName, names: PipelineNames = PipelineNames()) -> PgcdcTableProps:
+        return cls(
+            table,
+            config.table_path(table.schema, table.name),
+            config.publication,
+            config.slot,
+            names.pipeline,
+            config.schedule.cron,
+        )
 
 
 class PgcdcTranslator:
     """Table -> AssetSpec for the snapshot asset and for the incrementally maintained Delta table."""
 
+    def _prefix(self, props: PgcdcTableProps) -> list[str]:
+        return ["pgcdc"] if props.pipeline is None else ["pgcdc", props.pipeline]
+
     def get_snapshot_asset_key(self, props: PgcdcTableProps) -> AssetKey:
-        return AssetKey(["pgcdc", "snapshot", props.table.schema, props.table.name])
+        return AssetKey([*self._prefix(props), "snapshot", props.table.schema, props.table.name])
 
     def get_table_asset_key(self, props: PgcdcTableProps) -> AssetKey:
-        return AssetKey(["pgcdc", props.table.schema, props.table.name])
+        return AssetKey([*self._prefix(props), props.table.schema, props.table.name])
+
+    def get_group_name(self, props: PgcdcTableProps) -> str:
+        return TABLE_GROUP if props.pipeline is None else f"{TABLE_GROUP}_{props.pipeline}"
+
+    def get_snapshot_group_name(self, props: PgcdcTableProps) -> str:
+        return SNAPSHOT_GROUP if props.pipeline is None else f"{TABLE_GROUP}_{props.pipeline}_snapshot"
+
+    def get_freshness_policy(self, props: PgcdcTableProps) -> FreshnessPolicy | None:
+        """Stale after missed drains: warn past 2x, fail past 3x the schedule's longest gap."""
+        interval = schedule_interval(props.cron)
+        return FreshnessPolicy.time_window(
+            fail_window=interval * FRESHNESS_FAIL_INTERVALS, warn_window=interval * FRESHNESS_WARN_INTERVALS
+        )
 
     def _metadata(self, props: PgcdcTableProps) -> dict[str, object]:
+        pipeline = {} if props.pipeline is None else {"pgcdc/pipeline": props.pipeline}
         return {
+            **pipeline,
             "pgcdc/table": props.table.quoted,
             "pgcdc/publication": props.publication,
             "pgcdc/slot": props.slot,
@@ -60,7 +115,7 @@ class PgcdcTranslator:
                 f"Initial copy of PostgreSQL table {props.table} into Delta at {props.delta_path}, taken at an LSN"
                 f' consistent with replication slot "{props.slot}"; re-materializing it re-snapshots the table.'
             ),
-            group_name=SNAPSHOT_GROUP,
+            group_name=self.get_snapshot_group_name(props),
             kinds=KINDS,
             metadata=self._metadata(props),
             skippable=True,
@@ -75,8 +130,9 @@ class PgcdcTranslator:
                 f"Delta copy of PostgreSQL table {props.table} at {props.delta_path}, kept current by draining"
                 f' replication slot "{props.slot}" (publication "{props.publication}") in micro-batches.'
             ),
-            group_name=TABLE_GROUP,
+            group_name=self.get_group_name(props),
             kinds=KINDS,
             metadata=self._metadata(props),
             skippable=True,
+            freshness_policy=self.get_freshness_policy(props),
         )

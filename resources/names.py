@@ -6,6 +6,8 @@ the jobs in their fixes, so they live below all three.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 SNAPSHOT_JOB = "pgcdc_snapshot"
 RESNAPSHOT_JOB = "pgcdc_resnapshot"
@@ -31,3 +33,33 @@ SLOT_HEALTH_SENSOR = "pgcdc_slot_health_sensor"
 ROW_COUNT_CHECK = "row_count_matches_postgres"
 SCHEMA_CHECK = "schema_matches_postgres"
 SLOT_LAG_CHECK = "slot_lag_within_bound"
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineNames:
+    """The Dagster names of one pipeline's definitions, so several pipelines share a code location.
+
+    ``pipeline`` None is the single-file (``PGCDC_CONFIG``) path and keeps every name as it
+    always was (``pgcdc_snapshot``, resource keys ``postgres``/``spark``, op ``drain_slot``),
+    so existing run configs, schedules' histories and asset keys stay valid. A named pipeline
+    puts its name after the ``pgcdc_`` prefix of each: ``pgcdc_shop_snapshot``,
+    ``pgcdc_shop_postgres``, ``pgcdc_shop_drain_slot``. Pools stay per slot (``slot_pool``):
+    two pipelines drain at the same time exactly when their slots differ.
+    """
+
+    pipeline: str | None = None
+
+    def scoped(self, name: str) -> str:
+        """``name`` (a ``pgcdc_*`` job, schedule or sensor name, or a bare op/resource name) for this pipeline."""
+        if self.pipeline is None:
+            return name
+        bare = name.removeprefix("pgcdc_")
+        return f"pgcdc_{self.pipeline}_{bare}"
+
+    @property
+    def postgres_key(self) -> str:
+        return self.scoped("postgres")
+
+    @property
+    def spark_key(self) -> str:
+        return self.scoped("spark")

@@ -2,6 +2,11 @@
 
 They only read ``pg_replication_slots`` and the catalog (plus, for new tables, the Delta
 snapshot marker), so a sensor tick can never move the slot or compete with a drain.
+
+Each sensor names its resources by the pipeline's keys (``PipelineNames.postgres_key``) and
+reads them from ``context.resources``. Calling a sensor directly (``sensor(context)``, as
+tests do) also passes those resources as keyword arguments, which ``**_invoked_with`` absorbs;
+the daemon passes none.
 """
 
 # No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
@@ -27,6 +32,7 @@ from resources.names import (
     INCREMENTAL_JOB,
     LAG_SENSOR,
     NEW_TABLES_SENSOR,
+    PipelineNames,
     RESNAPSHOT_JOB,
     SLOT_HEALTH_SENSOR,
     SNAPSHOT_JOB,
@@ -43,33 +49,36 @@ def _pending_runs(context: SensorEvaluationContext, job_names: Sequence[str]) ->
     return run_ids
 
 
-def build_slot_lag_sensor(minimum_interval_seconds: int = 30) -> SensorDefinition:
+def build_slot_lag_sensor(names: PipelineNames, minimum_interval_seconds: int = 30) -> SensorDefinition:
     """Request a drain when the slot has more unconfirmed WAL than ``sensors.lag_bytes``.
 
     Between schedule ticks a burst of writes would otherwise pile up WAL on the source;
     this starts the drain early. It skips while a drain is queued or running (or the slot
     is held by any consumer), so bursts never stack runs on one slot.
     """
+    incremental_job, snapshot_job = names.scoped(INCREMENTAL_JOB), names.scoped(SNAPSHOT_JOB)
 
     @sensor(
-        name=LAG_SENSOR,
-        job_name=INCREMENTAL_JOB,
+        name=names.scoped(LAG_SENSOR),
+        job_name=incremental_job,
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=DefaultSensorStatus.STOPPED,
-        description="Requests a pgcdc_incremental run when the slot's lag exceeds sensors.lag_bytes.",
+        required_resource_keys={names.postgres_key},
+        description=f"Requests a {incremental_job} run when the slot's lag exceeds sensors.lag_bytes.",
     )
-    def pgcdc_slot_lag_sensor(context: SensorEvaluationContext, postgres: PostgresResource) -> RunRequest | SkipReason:
+    def pgcdc_slot_lag_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> RunRequest | SkipReason:
+        postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         config = postgres.config
         state = postgres.read_slot()
         if state is None:
-            return SkipReason(f'replication slot "{config.slot}" does not exist: run the {SNAPSHOT_JOB} job')
+            return SkipReason(f'replication slot "{config.slot}" does not exist: run the {snapshot_job} job')
         lag = postgres.slot_lag_bytes(state)
         threshold = config.sensors.lag_bytes
         if lag <= threshold:
             return SkipReason(f'slot "{config.slot}" lags {lag} bytes, at or below sensors.lag_bytes={threshold}')
-        pending = _pending_runs(context, [INCREMENTAL_JOB])
+        pending = _pending_runs(context, [incremental_job])
         if pending:
-            return SkipReason(f"slot lags {lag} bytes but a {INCREMENTAL_JOB} run is already pending: {pending[0]}")
+            return SkipReason(f"slot lags {lag} bytes but a {incremental_job} run is already pending: {pending[0]}")
         if state.active:
             return SkipReason(f"slot lags {lag} bytes but is in use by PID {state.active_pid}")
         return RunRequest(tags={"pgcdc/trigger": "slot_lag", "pgcdc/slot_lag_bytes": str(lag)})
@@ -79,6 +88,7 @@ def build_slot_lag_sensor(minimum_interval_seconds: int = 30) -> SensorDefinitio
 
 def build_new_tables_sensor(
     snapshot_keys: Mapping[TableName, AssetKey],
+    names: PipelineNames,
     minimum_interval_seconds: int = 300,
 ) -> SensorDefinition:
     """Request snapshots for defined tables that have none yet; name the ones that need a reload.
@@ -91,16 +101,18 @@ def build_new_tables_sensor(
     """
 
     @sensor(
-        name=NEW_TABLES_SENSOR,
-        job_name=SNAPSHOT_JOB,
+        name=names.scoped(NEW_TABLES_SENSOR),
+        job_name=names.scoped(SNAPSHOT_JOB),
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=DefaultSensorStatus.STOPPED,
+        required_resource_keys={names.postgres_key, names.spark_key},
         description="Snapshots published tables that have no Delta snapshot; reports tables needing a reload.",
     )
-    def pgcdc_new_tables_sensor(
-        context: SensorEvaluationContext, postgres: PostgresResource, spark: SparkDeltaResource
-    ) -> SensorResult | SkipReason:
+    def pgcdc_new_tables_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> SensorResult | SkipReason:
         from resources.delta.markers import read_snapshot_lsn
+
+        postgres: PostgresResource = getattr(context.resources, names.postgres_key)
+        spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
 
         config = postgres.config
         published = postgres.publication_tables()
@@ -123,7 +135,7 @@ def build_new_tables_sensor(
         ]
         if not missing:
             return SkipReason(reload_note or "every published table has a snapshot")
-        pending = _pending_runs(context, [SNAPSHOT_JOB, RESNAPSHOT_JOB])
+        pending = _pending_runs(context, [names.scoped(SNAPSHOT_JOB), names.scoped(RESNAPSHOT_JOB)])
         if pending:
             return SkipReason(f"{len(missing)} table(s) need a snapshot but snapshot run {pending[0]} is pending")
         if reload_note:
@@ -140,32 +152,35 @@ def build_new_tables_sensor(
     return pgcdc_new_tables_sensor
 
 
-def build_slot_health_sensor(minimum_interval_seconds: int = 60) -> SensorDefinition:
+def build_slot_health_sensor(names: PipelineNames, minimum_interval_seconds: int = 60) -> SensorDefinition:
     """Fail the tick, with the one-line cause and fix, when the slot is missing or lost.
 
     A failed tick is red on the sensor's page and in the overview, where a skipped tick's
     message is easy to miss; nothing is requested, because recovering a lost slot means
     re-snapshotting every table, which an operator should start (pgcdc_resnapshot).
     """
+    snapshot_job, resnapshot_job = names.scoped(SNAPSHOT_JOB), names.scoped(RESNAPSHOT_JOB)
 
     @sensor(
-        name=SLOT_HEALTH_SENSOR,
+        name=names.scoped(SLOT_HEALTH_SENSOR),
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=DefaultSensorStatus.STOPPED,
+        required_resource_keys={names.postgres_key},
         description="Fails with the fix when the replication slot is missing or lost (wal_status='lost').",
     )
-    def pgcdc_slot_health_sensor(context: SensorEvaluationContext, postgres: PostgresResource) -> SkipReason:
+    def pgcdc_slot_health_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> SkipReason:
+        postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         config = postgres.config
         state = postgres.read_slot()
         if state is None:
             raise SlotError(
                 f'replication slot "{config.slot}" does not exist on {postgres.masked_dsn}',
-                f"run the {SNAPSHOT_JOB} job (it creates the slot and snapshots every table), or fix 'slot'",
+                f"run the {snapshot_job} job (it creates the slot and snapshots every table), or fix 'slot'",
             )
         if state.wal_status == "lost":
             raise SlotError(
                 f'replication slot "{config.slot}" was invalidated (wal_status lost): the WAL it needed is gone',
-                f"run the {RESNAPSHOT_JOB} job with no table list: it recreates the slot and re-snapshots every table",
+                f"run the {resnapshot_job} job with no table list: it recreates the slot and re-snapshots every table",
             )
         lag = postgres.slot_lag_bytes(state)
         return SkipReason(f'slot "{config.slot}" is healthy: wal_status {state.wal_status}, lag {lag} bytes')

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import psycopg
@@ -61,6 +62,13 @@ def pg_server(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
 
 @pytest.fixture
 def pg(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
+    with fresh_database(pg_server) as database:
+        yield database
+
+
+@contextmanager
+def fresh_database(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
+    """A new database on ``pg_server``, dropped afterwards with its slots and prepared transactions."""
     name = f"t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(pg_server.dsn(), autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')

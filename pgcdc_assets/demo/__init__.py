@@ -1,20 +1,25 @@
-"""``make demo``: pgcdc end to end on a laptop, driven through Dagster.
+"""``make demo``: pgcdc end to end on a laptop, two pipelines in one Dagster code location.
 
-1. Starts an embedded PostgreSQL 18 (``wal_level=logical``) with its data under ``--dir``,
-   creates a small shop schema (five related tables with a mix of types, ``page_views``
-   without a primary key) and seeds a few thousand rows; creates the publication.
+1. Starts an embedded PostgreSQL 18 (``wal_level=logical``) with its data under ``--dir`` and
+   two databases on it: ``shop`` (five related tables with a mix of types, ``page_views``
+   without a primary key, a few thousand rows) and ``inventory`` (two small tables), each
+   with its publication.
 2. Shows a few decoded changes with ``pgcdc changes`` on a scratch slot (then drops it).
-3. Writes the pgcdc YAML and a ``dagster.yaml`` (concurrency pool limit 1) under ``--dir``,
-   creates the permanent slot, and materializes the ``pgcdc_snapshot`` job in-process on a
-   persistent Dagster instance at ``DAGSTER_HOME`` (so ``dagster dev`` shows the history).
-4. Runs ``pgcdc_incremental`` ``--runs`` times while a load generator thread inserts,
-   updates and deletes in small transactions. Each run is verified exactly while the load
-   goes on: the load pauses just long enough for a REPEATABLE READ snapshot to be taken and
-   for the run to fix its end LSN (the slot becomes active), so that snapshot holds exactly
-   the transactions the run applies; Delta (read with delta-rs) is compared with it value for
-   value (``resources/testing/verify.py``, the comparison the tests use).
-5. Stops the load, runs once more, verifies against live PostgreSQL, then starts
-   ``dagster dev`` on the same configuration (``--no-dagster``: prints the command instead).
+3. Writes a dg project under ``--dir``: one pgcdc Component (``defs.yaml``) with the pipelines
+   ``shop`` and ``inventory``, DSNs read from the environment (``{{ env('...') }}``), and a
+   ``dagster.yaml`` (concurrency pool limit 1: one drain per slot). Creates each slot and runs
+   each pipeline's snapshot job (``pgcdc_shop_snapshot``, ``pgcdc_inventory_snapshot``)
+   in-process on a persistent Dagster instance at ``DAGSTER_HOME`` (so ``dagster dev`` shows
+   the history).
+4. ``--runs`` rounds while a load generator per database inserts, updates and deletes in
+   small transactions; each round runs each pipeline's incremental job. Each run is verified
+   exactly while the load goes on: that database's load pauses just long enough for a
+   REPEATABLE READ snapshot to be taken and for the run to fix its end LSN (the slot becomes
+   active), so that snapshot holds exactly the transactions the run applies; Delta (read with
+   delta-rs) is compared with it value for value (``resources/testing/verify.py``, the
+   comparison the tests use).
+5. Stops the loads, runs each pipeline once more, verifies against live PostgreSQL, then
+   starts ``dagster dev`` on the project (``--no-dagster``: prints the command instead).
 
 Exit status: 0 when every verification passed, 1 on a mismatch or a failed run, 130 on Ctrl-C.
 """

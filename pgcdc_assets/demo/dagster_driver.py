@@ -21,14 +21,18 @@ QUIET_RUN_CONFIG: dict[str, Any] = {"loggers": {"console": {"config": {"log_leve
 
 
 class DagsterDriver:
-    """Runs the code location's jobs in this process on the persistent instance at DAGSTER_HOME."""
+    """Runs the code location's jobs in this process on the persistent instance at DAGSTER_HOME.
 
-    def __init__(self, config_path: Path, dagster_home: Path) -> None:
-        from dagster import DagsterInstance
+    The code location is the demo's dg project (``project``, on ``sys.path`` as an installed
+    project would be), loaded the way ``dagster dev`` loads it.
+    """
 
-        from pgcdc_assets.builder import build_definitions
+    def __init__(self, project: Path, dagster_home: Path) -> None:
+        from dagster import DagsterInstance, load_from_defs_folder
 
-        self.defs = build_definitions(str(config_path))
+        if str(project) not in sys.path:
+            sys.path.insert(0, str(project))
+        self.defs = load_from_defs_folder(path_within_project=project)
         self.instance = DagsterInstance.from_config(str(dagster_home))
 
     def run(self, job: str) -> Any:
@@ -88,9 +92,9 @@ def describe_run(label: str, tables: dict[str, dict[str, Any]], wall_s: float) -
     )
 
 
-def dagster_dev_command(port: int) -> list[str]:
+def dagster_dev_command(module: str, port: int) -> list[str]:
     dagster = Path(sys.executable).parent / "dagster"
-    return [str(dagster), "dev", "-m", "pgcdc_assets.definitions", "-h", "127.0.0.1", "-p", str(port)]
+    return [str(dagster), "dev", "-m", module, "-h", "127.0.0.1", "-p", str(port)]
 
 
 def _get(url: str, timeout: float = 2.0) -> bytes | None:
@@ -117,9 +121,9 @@ def listed_jobs(port: int) -> list[str]:
     return sorted(job["name"] for node in nodes for job in node["jobs"] if not job["name"].startswith("__"))
 
 
-def serve_dagster(env: dict[str, str], port: int, stop_after: float | None) -> int:
-    """Run ``dagster dev`` until Ctrl-C (or ``stop_after`` seconds once it answers); its exit status."""
-    command = dagster_dev_command(port)
+def serve_dagster(env: dict[str, str], module: str, port: int, stop_after: float | None) -> int:
+    """Run ``dagster dev`` on ``module`` until Ctrl-C (or ``stop_after`` seconds once it answers); its exit status."""
+    command = dagster_dev_command(module, port)
     log_path = Path(env["DAGSTER_HOME"]) / "dagster-dev.log"
     try:
         with socket.create_server(("127.0.0.1", port)):
@@ -147,7 +151,7 @@ def serve_dagster(env: dict[str, str], port: int, stop_after: float | None) -> i
                     break
                 time.sleep(1)
             say(f"Dagster UI: http://127.0.0.1:{port}  (jobs: {', '.join(jobs) or 'still loading'})")
-            say("  Assets > pgcdc > shop > <table>: materializations with their metadata plots and checks;")
+            say("  Assets > pgcdc > shop|inventory > <schema> > <table>: materializations, metadata plots, checks, freshness;")
             say("  Runs: the snapshot and incremental runs above. Press Ctrl-C to stop.")
             if stop_after is not None:
                 time.sleep(stop_after)

@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,58 @@ from pgcdc_assets.demo.dagster_driver import (
     materialized,
     serve_dagster,
 )
+from pgcdc_assets.demo import inventory, shop
+from pgcdc_assets.demo.inventory import InventoryLoad
 from pgcdc_assets.demo.load import LoadGenerator
-from pgcdc_assets.demo.shop import create_shop, KEYS, PEEK_CHANGES, PEEK_SLOT, PUBLICATION, SCHEMA, SLOT, TABLES
+from pgcdc_assets.demo.shop import PEEK_CHANGES, PEEK_SLOT
+from resources.names import INCREMENTAL_JOB, PipelineNames, SNAPSHOT_JOB
 
 #: Seconds the load generator runs before each incremental run (it also runs during the runs).
 LOAD_SECONDS = 3.0
+
+
+#: The demo project's package; ``dagster dev -m`` loads its definitions module.
+PROJECT_PACKAGE = "pgcdc_demo_project"
+
+
+@dataclass(frozen=True)
+class DemoPipeline:
+    """One pipeline of the demo's code location: its database on the shared server and what to verify."""
+
+    name: str
+    database: str
+    schema: str
+    tables: list[str]
+    keys: dict[str, list[str]]
+    publication: str
+    slot: str
+    create: Callable[[str], dict[str, int]]
+    load: type[LoadGenerator]
+    dsn: str
+    lake: Path
+
+    @property
+    def env_var(self) -> str:
+        """The variable defs.yaml reads the DSN from (``{{ env('...') }}``)."""
+        return f"PGCDC_DEMO_{self.name.upper()}_DSN"
+
+    def job(self, base: str) -> str:
+        return PipelineNames(self.name).scoped(base)
+
+
+def demo_pipelines(server: Any, directory: Path) -> list[DemoPipeline]:
+    """The shop and the inventory pipeline, on two databases of ``server``."""
+    return [
+        DemoPipeline(
+            "shop", "shop", shop.SCHEMA, shop.TABLES, shop.KEYS, shop.PUBLICATION, shop.SLOT, shop.create_shop,
+            LoadGenerator, server.dsn("shop"), directory / "lake" / "shop",
+        ),
+        DemoPipeline(
+            "inventory", inventory.DATABASE, inventory.SCHEMA, inventory.TABLES, inventory.KEYS,
+            inventory.PUBLICATION, inventory.SLOT, inventory.create_inventory, InventoryLoad,
+            server.dsn(inventory.DATABASE), directory / "lake" / "inventory",
+        ),
+    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- output
@@ -58,28 +106,53 @@ def clean_demo_dir(directory: Path) -> None:
     if (data / "postmaster.pid").exists():
         say(f"stopping the PostgreSQL an earlier demo kept running ({data})")
         LocalPostgres(major=18, base_dir=directory / "postgres").stop("immediate")
-    for name in ("postgres", "lake", "dagster_home", "spill"):
+    for name in ("postgres", "lake", "dagster_home", "spill", "project"):
         shutil.rmtree(directory / name, ignore_errors=True)
-    for name in ("pgcdc.yaml",):
-        (directory / name).unlink(missing_ok=True)
 
 
-def write_config(directory: Path, dsn: str) -> Path:
+def write_project(directory: Path, pipelines: Sequence[DemoPipeline]) -> Path:
+    """A dg project whose one component lists both pipelines; returns its defs.yaml.
+
+    DSNs come from the environment through Dagster's templating, as a deployment would keep them.
+    """
     import yaml
 
-    config = {
-        "postgres": {"dsn": dsn},
-        "publication": PUBLICATION,
-        "slot": SLOT,
-        "tables": [f"{SCHEMA}.{name}" for name in TABLES],
-        "delta": {"root": str(directory / "lake")},
-        "snapshot": {"parallel_tables": 2},
-        "schedule": {"cron": "* * * * *"},
-        "sensors": {"lag_bytes": 1024 * 1024},
-        "checks": {"max_lag_bytes": 64 * 1024 * 1024},
+    from pgcdc_assets.component import PgcdcComponent
+
+    project = directory / "project"
+    package = project / PROJECT_PACKAGE
+    (package / "defs" / "pipelines").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "defs" / "__init__.py").write_text("")
+    (package / "definitions.py").write_text(
+        "from pathlib import Path\n\nimport dagster as dg\n\n\n@dg.definitions\ndef defs() -> dg.Definitions:\n"
+        "    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)\n"
+    )
+    (project / "pyproject.toml").write_text(
+        f'[project]\nname = "{PROJECT_PACKAGE}"\nversion = "0.1.0"\n\n[tool.dg]\ndirectory_type = "project"\n\n'
+        f'[tool.dg.project]\nroot_module = "{PROJECT_PACKAGE}"\ncode_location_name = "{PROJECT_PACKAGE}.definitions"\n'
+    )
+    component = {
+        "type": f"{PgcdcComponent.__module__}.{PgcdcComponent.__name__}",
+        "attributes": {
+            "pipelines": {
+                p.name: {
+                    "postgres": {"dsn": f"{{{{ env('{p.env_var}') }}}}"},
+                    "publication": p.publication,
+                    "slot": p.slot,
+                    "tables": [f"{p.schema}.{name}" for name in p.tables],
+                    "delta": {"root": str(p.lake)},
+                    "snapshot": {"parallel_tables": 2},
+                    "schedule": {"cron": "* * * * *"},
+                    "sensors": {"lag_bytes": 1024 * 1024},
+                    "checks": {"max_lag_bytes": 64 * 1024 * 1024},
+                }
+                for p in pipelines
+            }
+        },
     }
-    path = directory / "pgcdc.yaml"
-    path.write_text("# written by `make demo` (pgcdc_assets/demo/)\n" + yaml.safe_dump(config, sort_keys=False))
+    path = package / "defs" / "pipelines" / "defs.yaml"
+    path.write_text("# written by `make demo` (pgcdc_assets/demo/)\n" + yaml.safe_dump(component, sort_keys=False))
     return path
 
 
@@ -87,7 +160,7 @@ def write_dagster_yaml(dagster_home: Path) -> Path:
     dagster_home.mkdir(parents=True, exist_ok=True)
     path = dagster_home / "dagster.yaml"
     path.write_text(
-        "# written by `make demo`: one drain of the slot at a time (the drain step's pool is pgcdc_slot_<slot>)\n"
+        "# written by `make demo`: one drain per slot at a time (a drain step's pool is pgcdc_slot_<slot>)\n"
         "concurrency:\n"
         "  pools:\n"
         "    default_limit: 1\n"
@@ -108,7 +181,7 @@ def pgcdc_script() -> list[str]:
 
 def peek_with_cli(dsn: str) -> None:
     """``pgcdc changes`` on a scratch slot: create it, make a few changes, print them decoded, drop it."""
-    base = [*pgcdc_script(), "changes", "--dsn", dsn, "--slot", PEEK_SLOT, "--publication", PUBLICATION]
+    base = [*pgcdc_script(), "changes", "--dsn", dsn, "--slot", PEEK_SLOT, "--publication", shop.PUBLICATION]
     shown = [Path(base[0]).name if base[0].endswith("pgcdc") else "pgcdc", *base[1:]]
 
     def run(args: list[str]) -> str:
@@ -139,33 +212,40 @@ def peek_with_cli(dsn: str) -> None:
 # --------------------------------------------------------------------------- verification
 
 
-def verify_all(conn: psycopg.Connection, lake: Path) -> int:
-    """Every Delta table equals its PostgreSQL table as ``conn`` sees it; returns the total row count."""
+def verify_all(conn: psycopg.Connection, pipeline: DemoPipeline) -> int:
+    """Every Delta table of ``pipeline`` equals its PostgreSQL table as ``conn`` sees it; returns the total row count."""
     from resources.testing.verify import compare_table
 
     total = 0
-    for name in TABLES:
+    for name in pipeline.tables:
+        path = str(pipeline.lake / pipeline.schema / name)
         try:
-            total += compare_table(conn, f"{SCHEMA}.{name}", str(lake / SCHEMA / name), key=KEYS[name])
+            total += compare_table(conn, f"{pipeline.schema}.{name}", path, key=pipeline.keys[name])
         except AssertionError as error:
-            raise DemoFailure(f"verification FAILED:\n{error}") from None
+            raise DemoFailure(f"verification FAILED ({pipeline.name}):\n{error}") from None
     return total
 
 
-def _wait_for_drain_start(dsn: str, done: threading.Event, timeout: float = 120.0) -> bool:
+def verified(pipeline: DemoPipeline, rows: int) -> str:
+    return f"verified: Delta == PostgreSQL for {len(pipeline.tables)} {pipeline.name} tables ({rows:,} rows)"
+
+
+def _wait_for_drain_start(dsn: str, slot: str, done: threading.Event, timeout: float = 120.0) -> bool:
     """Block until the run's walsender holds the slot (its end LSN is fixed by then) or the run ended."""
     deadline = time.monotonic() + timeout
     with psycopg.connect(dsn, autocommit=True) as conn:
         while not done.is_set() and time.monotonic() < deadline:
-            row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)).fetchone()
+            row = conn.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
             if row is not None and row[0]:
                 return True
             time.sleep(0.02)
     return False
 
 
-def incremental_with_load(driver: DagsterDriver, dsn: str, load: LoadGenerator) -> tuple[Any, psycopg.Connection]:
-    """One pgcdc_incremental run while the load goes on; returns it and a connection holding the
+def incremental_with_load(
+    driver: DagsterDriver, pipeline: DemoPipeline, load: LoadGenerator
+) -> tuple[Any, psycopg.Connection]:
+    """One incremental run of ``pipeline`` while its load goes on; returns it and a connection holding the
     PostgreSQL snapshot that matches what the run applied.
 
     The load pauses; a REPEATABLE READ snapshot is taken (every transaction committed so far);
@@ -173,16 +253,18 @@ def incremental_with_load(driver: DagsterDriver, dsn: str, load: LoadGenerator) 
     is fixed by then and covers exactly those transactions), the load resumes while the run drains.
     """
     load.pause()
-    snapshot = _verify_connection(dsn, autocommit=False)
+    snapshot = _verify_connection(pipeline.dsn, autocommit=False)
     snapshot.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
     snapshot.execute("SELECT 1")  # the snapshot is taken here
     done = threading.Event()
     resumer = threading.Thread(
-        target=lambda: (_wait_for_drain_start(dsn, done), load.resume()), name="pgcdc-demo-resume", daemon=True
+        target=lambda: (_wait_for_drain_start(pipeline.dsn, pipeline.slot, done), load.resume()),
+        name="pgcdc-demo-resume",
+        daemon=True,
     )
     resumer.start()
     try:
-        result = driver.run("pgcdc_incremental")
+        result = driver.run(pipeline.job(INCREMENTAL_JOB))
     except BaseException:
         snapshot.close()
         raise
@@ -208,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-dagster", action="store_true", help="do not start dagster dev; print the command")
     parser.add_argument("--runs", type=int, default=3, help="incremental runs while the load runs (default 3)")
     parser.add_argument("--keep", action="store_true", help="leave PostgreSQL running and keep the lake after exit")
-    parser.add_argument("--dir", type=Path, default=REPO_ROOT / ".demo", help="lake, config, DAGSTER_HOME (default .demo/)")
+    parser.add_argument(
+        "--dir", type=Path, default=REPO_ROOT / ".demo", help="lake, dg project, DAGSTER_HOME (default .demo/)"
+    )
     parser.add_argument("--port", type=int, default=3000, help="dagster dev webserver port (default 3000)")
     parser.add_argument("--dagster-seconds", type=float, help=argparse.SUPPRESS)  # tests: stop dagster dev after N s
     return parser
@@ -249,118 +333,133 @@ def _start_postgres(directory: Path) -> Any:
     t0 = time.monotonic()
     server = start_local_postgres(18, base_dir=directory / "postgres")
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        conn.execute("CREATE DATABASE shop")
-    say(f"started in {time.monotonic() - t0:.1f} s: {server.dsn('shop')}  (data in {server.data_dir})")
+        for database in ("shop", inventory.DATABASE):
+            conn.execute(f"CREATE DATABASE {database}")
+    say(f"started in {time.monotonic() - t0:.1f} s: {server.dsn()}  (data in {server.data_dir});"
+        f" databases shop and {inventory.DATABASE}")  # fmt: skip
     return server
 
 
 def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float) -> int:
-    dsn = server.dsn("shop")
-    lake = directory / "lake"
+    pipelines = demo_pipelines(server, directory)
 
-    step("Shop schema, seed rows, publication")
-    t0 = time.monotonic()
-    counts = create_shop(dsn)
-    say(", ".join(f"{SCHEMA}.{name} {count:,}" for name, count in counts.items()) + f"  ({time.monotonic() - t0:.1f} s)")
-    say(f"publication {PUBLICATION} FOR TABLE {', '.join(TABLES)}; page_views has no primary key (inserts are appended)")
+    step("Two databases: the shop and a small inventory, each with its publication")
+    for pipeline in pipelines:
+        t0 = time.monotonic()
+        counts = pipeline.create(pipeline.dsn)
+        say(f"{pipeline.database}: " + ", ".join(f"{pipeline.schema}.{name} {n:,}" for name, n in counts.items())
+            + f"  ({time.monotonic() - t0:.1f} s); publication {pipeline.publication}")  # fmt: skip
+    say("shop.page_views has no primary key (inserts are appended)")
 
     step("A look into a slot: pgcdc changes")
-    peek_with_cli(dsn)
+    peek_with_cli(pipelines[0].dsn)
 
-    step("Configuration")
-    config_path = write_config(directory, dsn)
+    step("Code location: the pgcdc Component with two pipelines")
+    defs_file = write_project(directory, pipelines)
+    project = directory / "project"
     dagster_home = directory / "dagster_home"
     write_dagster_yaml(dagster_home)
-    os.environ["PGCDC_CONFIG"] = str(config_path)
     os.environ["DAGSTER_HOME"] = str(dagster_home)
-    say(f"pgcdc config:  {config_path}")
-    say(f"dagster.yaml:  {dagster_home / 'dagster.yaml'}  (concurrency pools default_limit 1)")
-    say(f"export PGCDC_CONFIG={shlex.quote(str(config_path))} DAGSTER_HOME={shlex.quote(str(dagster_home))}")
+    for pipeline in pipelines:
+        os.environ[pipeline.env_var] = pipeline.dsn
+    exports = " ".join(f"{p.env_var}={shlex.quote(p.dsn)}" for p in pipelines)
+    say(f"defs.yaml:     {defs_file}  (pipelines {', '.join(p.name for p in pipelines)})")
+    say(f"dagster.yaml:  {dagster_home / 'dagster.yaml'}  (concurrency pools default_limit 1, one pool per slot)")
+    say(f"export {exports} DAGSTER_HOME={shlex.quote(str(dagster_home))}")
 
-    step("Initial snapshot (Dagster job pgcdc_snapshot)")
     from resources.postgres.preflight import ensure_slot
 
-    created = ensure_slot(dsn, SLOT)
-    say(f"slot {SLOT} created at {getattr(created, 'consistent_point', None) or getattr(created, 'confirmed_flush_lsn', '?')}")
-    t0 = time.monotonic()
-    driver = DagsterDriver(config_path, dagster_home)
+    driver = DagsterDriver(project, dagster_home)
     try:
-        result = driver.run("pgcdc_snapshot")
-        snapshots = materialized(result)
-        for name, meta in sorted(snapshots.items(), key=lambda item: TABLES.index(item[0].split(".")[-1])):
-            say(
-                f"  {name:<18} {meta['dagster/row_count']:>6,} rows at snapshot LSN {meta['pgcdc/snapshot_lsn']}"
-                f"  -> Delta version {meta['pgcdc/delta_version']}"
-            )
-        with _verify_connection(dsn) as conn:
-            rows = verify_all(conn, lake)
-        say(f"snapshot run {result.run_id[:8]} in {time.monotonic() - t0:.1f} s;"
-            f" verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows)")  # fmt: skip
+        for pipeline in pipelines:
+            step(f"Initial snapshot of {pipeline.name} (Dagster job {pipeline.job(SNAPSHOT_JOB)})")
+            created = ensure_slot(pipeline.dsn, pipeline.slot)
+            lsn = getattr(created, "consistent_point", None) or getattr(created, "confirmed_flush_lsn", "?")
+            say(f"slot {pipeline.slot} created at {lsn}")
+            t0 = time.monotonic()
+            result = driver.run(pipeline.job(SNAPSHOT_JOB))
+            snapshots = materialized(result)
+            for name, meta in sorted(snapshots.items(), key=lambda item: pipeline.tables.index(item[0].split(".")[-1])):
+                say(
+                    f"  {name:<22} {meta['dagster/row_count']:>6,} rows at snapshot LSN {meta['pgcdc/snapshot_lsn']}"
+                    f"  -> Delta version {meta['pgcdc/delta_version']}"
+                )
+            with _verify_connection(pipeline.dsn) as conn:
+                rows = verify_all(conn, pipeline)
+            say(f"snapshot run {result.run_id[:8]} in {time.monotonic() - t0:.1f} s; {verified(pipeline, rows)}")
 
-        _incremental_runs(args, driver, dsn, lake)
-        _final_run(driver, dsn, lake)
+        _incremental_runs(args, driver, pipelines)
+        _final_runs(driver, pipelines)
     finally:
         driver.close()
     say(f"\nall verifications passed; demo took {time.monotonic() - started:.0f} s so far")
 
-    env = {**os.environ, "PGCDC_CONFIG": str(config_path), "DAGSTER_HOME": str(dagster_home)}
-    command = dagster_dev_command(args.port)
+    module = f"{PROJECT_PACKAGE}.definitions"
+    python_path = os.pathsep.join([str(project), str(REPO_ROOT)])  # the project's package and pgcdc's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [python_path, os.environ.get("PYTHONPATH")]))}
+    command = dagster_dev_command(module, args.port)
     step("Dagster UI")
     if args.no_dagster:
-        say("skipped (--no-dagster). To look at the runs, assets, metadata plots and checks, keep PostgreSQL")
-        say("running (re-run with --keep) and start:")
-        say(f"  cd {shlex.quote(str(REPO_ROOT))} && PGCDC_CONFIG={shlex.quote(str(config_path))}"
+        say("skipped (--no-dagster). To look at the runs, assets, metadata plots, checks and freshness, keep")
+        say("PostgreSQL running (re-run with --keep) and start:")
+        say(f"  cd {shlex.quote(str(REPO_ROOT))} && {exports} PYTHONPATH={shlex.quote(python_path)}"
             f" DAGSTER_HOME={shlex.quote(str(dagster_home))} {shlex.join(command)}")  # fmt: skip
         return 0
-    return serve_dagster(env, args.port, args.dagster_seconds)
+    return serve_dagster(env, module, args.port, args.dagster_seconds)
 
 
-def _incremental_runs(args: argparse.Namespace, driver: DagsterDriver, dsn: str, lake: Path) -> None:
-    """``--runs`` incremental runs under load, each verified against the snapshot matching its end."""
-    step(f"{args.runs} incremental runs (Dagster job pgcdc_incremental) while the load generator writes")
+def _incremental_runs(args: argparse.Namespace, driver: DagsterDriver, pipelines: Sequence[DemoPipeline]) -> None:
+    """``--runs`` rounds under load: each pipeline's incremental run, verified against the snapshot matching its end."""
+    jobs = ", ".join(p.job(INCREMENTAL_JOB) for p in pipelines)
+    step(f"{args.runs} rounds of incremental runs ({jobs}) while load generators write to both databases")
     say("per table: +inserted/~updated/-deleted; each run is verified against the PostgreSQL snapshot")
     say("matching its end LSN, while the load keeps writing")
-    load = LoadGenerator(dsn)
-    load.start()
-    load.resume()
+    loads = {pipeline.name: pipeline.load(pipeline.dsn) for pipeline in pipelines}
+    for load in loads.values():
+        load.start()
+        load.resume()
     try:
         for number in range(1, args.runs + 1):
             time.sleep(LOAD_SECONDS)
-            t0 = time.monotonic()
-            result, snapshot = incremental_with_load(driver, dsn, load)
-            say(describe_run(f"run {number}/{args.runs}", materialized(result), time.monotonic() - t0))
-            with snapshot:
-                rows = verify_all(snapshot, lake)
-            say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)}")
+            for pipeline in pipelines:
+                t0 = time.monotonic()
+                result, snapshot = incremental_with_load(driver, pipeline, loads[pipeline.name])
+                label = f"{pipeline.name} run {number}/{args.runs}"
+                say(describe_run(label, materialized(result), time.monotonic() - t0))
+                with snapshot:
+                    rows = verify_all(snapshot, pipeline)
+                say(f"  {verified(pipeline, rows)}; {check_summary(result)}")
     finally:
-        load.stop()
-    say(f"load generator stopped after {load.transactions:,} transactions: "
-        + ", ".join(f"{name} {n}" for name, n in load.counts.most_common()))  # fmt: skip
+        for load in loads.values():
+            load.stop()
+    for name, load in loads.items():
+        say(f"{name} load stopped after {load.transactions:,} transactions: "
+            + ", ".join(f"{kind} {n}" for kind, n in load.counts.most_common()))  # fmt: skip
 
 
-def _final_run(driver: DagsterDriver, dsn: str, lake: Path) -> None:
-    """One more run with the load stopped, verified against live PostgreSQL."""
-    step("Final run with the load stopped, then exact verification against live PostgreSQL")
-    t0 = time.monotonic()
-    result = driver.run("pgcdc_incremental")
-    say(describe_run("final run", materialized(result), time.monotonic() - t0))
-    with _verify_connection(dsn) as conn:
-        rows = verify_all(conn, lake)
-        (lag,) = conn.execute(
-            "SELECT pg_catalog.pg_current_wal_lsn() OPERATOR(pg_catalog.-) confirmed_flush_lsn"
-            " FROM pg_catalog.pg_replication_slots WHERE slot_name OPERATOR(pg_catalog.=) %s::pg_catalog.name",
-            (SLOT,),
-        ).fetchone()  # type: ignore[misc]
-    say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)};"
-        f" slot lag now {lag} bytes")  # fmt: skip
+def _final_runs(driver: DagsterDriver, pipelines: Sequence[DemoPipeline]) -> None:
+    """One more run of each pipeline with the load stopped, verified against live PostgreSQL."""
+    step("Final runs with the load stopped, then exact verification against live PostgreSQL")
+    for pipeline in pipelines:
+        t0 = time.monotonic()
+        result = driver.run(pipeline.job(INCREMENTAL_JOB))
+        say(describe_run(f"{pipeline.name} final run", materialized(result), time.monotonic() - t0))
+        with _verify_connection(pipeline.dsn) as conn:
+            rows = verify_all(conn, pipeline)
+            (lag,) = conn.execute(
+                "SELECT pg_catalog.pg_current_wal_lsn() OPERATOR(pg_catalog.-) confirmed_flush_lsn"
+                " FROM pg_catalog.pg_replication_slots WHERE slot_name OPERATOR(pg_catalog.=) %s::pg_catalog.name",
+                (pipeline.slot,),
+            ).fetchone()  # type: ignore[misc]
+        say(f"  {verified(pipeline, rows)}; {check_summary(result)}; slot lag now {lag} bytes")
 
 
 def _finish(server: Any, directory: Path, *, keep: bool) -> None:
     if keep:
         pg_ctl = [*_server_user_prefix(), str(server.binary("pg_ctl")), "-D", str(server.data_dir), "stop"]
-        say(f"\n--keep: PostgreSQL still running at {server.dsn('shop')}; lake in {directory / 'lake'}")
+        say(f"\n--keep: PostgreSQL still running at {server.dsn()}; lake in {directory / 'lake'}")
         say(f"stop it with: {shlex.join(pg_ctl)}")
         return
     server.destroy()
     shutil.rmtree(directory / "lake", ignore_errors=True)
-    say(f"\nPostgreSQL stopped; server data and lake removed (config and DAGSTER_HOME kept in {directory})")
+    say(f"\nPostgreSQL stopped; server data and lake removed (the dg project and DAGSTER_HOME kept in {directory})")
