@@ -20,10 +20,11 @@ from dagster import (
 from pgcdc_assets.common import discover_tables
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import build_incremental_assets
+from pgcdc_assets.reconcile_checks import build_reconcile_checks
 from pgcdc_assets.snapshot_assets import build_snapshot_assets
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import CONFIG_ENV_VAR, load_config
-from resources.names import INCREMENTAL_JOB, INCREMENTAL_SCHEDULE, RESNAPSHOT_JOB, SNAPSHOT_JOB
+from resources.names import INCREMENTAL_JOB, INCREMENTAL_SCHEDULE, RECONCILE_JOB, RESNAPSHOT_JOB, SNAPSHOT_JOB
 from sensors.slot_sensors import build_new_tables_sensor, build_slot_health_sensor, build_slot_lag_sensor
 
 
@@ -43,6 +44,9 @@ def build_definitions(
 
     snapshot_assets = build_snapshot_assets(config, tables, translator)
     incremental_assets = build_incremental_assets(config, tables, translator)
+    reconcile_checks = build_reconcile_checks(
+        config.slot, tables, {table: translator.get_table_asset_key(p) for table, p in props.items()}
+    )
     snapshot_selection = AssetSelection.assets(snapshot_assets)
     snapshot_job = define_asset_job(
         SNAPSHOT_JOB,
@@ -59,8 +63,17 @@ def build_definitions(
     )
     incremental_job = define_asset_job(
         INCREMENTAL_JOB,
-        selection=AssetSelection.assets(incremental_assets),
+        # not the reconciliation checks on the same assets: they read every table, in their own job
+        selection=AssetSelection.assets(incremental_assets) - AssetSelection.checks(reconcile_checks),
         description="Drain the slot once: apply every committed change to Delta, then confirm the slot.",
+    )
+    reconcile_job = define_asset_job(
+        RECONCILE_JOB,
+        selection=AssetSelection.checks(reconcile_checks),
+        description=(
+            "Reconcile: fix one LSN, drain the slot up to it, compare every table with PostgreSQL at it"
+            " (counts and per-key-range hashes). Reads every table: run it on its own schedule, not per drain."
+        ),
     )
     schedule = ScheduleDefinition(
         name=INCREMENTAL_SCHEDULE,
@@ -72,7 +85,8 @@ def build_definitions(
     snapshot_keys = {table: translator.get_snapshot_asset_key(p) for table, p in props.items()}
     return Definitions(
         assets=[snapshot_assets, incremental_assets],
-        jobs=[snapshot_job, resnapshot_job, incremental_job],
+        asset_checks=[reconcile_checks],
+        jobs=[snapshot_job, resnapshot_job, incremental_job, reconcile_job],
         schedules=[schedule],
         sensors=[
             build_slot_lag_sensor(),

@@ -12,8 +12,8 @@ Decisions:
 * **One drain per slot at a time**: the step runs in the concurrency pool
   ``pgcdc_slot_<slot>``; PostgreSQL itself refuses a second consumer of an active slot.
 * **Retries only for ConnectionFailure** (see ``common.user_facing``).
-* Checks run in this step after the drain (see ``checks.py``); selecting only checks runs
-  them without draining.
+* Checks run in this step after the drain (see ``checks.py``: the schema check only for tables
+  whose schema the drain saw change); selecting only checks runs them all without draining.
 """
 
 # No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
@@ -97,6 +97,7 @@ def build_incremental_assets(
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
         with user_facing():
             session = spark.spark_session
+            result: IncrementalResult | None = None
             if selected:
                 result = run_incremental(postgres.config, session, log=context.log.info)
                 for table in selected:
@@ -111,6 +112,6 @@ def build_incremental_assets(
                 state = postgres.read_slot()
                 lag = None if state is None else postgres.slot_lag_bytes(state)
                 for table in tables:
-                    yield from evaluate_table_checks(postgres, session, table, key_of[table], checked, lag)
+                    yield from evaluate_table_checks(postgres, session, table, key_of[table], checked, lag, result)
 
     return drain_slot
