@@ -30,8 +30,8 @@ pair per range plus one read piece, whatever the table's size. Ranges are:
 
 A mismatched range is named; when the mismatched ranges are small (:data:`DIFF_ROWS`) both sides
 are read once more and the differing keys are listed (for keyless tables, how many rows differ).
-Cost: a read of the table on each side (PostgreSQL: one COPY; Delta: a scan per
-:data:`SLICE_ROWS` rows), in the reconciliation job, never in a drain.
+Cost: one read of the table on each side (PostgreSQL: one COPY; Delta: one scan, streamed as
+Arrow batches: ``resources/delta/reads.py``), in the reconciliation job, never in a drain.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pyspark.sql import SparkSession
 from resources.cdc.row_multiset import comparable_rows
 from resources.config import PgcdcConfig
 from resources.delta.markers import read_snapshot_lsn
-from resources.delta.reads import delta_schema, delta_slices
+from resources.delta.reads import delta_batches, delta_schema
 from resources.delta.spark_connect import reports_dead_engine
 from resources.errors import explain
 from resources.incremental import IncrementalResult, run_incremental
@@ -69,8 +69,6 @@ __all__ = ["RangeMismatch", "ReconcileResult", "TableReconciliation", "reconcile
 RANGE_ROWS = 10_000
 """Rows per compared range, by PostgreSQL's estimate of the table's size."""
 MAX_RANGES = 4_096
-SLICE_ROWS = 1_000_000
-"""Delta rows per read slice (one engine scan each): bounds the client's memory."""
 DIFF_ROWS = 10_000
 """Mismatched ranges holding at most this many rows (on either side, together) are diffed row by row."""
 SHOWN_KEYS = 20
@@ -272,13 +270,12 @@ def _compare_table(
     keys = keys if all(key in names for key in keys) else []
     estimate = _estimated_rows(reader, info)
     ranges = _ranges(reader, info, compared, keys, max(1, math.ceil(estimate / max(1, range_rows))))
-    slices = max(1, min(1024, math.ceil(estimate / SLICE_ROWS)))
 
     def postgres() -> Iterator[tuple[pa.Table, list[tuple]]]:
         return _postgres_pieces(reader, info, compared, names)
 
     def delta() -> Iterator[tuple[pa.Table, list[tuple]]]:
-        for piece in delta_slices(spark, path, names, keys or names, slices):
+        for piece in delta_batches(spark, path, names):
             yield piece, comparable_rows(piece, names)
 
     pg_side, delta_side = _Side.empty(ranges.count), _Side.empty(ranges.count)

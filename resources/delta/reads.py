@@ -1,10 +1,12 @@
-"""Reading a Delta table back as Arrow, in slices that bound the client's memory.
+"""Reading a whole Delta table back as Arrow in one scan, with the client's memory bounded.
 
-Reconciliation reads whole tables. ``DataFrame.toArrow`` collects its result in the client,
-so a large table is read as ``slices`` disjoint parts, each selected by the engine with
-``pmod(xxhash64(<columns>), slices) = i``: every row lands in exactly one slice, on any Spark
-engine (Sail's and Spark's ``xxhash64`` take every type pgcdc writes). Each slice is a scan
-of the table, so ``slices`` should be as small as memory allows.
+Reconciliation reads whole tables. ``DataFrame.toArrow`` collects the result in the client,
+and ``toLocalIterator`` streams it but turns every value into a Python object (a timestamp
+beyond Python's datetime, such as PostgreSQL's infinity, cannot even be represented). Over
+Spark Connect (every engine pgcdc runs: embedded Sail, the managed Spark server, a remote
+server) the result arrives as a stream of Arrow batches; :func:`delta_batches` hands those on
+as they come, which is what ``toLocalIterator`` does underneath before its Row conversion.
+An in-process classic session (tests only) shares the driver's memory anyway and is collected whole.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql import Column, SparkSession
 
 
 def delta_schema(spark: SparkSession, path: str) -> pa.Schema:
@@ -21,17 +23,23 @@ def delta_schema(spark: SparkSession, path: str) -> pa.Schema:
     return spark.read.format("delta").load(path).limit(0).toArrow().schema
 
 
-def delta_slices(
-    spark: SparkSession, path: str, columns: Sequence[str], hash_columns: Sequence[str], slices: int
-) -> Iterator[pa.Table]:
-    """``columns`` of every row of the table at ``path``, as ``slices`` tables (by a hash of ``hash_columns``)."""
+def delta_batches(spark: SparkSession, path: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+    """``columns`` of every row of the table at ``path``, in pieces as the engine sends them."""
     frame = spark.read.format("delta").load(path).select(*[_column(name) for name in columns])
-    if slices <= 1:
+    yield from _arrow_stream(frame)
+
+
+def _arrow_stream(frame: DataFrame) -> Iterator[pa.Table]:
+    from pyspark.sql.connect.dataframe import DataFrame as ConnectDataFrame
+
+    if not isinstance(frame, ConnectDataFrame):
         yield frame.toArrow()
         return
-    bucket = F.pmod(F.xxhash64(*[_column(name) for name in hash_columns]), F.lit(slices))
-    for index in range(slices):
-        yield frame.where(bucket == F.lit(index)).toArrow()
+    # pyspark 4.1's own streaming path (DataFrame.toLocalIterator), without its Row conversion.
+    client = frame.sparkSession.client
+    for item in client.to_table_as_iterator(frame._plan.to_proto(client), frame._plan.observations):
+        if isinstance(item, pa.Table):  # the first item is the result's schema
+            yield item
 
 
 def _column(name: str) -> Column:
