@@ -35,7 +35,8 @@ def test_demo_runs_and_verifies_every_run(tmp_path: Path) -> None:
     assert out.count(VERIFIED) == 4, out
     assert "run 1/2:" in out and "run 2/2:" in out and "final run:" in out
     assert out.count("confirmed_flush_lsn ") >= 3
-    assert "checks 15/15 passed" in out.split("final run:")[1]
+    assert "checks 5/5 passed" in out.split("final run:")[1]  # slot lag; no schema change, so no schema check
+    assert "while the load wrote on: checks 10/10 passed" in out  # pgcdc_reconcile, exact under load
     assert "all verifications passed" in out
     assert "dagster dev -m pgcdc_assets.definitions" in out  # --no-dagster prints the command
     # Config and Dagster history stay; the PostgreSQL server and the lake are gone without --keep.

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
+import pyarrow as pa
 import pytest
 from dagster import AssetCheckEvaluation, AssetKey, DagsterInstance, ExecuteInProcessResult, instance_for_test
 from pyspark.sql import SparkSession
@@ -23,6 +24,7 @@ from pyspark.sql import SparkSession
 import pgcdc_assets.checks
 from pgcdc_assets.builder import build_definitions
 from resources.lsn import LSN
+from resources.reconcile import _HashBuckets, _IntegerRanges, _Side
 from tests.conftest import PgDatabase
 from tests.test_dagster_incremental import slot_position
 from tests.test_dagster_snapshot import create_shop, write_config
@@ -170,3 +172,34 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         assert bounds and any(bounds.groups()), named.group(1)  # a key range, not "all rows"
         low, high = (int(bound) if bound else None for bound in bounds.groups())
         assert (low is None or low <= 450) and (high is None or 450 < high)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "count"),
+    [(1, 500, 7), (-1_000, 1_000, 64), (-(2**63), 2**63 - 1, 4096), (5, 5, 10), (0, 9, 100)],
+)
+def test_integer_ranges_put_every_key_in_the_range_that_names_it(low: int, high: int, count: int) -> None:
+    ranges = _IntegerRanges("id", low, high, count)
+    span = [low, high, low + 1, high - 1, (low + high) // 2, -(2**63), 2**63 - 1, 0, -1]  # and keys outside [low, high]
+    keys = pa.table({"id": pa.array(sorted(set(span)), pa.int64())})
+    for key, index in zip(keys.column("id").to_pylist(), ranges.of(keys, []).tolist()):
+        assert 0 <= index < ranges.count <= count
+        described = ranges.describe(index)
+        lower = re.search(r'"id" >= (-?\d+)', described)
+        upper = re.search(r'"id" < (-?\d+)', described)
+        assert (lower is None) == (index == 0) and (upper is None) == (index == ranges.count - 1)
+        assert (lower is None or int(lower.group(1)) <= key) and (upper is None or key < int(upper.group(1)))
+
+
+def test_range_fingerprints_ignore_order_and_catch_one_changed_value() -> None:
+    rows = [(i, f"v{i % 3}", None if i % 5 else 1.5) for i in range(200)] + [(7, "v1", None)]  # one repeated row
+    ranges = _HashBuckets([0, 1, 2], 8, "whole rows")
+    data = pa.table({"n": [0] * len(rows)})  # hash buckets read only the row tuples
+    forward, backward, changed = _Side.empty(8), _Side.empty(8), _Side.empty(8)
+    forward.add(ranges.of(data, rows), rows)
+    backward.add(ranges.of(data, rows[::-1]), rows[::-1])
+    altered = [*rows[:-1], (7, "v1", 0.0)]
+    changed.add(ranges.of(data, altered), altered)
+    assert (forward.counts == backward.counts).all() and (forward.sums == backward.sums).all()
+    assert forward.counts.sum() == len(rows)
+    assert (forward.sums != changed.sums).sum() >= 1

@@ -12,7 +12,8 @@
    goes on: the load pauses just long enough for a REPEATABLE READ snapshot to be taken and
    for the run to fix its end LSN (the slot becomes active), so that snapshot holds exactly
    the transactions the run applies; Delta (read with delta-rs) is compared with it value for
-   value (``resources/testing/verify.py``, the comparison the tests use).
+   value (``resources/testing/verify.py``, the comparison the tests use). Then ``pgcdc_reconcile``
+   runs with the load still writing, and its checks must pass (exact at the LSN it fixes).
 5. Stops the load, runs once more, verifies against live PostgreSQL, then starts
    ``dagster dev`` on the same configuration (``--no-dagster``: prints the command instead).
 

@@ -24,6 +24,7 @@ from pgcdc_assets.demo.dagster_driver import (
     DagsterDriver,
     describe_run,
     materialized,
+    reconcile_under_load,
     serve_dagster,
 )
 from pgcdc_assets.demo.load import LoadGenerator
@@ -317,7 +318,7 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
 
 def _incremental_runs(args: argparse.Namespace, driver: DagsterDriver, dsn: str, lake: Path) -> None:
     """``--runs`` incremental runs under load, each verified against the snapshot matching its end."""
-    step(f"{args.runs} incremental runs (Dagster job pgcdc_incremental) while the load generator writes")
+    step(f"{args.runs} incremental runs (Dagster job pgcdc_incremental), then pgcdc_reconcile, while the load writes")
     say("per table: +inserted/~updated/-deleted; each run is verified against the PostgreSQL snapshot")
     say("matching its end LSN, while the load keeps writing")
     load = LoadGenerator(dsn)
@@ -332,6 +333,7 @@ def _incremental_runs(args: argparse.Namespace, driver: DagsterDriver, dsn: str,
             with snapshot:
                 rows = verify_all(snapshot, lake)
             say(f"  verified: Delta == PostgreSQL for {len(TABLES)} tables ({rows:,} rows); {check_summary(result)}")
+        say(f"  {reconcile_under_load(driver)}")
     finally:
         load.stop()
     say(f"load generator stopped after {load.transactions:,} transactions: "
