@@ -36,12 +36,14 @@ Arrow batches: ``resources/delta/reads.py``), in the reconciliation job, never i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -50,17 +52,18 @@ from pyspark.sql import SparkSession
 
 from resources.cdc.row_multiset import comparable_rows
 from resources.config import PgcdcConfig
-from resources.delta.markers import read_snapshot_lsn
+from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
 from resources.delta.reads import delta_batches, delta_schema
 from resources.delta.spark_connect import reports_dead_engine
 from resources.errors import explain
 from resources.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
+from resources.names import SNAPSHOT_JOB
 from resources.pgtypes import arrow_type, PgColumnType, SESSION_SETTINGS
 from resources.postgres.catalog import read_table, TableInfo, TableName
 from resources.postgres.column_types import published_column_types
 from resources.postgres.connections import connect
-from resources.postgres.copy import copy_pieces, PARSE_BYTES, PieceParser
+from resources.postgres.copy import copy_pieces, DEFAULT_CHUNK_ROWS, PARSE_BYTES, PieceParser
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.sql import quote_ident, quote_literal
 
@@ -134,12 +137,15 @@ def reconcile(
     say = log or (lambda message: None)
     dsn = config.postgres.dsn
     with connect(dsn, application_name="pgcdc_reconcile", session_settings=SESSION_SETTINGS) as reader:
-        lsn = _import_fixed_snapshot(dsn, reader)
+        try:
+            lsn = _import_fixed_snapshot(dsn, reader)
+        except psycopg.Error as exc:
+            raise explain(exc, dsn) from None
         say(f"reconciling at {lsn}: draining slot {config.slot} up to it")
         drained = run_incremental(config, spark, log=say, end_lsn=lsn)
         wanted = [str(t) for t in tables] if tables is not None else list(drained.tables)
         compared: dict[str, TableReconciliation] = {}
-        skipped = {name: "no snapshot yet: run the pgcdc_snapshot job" for name in drained.tables_without_snapshot}
+        skipped = {name: f"no snapshot yet: run the {SNAPSHOT_JOB} job" for name in drained.tables_without_snapshot}
         for name in wanted:
             if name in skipped:
                 continue
@@ -184,20 +190,22 @@ def _import_fixed_snapshot(dsn: str, reader: psycopg.Connection) -> LSN:
 # --------------------------------------------------------------------------- ranges
 
 
-class _Ranges:
+class Ranges(Protocol):
     """Which range each row falls in; the same answer for PostgreSQL's and Delta's rows."""
 
     count: int
     label: str
 
     def of(self, data: pa.Table, rows: list[tuple]) -> np.ndarray:
-        raise NotImplementedError
+        """The range of each row (``data`` as read, ``rows`` its ``comparable_rows``)."""
+        ...
 
     def describe(self, index: int) -> str:
-        raise NotImplementedError
+        """The range as a person (or a WHERE clause) reads it."""
+        ...
 
 
-class _IntegerRanges(_Ranges):
+class IntegerRanges(Ranges):
     """Contiguous ranges of one integer key column from ``low`` on, ``width`` keys each; the
     first and last are open-ended, so a key Delta holds outside PostgreSQL's span still lands in one."""
 
@@ -221,7 +229,7 @@ class _IntegerRanges(_Ranges):
         return " AND ".join(part for part in (lower, upper) if part) or "all rows"
 
 
-class _HashBuckets(_Ranges):
+class HashBuckets(Ranges):
     """Buckets of a hash of some columns (the key, or the whole row): one process computes both sides."""
 
     def __init__(self, positions: Sequence[int], count: int, label: str) -> None:
@@ -238,14 +246,14 @@ class _HashBuckets(_Ranges):
 
 
 @dataclass
-class _Side:
+class RangeSums:
     """Per range: rows and the sum of their hashes (mod 2^64)."""
 
     counts: np.ndarray
     sums: np.ndarray
 
     @classmethod
-    def empty(cls, ranges: int) -> _Side:
+    def empty(cls, ranges: int) -> RangeSums:
         return cls(np.zeros(ranges, np.int64), np.zeros(ranges, np.uint64))
 
     def add(self, index: np.ndarray, rows: list[tuple]) -> None:
@@ -278,17 +286,17 @@ def _compare_table(
         for piece in delta_batches(spark, path, names):
             yield piece, comparable_rows(piece, names)
 
-    pg_side, delta_side = _Side.empty(ranges.count), _Side.empty(ranges.count)
-    for side, pieces in ((pg_side, postgres()), (delta_side, delta())):
+    postgres_sums, delta_sums = RangeSums.empty(ranges.count), RangeSums.empty(ranges.count)
+    for side, pieces in ((postgres_sums, postgres()), (delta_sums, delta())):
         for data, rows in pieces:
             side.add(ranges.of(data, rows), rows)
-    differ = np.flatnonzero((pg_side.counts != delta_side.counts) | (pg_side.sums != delta_side.sums))
+    differ = np.flatnonzero((postgres_sums.counts != delta_sums.counts) | (postgres_sums.sums != delta_sums.sums))
     mismatches = [
-        RangeMismatch(ranges.describe(int(i)), int(pg_side.counts[i]), int(delta_side.counts[i])) for i in differ
+        RangeMismatch(ranges.describe(int(i)), int(postgres_sums.counts[i]), int(delta_sums.counts[i])) for i in differ
     ]
     differing_keys: list[str] = []
     differing_rows: int | None = None
-    if len(differ) and int(pg_side.counts[differ].sum() + delta_side.counts[differ].sum()) <= DIFF_ROWS:
+    if len(differ) and int(postgres_sums.counts[differ].sum() + delta_sums.counts[differ].sum()) <= DIFF_ROWS:
         key_positions = [names.index(key) for key in keys]
         wanted = set(differ.tolist())
         differing_keys, differing_rows = _diff_rows(
@@ -296,8 +304,8 @@ def _compare_table(
         )
     return TableReconciliation(
         table=str(table),
-        postgres_rows=int(pg_side.counts.sum()),
-        delta_rows=int(delta_side.counts.sum()),
+        postgres_rows=int(postgres_sums.counts.sum()),
+        delta_rows=int(delta_sums.counts.sum()),
         columns=names,
         not_in_delta=[column.column for column in types if column.column not in in_delta],
         ranging=ranges.label,
@@ -312,15 +320,13 @@ def _postgres_pieces(
     reader: psycopg.Connection, info: TableInfo, compared: list[PgColumnType], names: list[str]
 ) -> Iterator[tuple[pa.Table, list[tuple]]]:
     """The published rows under the reader's snapshot, through the snapshot's own COPY and conversion."""
-    narrowed = TableInfo(
-        info.oid, info.table, info.relkind, info.replica_identity,
-        tuple(column for column in info.columns if column.name in names), info.row_filter,
-    )  # fmt: skip
+    narrowed = dataclasses.replace(info, columns=tuple(column for column in info.columns if column.name in names))
+    # the parser appends the snapshot's LSN column, which is not compared
     schema = pa.schema([pa.field(column.column, arrow_type(column)) for column in compared]).append(
-        pa.field("_lsn", pa.int64())
+        pa.field(LSN_COLUMN, pa.int64())
     )
     parse = PieceParser(compared, schema, LSN(0))
-    for batch, _ in copy_pieces(reader.pgconn, narrowed.copy_query(), parse, PARSE_BYTES, 1_000_000):
+    for batch, _ in copy_pieces(reader.pgconn, narrowed.copy_query(), parse, PARSE_BYTES, DEFAULT_CHUNK_ROWS):
         data = pa.Table.from_batches([batch])
         yield data, comparable_rows(data, names)
 
@@ -328,7 +334,7 @@ def _postgres_pieces(
 def _diff_rows(
     postgres: Iterator[tuple[pa.Table, list[tuple]]],
     delta: Iterator[tuple[pa.Table, list[tuple]]],
-    ranges: _Ranges,
+    ranges: Ranges,
     wanted: set[int],
     key_positions: list[int],
 ) -> tuple[list[str], int]:
@@ -368,7 +374,7 @@ def _estimated_rows(reader: psycopg.Connection, info: TableInfo) -> int:
 
 def _ranges(
     reader: psycopg.Connection, info: TableInfo, compared: list[PgColumnType], keys: list[str], wanted: int
-) -> _Ranges:
+) -> Ranges:
     """About ``wanted`` ranges (at most :data:`MAX_RANGES`) of the table's rows."""
     count = min(MAX_RANGES, wanted)
     names = [column.column for column in compared]
@@ -381,7 +387,7 @@ def _ranges(
             f" FROM {only}{info.table.quoted}{where}"
         ).fetchone()  # type: ignore[misc]
         if low is not None:
-            return _IntegerRanges(keys[0], int(low), int(high), count)
+            return IntegerRanges(keys[0], int(low), int(high), count)
     if keys:
-        return _HashBuckets([names.index(key) for key in keys], count, "(" + ", ".join(map(quote_ident, keys)) + ")")
-    return _HashBuckets(range(len(names)), count, "whole rows (no key: compared as multisets)")
+        return HashBuckets([names.index(key) for key in keys], count, "(" + ", ".join(map(quote_ident, keys)) + ")")
+    return HashBuckets(range(len(names)), count, "whole rows (no key: compared as multisets)")

@@ -24,7 +24,7 @@ from pyspark.sql import SparkSession
 import pgcdc_assets.checks
 from pgcdc_assets.builder import build_definitions
 from resources.lsn import LSN
-from resources.reconcile import _HashBuckets, _IntegerRanges, _Side
+from resources.reconcile import HashBuckets, IntegerRanges, RangeSums
 from tests.conftest import PgDatabase
 from tests.test_dagster_incremental import slot_position
 from tests.test_dagster_snapshot import create_shop, write_config
@@ -179,7 +179,7 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
     [(1, 500, 7), (-1_000, 1_000, 64), (-(2**63), 2**63 - 1, 4096), (5, 5, 10), (0, 9, 100)],
 )
 def test_integer_ranges_put_every_key_in_the_range_that_names_it(low: int, high: int, count: int) -> None:
-    ranges = _IntegerRanges("id", low, high, count)
+    ranges = IntegerRanges("id", low, high, count)
     span = [low, high, low + 1, high - 1, (low + high) // 2, -(2**63), 2**63 - 1, 0, -1]  # and keys outside [low, high]
     keys = pa.table({"id": pa.array(sorted(set(span)), pa.int64())})
     for key, index in zip(keys.column("id").to_pylist(), ranges.of(keys, []).tolist()):
@@ -193,9 +193,9 @@ def test_integer_ranges_put_every_key_in_the_range_that_names_it(low: int, high:
 
 def test_range_fingerprints_ignore_order_and_catch_one_changed_value() -> None:
     rows = [(i, f"v{i % 3}", None if i % 5 else 1.5) for i in range(200)] + [(7, "v1", None)]  # one repeated row
-    ranges = _HashBuckets([0, 1, 2], 8, "whole rows")
+    ranges = HashBuckets([0, 1, 2], 8, "whole rows")
     data = pa.table({"n": [0] * len(rows)})  # hash buckets read only the row tuples
-    forward, backward, changed = _Side.empty(8), _Side.empty(8), _Side.empty(8)
+    forward, backward, changed = RangeSums.empty(8), RangeSums.empty(8), RangeSums.empty(8)
     forward.add(ranges.of(data, rows), rows)
     backward.add(ranges.of(data, rows[::-1]), rows[::-1])
     altered = [*rows[:-1], (7, "v1", 0.0)]
