@@ -23,10 +23,18 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 from pgcdc_assets.common import discover_tables
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import build_incremental_assets
+from pgcdc_assets.reconcile_checks import build_reconcile_checks
 from pgcdc_assets.snapshot_assets import build_snapshot_assets
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import CONFIG_ENV_VAR, load_config, PgcdcConfig
-from resources.names import INCREMENTAL_JOB, INCREMENTAL_SCHEDULE, PipelineNames, RESNAPSHOT_JOB, SNAPSHOT_JOB
+from resources.names import (
+    INCREMENTAL_JOB,
+    INCREMENTAL_SCHEDULE,
+    PipelineNames,
+    RECONCILE_JOB,
+    RESNAPSHOT_JOB,
+    SNAPSHOT_JOB,
+)
 from resources.postgres.catalog import TableName
 from sensors.slot_sensors import build_new_tables_sensor, build_slot_health_sensor, build_slot_lag_sensor
 
@@ -62,11 +70,15 @@ def build_pipeline_definitions(
 
     snapshot_assets = build_snapshot_assets(config, tables, translator, names)
     incremental_assets = build_incremental_assets(config, tables, translator, names)
+    reconcile_checks = build_reconcile_checks(
+        config.slot, tables, {table: translator.get_table_asset_key(p) for table, p in props.items()}, names
+    )
     snapshot_selection = AssetSelection.assets(snapshot_assets)
     incremental_job = pipeline_job(
         names,
         INCREMENTAL_JOB,
-        AssetSelection.assets(incremental_assets),
+        # not the reconciliation checks on the same assets: they read every table, in their own job
+        AssetSelection.assets(incremental_assets) - AssetSelection.checks(reconcile_checks),
         "Drain the slot once: apply every committed change to Delta, then confirm the slot.",
     )
     jobs = [
@@ -84,6 +96,13 @@ def build_pipeline_definitions(
             " lists schema.table names (empty = all). A lost slot is dropped, recreated, and every table re-copied.",
         ),
         incremental_job,
+        pipeline_job(
+            names,
+            RECONCILE_JOB,
+            AssetSelection.checks(reconcile_checks),
+            "Reconcile: fix one LSN, drain the slot up to it, compare every table with PostgreSQL at it"
+            " (counts and per-key-range hashes). Reads every table: run it on its own schedule, not per drain.",
+        ),
     ]
     schedule = ScheduleDefinition(
         name=names.scoped(INCREMENTAL_SCHEDULE),
@@ -96,6 +115,7 @@ def build_pipeline_definitions(
     return Definitions(
         assets=[snapshot_assets, incremental_assets],
         jobs=jobs,
+        asset_checks=[reconcile_checks],
         schedules=[schedule],
         sensors=[
             build_slot_lag_sensor(names),

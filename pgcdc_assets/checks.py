@@ -1,12 +1,20 @@
-"""Asset checks on each replicated Delta table, run in the drain step right after the drain.
+"""Asset checks on each replicated Delta table that a drain evaluates, at what the drain costs.
 
-* ``row_count_matches_postgres``: Delta holds as many rows as PostgreSQL publishes (the
-  publication's row filter applied). Writes committed after the drain's end LSN make it fail
-  until the next drain, so it is a warning, not an error.
 * ``schema_matches_postgres``: the Delta columns and types are what the type mapping gives
-  for the published columns today, plus ``_pgcdc_lsn``.
+  for the published columns, plus ``_pgcdc_lsn``. A drain evaluates it only for the tables
+  whose schema may have moved: a Relation message in the drain changed their columns (the
+  schema reconciler reports it, ``TableResult.schema_changed``; a table with columns dropped
+  in PostgreSQL and kept in Delta counts whenever it has changes), or they were snapshotted
+  since the previous drain. For every other table the drain does not yield it: no catalog
+  round trip, no Delta log read. Dagster then shows the check as not executed in that run
+  (skipped), and its latest evaluation stays the table's schema status: nothing that check
+  looks at has changed since. Selecting only the checks (no drain) evaluates it for every table.
 * ``slot_lag_within_bound``: the slot's unconfirmed WAL is at most ``checks.max_lag_bytes``;
-  past that the source keeps WAL for us and risks disk or slot loss.
+  past that the source keeps WAL for us and risks disk or slot loss. One query for all tables.
+
+No row count is taken in a drain: under live writes it could only warn, and on a large table
+it is a full scan of the source every run. The exact comparison is the ``pgcdc_reconcile``
+job's (``reconcile_checks.py``).
 
 They live in the drain step (not a separate one) so they share its Spark session: a second
 step would start a second engine.
@@ -16,46 +24,34 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetKey, MetadataValue
+from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
 from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
-from resources.names import PipelineNames, ROW_COUNT_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
-from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, spark_ddl_type
+from resources.incremental import IncrementalResult
+from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
+from resources.pgtypes import spark_ddl_type
 from resources.postgres.catalog import read_table, TableName
+from resources.postgres.column_types import published_column_types
 
 
 def table_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
     return [
-        AssetCheckSpec(ROW_COUNT_CHECK, asset=key, description="Delta row count equals PostgreSQL's"),
-        AssetCheckSpec(SCHEMA_CHECK, asset=key, description="Delta columns and types match the published columns"),
+        AssetCheckSpec(
+            SCHEMA_CHECK,
+            asset=key,
+            description="Delta columns and types match the published columns (evaluated when a drain saw them change)",
+        ),
         AssetCheckSpec(SLOT_LAG_CHECK, asset=key, description="replication slot lag <= checks.max_lag_bytes"),
     ]
-
-
-def postgres_row_count(postgres: PostgresResource, table: TableName) -> int:
-    """Rows the publication publishes: ONLY for plain tables and the row filter, as the snapshot copies."""
-    with postgres.connect() as conn:
-        info = read_table(conn, postgres.config.publication, table)
-        only = "ONLY " if info.relkind == "r" else ""
-        where = f" WHERE {info.row_filter}" if info.row_filter else ""
-        row = conn.execute(f"SELECT pg_catalog.count(*) FROM {only}{info.table.quoted}{where}").fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def postgres_columns(postgres: PostgresResource, table: TableName) -> list[tuple[str, str]]:
     """(name, Delta type) of the published columns, by the same mapping the snapshot uses."""
     with postgres.connect() as conn:
-        info = read_table(conn, postgres.config.publication, table)
-        rows = conn.execute(
-            pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
-        ).fetchall()
-    return [
-        (column.name, spark_ddl_type(column_type_from_catalog(column.name, row)))
-        for column, row in zip(info.columns, rows, strict=True)
-    ]
+        types = published_column_types(conn, read_table(conn, postgres.config.publication, table))
+    return [(column.column, spark_ddl_type(column)) for column in types]
 
 
 def delta_columns(spark: SparkSession, path: str) -> list[tuple[str, str]]:
@@ -69,35 +65,21 @@ def evaluate_table_checks(
     key: AssetKey,
     selected: set[AssetCheckKey],
     slot_lag: int | None,
+    drained: IncrementalResult | None,
     names: PipelineNames,
 ) -> Iterator[AssetCheckResult]:
-    """The selected checks of one table; ``slot_lag`` None means the slot does not exist."""
+    """The selected checks of one table after the drain ``drained`` (None: checks selected without a
+    drain, so every one is evaluated); ``slot_lag`` None means the slot does not exist."""
     config = postgres.config
     path = config.table_path(table.schema, table.name)
-    has_snapshot = read_snapshot_lsn(spark, path) is not None
     snapshot_job = names.scoped(SNAPSHOT_JOB)
     no_snapshot = f"no snapshot of {table} at {path}: run the {snapshot_job} job"
 
-    if AssetCheckKey(key, ROW_COUNT_CHECK) in selected:
-        if not has_snapshot:
-            yield AssetCheckResult(
-                asset_key=key, check_name=ROW_COUNT_CHECK, passed=False, severity=AssetCheckSeverity.WARN,
-                description=no_snapshot,
-            )  # fmt: skip
-        else:
-            delta_rows = spark.read.format("delta").load(path).count()
-            pg_rows = postgres_row_count(postgres, table)
-            yield AssetCheckResult(
-                asset_key=key,
-                check_name=ROW_COUNT_CHECK,
-                passed=delta_rows == pg_rows,
-                severity=AssetCheckSeverity.WARN,
-                metadata={"delta_rows": MetadataValue.int(delta_rows), "postgres_rows": MetadataValue.int(pg_rows)},
-                description=None if delta_rows == pg_rows else f"Delta has {delta_rows} rows, PostgreSQL {pg_rows}",
-            )
-
-    if AssetCheckKey(key, SCHEMA_CHECK) in selected:
-        if not has_snapshot:
+    stats = drained.tables.get(str(table)) if drained is not None else None
+    without_snapshot = drained is not None and str(table) in drained.tables_without_snapshot
+    if AssetCheckKey(key, SCHEMA_CHECK) in selected and (stats is None or stats.schema_changed or without_snapshot):
+        # Otherwise nothing the check looks at changed in this drain: it is not re-evaluated (module docstring).
+        if without_snapshot or (stats is None and read_snapshot_lsn(spark, path) is None):
             yield AssetCheckResult(asset_key=key, check_name=SCHEMA_CHECK, passed=False, description=no_snapshot)
         else:
             expected = [*postgres_columns(postgres, table), (LSN_COLUMN, "bigint")]
@@ -115,7 +97,6 @@ def evaluate_table_checks(
                     "not_in_postgres": MetadataValue.text(", ".join(unexpected)),
                 },
             )
-
     if AssetCheckKey(key, SLOT_LAG_CHECK) in selected:
         bound = config.checks.max_lag_bytes
         if slot_lag is None:

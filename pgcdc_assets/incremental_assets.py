@@ -14,8 +14,8 @@ Decisions:
   Pipelines of one code location with different slots are in different pools and drain
   at the same time.
 * **Retries only for ConnectionFailure** (see ``common.user_facing``).
-* Checks run in this step after the drain (see ``checks.py``); selecting only checks runs
-  them without draining.
+* Checks run in this step after the drain (see ``checks.py``: the schema check only for tables
+  whose schema the drain saw change); selecting only checks runs them all without draining.
 """
 
 # No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
@@ -100,6 +100,7 @@ def build_incremental_assets(
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
         with user_facing():
             session = spark.spark_session
+            result: IncrementalResult | None = None
             if selected:
                 result = run_incremental(postgres.config, session, log=context.log.info)
                 for table in selected:
@@ -114,6 +115,8 @@ def build_incremental_assets(
                 state = postgres.read_slot()
                 lag = None if state is None else postgres.slot_lag_bytes(state)
                 for table in tables:
-                    yield from evaluate_table_checks(postgres, session, table, key_of[table], checked, lag, names)
+                    yield from evaluate_table_checks(
+                        postgres, session, table, key_of[table], checked, lag, result, names
+                    )
 
     return drain_slot

@@ -50,7 +50,7 @@ from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
-from resources.names import RESNAPSHOT_JOB, SNAPSHOT_JOB
+from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB
 from resources.pgoutput.options import PgOutputOptions
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
@@ -78,6 +78,8 @@ class TableResult:
     applied_lsn: LSN | None
     #: The Delta table's newest version after the run.
     delta_version: int | None
+    #: Its schema check is due: a Relation message changed it in this run, or it was snapshotted since the previous drain.
+    schema_changed: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ def run_incremental(
     max_merge_rows: int = DEFAULT_MERGE_ROWS,
     max_replace_values: int = DEFAULT_REPLACE_VALUES,
     spill_dir: str | None = None,
+    end_lsn: LSN | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
 
@@ -124,7 +127,9 @@ def run_incremental(
     Sail's memory during a MERGE grows with its source). ``max_replace_values`` bounds the
     distinct row values one commit of a REPLICA IDENTITY FULL table rewrites. ``spill_dir``
     holds large transactions' changes while they are assembled (default: the system
-    temporary directory).
+    temporary directory). ``end_lsn`` drains up to exactly that position instead of the WAL
+    flush position (reconciliation fixes it as a temporary slot's consistent point); it must
+    not lie behind the slot's confirmed position.
     """
     say = log or (lambda message: None)
     started = time.monotonic()
@@ -142,13 +147,22 @@ def run_incremental(
             tables = resolve_tables(conn, config.publication, config.tables)
         except psycopg.Error as exc:
             raise explain(exc, dsn) from None
+        if end_lsn is not None and end_lsn < start_lsn:
+            raise SlotError(
+                f'replication slot "{config.slot}" is confirmed at {start_lsn}, beyond the requested end {end_lsn}',
+                f"a drain ran outside the {slot_pool(config.slot)} pool meanwhile: give it a limit of 1, then retry",
+            )
         targets, without_snapshot = _targets(config, spark, tables, say)
+        for target in targets.values():  # snapshotted since the previous drain: not checked yet
+            if target.snapshot_lsn is not None and target.snapshot_lsn > start_lsn:
+                target.stats.schema_changed = True
         stream = ReplicationStream(rc)
         applier = ChangeApplier(
             SparkDeltaDestination(spark), TypeResolver(conn), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows, max_replace_values=max_replace_values,
         )
-        end_lsn = rc.identify_system().xlogpos
+        if end_lsn is None:
+            end_lsn = rc.identify_system().xlogpos
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         options = PgOutputOptions([config.publication], streaming="on")
         start_streaming(stream, config.slot, options)
@@ -214,6 +228,7 @@ def _table_results(spark: SparkSession, targets: dict[TableName, TableTarget]) -
             target.stats.truncates,
             target.stats.applied_lsn,
             newest_version(spark, target.path) if target.snapshot_lsn is not None else None,
+            target.stats.schema_changed,
         )
         for target in targets.values()
     }

@@ -13,6 +13,7 @@ SNAPSHOT_JOB = "pgcdc_snapshot"
 RESNAPSHOT_JOB = "pgcdc_resnapshot"
 INCREMENTAL_JOB = "pgcdc_incremental"
 INCREMENTAL_SCHEDULE = "pgcdc_incremental_schedule"
+RECONCILE_JOB = "pgcdc_reconcile"
 
 
 def slot_pool(slot: str) -> str:
@@ -30,9 +31,11 @@ NEW_TABLES_SENSOR = "pgcdc_new_tables_sensor"
 SLOT_HEALTH_SENSOR = "pgcdc_slot_health_sensor"
 
 
-ROW_COUNT_CHECK = "row_count_matches_postgres"
 SCHEMA_CHECK = "schema_matches_postgres"
 SLOT_LAG_CHECK = "slot_lag_within_bound"
+# Evaluated by the pgcdc_reconcile job, at one fixed LSN:
+ROW_COUNT_CHECK = "row_count_matches_postgres"
+ROWS_MATCH_CHECK = "rows_match_postgres"
 
 
 @dataclass(frozen=True, slots=True)

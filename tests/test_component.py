@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dagster import (
+    AssetCheckKey,
     AssetKey,
     DagsterInstance,
     Definitions,
@@ -31,6 +32,7 @@ from dagster import (
 from dagster.components.resolved.errors import ResolutionException
 
 from resources.delta.engine import EMBEDDED_ENVIRONMENT
+from resources.names import ROW_COUNT_CHECK, ROWS_MATCH_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
 from resources.testing.local_postgres import LocalPostgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import fresh_database, PgDatabase
@@ -166,7 +168,7 @@ def assert_exact(database: PgDatabase, lake: Path, tables: list[str]) -> None:
 
 
 def wait_for_lock_wait(database: PgDatabase, timeout_s: float = 60.0) -> None:
-    """Until a session of ``database`` waits for a lock: the drain step's row-count check, behind our lock."""
+    """Until a session of ``database`` waits for a lock: the shop drain step, behind our lock."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         waiting = database.execute(
@@ -223,7 +225,7 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
         fail_window=timedelta(minutes=30), warn_window=timedelta(minutes=20)
     )
     assert {job.name for job in defs.jobs} >= {
-        f"pgcdc_{p}_{job}" for p in pipelines for job in ("snapshot", "resnapshot", "incremental")
+        f"pgcdc_{p}_{job}" for p in pipelines for job in ("snapshot", "resnapshot", "incremental", "reconcile")
     }
     assert {s.name for s in defs.schedules} == {"pgcdc_shop_incremental_schedule", "pgcdc_billing_incremental_schedule"}
     assert {s.name for s in defs.sensors} == {
@@ -232,6 +234,17 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     pools = {node.name: node.definition.pool for node in defs.resolve_job_def("pgcdc_shop_incremental").nodes}
     assert pools == {"pgcdc_shop_drain_slot": "pgcdc_slot_shop_slot"}
     assert set(defs.resources) == {"pgcdc_shop_postgres", "pgcdc_shop_spark", "pgcdc_billing_postgres", "pgcdc_billing_spark"}
+    # The reconcile job too: its op, resource keys and pool are the pipeline's, its checks only its own tables'.
+    reconcile = defs.resolve_job_def("pgcdc_shop_reconcile")
+    (reconcile_op,) = reconcile.nodes
+    assert (reconcile_op.name, reconcile_op.definition.pool) == ("pgcdc_shop_reconcile_tables", "pgcdc_slot_shop_slot")
+    assert reconcile_op.definition.required_resource_keys == {"pgcdc_shop_postgres", "pgcdc_shop_spark"}
+    shop_tables = [orders, AssetKey(["pgcdc", "shop", "public", "notes"])]
+    reconcile_checks = {AssetCheckKey(key, n) for key in shop_tables for n in (ROW_COUNT_CHECK, ROWS_MATCH_CHECK)}
+    drain_checks = {AssetCheckKey(key, n) for key in shop_tables for n in (SCHEMA_CHECK, SLOT_LAG_CHECK)}
+    assert reconcile.asset_layer.asset_graph.asset_check_keys == reconcile_checks
+    incremental = defs.resolve_job_def("pgcdc_shop_incremental")
+    assert incremental.asset_layer.asset_graph.asset_check_keys == drain_checks
 
     run(defs, instance, "pgcdc_shop_snapshot")
     run(defs, instance, "pgcdc_billing_snapshot")
@@ -255,6 +268,10 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     assert outcome["shop"].success
     assert_exact(shop, shop_lake, ["public.orders", "public.notes"])
     assert_exact(billing, billing_lake, ["public.invoices"])
+    # One pipeline's reconcile job runs on its own resources and evaluates exactly its own checks.
+    reconciled = run(defs, instance, "pgcdc_billing_reconcile").get_asset_check_evaluations()
+    assert {(e.asset_key, e.check_name) for e in reconciled} == {(invoices, ROW_COUNT_CHECK), (invoices, ROWS_MATCH_CHECK)}
+    assert all(e.passed for e in reconciled), reconciled
 
     # No password in resource config, run config or any event.
     events = [event for record in instance.get_runs() for event in instance.all_logs(record.run_id)]

@@ -24,7 +24,6 @@ from dagster import (
     instance_for_test,
     materialize,
 )
-from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
@@ -48,7 +47,7 @@ pytest_plugins = ["tests.spark_fixtures"]
 
 ORDERS = AssetKey(["pgcdc", "public", "orders"])
 NOTES = AssetKey(["pgcdc", "public", "notes"])
-CHECKS = ("row_count_matches_postgres", "schema_matches_postgres", "slot_lag_within_bound")
+CHECKS = ("schema_matches_postgres", "slot_lag_within_bound")  # the first drain after a snapshot evaluates both
 
 
 @pytest.fixture
@@ -124,24 +123,6 @@ def test_drain_applies_changes_and_records_metadata_and_checks(
     assert check_outcomes(result) == {(key, name): True for key in (ORDERS, NOTES) for name in CHECKS}
 
 
-def test_checks_fail_when_delta_is_tampered_with(
-    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, spark: SparkSession
-) -> None:
-    defs = build_definitions(write_config(tmp_path, shop))
-    run_job(defs, instance, "pgcdc_snapshot")
-    path = tmp_path / "lake" / "public" / "orders"
-    spark.sql(f"DELETE FROM delta.`{path}` WHERE id = 10").collect()
-
-    result = run_job(defs, instance, "pgcdc_incremental")
-
-    outcomes = check_outcomes(result)
-    assert outcomes.pop((ORDERS, "row_count_matches_postgres")) is False
-    assert all(outcomes.values())
-    (evaluation,) = [e for e in result.get_asset_check_evaluations() if not e.passed]
-    assert evaluation.metadata["delta_rows"].value == 499
-    assert evaluation.metadata["postgres_rows"].value == 500
-
-
 def test_table_without_snapshot_is_reported_not_materialized(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
@@ -162,8 +143,8 @@ def test_table_without_snapshot_is_reported_not_materialized(
     assert not (tmp_path / "lake" / "public" / "orders").exists()
     assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
     outcomes = check_outcomes(result)
-    assert outcomes[(ORDERS, "row_count_matches_postgres")] is False
-    assert outcomes[(NOTES, "row_count_matches_postgres")] is True
+    assert outcomes[(ORDERS, "schema_matches_postgres")] is False
+    assert outcomes[(NOTES, "schema_matches_postgres")] is True
 
 
 def test_missing_slot_fails_once_with_the_fix(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
@@ -306,10 +287,10 @@ def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instanc
     make_changes(shop)
     result = materialize(
         [defs.resolve_assets_def(ORDERS)],
-        selection=AssetSelection.checks(AssetCheckKey(ORDERS, "row_count_matches_postgres")),
+        selection=AssetSelection.checks(AssetCheckKey(ORDERS, "schema_matches_postgres")),
         instance=instance,
     )
     assert result.success
     assert materializations(result) == {}
-    assert check_outcomes(result) == {(ORDERS, "row_count_matches_postgres"): False}
+    assert check_outcomes(result) == {(ORDERS, "schema_matches_postgres"): True}  # evaluated without a drain
     assert slot_position(shop) == before

@@ -5,7 +5,7 @@ names are planted in ``public`` and in a schema ``evil`` that ``ALTER DATABASE``
 ``ALTER ROLE ... IN DATABASE`` put first on the search path. Each one writes a row to
 ``public.planted_calls`` when it runs and returns a plausible wrong value. pgcdc runs as a
 role holding only the grants the README documents, through the snapshot job, a drain with
-its asset checks, the three sensors and ``pgcdc changes``; nothing may be called and Delta
+its asset checks, the reconciliation job, the three sensors and ``pgcdc changes``; nothing may be called and Delta
 must equal PostgreSQL.
 
 Two defenses are tested apart: the empty search_path every pgcdc session starts with
@@ -311,8 +311,11 @@ def test_snapshot_drain_checks_sensors_and_changes_call_nothing_planted(
     assert isinstance(evaluate(defs, "pgcdc_new_tables_sensor", instance, config), SkipReason)
     result = run_job(defs, instance, "pgcdc_incremental")
     assert set(check_outcomes(result).values()) == {True}
-    assert len(check_outcomes(result)) == 4 * 3
+    assert len(check_outcomes(result)) == 4 * 2  # the schema check (first drain after the snapshot) and the lag
     assert_source_equals_delta(source, lake)
+    reconciled = run_job(defs, instance, "pgcdc_reconcile")  # row filter and column list: only published rows
+    assert set(check_outcomes(reconciled).values()) == {True}
+    assert len(check_outcomes(reconciled)) == 4 * 2
 
     args = build_parser().parse_args(
         ["changes", "--dsn", source.dsn, "--slot", "peek", "--publication", "pgcdc_pub", "--create-slot"]

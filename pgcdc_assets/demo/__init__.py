@@ -17,7 +17,9 @@
    REPEATABLE READ snapshot to be taken and for the run to fix its end LSN (the slot becomes
    active), so that snapshot holds exactly the transactions the run applies; Delta (read with
    delta-rs) is compared with it value for value (``resources/testing/verify.py``, the
-   comparison the tests use).
+   comparison the tests use). Then each pipeline's reconcile job (``pgcdc_shop_reconcile``,
+   ``pgcdc_inventory_reconcile``) runs with the loads still writing, and its checks must pass
+   (exact at the LSN it fixes).
 5. Stops the loads, runs each pipeline once more, verifies against live PostgreSQL, then
    starts ``dagster dev`` on the project (``--no-dagster``: prints the command instead).
 

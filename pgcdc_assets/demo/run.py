@@ -25,13 +25,14 @@ from pgcdc_assets.demo.dagster_driver import (
     DagsterDriver,
     describe_run,
     materialized,
+    reconcile_under_load,
     serve_dagster,
 )
 from pgcdc_assets.demo import inventory, shop
 from pgcdc_assets.demo.inventory import InventoryLoad
 from pgcdc_assets.demo.load import LoadGenerator
 from pgcdc_assets.demo.shop import PEEK_CHANGES, PEEK_SLOT
-from resources.names import INCREMENTAL_JOB, PipelineNames, SNAPSHOT_JOB
+from resources.names import INCREMENTAL_JOB, PipelineNames, RECONCILE_JOB, SNAPSHOT_JOB
 
 #: Seconds the load generator runs before each incremental run (it also runs during the runs).
 LOAD_SECONDS = 3.0
@@ -409,9 +410,11 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
 
 
 def _incremental_runs(args: argparse.Namespace, driver: DagsterDriver, pipelines: Sequence[DemoPipeline]) -> None:
-    """``--runs`` rounds under load: each pipeline's incremental run, verified against the snapshot matching its end."""
+    """``--runs`` rounds under load: each pipeline's incremental run, verified against the snapshot matching its end;
+    then each pipeline's reconcile job, its checks exact while the load still writes."""
     jobs = ", ".join(p.job(INCREMENTAL_JOB) for p in pipelines)
-    step(f"{args.runs} rounds of incremental runs ({jobs}) while load generators write to both databases")
+    reconciles = ", ".join(p.job(RECONCILE_JOB) for p in pipelines)
+    step(f"{args.runs} rounds of incremental runs ({jobs}), then {reconciles}, while load generators write")
     say("per table: +inserted/~updated/-deleted; each run is verified against the PostgreSQL snapshot")
     say("matching its end LSN, while the load keeps writing")
     loads = {pipeline.name: pipeline.load(pipeline.dsn) for pipeline in pipelines}
@@ -429,6 +432,8 @@ def _incremental_runs(args: argparse.Namespace, driver: DagsterDriver, pipelines
                 with snapshot:
                     rows = verify_all(snapshot, pipeline)
                 say(f"  {verified(pipeline, rows)}; {check_summary(result)}")
+        for pipeline in pipelines:
+            say(f"  {pipeline.name} {reconcile_under_load(driver, pipeline.job(RECONCILE_JOB))}")
     finally:
         for load in loads.values():
             load.stop()

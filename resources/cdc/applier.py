@@ -251,7 +251,8 @@ class ChangeApplier:
         if target.mode in MARKED_MODES and not target.applied_marker_loaded:
             target.applied_marker = self._writer.call(self._destination.read_applied_marker, target.path)  # type: ignore[assignment]
             target.applied_marker_loaded = True
-        self._schema.reconcile(target, columns, previous, relation, end, seq)
+        if self._schema.reconcile(target, columns, previous, relation, end, seq):
+            target.stats.schema_changed = True
         target.relation = relation
         target.columns = columns
 

@@ -144,8 +144,13 @@ def apply_row_deltas(
 def comparable_rows(table: pa.Table, columns: Sequence[str]) -> list[tuple]:
     """One hashable tuple per row of the named columns, equal exactly when the rows hold the same
     values: the identity of PostgreSQL's text form carried over to the typed Delta values."""
-    lists = [_comparable(table.column(name).combine_chunks()).to_pylist() for name in columns]
-    return [tuple(_hashable(value) for value in row) for row in zip(*lists)] if lists else [()] * table.num_rows
+    lists = []
+    for name in columns:
+        array = _comparable(table.column(name).combine_chunks())
+        values = array.to_pylist()
+        # only arrays come out as (unhashable) lists; other columns need no per-value call
+        lists.append([_hashable(value) for value in values] if _is_list(array.type) else values)
+    return list(zip(*lists)) if lists else [()] * table.num_rows
 
 
 _NAN_BITS = {32: np.float32("nan").view(np.int32), 64: np.float64("nan").view(np.int64)}
@@ -156,7 +161,7 @@ def _comparable(array: pa.Array) -> pa.Array:
     (``-0.0`` apart from ``0.0``, every NaN one value), timestamps and dates as integers (no
     Python datetime holds PostgreSQL's infinity), arrays element by element."""
     kind = array.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+    if _is_list(kind):
         return type(array).from_arrays(array.offsets, _comparable(array.values), mask=array.is_null())
     if pa.types.is_floating(kind):
         width = kind.bit_width
@@ -169,6 +174,10 @@ def _comparable(array: pa.Array) -> pa.Array:
     if pa.types.is_date32(kind):
         return array.cast(pa.int32())
     return array
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
 
 
 def _hashable(value: object) -> object:

@@ -51,9 +51,14 @@ class SchemaReconciler:
         relation: Relation,
         end: int,
         seq: int,
-    ) -> None:
+    ) -> bool:
         """Adopt ``columns`` (of ``relation``, at position ``seq`` of the transaction ending at ``end``):
-        add, widen and back-fill columns in Delta, refuse what Delta cannot follow, note dropped ones."""
+        add, widen and back-fill columns in Delta, refuse what Delta cannot follow, note dropped ones.
+
+        Returns whether the table's schema differs from what Delta held or the previous Relation
+        message said (``previous`` is None for the run's first one): the drain evaluates the schema
+        check only then. Columns dropped in PostgreSQL but kept in Delta count every time, since
+        one run cannot tell a drop since the previous run from an older one."""
         if target.delta_schema is None:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)  # type: ignore[assignment]
         existing = {f.name: f.type for f in target.delta_schema}
@@ -96,6 +101,7 @@ class SchemaReconciler:
         target.dropped = [
             f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
         ]
+        return previous is not None or bool(widened or added or fills or target.dropped)
 
     def _fills(
         self,

@@ -27,6 +27,9 @@ class TableStats:
     truncates: int = 0
     #: Commit end LSN of the newest change applied to Delta in this run.
     applied_lsn: LSN | None = None
+    #: A Relation message in this run changed the table's columns (or Delta holds columns PostgreSQL
+    #: dropped), or it was snapshotted since the previous drain: its schema check is due.
+    schema_changed: bool = False
 
 
 @dataclass(eq=False)

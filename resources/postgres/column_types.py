@@ -7,7 +7,8 @@ from typing import Protocol
 import psycopg
 
 from resources.pgoutput.messages import Relation
-from resources.pgtypes import column_type_from_catalog, pg_type_catalog_query, PgColumnType
+from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, PgColumnType
+from resources.postgres.catalog import TableInfo
 
 
 class ColumnTypes(Protocol):
@@ -78,3 +79,11 @@ class TypeResolver:
         for name, type_oid, has_missing, missing, has_default in rows:
             found.setdefault(name, set()).add((type_oid, has_missing, missing if has_missing else None, has_default))
         return found
+
+
+def published_column_types(conn: psycopg.Connection, info: TableInfo) -> list[PgColumnType]:
+    """The mapping of the columns the publication publishes, in order, read on ``conn`` (under its snapshot)."""
+    rows = psycopg.ClientCursor(conn).execute(
+        pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
+    ).fetchall()
+    return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]

@@ -1,0 +1,47 @@
+"""Reading a whole Delta table back as Arrow in one scan, with the client's memory bounded.
+
+Reconciliation reads whole tables. ``DataFrame.toArrow`` collects the result in the client,
+and ``toLocalIterator`` streams it but turns every value into a Python object (a timestamp
+beyond Python's datetime, such as PostgreSQL's infinity, cannot even be represented). Over
+Spark Connect (every engine pgcdc runs: embedded Sail, the managed Spark server, a remote
+server) the result arrives as a stream of Arrow batches; :func:`delta_batches` hands those on
+as they come, which is what ``toLocalIterator`` does underneath before its Row conversion.
+An in-process classic session (tests only) shares the driver's memory anyway and is collected whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pyarrow as pa
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+
+def delta_schema(spark: SparkSession, path: str) -> pa.Schema:
+    """The Delta table's columns, as Arrow (read from the log; no data is scanned)."""
+    return spark.read.format("delta").load(path).limit(0).toArrow().schema
+
+
+def delta_batches(spark: SparkSession, path: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+    """``columns`` of every row of the table at ``path``, in pieces as the engine sends them."""
+    frame = spark.read.format("delta").load(path).select(*[_column(name) for name in columns])
+    yield from _arrow_stream(frame)
+
+
+def _arrow_stream(frame: DataFrame) -> Iterator[pa.Table]:
+    from pyspark.sql.connect.dataframe import DataFrame as ConnectDataFrame
+
+    if not isinstance(frame, ConnectDataFrame):
+        yield frame.toArrow()
+        return
+    # pyspark 4.1's own streaming path (DataFrame.toLocalIterator), without its Row conversion.
+    client = frame.sparkSession.client
+    for item in client.to_table_as_iterator(frame._plan.to_proto(client), frame._plan.observations):
+        if isinstance(item, pa.Table):  # the first item is the result's schema
+            yield item
+
+
+def _column(name: str) -> Column:
+    """A column by its exact name (backtick-quoted: names may hold dots or spaces)."""
+    return F.col("`" + name.replace("`", "``") + "`")

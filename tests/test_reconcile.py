@@ -1,0 +1,205 @@
+"""Checks at what the drain costs, and reconciliation at one fixed LSN (issue 13, point 4),
+against real PostgreSQL 15 and 18, Sail and Dagster runs in process.
+
+One scenario walks it all, since every step needs a snapshot and a Dagster instance:
+the schema check after a snapshot, not evaluated on a drain without schema changes (no catalog
+round trip), evaluated after an ALTER TABLE seen in the drain; ``pgcdc_reconcile`` exact while a
+writer commits throughout; then a Delta row corrupted through Spark, named by key range and key.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+import pytest
+from dagster import AssetCheckEvaluation, AssetKey, DagsterInstance, ExecuteInProcessResult, instance_for_test
+from pyspark.sql import SparkSession
+
+import pgcdc_assets.checks
+from pgcdc_assets.builder import build_definitions
+from resources.lsn import LSN
+from resources.reconcile import HashBuckets, IntegerRanges, RangeSums
+from tests.conftest import PgDatabase
+from tests.test_dagster_incremental import slot_position
+from tests.test_dagster_snapshot import create_shop, write_config
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+ORDERS = AssetKey(["pgcdc", "public", "orders"])
+NOTES = AssetKey(["pgcdc", "public", "notes"])
+LABELS = AssetKey(["pgcdc", "public", "labels"])
+SCHEMA, LAG = "schema_matches_postgres", "slot_lag_within_bound"
+ROW_COUNT, ROWS_MATCH = "row_count_matches_postgres", "rows_match_postgres"
+
+
+class Writer(threading.Thread):
+    """Commits small transactions on all three tables until stopped: inserts, updates, deletes."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(name="test-writer", daemon=True)
+        self._dsn = dsn
+        self._halt = threading.Event()
+        self.commits = 0
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self._dsn, autocommit=True) as conn:
+                n = 0
+                while not self._halt.is_set():
+                    n += 1
+                    with conn.transaction():
+                        conn.execute("INSERT INTO orders VALUES (%s, 'w', 1.5, '{1}', now()::timestamp)", (10_000 + n,))
+                        conn.execute("UPDATE orders SET amount = amount + 1 WHERE id = %s", (n % 400 + 1,))
+                        conn.execute("DELETE FROM orders WHERE id = %s", (10_000 + n - 3,))
+                        conn.execute("INSERT INTO notes VALUES (%s)", (f"w{n % 7}",))
+                        conn.execute("UPDATE labels SET n = n + 1 WHERE code = %s", (f"k{n % 50}",))
+                    self.commits += 1
+                    time.sleep(0.005)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by stop() in the test's thread
+            self.failure = exc
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=30)
+        if self.failure is not None:
+            raise self.failure
+
+
+def evaluations(result: ExecuteInProcessResult) -> dict[tuple[AssetKey, str], AssetCheckEvaluation]:
+    return {(e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations()}
+
+
+def run(defs: object, instance: DagsterInstance, job: str, **kwargs: object) -> ExecuteInProcessResult:
+    result = defs.resolve_job_def(job).execute_in_process(instance=instance, **kwargs)  # type: ignore[attr-defined]
+    assert result.success
+    return result
+
+
+def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writes(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    create_shop(pg)
+    pg.execute("CREATE TABLE labels (code text PRIMARY KEY, n int)")
+    pg.execute("INSERT INTO labels SELECT 'k' || g, g FROM generate_series(0, 49) g")
+    pg.execute("ALTER PUBLICATION pgcdc_pub ADD TABLE labels")
+    catalog_reads: list[str] = []
+    read_columns: Callable[..., list[tuple[str, str]]] = pgcdc_assets.checks.postgres_columns
+
+    def counted_columns(postgres: object, table: object) -> list[tuple[str, str]]:
+        catalog_reads.append(str(table))
+        return read_columns(postgres, table)
+
+    monkeypatch.setattr(pgcdc_assets.checks, "postgres_columns", counted_columns)
+    defs = build_definitions(write_config(tmp_path, pg))
+    with instance_for_test() as instance:
+        run(defs, instance, "pgcdc_snapshot")
+
+        # The first drain after the snapshot checks every table's schema.
+        pg.execute("UPDATE orders SET customer = 'x' WHERE id = 5")
+        first = evaluations(run(defs, instance, "pgcdc_incremental"))
+        assert {key: e.passed for key, e in first.items()} == {
+            (table, check): True for table in (ORDERS, NOTES, LABELS) for check in (SCHEMA, LAG)
+        }
+        assert sorted(catalog_reads) == ["public.labels", "public.notes", "public.orders"]
+
+        # Row changes only: the Relation messages match Delta, so no schema check, no catalog read.
+        catalog_reads.clear()
+        pg.execute("UPDATE orders SET customer = 'y' WHERE id = 6; INSERT INTO notes VALUES ('n')")
+        quiet = evaluations(run(defs, instance, "pgcdc_incremental"))
+        assert set(quiet) == {(ORDERS, LAG), (NOTES, LAG), (LABELS, LAG)}
+        assert catalog_reads == []
+
+        # An ALTER TABLE seen in the drain: evaluated for that table alone, against the catalog.
+        pg.execute("ALTER TABLE orders ADD COLUMN channel text DEFAULT 'web'; UPDATE orders SET amount = 0 WHERE id = 7")
+        altered = evaluations(run(defs, instance, "pgcdc_incremental"))
+        assert set(altered) == {(ORDERS, SCHEMA), (ORDERS, LAG), (NOTES, LAG), (LABELS, LAG)}
+        assert altered[(ORDERS, SCHEMA)].passed
+        assert "channel string" in altered[(ORDERS, SCHEMA)].metadata["delta"].value
+        assert catalog_reads == ["public.orders"]
+
+        # Reconciliation while a writer commits before, during and after the job: exact.
+        writer = Writer(pg.dsn)
+        writer.start()
+        try:
+            while writer.commits < 5:
+                time.sleep(0.01)
+            before = writer.commits
+            reconciled = run(defs, instance, "pgcdc_reconcile")
+            during = writer.commits - before
+            confirmed = slot_position(pg)
+        finally:
+            writer.stop()
+        assert during > 0
+        checks = evaluations(reconciled)
+        assert {key: e.passed for key, e in checks.items()} == {
+            (table, check): True for table in (ORDERS, NOTES, LABELS) for check in (ROW_COUNT, ROWS_MATCH)
+        }
+        reconcile_lsn = LSN.parse(checks[(ORDERS, ROWS_MATCH)].metadata["pgcdc/reconcile_lsn"].value)
+        assert confirmed == reconcile_lsn  # the slot was drained to exactly the fixed LSN, no further
+        assert checks[(ORDERS, ROWS_MATCH)].metadata["pgcdc/changes_drained"].value > 0
+        assert checks[(ORDERS, ROWS_MATCH)].metadata["ranges"].value.endswith('ranges of "id"')
+        assert checks[(LABELS, ROWS_MATCH)].metadata["ranges"].value.endswith('hash buckets of ("code")')
+        assert "no key" in checks[(NOTES, ROWS_MATCH)].metadata["ranges"].value
+        count = checks[(ORDERS, ROW_COUNT)].metadata
+        assert count["postgres_rows"].value == count["delta_rows"].value > 500
+
+        # A Delta row changed behind pgcdc's back (one the writer never touched, so the drain does not
+        # overwrite it): the range holding it and its key are named.
+        path = tmp_path / "lake" / "public" / "orders"
+        spark.sql(
+            f"MERGE INTO delta.`{path}` t USING (SELECT CAST(450 AS BIGINT) AS id) s ON t.id = s.id"
+            " WHEN MATCHED THEN UPDATE SET customer = 'corrupted'"
+        ).collect()
+        config = {"ops": {"reconcile_tables": {"config": {"range_rows": 50}}}}
+        broken = evaluations(run(defs, instance, "pgcdc_reconcile", run_config=config))
+        failed = {key for key, e in broken.items() if not e.passed}
+        assert failed == {(ORDERS, ROWS_MATCH)}
+        evaluation = broken[(ORDERS, ROWS_MATCH)]
+        assert evaluation.metadata["mismatched_ranges"].value == 1
+        assert evaluation.metadata["differing_keys"].value == "450"
+        assert evaluation.metadata["differing_rows"].value == 2  # PostgreSQL's row and Delta's
+        named = re.fullmatch(r'1 range\(s\) differ: (.+); differing keys: 450; re-snapshot the table to repair it',
+                             evaluation.description or "")  # fmt: skip
+        assert named, evaluation.description
+        bounds = re.fullmatch(r'(?:"id" >= (\d+))?(?: AND )?(?:"id" < (\d+))?', named.group(1))
+        assert bounds and any(bounds.groups()), named.group(1)  # a key range, not "all rows"
+        low, high = (int(bound) if bound else None for bound in bounds.groups())
+        assert (low is None or low <= 450) and (high is None or 450 < high)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "count"),
+    [(1, 500, 7), (-1_000, 1_000, 64), (-(2**63), 2**63 - 1, 4096), (5, 5, 10), (0, 9, 100)],
+)
+def test_integer_ranges_put_every_key_in_the_range_that_names_it(low: int, high: int, count: int) -> None:
+    ranges = IntegerRanges("id", low, high, count)
+    span = [low, high, low + 1, high - 1, (low + high) // 2, -(2**63), 2**63 - 1, 0, -1]  # and keys outside [low, high]
+    keys = pa.table({"id": pa.array(sorted(set(span)), pa.int64())})
+    for key, index in zip(keys.column("id").to_pylist(), ranges.of(keys, []).tolist()):
+        assert 0 <= index < ranges.count <= count
+        described = ranges.describe(index)
+        lower = re.search(r'"id" >= (-?\d+)', described)
+        upper = re.search(r'"id" < (-?\d+)', described)
+        assert (lower is None) == (index == 0) and (upper is None) == (index == ranges.count - 1)
+        assert (lower is None or int(lower.group(1)) <= key) and (upper is None or key < int(upper.group(1)))
+
+
+def test_range_fingerprints_ignore_order_and_catch_one_changed_value() -> None:
+    rows = [(i, f"v{i % 3}", None if i % 5 else 1.5) for i in range(200)] + [(7, "v1", None)]  # one repeated row
+    ranges = HashBuckets([0, 1, 2], 8, "whole rows")
+    data = pa.table({"n": [0] * len(rows)})  # hash buckets read only the row tuples
+    forward, backward, changed = RangeSums.empty(8), RangeSums.empty(8), RangeSums.empty(8)
+    forward.add(ranges.of(data, rows), rows)
+    backward.add(ranges.of(data, rows[::-1]), rows[::-1])
+    altered = [*rows[:-1], (7, "v1", 0.0)]
+    changed.add(ranges.of(data, altered), altered)
+    assert (forward.counts == backward.counts).all() and (forward.sums == backward.sums).all()
+    assert forward.counts.sum() == len(rows)
+    assert (forward.sums != changed.sums).sum() >= 1
