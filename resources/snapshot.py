@@ -33,7 +33,9 @@ from pyspark.sql import SparkSession
 from resources.config import PgcdcConfig
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
+from resources.delta.destination import TableLog
 from resources.delta.snapshot_writes import write_snapshot
+from resources.delta.state_table import read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
@@ -263,9 +265,12 @@ def snapshot_each(
 
     Callers report per table as soon as one is done (a Dagster step materializes it)
     instead of waiting for the slowest; the publication and slot must already be set up.
+    Once all are done, the finished ones are recorded in the pgcdc state table in one write
+    (``resources/delta/state_table.py``; a crash before it costs the next drain a log read).
     """
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
+    finished: list[SnapshotResult] = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {
             pool.submit(
@@ -285,4 +290,12 @@ def snapshot_each(
             for future in done:
                 table = pending.pop(future)
                 error = future.exception()
+                if error is None:
+                    finished.append(future.result())
                 yield table, error if error is not None else future.result()
+    if finished:
+        state = state_path(config.delta.root, config.slot)
+        write_state(spark, state, read_state(spark, state), [
+            StateRow(str(done.table), done.path, TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None), None)
+            for done in finished
+        ])

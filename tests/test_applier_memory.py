@@ -64,9 +64,9 @@ def destination_with_snapshot(rows: list[tuple[int, str]]) -> InMemoryDestinatio
 
 
 def apply(destination: InMemoryDestination, txns: list[CommittedTransaction], *, max_changes: int = 1000,
-          durable_seen: list[int] | None = None, snapshot_lsn: int = SNAPSHOT_LSN) -> tuple[ChangeApplier, int]:
+          durable_seen: list[int] | None = None) -> tuple[ChangeApplier, int]:
     """Feed ``txns`` the way cdc/drain.py does; returns the applier and what finish() answered."""
-    target = TableTarget(TABLE, PATH, LSN(snapshot_lsn))
+    target = TableTarget(TABLE, PATH)  # its snapshot LSN is read from the destination's log
     applier = ChangeApplier(destination, StaticTypes(), {TABLE: target}, max_changes=max_changes,
                             max_bytes=1 << 30, log=lambda _: None)
     try:

@@ -151,7 +151,7 @@ class ChangeApplier:
                 elif op == "T":
                     for oid in subject:
                         target = self._target_by_oid.get(oid)
-                        if target is not None and not target.skips(end):
+                        if target is not None and not self._skips(target, end):
                             self._truncate(target, self._relations[oid], end, seq)
                 seq += 1
         finally:
@@ -166,7 +166,7 @@ class ChangeApplier:
         for oid in unique.tolist():
             index = np.arange(len(oids)) if len(unique) == 1 else np.flatnonzero(oids == oid)
             target = self._target_by_oid.get(oid)
-            if target is None or target.skips(end):
+            if target is None or self._skips(target, end):
                 self.changes_skipped += len(index)
                 continue
             relation = self._relations[oid]
@@ -197,6 +197,18 @@ class ChangeApplier:
                 self.pending_bytes += added
                 if self.pending_changes >= self._max_changes or self.pending_bytes >= self._max_bytes:
                     self.flush()
+
+    def _skips(self, target: TableTarget, end: int) -> bool:
+        """:meth:`TableTarget.skips`, reading the table's own log the first time the run meets it.
+
+        Only tables with changes are read, and only once a run: this run's writes to the table
+        all come after, and it tracks the applied marker itself from then on. The read is of a
+        table no queued write touches yet, so it need not wait for the writer thread.
+        """
+        if target.log is None:
+            target.log = self._destination.read_table_log(target.path, target.known)
+            target.applied_marker = target.log.applied_marker
+        return target.skips(end)
 
     def flush(self) -> None:
         """Send every pending batch to Delta; once written, every completely added transaction is durable."""
@@ -248,9 +260,6 @@ class ChangeApplier:
             target.mode, target.key_index = KEYED, key_index
         else:
             target.mode, target.key_index = APPEND, ()
-        if target.mode in MARKED_MODES and not target.applied_marker_loaded:
-            target.applied_marker = self._writer.call(self._destination.read_applied_marker, target.path)  # type: ignore[assignment]
-            target.applied_marker_loaded = True
         self._schema.reconcile(target, columns, previous, relation, end, seq)
         target.relation = relation
         target.columns = columns

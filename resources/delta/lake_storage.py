@@ -143,6 +143,7 @@ class LakeStorage:
         self.root = root
         self.settings = settings or StorageSettings()
         self.location = parse_object_location(root) if is_object_store(root) else None
+        self._filesystem: object | None = None
 
     def __repr__(self) -> str:
         return f"LakeStorage(root={self.root!r})"
@@ -245,7 +246,12 @@ class LakeStorage:
 
     def filesystem(self) -> object:
         """A ``pyarrow.fs.S3FileSystem`` on the store, with short time-outs so a wrong endpoint
-        fails in seconds (the AWS SDK's defaults retry for minutes)."""
+        fails in seconds (the AWS SDK's defaults retry for minutes); made once per lake."""
+        if self._filesystem is None:
+            self._filesystem = self._new_filesystem()
+        return self._filesystem
+
+    def _new_filesystem(self) -> object:
         from pyarrow import fs
 
         if self.location is None:
@@ -387,6 +393,22 @@ def open_lake(root: str, settings: StorageSettings | None = None) -> LakeStorage
     if lake.is_object_store:
         _OPEN_LAKES[root.rstrip("/")] = lake
     return lake
+
+
+def storage_client(location: str) -> tuple[object, str]:
+    """A ``pyarrow.fs`` filesystem reaching ``location`` and the path it takes there: the opened
+    lake's client for an object-store location, the local filesystem otherwise. pgcdc reads
+    Delta logs with it (``resources/delta/table_log.py``) without a round trip through the engine."""
+    from pyarrow import fs
+
+    for root, lake in _OPEN_LAKES.items():
+        if location == root or location.startswith(root + "/"):
+            return lake.filesystem(), parse_object_location(location).store_path
+    if is_object_store(location):
+        raise ConfigurationError(
+            f"{location} is on an object store pgcdc has not opened", "open the lake first (open_lake(delta.root, delta.storage))"
+        )
+    return fs.LocalFileSystem(), location.removeprefix("file://")
 
 
 def remove_tree(location: str) -> None:

@@ -24,6 +24,7 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.destination import TableLog
 from resources.lsn import LSN
 
 LSN_COLUMN = "_pgcdc_lsn"
@@ -120,7 +121,7 @@ def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
             return None
         raise
     for commit in commits:
-        marker = _pgcdc_marker(commit.user_metadata)
+        marker = pgcdc_marker(commit.user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
             return LSN.parse(marker["snapshot_lsn"])
     if commits and min(commit.version for commit in commits) > 0:
@@ -128,23 +129,26 @@ def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
     return None
 
 
-def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:
-    """The newest applied-position marker (commit end LSN, position) of an append or FULL
-    rewrite commit in the table's commit log, unless a snapshot replaced the table since:
-    the rows a marker vouches for went with it."""
-    return newest_applied_marker(commit.user_metadata for commit in read_commit_metadata(spark, path))
-
-
-def newest_applied_marker(user_metadata_newest_first: Iterable[str | None]) -> tuple[int, int] | None:
-    """:func:`read_applied_marker` over the commits' userMetadata, newest first (any destination's log)."""
-    for user_metadata in user_metadata_newest_first:
-        marker = _pgcdc_marker(user_metadata)
-        kind = marker.get("kind") if marker is not None else None
-        if kind == "snapshot":
-            return None
-        if kind in (APPEND_MARKER, REPLACE_MARKER):
-            return int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
-    return None
+def fold_table_log(
+    commits_newest_first: Iterable[tuple[int, Iterable[str | None]]], newest: int, known: TableLog | None
+) -> TableLog:
+    """The :class:`TableLog` of a log whose newest version is ``newest``, from its commits'
+    userMetadata, newest first: the newest snapshot marker, and the newest append/replace marker
+    after it (the rows a marker vouches for went with a later snapshot). Where the commits given
+    hold no snapshot marker, ``known`` says what was true at the commit before the oldest of them
+    (None: nothing before them)."""
+    applied: tuple[int, int] | None = None
+    for version, commit in commits_newest_first:
+        for user_metadata in commit:
+            marker = pgcdc_marker(user_metadata)
+            kind = marker.get("kind") if marker is not None else None
+            if kind == "snapshot":
+                return TableLog(LSN.parse(marker["snapshot_lsn"]), version, newest, applied)  # type: ignore[index]
+            if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
+                applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
+    if known is None:
+        return TableLog(None, None, newest, applied)
+    return TableLog(known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker)
 
 
 def applied_marker(kind: str, end: int, seq: int) -> str:
@@ -157,7 +161,7 @@ def snapshot_marker(snapshot_lsn: LSN, slot: str, table: str) -> str:
     return json.dumps({"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": table}})
 
 
-def _pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
+def pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
     """The ``pgcdc`` object of a commit's userMetadata; None for no metadata or another writer's."""
     if not user_metadata:
         return None
@@ -167,9 +171,3 @@ def _pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
         return None  # another writer's free-form metadata
     pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
     return pgcdc if isinstance(pgcdc, dict) else None
-
-
-def newest_version(spark: SparkSession, path: str) -> int | None:
-    """The table's newest Delta version; None for a table without commits."""
-    newest = read_commit_metadata(spark, path, limit=1)
-    return newest[0].version if newest else None

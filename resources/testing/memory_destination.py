@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
-from resources.delta.markers import newest_applied_marker
+from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.markers import fold_table_log
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
@@ -57,6 +58,7 @@ class InMemoryDestination:
     def __init__(self) -> None:
         self.tables: dict[str, pa.Table] = {}
         self.commits: dict[str, list[str | None]] = {}
+        self.log_reads: list[str] = []
 
     def _commit(self, path: str, table: pa.Table, user_metadata: str | None = None) -> int:
         self.tables[path] = table
@@ -124,8 +126,14 @@ class InMemoryDestination:
     def delete_all_rows(self, path: str) -> None:
         self._commit(path, self.tables[path].schema.empty_table())
 
-    def read_applied_marker(self, path: str) -> tuple[int, int] | None:
-        return newest_applied_marker(reversed(self.commits.get(path, [])))
+    def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
+        """Read whole every time (``known`` is not needed in memory); counted in :attr:`log_reads`."""
+        self.log_reads.append(path)
+        commits = self.commits.get(path)
+        if not commits:
+            return NO_TABLE
+        newest = len(commits) - 1
+        return fold_table_log(((version, [commits[version]]) for version in range(newest, -1, -1)), newest, None)
 
     def table_schema(self, path: str) -> pa.Schema:
         return self.tables[path].schema

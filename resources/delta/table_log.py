@@ -1,0 +1,153 @@
+"""Reading a Delta table's commit log directly through the lake's storage client, in O(commits read).
+
+The incremental run decides what to skip and what to apply from each table's own log (the
+snapshot marker, the append/replace markers of ``resources/delta/markers.py``). Reading it
+through the engine scans every commit the log holds (a Spark job per table per run); this
+module reads only the files it needs, with the ``pyarrow.fs`` client of the lake
+(``lake_storage.storage_client``: local directories and ``s3://`` lakes, wherever the engine runs):
+
+* with a ``known`` :class:`~resources.delta.destination.TableLog` (from the pgcdc state table,
+  possibly stale): the commits after ``known.version``, found by asking for ``version + 1``,
+  ``version + 2``, ... until one is missing; plus one read of the known snapshot commit to
+  check that ``known`` describes this log (a table deleted and written again restarts its
+  versions). A mismatch falls back to:
+* without ``known``: one listing of ``_delta_log``, then the commits newest first, back to the
+  newest snapshot commit.
+
+Delta's commit files are ``_delta_log/<version as 20 digits>.json``, one JSON action per line;
+pgcdc's markers are in the ``commitInfo`` action's ``userMetadata``. Checkpoints do not keep
+``commitInfo``, so a marker in a commit that log cleanup removed is gone: a table whose log no
+longer starts at version 0 and holds no snapshot marker has snapshot LSN
+:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (see ``read_snapshot_lsn`` for why).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.lake_storage import storage_client
+from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, fold_table_log, pgcdc_marker
+from resources.lsn import LSN
+
+LOG_DIRECTORY = "_delta_log"
+LAST_CHECKPOINT = "_last_checkpoint"
+
+
+def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
+    """The :class:`TableLog` of the table at ``path`` (see the module docstring for what is read)."""
+    log = _Log(path)
+    if known is not None and known.version is not None and known.snapshot_lsn is not None:
+        checked = _after_known(log, known)
+        if checked is not None:
+            return checked
+    return _from_listing(log)
+
+
+def table_exists(path: str) -> bool:
+    """Whether a Delta table is at ``path``: its first commit, or a checkpoint after log cleanup (two reads at most)."""
+    log = _Log(path)
+    return log.commit(0) is not None or log.exists(LAST_CHECKPOINT)
+
+
+class _Log:
+    """One table's ``_delta_log`` on its store."""
+
+    def __init__(self, path: str) -> None:
+        self.filesystem, root = storage_client(path)
+        self.directory = f"{root.rstrip('/')}/{LOG_DIRECTORY}"
+
+    def commit(self, version: int) -> list[str | None] | None:
+        """The userMetadata of the commit file ``version`` (a list: Delta allows one commitInfo,
+        but nothing is assumed); None when the file does not exist."""
+        try:
+            with self.filesystem.open_input_stream(f"{self.directory}/{version:020d}.json") as stream:  # type: ignore[attr-defined]
+                text = stream.read().decode("utf-8")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return [
+            json.loads(line)["commitInfo"].get("userMetadata")
+            for line in text.splitlines()
+            if line.startswith('{"commitInfo"')
+        ]
+
+    def exists(self, name: str) -> bool:
+        from pyarrow import fs
+
+        try:
+            info = self.filesystem.get_file_info(f"{self.directory}/{name}")  # type: ignore[attr-defined]
+        except NotADirectoryError:
+            return False
+        return info.type == fs.FileType.File
+
+    def versions(self) -> tuple[list[int], int | None]:
+        """The versions of the commit files present, ascending, and the newest checkpoint's version."""
+        from pyarrow import fs
+
+        selector = fs.FileSelector(self.directory, allow_not_found=True)
+        try:
+            entries = self.filesystem.get_file_info(selector)  # type: ignore[attr-defined]
+        except NotADirectoryError:  # a path under a regular file: no table there
+            return [], None
+        commits: list[int] = []
+        checkpoint: int | None = None
+        for entry in entries:
+            name = entry.base_name
+            if not name[:20].isdigit():
+                continue
+            if name.endswith(".json") and len(name) == 25:
+                commits.append(int(name[:20]))
+            elif ".checkpoint." in name:
+                checkpoint = max(checkpoint or 0, int(name[:20]))
+        return sorted(commits), checkpoint
+
+
+def _after_known(log: _Log, known: TableLog) -> TableLog | None:
+    """``known`` advanced by the commits after it; None when ``known`` does not match this log."""
+    assert known.version is not None and known.snapshot_lsn is not None
+    if known.snapshot_version is not None:
+        snapshot_commit = log.commit(known.snapshot_version)
+        if snapshot_commit is not None and _snapshot_lsn(snapshot_commit) != known.snapshot_lsn:
+            return None  # another table now lives at this path
+    if log.commit(known.version) is None and not _covered_by_checkpoint(log, known.version):
+        return None
+    newer: list[list[str | None]] = []
+    version = known.version
+    while (commit := log.commit(version + 1)) is not None:
+        newer.append(commit)
+        version += 1
+    return fold_table_log(reversed(list(zip(range(known.version + 1, version + 1), newer))), version, known)
+
+
+def _covered_by_checkpoint(log: _Log, version: int) -> bool:
+    """Whether ``version`` still belongs to the log although its commit file was cleaned up."""
+    _, checkpoint = log.versions()
+    return checkpoint is not None and version <= checkpoint
+
+
+def _from_listing(log: _Log) -> TableLog:
+    """Newest commit first, back to the newest snapshot commit (or the oldest commit kept)."""
+    versions, checkpoint = log.versions()
+    if not versions and checkpoint is None:
+        return NO_TABLE
+    newest = max(versions[-1] if versions else -1, checkpoint or -1)
+
+    def newest_first() -> Iterable[tuple[int, list[str | None]]]:
+        for version in reversed(versions):
+            commit = log.commit(version)
+            if commit is not None:
+                yield version, commit
+
+    found = fold_table_log(newest_first(), newest, None)
+    if found.snapshot_lsn is None and (not versions or versions[0] > 0):
+        return TableLog(EXPIRED_SNAPSHOT_LSN, None, newest, found.applied_marker)
+    return found
+
+
+def _snapshot_lsn(commit: list[str | None]) -> LSN | None:
+    for user_metadata in commit:
+        marker = pgcdc_marker(user_metadata)
+        if marker is not None and marker.get("kind") == "snapshot":
+            return LSN.parse(marker["snapshot_lsn"])
+    return None
