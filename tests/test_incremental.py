@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 
 from resources.cdc.schema import SchemaChangeError
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.state_table import read_state, state_path
 from resources.errors import ConfigurationError, SlotError
 from resources.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
@@ -506,7 +507,7 @@ def crash_workload(pg: PgDatabase) -> None:
                 conn.execute("TRUNCATE journal")
 
 
-@pytest.mark.parametrize("fault", ["after_delta_commit", "before_merge", "after_confirm"])
+@pytest.mark.parametrize("fault", ["after_delta_commit", "before_merge", "after_confirm", "before_state_write"])
 def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, fault: str
 ) -> None:
@@ -516,7 +517,7 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     killed = run_child(config, tmp_path, fault, chunk=10)
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     after_crash = slot_confirmed(pg)
-    if fault == "after_confirm":
+    if fault in ("after_confirm", "before_state_write"):  # the latter: every chunk but the last confirmed
         assert after_crash > start
     else:
         assert after_crash == start  # the first chunk was never confirmed
@@ -529,6 +530,10 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     assert LSN.parse(before_rerun) <= slot_confirmed(pg) <= LSN.parse(after_rerun)
     assert same(pg, config, "public.acct") == 21
     assert same(pg, config, "public.journal", key=()) == 30  # keyless: exactly once across the crash
+    state = read_state(spark, state_path(config.delta.root, SLOT))  # the rerun recorded what Delta holds
+    assert {table: row.log.version for table, row in state.items()} == {
+        table: delta_version(config, table) for table in ("public.acct", "public.journal")
+    }
 
 
 # --------------------------------------------------------------------------- memory

@@ -48,7 +48,7 @@ def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
 def table_exists(path: str) -> bool:
     """Whether a Delta table is at ``path``: its first commit, or a checkpoint after log cleanup (two reads at most)."""
     log = _Log(path)
-    return log.commit(0) is not None or log.exists(LAST_CHECKPOINT)
+    return log.commit(0) is not None or log.read(LAST_CHECKPOINT) is not None
 
 
 class _Log:
@@ -58,28 +58,25 @@ class _Log:
         self.filesystem, root = storage_client(path)
         self.directory = f"{root.rstrip('/')}/{LOG_DIRECTORY}"
 
+    def read(self, name: str) -> str | None:
+        """The file ``name`` of the log directory as text; None when it does not exist."""
+        try:
+            with self.filesystem.open_input_stream(f"{self.directory}/{name}") as stream:  # type: ignore[attr-defined]
+                return stream.read().decode("utf-8")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def commit(self, version: int) -> list[str | None] | None:
         """The userMetadata of the commit file ``version`` (a list: Delta allows one commitInfo,
         but nothing is assumed); None when the file does not exist."""
-        try:
-            with self.filesystem.open_input_stream(f"{self.directory}/{version:020d}.json") as stream:  # type: ignore[attr-defined]
-                text = stream.read().decode("utf-8")
-        except (FileNotFoundError, NotADirectoryError):
+        text = self.read(f"{version:020d}.json")
+        if text is None:
             return None
         return [
             json.loads(line)["commitInfo"].get("userMetadata")
             for line in text.splitlines()
             if line.startswith('{"commitInfo"')
         ]
-
-    def exists(self, name: str) -> bool:
-        from pyarrow import fs
-
-        try:
-            info = self.filesystem.get_file_info(f"{self.directory}/{name}")  # type: ignore[attr-defined]
-        except NotADirectoryError:
-            return False
-        return info.type == fs.FileType.File
 
     def versions(self) -> tuple[list[int], int | None]:
         """The versions of the commit files present, ascending, and the newest checkpoint's version."""
@@ -104,26 +101,35 @@ class _Log:
 
 
 def _after_known(log: _Log, known: TableLog) -> TableLog | None:
-    """``known`` advanced by the commits after it; None when ``known`` does not match this log."""
+    """``known`` advanced by the commits after it; None when ``known`` does not match this log.
+
+    ``known`` is a hint: its snapshot LSN counts only when its snapshot commit, read here,
+    carries it. A snapshot commit gone with log cleanup (the log no longer starts at version 0)
+    counts as :data:`EXPIRED_SNAPSHOT_LSN`, as for a log read from the start.
+    """
     assert known.version is not None and known.snapshot_lsn is not None
-    if known.snapshot_version is not None:
+    if known.snapshot_version is None:
+        if known.snapshot_lsn != EXPIRED_SNAPSHOT_LSN:
+            return None
+    else:
         snapshot_commit = log.commit(known.snapshot_version)
-        if snapshot_commit is not None and _snapshot_lsn(snapshot_commit) != known.snapshot_lsn:
-            return None  # another table now lives at this path
+        if snapshot_commit is None and log.commit(0) is None:
+            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker)
+        elif snapshot_commit is None or _snapshot_lsn(snapshot_commit) != known.snapshot_lsn:
+            return None  # not this log's snapshot (another table now lives at this path)
     if log.commit(known.version) is None and not _covered_by_checkpoint(log, known.version):
         return None
-    newer: list[list[str | None]] = []
-    version = known.version
-    while (commit := log.commit(version + 1)) is not None:
-        newer.append(commit)
-        version += 1
-    return fold_table_log(reversed(list(zip(range(known.version + 1, version + 1), newer))), version, known)
+    newer: list[tuple[int, list[str | None]]] = []
+    while (commit := log.commit(known.version + len(newer) + 1)) is not None:
+        newer.append((known.version + len(newer) + 1, commit))
+    return fold_table_log(reversed(newer), known.version + len(newer), known)
 
 
 def _covered_by_checkpoint(log: _Log, version: int) -> bool:
-    """Whether ``version`` still belongs to the log although its commit file was cleaned up."""
-    _, checkpoint = log.versions()
-    return checkpoint is not None and version <= checkpoint
+    """Whether ``version`` still belongs to the log although its commit file was cleaned up:
+    the newest checkpoint (``_last_checkpoint``) is at or after it."""
+    checkpoint = log.read(LAST_CHECKPOINT)
+    return checkpoint is not None and version <= int(json.loads(checkpoint)["version"])
 
 
 def _from_listing(log: _Log) -> TableLog:
