@@ -5,9 +5,10 @@ The order that makes it exactly-once (argued in docs/contracts.md):
 1. Preflight, read-only (``resources/postgres/preflight.py``, shared with ``pgcdc changes``): server
    (version, wal_level), publication, slot (exists, pgoutput, this database, not lost, not
    in use). PostgreSQL 18 streams nothing for a missing publication instead of failing,
-   so that check is ours. Then the tables to replicate and their snapshot markers: when no
-   table has one, delta.root is most likely wrong and the run refuses (confirming would
-   skip every pending change for good).
+   so that check is ours. Then the tables to replicate, the pgcdc state table (one read) and
+   the snapshot markers of the tables it does not list: when no table has a snapshot,
+   delta.root is most likely wrong and the run refuses (confirming would skip every pending
+   change for good). A listed table's own log is read only when a change for it arrives.
 2. ``end_lsn`` = IDENTIFY_SYSTEM's xlogpos: the WAL *flush* position, i.e. everything the
    walsender can decode right now. A transaction committed with synchronous_commit=off
    may lie just beyond it; the next run picks it up. (pg_current_wal_lsn() could point
@@ -18,8 +19,9 @@ The order that makes it exactly-once (argued in docs/contracts.md):
    Delta, *then* the chunk's last commit end LSN is confirmed to the slot. A crash in
    between replays the chunk, which the Delta writes absorb (MERGE of final images per
    key; append markers for keyless tables).
-5. At the end, with nothing left below end_lsn, confirm max(last commit end, end_lsn), so
-   an idle slot (or one whose changes are all for other tables) still advances.
+5. At the end, with nothing left below end_lsn, record the state rows of the tables whose
+   log the run read, then confirm max(last commit end, end_lsn), so an idle slot (or one
+   whose changes are all for other tables) still advances.
 
 Tables whose Delta table has no snapshot marker yet are left alone and their changes
 skipped: confirming past them is safe because their snapshot, taken later, starts at a

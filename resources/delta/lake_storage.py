@@ -18,6 +18,7 @@ pgcdc's clean-up uses Arrow's C++ S3 client); the settings below are the ones al
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -123,7 +124,14 @@ def join_location(root: str, *components: str) -> str:
         if not is_object_store(root):
             parse_object_location(root)  # raises, naming the schemes that work
         return "/".join([root.rstrip("/"), *components])
-    return str(Path(root.removeprefix("file://")).resolve().joinpath(*components))
+    return str(_resolved_root(root.removeprefix("file://"), os.getcwd()).joinpath(*components))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_root(root: str, working_directory: str) -> Path:
+    """``root`` resolved against ``working_directory``: once per root, not once per table of a
+    run (resolving walks the path with a system call per component)."""
+    return (Path(working_directory) / root).resolve()
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,10 @@ Every pgcdc commit that the next run must be able to find carries a JSON marker 
   changes of one transaction up to position ``applied_seq`` of the commit ending at
   ``applied_lsn``; a replay skips exactly those.
 
-Other writers' metadata (free text, other JSON) is ignored. Reading the log is one Spark query
-over ``_delta_log`` (:func:`read_commit_metadata`), newest commit first.
+Other writers' metadata (free text, other JSON) is ignored. Reading the whole log through the engine
+is one Spark query over ``_delta_log`` (:func:`read_commit_metadata`), newest commit first; the
+incremental run reads only the commits it needs with ``resources/delta/table_log.py`` instead, and
+folds them with :func:`fold_table_log`.
 """
 
 from __future__ import annotations
