@@ -150,7 +150,7 @@ def run_incremental(
             raise explain(exc, dsn) from None
         state = read_state(spark, state_path(config.delta.root, config.slot))
         destination = SparkDeltaDestination(spark)
-        targets, without_snapshot = _targets(config, destination, tables, state, say)
+        targets = _targets(config, destination, tables, state, say)
         stream = ReplicationStream(rc)
         applier = ChangeApplier(
             destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
@@ -183,7 +183,8 @@ def run_incremental(
         lag_bytes_before=max(0, end_lsn - start_lsn),
         lag_bytes_after=max(0, flush_now - confirmed),
         duration_s=duration,
-        tables_without_snapshot=without_snapshot,
+        # Read before the run (not listed by the state) or during it (a listed table whose log has no snapshot now).
+        tables_without_snapshot=[str(t.table) for t in targets.values() if t.log is not None and t.log.snapshot_lsn is None],
     )
     say(
         f"done: {result.transactions} transactions, {result.changes} changes applied "
@@ -198,8 +199,8 @@ def _targets(
     tables: list[TableName],
     state: dict[str, StateRow],
     say: Callable[[str], None],
-) -> tuple[dict[TableName, TableTarget], list[str]]:
-    """The run's tables, and the names of those without a snapshot yet.
+) -> dict[TableName, TableTarget]:
+    """The run's tables; refuses when none has a snapshot.
 
     A table the state lists as snapshotted is not read here: its own log is read when the drain
     meets a change for it. Any other table's log is read now (through the lake's storage client,
@@ -227,7 +228,7 @@ def _targets(
             f"no snapshot yet for {', '.join(without_snapshot)}: their changes are skipped "
             "(their snapshot will start after this run's position)"
         )
-    return targets, without_snapshot
+    return targets
 
 
 def _record_state(
@@ -243,8 +244,13 @@ def _record_state(
     row records what the table's log says, not what the run believes it wrote.
     """
     rows = {}
+    gone = []  # listed by the state, but their log has no snapshot (any more)
     for table, target in targets.items():
-        if target.log is None or target.log.snapshot_lsn is None:
+        if target.log is None:
+            continue
+        if target.log.snapshot_lsn is None:
+            if str(table) in state:
+                gone.append(str(table))
             continue
         log = _read_log(destination, target.path, config, target.log)
         previous = state.get(str(table))
@@ -252,9 +258,9 @@ def _record_state(
         if applied is None and previous is not None and previous.log.snapshot_version == log.snapshot_version:
             applied = previous.applied_lsn  # the same snapshot's rows: what was applied before still is
         rows[str(table)] = StateRow(str(table), target.path, log, applied)
-    if rows:
+    if rows or gone:
         fault_point("before_state_write")
-        write_state(spark, state_path(config.delta.root, config.slot), state, rows.values())
+        write_state(spark, state_path(config.delta.root, config.slot), state, rows.values(), forget=gone)
     return rows
 
 

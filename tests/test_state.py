@@ -10,6 +10,7 @@ of a drain over many tables. The crash between the Delta commits and the state w
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import deltalake
@@ -128,6 +129,13 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     fifth = drained(pg, config, spark, {"acct": 2, "journal": 5, "extra": 2})
     assert fifth.tables_without_snapshot == [] and fifth.tables["public.extra"].inserted == 1
     assert "public.extra" in state_of(spark, config)
+
+    # A listed table whose Delta table went away: its changes are skipped, its row forgotten.
+    shutil.rmtree(path_of(config, "extra"))
+    pg.execute("INSERT INTO extra VALUES (3); UPDATE acct SET n = 3 WHERE id = 1")
+    sixth = drained(pg, config, spark, {"acct": 2, "journal": 5})
+    assert sixth.tables_without_snapshot == ["public.extra"] and sixth.tables["public.extra"].delta_version is None
+    assert "public.extra" not in state_of(spark, config) and not Path(path_of(config, "extra")).exists()
 
 
 def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(

@@ -86,10 +86,13 @@ def read_state(spark: SparkSession, path: str) -> dict[str, StateRow]:
     return {table: row for table, (_, row) in rows.items()}
 
 
-def write_state(spark: SparkSession, path: str, previous: dict[str, StateRow], changed: Iterable[StateRow]) -> None:
+def write_state(
+    spark: SparkSession, path: str, previous: dict[str, StateRow], changed: Iterable[StateRow], forget: Iterable[str] = ()
+) -> None:
     """Replace the state with ``previous`` updated by ``changed`` (rows of snapshotted tables only:
-    a row saying "no snapshot" could hide a snapshot whose own state write was lost)."""
-    rows = dict(previous)
+    a row saying "no snapshot" could hide a snapshot whose own state write was lost), without the
+    rows of the tables named in ``forget`` (found without a snapshot: their Delta table went away)."""
+    rows = {table: row for table, row in previous.items() if table not in set(forget)}
     rows.update((row.table, row) for row in changed if row.log.snapshot_lsn is not None and row.log.version is not None)
     now = datetime.now(timezone.utc)
     table = pa.Table.from_pylist(
