@@ -10,7 +10,8 @@ module reads only the files it needs, with the ``pyarrow.fs`` client of the lake
   possibly stale): the commits after ``known.version``, found by asking for ``version + 1``,
   ``version + 2``, ... until one is missing; plus one read of the known snapshot commit to
   check that ``known`` describes this log (a table deleted and written again restarts its
-  versions). A mismatch falls back to:
+  versions), and of ``known.version`` itself (when both it and the next commit are gone, log
+  cleanup removed commits the read would need). A mismatch falls back to:
 * without ``known``: one listing of ``_delta_log``, then the commits newest first, back to the
   newest snapshot commit.
 
@@ -117,19 +118,12 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
             known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker)
         elif snapshot_commit is None or _snapshot_lsn(snapshot_commit) != known.snapshot_lsn:
             return None  # not this log's snapshot (another table now lives at this path)
-    if log.commit(known.version) is None and not _covered_by_checkpoint(log, known.version):
-        return None
+    if log.commit(known.version) is None and log.commit(known.version + 1) is None:
+        return None  # beyond this log, or commits after it are gone with log cleanup: a gap
     newer: list[tuple[int, list[str | None]]] = []
     while (commit := log.commit(known.version + len(newer) + 1)) is not None:
         newer.append((known.version + len(newer) + 1, commit))
     return fold_table_log(reversed(newer), known.version + len(newer), known)
-
-
-def _covered_by_checkpoint(log: _Log, version: int) -> bool:
-    """Whether ``version`` still belongs to the log although its commit file was cleaned up:
-    the newest checkpoint (``_last_checkpoint``) is at or after it."""
-    checkpoint = log.read(LAST_CHECKPOINT)
-    return checkpoint is not None and version <= int(json.loads(checkpoint)["version"])
 
 
 def _from_listing(log: _Log) -> TableLog:
