@@ -124,14 +124,14 @@ def join_location(root: str, *components: str) -> str:
         if not is_object_store(root):
             parse_object_location(root)  # raises, naming the schemes that work
         return "/".join([root.rstrip("/"), *components])
-    return str(_resolved_root(root.removeprefix("file://"), os.getcwd()).joinpath(*components))
+    return os.path.join(_resolved_root(root.removeprefix("file://"), os.getcwd()), *components)
 
 
 @functools.lru_cache(maxsize=64)
-def _resolved_root(root: str, working_directory: str) -> Path:
+def _resolved_root(root: str, working_directory: str) -> str:
     """``root`` resolved against ``working_directory``: once per root, not once per table of a
     run (resolving walks the path with a system call per component)."""
-    return (Path(working_directory) / root).resolve()
+    return str((Path(working_directory) / root).resolve())
 
 
 @dataclass(frozen=True, slots=True)
