@@ -65,7 +65,7 @@ class Destination(Protocol):
     def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
         """The table's :class:`TableLog` from its own log: only the commits after ``known.version``
         when ``known`` (an earlier answer, possibly stale) still matches the log, else from the
-        newest checkpoint back to the newest snapshot commit. Never more than those commits."""
+        newest commit back to the newest snapshot commit. Never more than those commits."""
 
     def table_schema(self, path: str) -> pa.Schema:
         """The table's current schema."""

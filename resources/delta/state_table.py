@@ -14,9 +14,10 @@ What a run uses a row for without that check: the refusal "no replicated table h
 snapshot" (a wrong root has no state either) and the Delta version and applied LSN reported
 for tables without changes (which may lag behind after a crash until the table next changes).
 
-Every write replaces the whole table (one file of one row per table): it stays one small
-file and a bounded log whatever the number of runs. The files and log entries the overwrites
-leave are what the maintenance job vacuums and cleans up, like any Delta table's.
+Every write replaces the whole table (one file of one row per table), so what a run reads stays
+one small file (and the engine reads the log from its newest checkpoint) whatever the number of
+runs. The replaced files and the log entries (one commit per write) stay on disk until the
+maintenance job vacuums the table and cleans its log, like any Delta table's.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def write_state(
     """Replace the state with ``previous`` updated by ``changed`` (rows of snapshotted tables only:
     a row saying "no snapshot" could hide a snapshot whose own state write was lost), without the
     rows of the tables named in ``forget`` (found without a snapshot: their Delta table went away)."""
-    rows = {table: row for table, row in previous.items() if table not in set(forget)}
+    forgotten = set(forget)
+    rows = {table: row for table, row in previous.items() if table not in forgotten}
     rows.update((row.table, row) for row in changed if row.log.snapshot_lsn is not None and row.log.version is not None)
     now = datetime.now(timezone.utc)
     table = pa.Table.from_pylist(
