@@ -4,17 +4,22 @@ A drain reads a table's own log only when it meets a change for that table; the 
 (``resources/delta/state_table.py``) answers the rest. These tests make the state stale or
 wrong in each way a crash or a re-snapshot can, and check that the drain still skips and
 applies exactly (Delta equal to PostgreSQL after every drain); and they count the log reads
-of a drain over many tables. The crash between the Delta commits and the state write is the
-``before_state_write`` case of ``test_incremental.py::test_sigkill_at_each_fault_point_then_rerun_is_exact``.
+of a drain over many tables. The crashes at the other fault points end with the state checked
+too (``test_incremental.py::test_sigkill_at_each_fault_point_then_rerun_is_exact``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import deltalake
 import pytest
+import yaml
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
@@ -26,6 +31,7 @@ from resources.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.snapshot import snapshot_table, snapshot_tables
+from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 
@@ -59,6 +65,17 @@ def resnapshot_without_state(pg: PgDatabase, config: PgcdcConfig, spark: SparkSe
     snapshot_table(pg.dsn, "pub", TableName("public", table), spark, path_of(config, table), slot=SLOT)
 
 
+def crashing_child(config: PgcdcConfig, tmp_path: Path, fault: str) -> subprocess.CompletedProcess[str]:
+    """One drain in a child process that SIGKILLs itself at ``fault`` (resources/testing/faults.py)."""
+    config_file = tmp_path / "pgcdc.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump()))
+    return subprocess.run(
+        [sys.executable, "-m", "tests.incremental_child", str(config_file), "1000"],
+        env={**os.environ, FAULT_POINT_ENV: fault}, capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+
+
 def drained(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, expected: dict[str, int]) -> IncrementalResult:
     """One drain; then every table equals PostgreSQL (``expected``: its row count; key ``id`` or none)
     and every state row and reported version is the table's real newest version."""
@@ -88,9 +105,17 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
         t: (s.snapshot_lsn, s.delta_version, s.delta_version) for t, s in snapshots.items()
     }
 
+    # SIGKILL once every Delta commit of the drain is durable, before the state write and the
+    # final confirm: the state is behind both tables, the rerun replays the drain (the keyless
+    # table's append marker, in a commit the state does not know, makes it skip the replay).
     pg.execute("UPDATE acct SET n = 1 WHERE id = 1; INSERT INTO journal VALUES (1, 'one')")
+    versions = {table: version_of(config, table) for table in ("acct", "journal")}
+    killed = crashing_child(config, tmp_path, "before_state_write")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert {t: version_of(config, t) for t in versions} == {t: v + 1 for t, v in versions.items()}
+    assert {t: r.log.version for t, r in state_of(spark, config).items()} == {f"public.{t}": v for t, v in versions.items()}
     first = drained(pg, config, spark, {"acct": 2, "journal": 2})
-    assert first.tables["public.journal"].last_applied_lsn == first.tables["public.journal"].applied_lsn is not None
+    assert first.tables["public.journal"].inserted == 0 and first.changes_skipped == 1  # applied before the crash
 
     # A re-snapshot whose state write was lost: the state names the old snapshot. The rows
     # inserted before the new snapshot are in it; applying them again would duplicate them.
