@@ -20,7 +20,7 @@ from pathlib import Path
 
 import deltalake
 import pytest
-from dagster import AssetKey, DagsterInstance, DefaultScheduleStatus, instance_for_test
+from dagster import AssetKey, DefaultScheduleStatus, instance_for_test
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
@@ -31,8 +31,8 @@ from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDU
 from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.conftest import PgDatabase
-from tests.test_faults import SLOT, Child, write_config
+from tests.conftest import POSTGRES_VERSIONS, PgDatabase
+from tests.test_faults import SLOT, Child, confirmed, write_config
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -142,7 +142,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     assert schedule.default_status == DefaultScheduleStatus.STOPPED and schedule.cron_schedule == "0 4 * * 0"
 
     snapshot_tables(config, spark)
-    drains = 8  # below Sail's checkpoint interval of 10 commits: see age_commits
+    drains = 6  # below Sail's checkpoint interval of 10 commits: see age_commits
     for i in range(drains):
         drain_work(pg, i)
         run_incremental(config, spark)
@@ -206,17 +206,23 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         assert read_applied_marker(spark, journal) == applied  # the newest append commit stays
         assert_exact(pg, config)
 
-    # More drains on the maintained tables, then one that crashes after its Delta commit.
-    for i in range(drains, drains + 3):
-        drain_work(pg, i)
-        run_incremental(config, spark)
+    # A drain on the maintained tables; then (on one version: the crash is Delta's, not
+    # PostgreSQL's, and a child process with its own engine is costly) one that crashes after
+    # its Delta commit and is replayed.
+    drain_work(pg, drains)
+    run_incremental(config, spark)
     assert_exact(pg, config)
-    for i in range(drains + 3, drains + 6):
+    if pg.major != POSTGRES_VERSIONS[-1]:
+        return
+    for i in range(drains + 1, drains + 4):
         drain_work(pg, i)
+    position = confirmed(pg)
     child = Child(config_file, chunk=100, env={FAULT_POINT_ENV: "after_delta_commit"})
     try:
         assert child.wait(timeout=120) == -9, child.output()
     finally:
         child.kill()
-    run_incremental(config, spark)
+    assert confirmed(pg) == position  # in Delta, not confirmed: the next drain replays it
+    replay = run_incremental(config, spark)
+    assert replay.changes_skipped > 0  # the keyless and FULL commits' markers, found after maintenance
     assert_exact(pg, config)

@@ -36,10 +36,9 @@ Never run this while a drain writes the same table: the Dagster job runs in the 
 
 from __future__ import annotations
 
-import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -387,31 +386,6 @@ def _log_files(lake: LakeStorage, path: str) -> set[str]:
         for info in filesystem.get_file_info(selector)  # type: ignore[attr-defined]
         if _COMMIT_FILE.match(info.base_name)
     }
-
-
-def maintain_tables(
-    paths: list[str],
-    lake: LakeStorage,
-    *,
-    retention_hours: int,
-    target_file_bytes: int,
-    spark: SparkSession | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, TableMaintenance]:
-    """:func:`maintain_table` for each path holding a Delta table (others are logged and left alone)."""
-    done = {}
-    for path in paths:
-        if not is_delta_table(lake, path):
-            log(f"{path}: no Delta table (not snapshotted yet): nothing to maintain")
-            continue
-        result = maintain_table(
-            path, lake, retention_hours=retention_hours, target_file_bytes=target_file_bytes, spark=spark
-        )
-        for warning in result.warnings:
-            log(f"warning: {warning}")
-        log(describe(result))
-        done[path] = result
-    return done
 
 
 def describe(result: TableMaintenance) -> str:
