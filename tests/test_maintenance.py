@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 
 import deltalake
+import pyarrow as pa
 import pytest
 from dagster import AssetKey, DefaultScheduleStatus, instance_for_test
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import PgcdcConfig
+from resources.delta.maintenance import delta_tables_under, maintain_table
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_applied_marker, read_snapshot_lsn
 from resources.incremental import run_incremental
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
@@ -32,9 +34,10 @@ from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import POSTGRES_VERSIONS, PgDatabase
+from tests.s3_fixtures import S3Server
 from tests.test_faults import SLOT, Child, confirmed, write_config
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.spark_fixtures", "tests.s3_fixtures"]
 
 DDL = """
     CREATE TABLE acct (id int PRIMARY KEY, balance numeric(12, 2), note text, seen timestamptz, tags int[]);
@@ -161,9 +164,15 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     at_inside = rows_at(acct, inside)
     at_cutoff = rows_at(acct, drains // 2)  # the version current at the cutoff: still readable
 
+    # pgcdc's own tables under <delta.root>/_pgcdc/ (its state) are maintained with the others.
+    state = str(tmp_path / "lake" / "_pgcdc" / "state" / SLOT)
+    for i in range(4):
+        deltalake.write_deltalake(state, pa.table({"table": [f"t{i}"], "version": [i]}), mode="append")
+
     with instance_for_test() as instance:
         first = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(instance=instance)
         assert first.success
+        assert len(table_files(state)) == 1
         for table, path in paths.items():
             observed = observations(first, AssetKey(["pgcdc", "public", table]))
             assert len(observed) == 1
@@ -226,3 +235,20 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     replay = run_incremental(config, spark)
     assert replay.changes_skipped > 0  # the keyless and FULL commits' markers, found after maintenance
     assert_exact(pg, config)
+
+
+def test_maintenance_of_an_object_store_lake_through_delta_rs(s3_server: S3Server, s3_root: str) -> None:
+    """An ``s3://`` lake (moto): found under ``_pgcdc/``, compacted, listed and cleaned through the
+    configured store, credentials from their ${ENV} references."""
+    lake = s3_server.lake(s3_root)
+    path = f"{s3_root}/_pgcdc/state/{SLOT}"
+    # delta-rs writes the table here as Sail would (this test needs no engine); maintenance then commits without the flag.
+    writing = {**lake.object_store_options(), "AWS_S3_ALLOW_UNSAFE_RENAME": "true"}
+    for i in range(4):
+        deltalake.write_deltalake(path, pa.table({"table": [f"t{i}"], "version": [i]}), mode="append", storage_options=writing)
+    assert delta_tables_under(lake, f"{s3_root}/_pgcdc") == [path]
+    done = maintain_table(path, lake, retention_hours=RETENTION_HOURS, target_file_bytes=1 << 27)
+    assert (done.method, done.table_before.files, done.table_after.files) == ("delta-rs", 4, 1)
+    assert done.storage_after.files == 5 and done.log_files_after == 6  # 5 commits and a checkpoint
+    table = deltalake.DeltaTable(path, storage_options=lake.object_store_options())
+    assert sorted(table.to_pyarrow_table().column("version").to_pylist()) == [0, 1, 2, 3]

@@ -36,6 +36,7 @@ Never run this while a drain writes the same table: the Dagster job runs in the 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -46,6 +47,7 @@ from pyspark.sql import SparkSession
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.lake_storage import is_object_store, join_location, LakeStorage, parse_object_location
+from resources.delta.snapshot_writes import STAGING_DIRECTORY
 
 DELTA_LOG = "_delta_log"
 STATE_DIRECTORY = "_pgcdc"
@@ -146,7 +148,7 @@ def delta_tables_under(lake: LakeStorage, location: str) -> list[str]:
     found = set()
     for info in filesystem.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True)):  # type: ignore[attr-defined]
         parts = info.path[len(base) :].strip("/").split("/")
-        if DELTA_LOG in parts and not any(part == "_pgcdc_staging" for part in parts):
+        if DELTA_LOG in parts and STAGING_DIRECTORY not in parts:
             table = "/".join(parts[: parts.index(DELTA_LOG)])
             found.add(join_location(location, table) if table else location.rstrip("/"))
     return sorted(found)
@@ -214,7 +216,7 @@ class _DeltaRsMaintenance:
         version = table.version()
         log_hours = _log_retention_hours(table.metadata().configuration)
         if log_hours >= retention_hours:
-            self._clean_log(_newest_pgcdc_commit(table))
+            self._clean_log(_newest_writer_commit(self.lake, self.path), log_hours)
         else:
             warnings.append(
                 f"{self.path}: delta.logRetentionDuration ({log_hours:g} h) is shorter than maintenance.retention_hours"
@@ -237,9 +239,13 @@ class _DeltaRsMaintenance:
         if f"{version:020d}.checkpoint.parquet" not in _log_files(self.lake, self.path):
             self._open_at(version).create_checkpoint()
 
-    def _clean_log(self, keep_from: int) -> None:
+    def _clean_log(self, keep_from: int, log_hours: float) -> None:
         """Delete the expired log entries older than version ``keep_from``: a checkpoint there,
-        then Delta's clean-up of what it covers, then the orphaned ``.crc`` files."""
+        then Delta's clean-up of what it covers, then the orphaned ``.crc`` files. Nothing (no
+        checkpoint either) while no file below ``keep_from`` has expired."""
+        cutoff = time.time() - log_hours * 3600
+        if not any(int(name[:20]) < keep_from and mtime < cutoff for name, mtime in _log_entries(self.lake, self.path).items()):
+            return
         self._checkpoint(keep_from)
         self._open_at(keep_from).cleanup_metadata()
         self._remove_orphan_checksums()
@@ -314,23 +320,23 @@ MAINTENANCE_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
 """The commits maintenance writes (delta-rs and Delta on Spark name them alike)."""
 
 
-def _newest_pgcdc_commit(table: object) -> int:
+def _newest_writer_commit(lake: LakeStorage, path: str) -> int:
     """The newest version not written by maintenance: the newest snapshot, drain or other writer's commit.
 
     Log clean-up keeps it and everything after it, so maintenance never takes a commit (and its
     marker) out of the log that would have stayed without maintenance: a table's log is cleaned
     only as far as its own writers have moved it. Maintenance commits nothing on an idle table,
-    so this reads a few commits.
+    so this reads a few commit files, newest first.
     """
-    page = 8
-    while True:
-        commits = table.history(limit=page)  # type: ignore[attr-defined]  # newest first
-        for commit in commits:
-            if commit.get("operation") not in MAINTENANCE_OPERATIONS:
-                return int(commit["version"])
-        if len(commits) < page:
-            return int(commits[-1]["version"]) if commits else 0
-        page *= 4
+    versions = sorted((int(name[:20]) for name in _log_files(lake, path) if name.endswith(".json")), reverse=True)
+    filesystem, log = _filesystem_path(lake, join_location(path, DELTA_LOG))
+    for version in versions:
+        with filesystem.open_input_stream(f"{log}/{version:020d}.json") as commit:  # type: ignore[attr-defined]
+            actions = commit.read().decode("utf-8").splitlines()
+        infos = [json.loads(line)["commitInfo"] for line in actions if line.startswith('{"commitInfo"')]
+        if not infos or infos[0].get("operation") not in MAINTENANCE_OPERATIONS:
+            return version
+    return versions[-1]
 
 
 def _add_stats(table: object) -> FileStats:
@@ -377,12 +383,17 @@ def _hidden(name: str) -> bool:
 
 def _log_files(lake: LakeStorage, path: str) -> set[str]:
     """Names of the commit, checkpoint and checksum files in the table's ``_delta_log``."""
+    return set(_log_entries(lake, path))
+
+
+def _log_entries(lake: LakeStorage, path: str) -> dict[str, float]:
+    """:func:`_log_files` with each file's modification time (seconds since the epoch)."""
     from pyarrow import fs
 
     filesystem, log = _filesystem_path(lake, join_location(path, DELTA_LOG))
     selector = fs.FileSelector(log, allow_not_found=True)
     return {
-        info.base_name
+        info.base_name: info.mtime.timestamp()
         for info in filesystem.get_file_info(selector)  # type: ignore[attr-defined]
         if _COMMIT_FILE.match(info.base_name)
     }
