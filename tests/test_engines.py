@@ -24,15 +24,12 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-import deltalake
 import pytest
 import yaml
 
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.maintenance import maintain_table
-from resources.delta.markers import read_applied_marker, read_snapshot_lsn
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
@@ -69,9 +66,6 @@ LIFECYCLE_DDL = """
 """
 #: Tests that run on the Spark engines only: Sail runs them embedded (tests/test_faults.py).
 SPARK_ONLY = {"test_crash_points_then_the_rerun_is_exact"}
-#: Maintenance on the managed Spark only: the cluster runs the same Delta commands, and Sail's
-#: server gets delta-rs like embedded Sail (tests/test_maintenance.py).
-SPARK_LOCAL_ONLY = {"test_maintenance_with_delta_commands_and_delta_rs_on_one_lake"}
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
 CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge"}
@@ -96,8 +90,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One session-wide engine instance per name, shared by every test that runs on it, paired
     with the PostgreSQL versions it runs against."""
     if "engine" in metafunc.fixturenames:
-        name = metafunc.function.__name__
-        names = ENGINES[:1] if name in SPARK_LOCAL_ONLY else SPARK_ENGINES if name in SPARK_ONLY else ENGINES
+        names = SPARK_ENGINES if metafunc.function.__name__ in SPARK_ONLY else ENGINES
         pairs = [(name, version) for name in names for version in ENGINE_VERSIONS[name]]
         metafunc.parametrize(
             ("engine", "pg_server"), pairs, indirect=True, scope="session",
@@ -250,41 +243,6 @@ def test_crash_points_then_the_rerun_is_exact(engine: EngineUnderTest, pg: PgDat
             time.sleep(0.2)
         assert not group_alive(jvm), "the managed Spark JVM outlived the pgcdc process that started it"
     rerun_converges(pg, config, spark)
-
-
-def test_maintenance_with_delta_commands_and_delta_rs_on_one_lake(
-    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
-) -> None:
-    """Spark's own OPTIMIZE / VACUUM on two tables, delta-rs on the third (as an engine without
-    the commands would): Spark's next drains read and MERGE into what delta-rs committed, the
-    protocol stays what Spark wrote, the markers stay findable, Delta equals PostgreSQL."""
-    spark = engine.spark
-    assert spark is not None
-    pg.execute(LIFECYCLE_DDL)
-    config = engine_config(pg, tmp_path, engine)
-    snapshot_tables(config, spark)
-    for offset in range(0, 9, 3):
-        writes(pg, 3, offset)
-        run_incremental(config, spark)
-    assert_lake_exact(pg, config, 300)
-    acct, journal, dup = (config.table_path("public", name) for name in ("acct", "journal", "dup"))
-    protocol = deltalake.DeltaTable(acct).protocol()
-    markers = (read_snapshot_lsn(spark, acct), read_applied_marker(spark, journal))
-    lake = config.delta.lake()
-    by_spark = {
-        path: maintain_table(path, lake, retention_hours=168, target_file_bytes=1 << 27, spark=spark)
-        for path in (journal, dup)
-    }
-    by_delta_rs = maintain_table(acct, lake, retention_hours=168, target_file_bytes=1 << 27)
-    assert {result.method for result in by_spark.values()} == {"spark"} and by_delta_rs.method == "delta-rs"
-    assert by_spark[journal].table_after.files < by_spark[journal].table_before.files
-    assert by_delta_rs.table_after.files < by_delta_rs.table_before.files
-    assert deltalake.DeltaTable(acct).protocol() == protocol
-    assert (read_snapshot_lsn(spark, acct), read_applied_marker(spark, journal)) == markers
-    assert_lake_exact(pg, config, 300)
-    writes(pg, 3, 9)
-    run_incremental(config, spark)
-    assert_lake_exact(pg, config, 300)
 
 
 def next_line(stream: TextIO, prefix: str) -> str:
