@@ -20,6 +20,7 @@ from dagster import (
 from pgcdc_assets.common import discover_tables
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import build_incremental_assets
+from pgcdc_assets.maintenance_job import build_maintenance
 from pgcdc_assets.snapshot_assets import build_snapshot_assets
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import CONFIG_ENV_VAR, load_config
@@ -70,10 +71,13 @@ def build_definitions(
         description="Drains the slot on schedule.cron from the pgcdc configuration.",
     )
     snapshot_keys = {table: translator.get_snapshot_asset_key(p) for table, p in props.items()}
+    maintenance_job, maintenance_schedule = build_maintenance(
+        config, {p.delta_path: translator.get_table_asset_key(p) for p in props.values()}
+    )
     return Definitions(
         assets=[snapshot_assets, incremental_assets],
-        jobs=[snapshot_job, resnapshot_job, incremental_job],
-        schedules=[schedule],
+        jobs=[snapshot_job, resnapshot_job, incremental_job, maintenance_job],
+        schedules=[schedule, maintenance_schedule],
         sensors=[
             build_slot_lag_sensor(),
             build_new_tables_sensor(snapshot_keys),

@@ -85,6 +85,21 @@ class CheckSettings(_Section):
     max_lag_bytes: int = Field(default=1024 * 1024 * 1024, ge=0, description="asset check bound on slot lag")
 
 
+class MaintenanceSettings(_Section):
+    """``maintenance``: what the ``pgcdc_maintenance`` job keeps (``resources/delta/maintenance.py``)."""
+
+    cron: str = Field(default="0 3 * * *", description="when pgcdc_maintenance_schedule fires (stopped by default)")
+    retention_hours: int = Field(
+        default=168,
+        ge=1,
+        description="data files a newer version no longer references are deleted this long after their removal; "
+        "time travel to any version of this window keeps working",
+    )
+    target_file_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=1024 * 1024, description="compaction writes files of about this size"
+    )
+
+
 class PgcdcConfig(_Section):
     postgres: PostgresSettings
     publication: str = Field(min_length=1)
@@ -97,6 +112,7 @@ class PgcdcConfig(_Section):
     schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
     sensors: SensorSettings = Field(default_factory=SensorSettings)
     checks: CheckSettings = Field(default_factory=CheckSettings)
+    maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
 
     @field_validator("slot")
     @classmethod
