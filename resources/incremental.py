@@ -44,7 +44,8 @@ from resources.cdc.drain import drain, start_streaming
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import TransactionAssembler
 from resources.config import PgcdcConfig
-from resources.delta.markers import newest_version, read_snapshot_lsn
+from resources.delta.layout import TableLayout
+from resources.delta.markers import newest_version, read_snapshot_marker
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
 from resources.delta.lake_storage import open_lake
@@ -182,9 +183,9 @@ def run_incremental(
 def _targets(
     config: PgcdcConfig, spark: SparkSession, tables: list[TableName], say: Callable[[str], None]
 ) -> tuple[dict[TableName, TableTarget], list[str]]:
-    """The run's tables with their snapshot LSNs, and the names of those without a snapshot yet."""
+    """The run's tables with their snapshot LSNs and layouts, and the names of those without a snapshot yet."""
     targets = {
-        table: TableTarget(table, path, _snapshot_lsn(spark, path, config))
+        table: TableTarget(table, path, *_snapshot_marker(spark, path, config))
         for table in tables
         for path in [config.table_path(table.schema, table.name)]
     }
@@ -219,10 +220,10 @@ def _table_results(spark: SparkSession, targets: dict[TableName, TableTarget]) -
     }
 
 
-def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | None:
-    """read_snapshot_lsn, with a failure to read the location as one line naming delta.root."""
+def _snapshot_marker(spark: SparkSession, path: str, config: PgcdcConfig) -> tuple[LSN | None, TableLayout | None]:
+    """read_snapshot_marker, with a failure to read the location as one line naming delta.root."""
     try:
-        return read_snapshot_lsn(spark, path)
+        return read_snapshot_marker(spark, path)
     except PgcdcError:
         raise
     except Exception as exc:  # noqa: BLE001 - Spark's errors are multi-line and name no fix

@@ -30,16 +30,18 @@ import psycopg
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.config import PgcdcConfig
+from resources.config import BucketSettings, PgcdcConfig
+from resources.delta.capabilities import engine_capabilities
+from resources.delta.layout import choose_layout, is_range_key, LayoutError, TableLayout, TableSize
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
-from resources.delta.snapshot_writes import write_snapshot
+from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import read_table, table_oid, TableName
+from resources.postgres.catalog import key_range, primary_key_columns, read_table, size_estimate, TableInfo, table_oid, TableName
 from resources.postgres.copy import (
     copy_pieces,
     DEFAULT_CHUNK_ROWS,
@@ -89,6 +91,7 @@ class SnapshotResult:
     delta_version: int
     duration_s: float
     columns: list[tuple[str, str, str]]  # (name, PostgreSQL type, Delta type) of the published columns
+    layout: TableLayout | None = None  # how the Delta table is bucketed (None: not bucketed)
 
     @property
     def rows_per_second(self) -> float:
@@ -109,8 +112,14 @@ def snapshot_table(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_progress: Callable[[SnapshotProgress], None] | None = None,
+    buckets: BucketSettings | None = None,
+    deletion_vectors: bool = False,
 ) -> SnapshotResult:
     """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path``.
+
+    The Delta table is bucketed by the layout ``buckets`` gives it (default: from its size,
+    ``resources/delta/layout.py``), recorded in the marker; ``deletion_vectors`` turns them on
+    (Delta on Spark only: check :func:`check_deletion_vectors` first).
 
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
@@ -120,7 +129,8 @@ def snapshot_table(
     started = time.monotonic()
     try:
         return _snapshot_table(
-            dsn, publication, table, spark, path, slot, max(1, chunk_rows), max(1, chunk_bytes), on_progress, started
+            dsn, publication, table, spark, path, slot, max(1, chunk_rows), max(1, chunk_bytes), on_progress, started,
+            buckets or BucketSettings(), deletion_vectors,
         )
     except PgcdcError as exc:
         raise _naming_table(exc, table) from exc
@@ -158,6 +168,8 @@ def _snapshot_table(
     chunk_bytes: int,
     on_progress: Callable[[SnapshotProgress], None] | None,
     started: float,
+    buckets: BucketSettings,
+    deletion_vectors: bool,
 ) -> SnapshotResult:
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
         # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
@@ -169,7 +181,8 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        marker = snapshot_marker(snapshot_lsn, slot, str(table))
+        layout = _table_layout(conn.connection, info, schema, buckets)
+        marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         counted = {"rows": 0, "bytes": 0}
 
         def copied() -> None:
@@ -197,9 +210,11 @@ def _snapshot_table(
 
         stream = pieces()
         try:
-            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes)
+            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes, layout=layout)
         finally:
             stream.close()
+        if deletion_vectors:
+            enable_deletion_vectors(spark, path)
     return SnapshotResult(
         table=table,
         snapshot_lsn=snapshot_lsn,
@@ -208,7 +223,38 @@ def _snapshot_table(
         delta_version=version,
         duration_s=time.monotonic() - started,
         columns=[(col.column, col.type_name, spark_ddl_type(col)) for col in columns],
+        layout=layout,
     )
+
+
+def _table_layout(conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings) -> TableLayout | None:
+    """The table's bucketing: by its replica identity key (the primary key under REPLICA IDENTITY
+    FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured.
+    Read inside the snapshot's transaction, so the key range is the copied one."""
+    key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
+    published = {column.name for column in info.columns}
+    if not key or not all(name in published for name in key):
+        return None  # no usable key: merged by row value or appended, not by key
+    key_types = [schema.field(name).type for name in key]
+    override = buckets.override(info.table)
+    rows, pages = size_estimate(conn, info.oid)
+    span = key_range(conn, info.table, key[0]) if override is None and is_range_key(key_types) else None
+    try:
+        return choose_layout(key, key_types, TableSize(rows, pages, span), override, buckets.target_rows)
+    except LayoutError as exc:
+        raise ConfigurationError(
+            f"delta.buckets.tables.{info.table}: {exc}", "use count (hash buckets) for this table instead of width"
+        ) from None
+
+
+def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
+    """Refuse ``delta.deletion_vectors: true`` on an engine without Delta's commands, before anything is written."""
+    if config.delta.deletion_vectors and not engine_capabilities(spark).delta_commands:
+        raise ConfigurationError(
+            "delta.deletion_vectors is true but the engine is not Delta Lake on Spark (the embedded Sail engine "
+            "cannot write deletion vectors)",
+            "set delta.deletion_vectors: false, or spark.engine: spark / a Spark Connect server with Delta",
+        )
 
 
 # --------------------------------------------------------------------------- many tables
@@ -265,6 +311,7 @@ def snapshot_each(
     instead of waiting for the slowest; the publication and slot must already be set up.
     """
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
+    check_deletion_vectors(config, spark)
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {
@@ -277,6 +324,8 @@ def snapshot_each(
                 config.table_path(table.schema, table.name),
                 slot=config.slot,
                 on_progress=on_progress,
+                buckets=config.delta.buckets,
+                deletion_vectors=config.delta.deletion_vectors,
             ): table
             for table in tables
         }

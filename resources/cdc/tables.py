@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
@@ -37,6 +38,8 @@ class TableTarget:
     path: str
     #: None: never snapshotted, so every change is skipped (its snapshot will come later).
     snapshot_lsn: LSN | None
+    #: The bucketing its snapshot recorded (None: not bucketed, e.g. written by an earlier pgcdc).
+    layout: TableLayout | None = None
     stats: TableStats = field(default_factory=TableStats)
     relation: Relation | None = None
     columns: list[PgColumnType] = field(default_factory=list)

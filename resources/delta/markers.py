@@ -4,7 +4,8 @@ Every pgcdc commit that the next run must be able to find carries a JSON marker 
 ``userMetadata``, ``{"pgcdc": {"kind": ...}}``:
 
 * ``snapshot``: the table was (re)written from a COPY at ``snapshot_lsn``; changes at or below
-  it are already in the rows.
+  it are already in the rows. ``layout`` (absent: unbucketed, as every table written before
+  pgcdc chose layouts) is the table's bucketing (``resources/delta/layout.py``).
 * ``append`` / ``replace``: a keyless append or a REPLICA IDENTITY FULL rewrite applied the
   changes of one transaction up to position ``applied_seq`` of the commit ending at
   ``applied_lsn``; a replay skips exactly those.
@@ -24,6 +25,7 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 
 LSN_COLUMN = "_pgcdc_lsn"
@@ -102,7 +104,13 @@ EXPIRED_SNAPSHOT_LSN = LSN(0)
 
 
 def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
-    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker.
+    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker."""
+    return read_snapshot_marker(spark, path)[0]
+
+
+def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, TableLayout | None]:
+    """The snapshot LSN of the newest snapshot commit at ``path`` (None without table or marker)
+    and the layout it recorded (None: unbucketed, or the marker is gone, see below).
 
     Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a
     newer checkpoint covers them, so a table replicated for longer than that has lost its
@@ -117,15 +125,16 @@ def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
         commits = read_commit_metadata(spark, path)
     except AnalysisException as exc:
         if exc.getCondition() == "PATH_NOT_FOUND":  # JVM Spark; Sail lists no commits instead
-            return None
+            return None, None
         raise
     for commit in commits:
         marker = _pgcdc_marker(commit.user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
-            return LSN.parse(marker["snapshot_lsn"])
+            layout = marker.get("layout")
+            return LSN.parse(marker["snapshot_lsn"]), TableLayout.from_json(layout) if layout else None
     if commits and min(commit.version for commit in commits) > 0:
-        return EXPIRED_SNAPSHOT_LSN
-    return None
+        return EXPIRED_SNAPSHOT_LSN, None
+    return None, None
 
 
 def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:
@@ -152,9 +161,12 @@ def applied_marker(kind: str, end: int, seq: int) -> str:
     return json.dumps({"pgcdc": {"kind": kind, "applied_lsn": str(LSN(end)), "applied_seq": seq}})
 
 
-def snapshot_marker(snapshot_lsn: LSN, slot: str, table: str) -> str:
-    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``."""
-    return json.dumps({"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": table}})
+def snapshot_marker(snapshot_lsn: LSN, slot: str, table: str, layout: TableLayout | None = None) -> str:
+    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``, bucketed by ``layout``."""
+    marker: dict[str, Any] = {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": table}
+    if layout is not None:
+        marker["layout"] = layout.to_json()
+    return json.dumps({"pgcdc": marker})
 
 
 def _pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
