@@ -91,7 +91,7 @@ class Replay:
             # Small buckets, so key changes and TOAST-keeping updates move rows between them;
             # the other tables get the layout their size gives them (one bucket at this size).
             "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {
-                "public.k_int": {"width": 16}, "public.k_comp": {"count": 5}, "public.late": {"count": 3},
+                "public.k_int": {"width": 64}, "public.k_comp": {"count": 2}, "public.late": {"count": 2},
             }}},
         })
         self.log_file = tmp_path / f"workload-{seed}.sql"
