@@ -18,6 +18,7 @@ from resources.config import parse_config, PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
 from resources.errors import ConfigurationError
 from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
 from resources.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
@@ -107,7 +108,7 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     drain_and_compare(pg, new, spark)
 
 
-def test_a_bucket_width_for_a_key_that_is_not_one_integer_is_refused_before_writing(
+def test_a_width_for_a_key_that_is_not_one_integer_and_deletion_vectors_on_sail_are_refused_before_writing(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
     pg.execute(DDL)
@@ -115,3 +116,9 @@ def test_a_bucket_width_for_a_key_that_is_not_one_integer_is_refused_before_writ
     with pytest.raises(ConfigurationError, match=r"delta\.buckets\.tables\.public\.fullpk: a bucket width needs a single integer key"):
         snapshot_tables(config, spark)
     assert not (tmp_path / "lake" / "public" / "fullpk" / "_delta_log").exists()
+    vectors = config.model_copy(
+        update={"delta": config.delta.model_copy(update={"deletion_vectors": True, "root": str(tmp_path / "dv")})}
+    )
+    with pytest.raises(ConfigurationError, match="delta.deletion_vectors is true but the engine is not Delta Lake on Spark"):
+        snapshot_tables(vectors, spark, [TableName("public", "acct")])
+    assert not (tmp_path / "dv").exists()

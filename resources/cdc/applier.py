@@ -528,7 +528,7 @@ class ChangeApplier:
             arrays.append(bucket_values(layout, [by_name[name] for name in layout.key]))
             names.append(BUCKET_COLUMN)
         if old_keys is not None and any(flag is not None for flag in flags):
-            old_by_name = {}
+            old_by_name: dict[str, pa.Array] = {}
             for values, i in zip(old_keys, target.key_index):
                 old_by_name[target.columns[i].column] = self._convert(target, values, target.columns[i])
                 arrays.append(old_by_name[target.columns[i].column])
