@@ -20,6 +20,7 @@ and shipped to Spark on the caller's thread while the next pieces are read and p
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +35,7 @@ from resources.config import BucketSettings, PgcdcConfig
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import choose_layout, is_range_key, LayoutError, TableLayout, TableSize
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
-from resources.delta.markers import LSN_COLUMN, snapshot_marker
+from resources.delta.markers import LSN_COLUMN, read_layout_property, snapshot_marker
 from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.delta.lake_storage import open_lake
@@ -181,7 +182,7 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        layout = _table_layout(conn.connection, info, schema, buckets)
+        layout = _lifelong_layout(spark, path, _table_layout(conn.connection, info, schema, buckets))
         marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         counted = {"rows": 0, "bytes": 0}
 
@@ -245,6 +246,16 @@ def _table_layout(conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, 
         raise ConfigurationError(
             f"delta.buckets.tables.{info.table}: {exc}", "use count (hash buckets) for this table instead of width"
         ) from None
+
+
+def _lifelong_layout(spark: SparkSession, path: str, chosen: TableLayout | None) -> TableLayout | None:
+    """The layout the table was created with, when it was created with one (its table property):
+    engines set table properties only when a table is created, and a drain whose snapshot marker has
+    left the log trusts that property, so it must stay true. Otherwise ``chosen``."""
+    created_with = read_layout_property(spark, path)
+    if created_with and created_with != "none":
+        return TableLayout.from_json(json.loads(created_with))
+    return chosen
 
 
 def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:

@@ -2,8 +2,9 @@
 table written the way earlier pgcdc versions wrote it (no bucket column, no layout in its marker)
 through a re-snapshot that adopts range buckets, then row moves between buckets (with and without
 unchanged TOAST), deletes, new buckets, a widening and an added column (both rewrite the table), a
-REPLICA IDENTITY FULL table with a primary key in hash buckets, and TRUNCATE. After every drain
-Delta equals PostgreSQL value for value and every row sits in its key's bucket.
+REPLICA IDENTITY FULL table with a primary key in hash buckets, TRUNCATE, and a re-snapshot with
+another configured layout (a table keeps the layout it was created with). After every drain Delta
+equals PostgreSQL value for value and every row sits in its key's bucket.
 """
 
 from __future__ import annotations
@@ -106,6 +107,16 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
 
     pg.execute("TRUNCATE acct; INSERT INTO acct VALUES (3, 3, 'after truncate', 1), (95, 95, 'x', 2)")
     drain_and_compare(pg, new, spark)
+
+    # a table keeps the layout it was created with (its table property, which outlives the marker)
+    created = config_with(pg, tmp_path / "created", {"public.acct": {"width": 10}, "public.fullpk": {"count": 3}})
+    snapshot_tables(created, spark)
+    changed = config_with(pg, tmp_path / "created", {"public.acct": {"width": 20}, "public.fullpk": {"bucketed": False}})
+    snapshot_tables(changed, spark)
+    pg.execute("UPDATE acct SET id = 42 WHERE id = 3")
+    assert drain_and_compare(pg, changed, spark) == {
+        "acct": TableLayout(RANGE, ("id",), 10), "fullpk": TableLayout(HASH, ("code",), 3),
+    }
 
 
 def test_a_width_for_a_key_that_is_not_one_integer_and_deletion_vectors_on_sail_are_refused_before_writing(

@@ -247,8 +247,10 @@ def test_snapshot_job_copies_every_table_with_metadata(
                 tags={"pgcdc/postgres_type": "timestamp without time zone"},
             ),
             TableColumn("_pgcdc_lsn", "bigint", description="commit LSN that last wrote the row (snapshot LSN here)"),
+            TableColumn("_pgcdc_bucket", "bigint", description="partition column: range buckets of 1,000,000 keys of id"),
         ]
     )  # fmt: skip
+    assert orders["pgcdc/layout"] == "range buckets of 1,000,000 keys of id"
     slot = shop.execute("SELECT slot_type, plugin FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
     assert slot == [("logical", "pgoutput")]
     assert (1, "c1", Decimal("1.25"), [1, None], datetime(2024, 1, 1, 0, 0, 1)) in delta_rows(lake, "orders")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyspark.errors import AnalysisException
-from pyspark.sql import functions as F, SparkSession
+from pyspark.sql import DataFrame, functions as F, SparkSession
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import TableLayout
@@ -70,7 +70,19 @@ def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = Non
                 "version", F.unix_millis("timestamp").alias("timestamp_ms"), "operation", "userMetadata"
             ).orderBy(F.desc("version")).collect()
         ]
-    commits = (
+    commits = _log_actions(spark, path, "commitInfo", _COMMIT_INFO_SCHEMA).select("version", "action.commitInfo.*")
+    if limit is not None:
+        commits = commits.limit(limit)
+    return [
+        CommitRecord(row["version"], row["timestamp"], row["operation"], row["userMetadata"])
+        for row in commits.collect()
+    ]
+
+
+def _log_actions(spark: SparkSession, path: str, action: str, schema: str) -> DataFrame:
+    """The ``action`` actions (parsed by ``schema`` as column ``action``) of the JSON commits left in
+    the table's log, with their ``version``, newest first: a scan of the log's JSON files."""
+    return (
         spark.read.format("binaryFile")
         .option("pathGlobFilter", "*.json")
         .load(f"{path.rstrip('/')}/_delta_log")
@@ -78,17 +90,10 @@ def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = Non
             F.regexp_extract("path", r"(\d+)\.json$", 1).cast("bigint").alias("version"),
             F.explode(F.split(F.col("content").cast("string"), "\n")).alias("line"),
         )
-        .where(F.col("line").startswith('{"commitInfo"'))
-        .select("version", F.from_json("line", _COMMIT_INFO_SCHEMA).alias("action"))
-        .select("version", "action.commitInfo.*")
+        .where(F.col("line").startswith('{"' + action + '"'))
+        .select("version", F.from_json("line", schema).alias("action"))
         .orderBy(F.desc("version"))
     )
-    if limit is not None:
-        commits = commits.limit(limit)
-    return [
-        CommitRecord(row["version"], row["timestamp"], row["operation"], row["userMetadata"])
-        for row in commits.collect()
-    ]
 
 
 def version_with_metadata(spark: SparkSession, path: str, user_metadata: str) -> int:
@@ -133,8 +138,68 @@ def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, Ta
             layout = marker.get("layout")
             return LSN.parse(marker["snapshot_lsn"]), TableLayout.from_json(layout) if layout else None
     if commits and min(commit.version for commit in commits) > 0:
-        return EXPIRED_SNAPSHOT_LSN, None
+        return EXPIRED_SNAPSHOT_LSN, _as_layout(read_layout_property(spark, path))
     return None, None
+
+
+LAYOUT_PROPERTY = "delta.pgcdc.layout"
+"""The table property the snapshot that creates a table records its layout in (``none``: unbucketed).
+Table properties live in the table's metadata, which every checkpoint repeats, so the layout
+outlives the snapshot commit's marker when log cleanup removes it. Engines set it only when the
+table is created (Sail ignores writer options for an existing table), so a table keeps the layout it
+was created with: :func:`resources.snapshot` re-snapshots a table whose property names a layout in
+that layout (docs/contracts.md, "Table layout")."""
+
+
+def layout_property(layout: TableLayout | None) -> str:
+    return json.dumps(layout.to_json()) if layout is not None else "none"
+
+
+def _as_layout(value: str | None) -> TableLayout | None:
+    return TableLayout.from_json(json.loads(value)) if value and value != "none" else None
+
+
+def read_layout_property(spark: SparkSession, path: str) -> str | None:
+    """:data:`LAYOUT_PROPERTY` in the table's newest metadata (None: no table, or created by an earlier
+    pgcdc): from the newest ``metaData`` action of the commits left in the log, or the newest
+    checkpoint's when that is newer. A scan of the log: read by a re-snapshot and once the snapshot
+    marker is gone, not by every drain."""
+    try:
+        return _layout_property(spark, path)
+    except AnalysisException as exc:
+        if exc.getCondition() == "PATH_NOT_FOUND":  # no table yet (JVM Spark; Sail finds no files)
+            return None
+        raise
+
+
+def _layout_property(spark: SparkSession, path: str) -> str | None:
+    log = f"{path.rstrip('/')}/_delta_log"
+    configuration = "metaData STRUCT<configuration: MAP<STRING, STRING>>"
+    newest = (
+        _log_actions(spark, path, "metaData", configuration)
+        .select("version", F.col("action.metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
+        .limit(1)
+        .collect()
+    )
+    checkpoint = (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.checkpoint.parquet")
+        .load(log)
+        .select(F.regexp_extract("path", r"(\d+)\.checkpoint\.parquet$", 1).cast("bigint").alias("version"))
+        .orderBy(F.desc("version"))
+        .limit(1)
+        .collect()
+    )
+    value = newest[0]["layout"] if newest else None
+    if checkpoint and (not newest or checkpoint[0]["version"] >= newest[0]["version"]):
+        rows = (
+            spark.read.parquet(f"{log}/{int(checkpoint[0]['version']):020d}.checkpoint.parquet")
+            .where(F.col("metaData").isNotNull())
+            .select(F.col("metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
+            .collect()
+        )
+        value = rows[0]["layout"] if rows else value
+    return value
 
 
 def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:

@@ -12,7 +12,7 @@ from resources.delta.lake_storage import remove_tree
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, spark_dataframe
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
-from resources.delta.markers import version_with_metadata
+from resources.delta.markers import LAYOUT_PROPERTY, layout_property, version_with_metadata
 
 
 STAGING_DIRECTORY = "_pgcdc_staging"
@@ -44,7 +44,8 @@ def write_snapshot(
     (computed here, on the batches, by the same function a drain uses) and the table is
     partitioned by it, one file per bucket sorted by key: the bucket bounds the file's size
     (Sail 0.7.2 ignores ``maxRecordsPerFile``), and the sort clusters neighbouring keys.
-    ``user_metadata`` must then be the marker recording that layout.
+    ``user_metadata`` must then be the marker recording that layout; the table property
+    :data:`~resources.delta.markers.LAYOUT_PROPERTY` records it too (it outlives the marker).
 
     Readers see the old table or the whole new one, never a prefix. Batches are shipped to
     the server as they arrive, each piece (at most :data:`SHIP_BYTES`) as a temporary view,
@@ -122,8 +123,8 @@ def _overwrite(frame: DataFrame, path: str, user_metadata: str | None, layout: T
     writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
     if layout is not None:
         writer = writer.partitionBy(BUCKET_COLUMN)
-    if user_metadata is not None:
-        writer = writer.option("userMetadata", user_metadata)
+    if user_metadata is not None:  # the table itself, not the staging table
+        writer = writer.option("userMetadata", user_metadata).option(LAYOUT_PROPERTY, layout_property(layout))
     writer.save(path)
 
 

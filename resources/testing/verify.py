@@ -22,6 +22,7 @@ import psycopg
 import pyarrow as pa
 
 from resources.delta.layout import BUCKET_COLUMN, bucket_values, TableLayout
+from resources.delta.markers import LAYOUT_PROPERTY
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import connect
 from resources.postgres.sql import quote_ident
@@ -175,8 +176,9 @@ def _diff(table: str, columns: list[str], key: Sequence[str], pg_rows: list[tupl
 
 def assert_buckets_right(path: str, storage_options: Mapping[str, str] | None = None) -> TableLayout | None:
     """Raise AssertionError unless every row of the Delta table at ``path`` sits in the bucket its
-    key gives it under the layout its newest snapshot marker recorded (and the table is partitioned
-    by the bucket column); a table without a layout must have no bucket column. Returns the layout.
+    key gives it under the layout its newest snapshot marker and its table property recorded (the two
+    must agree; the property alone once log cleanup removed the marker), and the table is partitioned
+    by the bucket column; a table without a layout must have no bucket column. Returns the layout.
 
     :func:`compare_table` ignores the bucket column (it is not PostgreSQL's); this is its check.
     """
@@ -184,12 +186,17 @@ def assert_buckets_right(path: str, storage_options: Mapping[str, str] | None = 
 
     options = dict(storage_options) if storage_options else None
     delta = deltalake.DeltaTable(path, storage_options=options)
-    layout = None
+    # the marker; once log cleanup removed it, the table property (resources/delta/markers.py)
+    configured = delta.metadata().configuration.get(LAYOUT_PROPERTY) or "none"
+    layout = TableLayout.from_json(json.loads(configured)) if configured != "none" else None
     for commit in delta.history():  # newest first
         marker = json.loads(commit["userMetadata"]) if str(commit.get("userMetadata") or "").startswith("{") else {}
         pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
         if isinstance(pgcdc, dict) and pgcdc.get("kind") == "snapshot":
-            layout = TableLayout.from_json(pgcdc["layout"]) if pgcdc.get("layout") else None
+            marked = TableLayout.from_json(pgcdc["layout"]) if pgcdc.get("layout") else None
+            # a table created unbucketed (or by an earlier pgcdc) may have adopted a layout since
+            assert layout is None or marked == layout, f"{path}: the snapshot marker says {marked}, the table property {layout}"
+            layout = marked
             break
     table = delta.to_pyarrow_table()
     if layout is None:
