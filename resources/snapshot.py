@@ -182,7 +182,7 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        layout = _lifelong_layout(spark, path, _table_layout(conn.connection, info, schema, buckets))
+        layout = _table_layout(conn.connection, info, schema, buckets, read_layout_property(spark, path))
         marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         counted = {"rows": 0, "bytes": 0}
 
@@ -228,13 +228,30 @@ def _snapshot_table(
     )
 
 
-def _table_layout(conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings) -> TableLayout | None:
+def _table_layout(
+    conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings, created_with: str | None
+) -> TableLayout | None:
     """The table's bucketing: by its replica identity key (the primary key under REPLICA IDENTITY
-    FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured.
-    Read inside the snapshot's transaction, so the key range is the copied one."""
+    FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured,
+    read inside the snapshot's transaction.
+
+    A table created with a layout keeps it (``created_with``, its table property): engines set table
+    properties only when a table is created, and a drain whose snapshot marker has left the log
+    trusts that property, so it must stay true; a table whose key changed since is refused.
+    """
     key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
     published = {column.name for column in info.columns}
-    if not key or not all(name in published for name in key):
+    usable = bool(key) and all(name in published for name in key)
+    if created_with and created_with != "none":
+        layout = TableLayout.from_json(json.loads(created_with))
+        if not usable or tuple(key) != layout.key:
+            raise ConfigurationError(
+                f"the Delta table of {info.table} was created bucketed by ({', '.join(layout.key)}), which is no "
+                "longer the table's key",
+                "remove the table's Delta directory, then snapshot the table again",
+            )
+        return layout
+    if not usable:
         return None  # no usable key: merged by row value or appended, not by key
     key_types = [schema.field(name).type for name in key]
     override = buckets.override(info.table)
@@ -246,16 +263,6 @@ def _table_layout(conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, 
         raise ConfigurationError(
             f"delta.buckets.tables.{info.table}: {exc}", "use count (hash buckets) for this table instead of width"
         ) from None
-
-
-def _lifelong_layout(spark: SparkSession, path: str, chosen: TableLayout | None) -> TableLayout | None:
-    """The layout the table was created with, when it was created with one (its table property):
-    engines set table properties only when a table is created, and a drain whose snapshot marker has
-    left the log trusts that property, so it must stay true. Otherwise ``chosen``."""
-    created_with = read_layout_property(spark, path)
-    if created_with and created_with != "none":
-        return TableLayout.from_json(json.loads(created_with))
-    return chosen
 
 
 def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
