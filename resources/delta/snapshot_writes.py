@@ -124,7 +124,11 @@ def _overwrite(frame: DataFrame, path: str, user_metadata: str | None, layout: T
     if layout is not None:
         writer = writer.partitionBy(BUCKET_COLUMN)
     if user_metadata is not None:  # the table itself, not the staging table
-        writer = writer.option("userMetadata", user_metadata).option(LAYOUT_PROPERTY, layout_property(layout))
+        writer = writer.option("userMetadata", user_metadata)
+        if not engine_capabilities(frame.sparkSession).delta_commands:
+            # Sail records delta.* writer options as table properties; Delta on Spark refuses
+            # property names it does not know, so there the layout lives in the marker only.
+            writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))
     writer.save(path)
 
 
