@@ -4,7 +4,7 @@
   publication's row filter applied). Writes committed after the drain's end LSN make it fail
   until the next drain, so it is a warning, not an error.
 * ``schema_matches_postgres``: the Delta columns and types are what the type mapping gives
-  for the published columns today, plus ``_pgcdc_lsn``.
+  for the published columns today, plus ``_pgcdc_lsn`` (and ``_pgcdc_bucket`` for a bucketed table).
 * ``slot_lag_within_bound``: the slot's unconfirmed WAL is at most ``checks.max_lag_bytes``;
   past that the source keeps WAL for us and risks disk or slot loss.
 
@@ -20,7 +20,8 @@ from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSeverity, AssetCh
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
-from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
+from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.markers import LSN_COLUMN, read_snapshot_marker
 from resources.names import ROW_COUNT_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
 from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, spark_ddl_type
 from resources.postgres.catalog import read_table, TableName
@@ -73,7 +74,8 @@ def evaluate_table_checks(
     """The selected checks of one table; ``slot_lag`` None means the slot does not exist."""
     config = postgres.config
     path = config.table_path(table.schema, table.name)
-    has_snapshot = read_snapshot_lsn(spark, path) is not None
+    snapshot_lsn, layout = read_snapshot_marker(spark, path)
+    has_snapshot = snapshot_lsn is not None
     no_snapshot = f"no snapshot of {table} at {path}: run the pgcdc_snapshot job"
 
     if AssetCheckKey(key, ROW_COUNT_CHECK) in selected:
@@ -99,6 +101,8 @@ def evaluate_table_checks(
             yield AssetCheckResult(asset_key=key, check_name=SCHEMA_CHECK, passed=False, description=no_snapshot)
         else:
             expected = [*postgres_columns(postgres, table), (LSN_COLUMN, "bigint")]
+            if layout is not None:
+                expected.append((BUCKET_COLUMN, "bigint"))
             actual = delta_columns(spark, path)
             missing = [f"{name} {kind}" for name, kind in expected if (name, kind) not in actual]
             unexpected = [f"{name} {kind}" for name, kind in actual if (name, kind) not in expected]

@@ -20,6 +20,7 @@ and shipped to Spark on the caller's thread while the next pieces are read and p
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -30,18 +31,20 @@ import psycopg
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.config import PgcdcConfig
+from resources.config import BucketSettings, PgcdcConfig
+from resources.delta.capabilities import engine_capabilities
+from resources.delta.layout import choose_layout, is_range_key, LayoutError, TableLayout, TableSize
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
-from resources.delta.markers import LSN_COLUMN, snapshot_marker
+from resources.delta.markers import LSN_COLUMN, read_layout_property, snapshot_marker
 from resources.delta.destination import TableLog
-from resources.delta.snapshot_writes import write_snapshot
+from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
 from resources.delta.state_table import read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import read_table, table_oid, TableName
+from resources.postgres.catalog import key_range, primary_key_columns, read_table, size_estimate, TableInfo, table_oid, TableName
 from resources.postgres.copy import (
     copy_pieces,
     DEFAULT_CHUNK_ROWS,
@@ -91,6 +94,7 @@ class SnapshotResult:
     delta_version: int
     duration_s: float
     columns: list[tuple[str, str, str]]  # (name, PostgreSQL type, Delta type) of the published columns
+    layout: TableLayout | None = None  # how the Delta table is bucketed (None: not bucketed)
 
     @property
     def rows_per_second(self) -> float:
@@ -111,8 +115,14 @@ def snapshot_table(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_progress: Callable[[SnapshotProgress], None] | None = None,
+    buckets: BucketSettings | None = None,
+    deletion_vectors: bool = False,
 ) -> SnapshotResult:
     """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path``.
+
+    The Delta table is bucketed by the layout ``buckets`` gives it (default: from its size,
+    ``resources/delta/layout.py``), recorded in the marker; ``deletion_vectors`` turns them on
+    (Delta on Spark only: check :func:`check_deletion_vectors` first).
 
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
@@ -122,7 +132,8 @@ def snapshot_table(
     started = time.monotonic()
     try:
         return _snapshot_table(
-            dsn, publication, table, spark, path, slot, max(1, chunk_rows), max(1, chunk_bytes), on_progress, started
+            dsn, publication, table, spark, path, slot, max(1, chunk_rows), max(1, chunk_bytes), on_progress, started,
+            buckets or BucketSettings(), deletion_vectors,
         )
     except PgcdcError as exc:
         raise _naming_table(exc, table) from exc
@@ -160,6 +171,8 @@ def _snapshot_table(
     chunk_bytes: int,
     on_progress: Callable[[SnapshotProgress], None] | None,
     started: float,
+    buckets: BucketSettings,
+    deletion_vectors: bool,
 ) -> SnapshotResult:
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
         # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
@@ -171,7 +184,8 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        marker = snapshot_marker(snapshot_lsn, slot, str(table))
+        layout = _table_layout(conn.connection, info, schema, buckets, read_layout_property(spark, path))
+        marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         counted = {"rows": 0, "bytes": 0}
 
         def copied() -> None:
@@ -199,9 +213,11 @@ def _snapshot_table(
 
         stream = pieces()
         try:
-            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes)
+            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes, layout=layout)
         finally:
             stream.close()
+        if deletion_vectors:
+            enable_deletion_vectors(spark, path)
     return SnapshotResult(
         table=table,
         snapshot_lsn=snapshot_lsn,
@@ -210,7 +226,55 @@ def _snapshot_table(
         delta_version=version,
         duration_s=time.monotonic() - started,
         columns=[(col.column, col.type_name, spark_ddl_type(col)) for col in columns],
+        layout=layout,
     )
+
+
+def _table_layout(
+    conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings, created_with: str | None
+) -> TableLayout | None:
+    """The table's bucketing: by its replica identity key (the primary key under REPLICA IDENTITY
+    FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured,
+    read inside the snapshot's transaction.
+
+    A table created with a layout keeps it (``created_with``, its table property): engines set table
+    properties only when a table is created, and a drain whose snapshot marker has left the log
+    trusts that property, so it must stay true; a table whose key changed since is refused.
+    """
+    key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
+    published = {column.name for column in info.columns}
+    usable = bool(key) and all(name in published for name in key)
+    if created_with and created_with != "none":
+        layout = TableLayout.from_json(json.loads(created_with))
+        if not usable or tuple(key) != layout.key:
+            raise ConfigurationError(
+                f"the Delta table of {info.table} was created bucketed by ({', '.join(layout.key)}), which is no "
+                "longer the table's key",
+                "remove the table's Delta directory, then snapshot the table again",
+            )
+        return layout
+    if not usable:
+        return None  # no usable key: merged by row value or appended, not by key
+    key_types = [schema.field(name).type for name in key]
+    override = buckets.override(info.table)
+    rows, pages = size_estimate(conn, info.oid)
+    span = key_range(conn, info.table, key[0]) if override is None and is_range_key(key_types) else None
+    try:
+        return choose_layout(key, key_types, TableSize(rows, pages, span), override, buckets.target_rows)
+    except LayoutError as exc:
+        raise ConfigurationError(
+            f"delta.buckets.tables.{info.table}: {exc}", "use count (hash buckets) for this table instead of width"
+        ) from None
+
+
+def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
+    """Refuse ``delta.deletion_vectors: true`` on an engine without Delta's commands, before anything is written."""
+    if config.delta.deletion_vectors and not engine_capabilities(spark).delta_commands:
+        raise ConfigurationError(
+            "delta.deletion_vectors is true but the engine is not Delta Lake on Spark (the embedded Sail engine "
+            "cannot write deletion vectors)",
+            "set delta.deletion_vectors: false, or spark.engine: spark / a Spark Connect server with Delta",
+        )
 
 
 # --------------------------------------------------------------------------- many tables
@@ -269,6 +333,7 @@ def snapshot_each(
     (``resources/delta/state_table.py``; a crash before it costs the next drain a log read).
     """
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
+    check_deletion_vectors(config, spark)
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     finished: list[SnapshotResult] = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
@@ -282,6 +347,8 @@ def snapshot_each(
                 config.table_path(table.schema, table.name),
                 slot=config.slot,
                 on_progress=on_progress,
+                buckets=config.delta.buckets,
+                deletion_vectors=config.delta.deletion_vectors,
             ): table
             for table in tables
         }
@@ -296,6 +363,6 @@ def snapshot_each(
     if finished:
         state = state_path(config.delta.root, config.slot)
         write_state(spark, state, read_state(spark, state), [
-            StateRow(str(done.table), done.path, TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None), None)
+            StateRow(str(done.table), done.path, TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None, done.layout), None)
             for done in finished
         ])

@@ -32,7 +32,7 @@ from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
 from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 
 pytest_plugins = ["tests.spark_fixtures"]
@@ -46,7 +46,8 @@ def settings(pg: PgDatabase, lake: Path, tables: list[str] | None = None) -> dic
         "publication": "pub",
         "slot": SLOT,
         "tables": tables or [],
-        "delta": {"root": str(lake)},
+        # acct (the crash tests' table) in range buckets of 5 keys: replays cross buckets
+        "delta": {"root": str(lake), "buckets": {"tables": {"public.acct": {"width": 5}}}},
     }
 
 
@@ -68,7 +69,10 @@ def path_of(config: PgcdcConfig, table: str) -> str:
 
 
 def same(pg: PgDatabase, config: PgcdcConfig, table: str, key: tuple[str, ...] = ("id",), **kwargs: object) -> int:
-    return assert_delta_equals_postgres(pg.dsn, table, path_of(config, table), key=key, **kwargs)  # type: ignore[arg-type]
+    """Delta equals PostgreSQL, and every row is in its key's bucket (or the table is unbucketed)."""
+    rows = assert_delta_equals_postgres(pg.dsn, table, path_of(config, table), key=key, **kwargs)  # type: ignore[arg-type]
+    assert_buckets_right(path_of(config, table))
+    return rows
 
 
 def slot_confirmed(pg: PgDatabase) -> LSN:

@@ -27,7 +27,8 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.builder import build_definitions
 from resources.config import PgcdcConfig
 from resources.delta.maintenance import delta_tables_under, maintain_table
-from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_applied_marker, read_snapshot_lsn
+from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_snapshot_lsn
+from resources.delta.table_log import read_table_log
 from resources.incremental import run_incremental
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
 from resources.snapshot import snapshot_tables
@@ -154,8 +155,9 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     assert all(len(files) >= drains for table, files in files_before.items() if table != "dup")
     protocol = {table: deltalake.DeltaTable(path).protocol() for table, path in paths.items()}
     snapshot_lsn = read_snapshot_lsn(spark, acct)
-    applied = read_applied_marker(spark, journal)
-    assert applied is not None
+    applied = read_table_log(journal).applied_marker
+    acct_layout = read_table_log(acct).layout  # from its snapshot marker
+    assert applied is not None and acct_layout is not None
     newest = deltalake.DeltaTable(acct).version()
     # The first half of the drains happened "eight days ago": beyond the week of retention.
     old = {table: age_commits(path, range(1, 1 + drains // 2), days=8) for table, path in paths.items()}
@@ -195,7 +197,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         assert_exact(pg, config)
         # Markers: maintenance commits are none, so the readers find the same ones.
         assert read_snapshot_lsn(spark, acct) == snapshot_lsn
-        assert read_applied_marker(spark, journal) == applied
+        assert read_table_log(journal).applied_marker == applied
         # Time travel inside the retention reads what it read before; before the cutoff it cannot.
         assert rows_at(acct, inside) == at_inside
         assert rows_at(acct, drains // 2) == at_cutoff
@@ -212,7 +214,10 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         assert min(int(p.name[:20]) for p in (Path(acct) / "_delta_log").glob("*.json")) == newest
         assert not [p for p in (Path(acct) / "_delta_log").glob("*.crc") if int(p.name[:20]) < newest]
         assert read_snapshot_lsn(spark, acct) == EXPIRED_SNAPSHOT_LSN  # its snapshot commit expired
-        assert read_applied_marker(spark, journal) == applied  # the newest append commit stays
+        assert read_table_log(journal).applied_marker == applied  # the newest append commit stays
+        # The drains' log read: the layout now comes from the table property in delta-rs's checkpoint.
+        expired = read_table_log(acct)
+        assert (expired.snapshot_lsn, expired.layout) == (EXPIRED_SNAPSHOT_LSN, acct_layout)
         assert_exact(pg, config)
 
     # A drain on the maintained tables; then (on one version: the crash is Delta's, not

@@ -49,11 +49,12 @@ import pyarrow.compute as pc
 
 from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
-from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaReconciler
+from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaChangeError, SchemaReconciler
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination
+from resources.delta.layout import BUCKET_COLUMN, bucket_values
 from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
 from resources.errors import PgcdcError
@@ -263,6 +264,35 @@ class ChangeApplier:
         self._schema.reconcile(target, columns, previous, relation, end, seq)
         target.relation = relation
         target.columns = columns
+        self._check_layout(target)
+
+    @staticmethod
+    def _check_layout(target: TableTarget) -> None:
+        """Refuse to write a bucketed table whose bucket cannot be computed for every change: a
+        bucket predicate must never skip a row, so an unknown or stale layout stops the run."""
+        bucketed = target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names
+        layout = target.layout
+        if layout is None and not bucketed:
+            return
+        if layout is None:
+            raise SchemaChangeError(
+                f"{target.table} is bucketed ({BUCKET_COLUMN}) but the snapshot commit recording its layout is gone "
+                "from the Delta log (log cleanup)",
+                RESNAPSHOT_FIX,
+            )
+        if not bucketed:
+            raise SchemaChangeError(
+                f"the snapshot of {target.table} recorded {layout.describe()} but its Delta table has no {BUCKET_COLUMN} "
+                "column (rewritten by another writer?)",
+                RESNAPSHOT_FIX,
+            )
+        key = {target.columns[i].column for i in target.key_index}
+        if target.mode != KEYED or key != set(layout.key):
+            raise SchemaChangeError(
+                f"the replica identity of {target.table} changed since its snapshot, which bucketed it by "
+                f"({', '.join(layout.key)})",
+                RESNAPSHOT_FIX,
+            )
 
     def _warn_keyless(self, target: TableTarget, op: str) -> None:
         self.changes_skipped += 1
@@ -495,16 +525,27 @@ class ChangeApplier:
         old_keys: list[pa.Array] | None,
         index: pa.Array | None = None,
     ) -> pa.Table:
-        """Text columns -> typed columns (then the rows at ``index``, if given), plus unchanged-TOAST
-        flags, ``_pgcdc_lsn`` and dropped columns."""
+        """Text columns -> typed columns (then the rows at ``index``, if given), plus the bucket (of the
+        row's key, and of the old key of a moved row), unchanged-TOAST flags, ``_pgcdc_lsn`` and dropped columns."""
         arrays = [self._convert(target, values, column) for values, column in zip(columns, target.columns)]
         if index is not None:
             arrays = [array.take(index) for array in arrays]
         names = [column.column for column in target.columns]
+        layout = target.layout
+        if layout is not None:
+            by_name = dict(zip(names, arrays))
+            arrays.append(bucket_values(layout, [by_name[name] for name in layout.key]))
+            names.append(BUCKET_COLUMN)
         if old_keys is not None and any(flag is not None for flag in flags):
+            old_by_name: dict[str, pa.Array] = {}
             for values, i in zip(old_keys, target.key_index):
-                arrays.append(self._convert(target, values, target.columns[i]))
+                old_by_name[target.columns[i].column] = self._convert(target, values, target.columns[i])
+                arrays.append(old_by_name[target.columns[i].column])
                 names.append(OLD_KEY_PREFIX + target.columns[i].column)
+            if layout is not None:
+                # The row under the old key (which holds the kept TOAST values) lives in the old key's bucket.
+                arrays.append(bucket_values(layout, [old_by_name[name] for name in layout.key]))
+                names.append(OLD_KEY_PREFIX + BUCKET_COLUMN)
         for flag, column in zip(flags, target.columns):
             if flag is not None:
                 arrays.append(flag)

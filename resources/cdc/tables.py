@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from resources.delta.destination import TableLog
+from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
@@ -54,6 +55,12 @@ class TableTarget:
     pending: list[tuple] = field(default_factory=list)
     pending_bytes: int = 0
     warned: bool = False
+
+    @property
+    def layout(self) -> TableLayout | None:
+        """The bucketing its log records (None: not bucketed, e.g. written by an earlier pgcdc); ``log`` must be read."""
+        assert self.log is not None, "the table's log is read before its changes are merged"
+        return self.log.layout
 
     def skips(self, end_lsn: int) -> bool:
         """Whether a change committed at ``end_lsn`` is already in (or never goes to) the table; ``log`` must be read."""

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
+from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 
 
@@ -36,9 +37,12 @@ class TableLog:
     version: int | None
     #: (commit end LSN, position) of the newest append/replace marker since that snapshot.
     applied_marker: tuple[int, int] | None
+    #: The bucketing that snapshot recorded (docs/contracts.md, "Table layout"); once its commit left
+    #: the log, the table property ``delta.pgcdc.layout`` of the newest metadata. None: unbucketed.
+    layout: TableLayout | None
 
 
-NO_TABLE = TableLog(None, None, None, None)
+NO_TABLE = TableLog(None, None, None, None, None)
 """The log of a path holding no table."""
 
 

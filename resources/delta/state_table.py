@@ -22,6 +22,7 @@ maintenance job vacuums the table and cleans its log, like any Delta table's.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -32,6 +33,7 @@ from pyspark.sql import SparkSession
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.destination import TableLog
 from resources.delta.lake_storage import join_location
+from resources.delta.layout import TableLayout
 from resources.delta.table_log import table_exists
 from resources.lsn import LSN
 
@@ -47,6 +49,7 @@ STATE_SCHEMA = pa.schema([
     pa.field("applied_lsn", pa.int64()),
     pa.field("marker_lsn", pa.int64()),
     pa.field("marker_seq", pa.int64()),
+    pa.field("layout", pa.string()),  # TableLayout.to_json as JSON; null: unbucketed
     pa.field("updated_at", pa.timestamp("us", tz="UTC")),
 ])
 
@@ -78,7 +81,13 @@ def read_state(spark: SparkSession, path: str) -> dict[str, StateRow]:
         row = StateRow(
             record["table"],
             record["path"],
-            TableLog(LSN(record["snapshot_lsn"]), record["snapshot_version"], record["delta_version"], marker),
+            TableLog(
+                LSN(record["snapshot_lsn"]),
+                record["snapshot_version"],
+                record["delta_version"],
+                marker,
+                TableLayout.from_json(json.loads(record["layout"])) if record.get("layout") else None,
+            ),
             None if record["applied_lsn"] is None else LSN(record["applied_lsn"]),
         )
         updated = record["updated_at"]
@@ -108,6 +117,7 @@ def write_state(
                 "applied_lsn": None if row.applied_lsn is None else int(row.applied_lsn),
                 "marker_lsn": None if row.log.applied_marker is None else row.log.applied_marker[0],
                 "marker_seq": None if row.log.applied_marker is None else row.log.applied_marker[1],
+                "layout": None if row.log.layout is None else json.dumps(row.log.layout.to_json()),
                 "updated_at": now,
             }
             for row in sorted(rows.values(), key=lambda row: row.table)

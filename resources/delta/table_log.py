@@ -19,17 +19,29 @@ Delta's commit files are ``_delta_log/<version as 20 digits>.json``, one JSON ac
 pgcdc's markers are in the ``commitInfo`` action's ``userMetadata``. Checkpoints do not keep
 ``commitInfo``, so a marker in a commit that log cleanup removed is gone: a table whose log no
 longer starts at version 0 and holds no snapshot marker has snapshot LSN
-:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (see ``read_snapshot_lsn`` for why).
+:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (see ``read_snapshot_lsn`` for why), and its
+layout is the one the table property :data:`~resources.delta.markers.LAYOUT_PROPERTY` of its newest
+``metaData`` action names (in the commits after the newest checkpoint, else in that checkpoint):
+read once, when the read first finds the snapshot commit gone.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.lake_storage import storage_client
-from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, fold_table_log, pgcdc_marker
+from resources.delta.layout import TableLayout
+from resources.delta.markers import (
+    EXPIRED_SNAPSHOT_LSN,
+    fold_table_log,
+    LAYOUT_PROPERTY,
+    layout_from_property,
+    marker_layout,
+    pgcdc_marker,
+)
 from resources.lsn import LSN
 
 LOG_DIRECTORY = "_delta_log"
@@ -44,6 +56,16 @@ def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
         if checked is not None:
             return checked
     return _from_listing(log)
+
+
+def version_with_metadata(path: str, user_metadata: str) -> int:
+    """The version of the newest commit carrying ``user_metadata`` (a writer's own commit, found by its
+    marker so a concurrent writer cannot be mistaken for it): one listing, then the commits newest first."""
+    log = _Log(path)
+    for version in reversed(log.versions()[0]):
+        if user_metadata in (log.commit(version) or []):
+            return version
+    raise RuntimeError(f"no commit with userMetadata {user_metadata!r} in {path}")
 
 
 def table_exists(path: str) -> bool:
@@ -70,14 +92,45 @@ class _Log:
     def commit(self, version: int) -> list[str | None] | None:
         """The userMetadata of the commit file ``version`` (a list: Delta allows one commitInfo,
         but nothing is assumed); None when the file does not exist."""
+        actions = self.actions(version, "commitInfo")
+        return None if actions is None else [action.get("userMetadata") for action in actions]
+
+    def actions(self, version: int, kind: str) -> list[dict[str, Any]] | None:
+        """The ``kind`` actions of the commit file ``version``; None when the file does not exist."""
         text = self.read(f"{version:020d}.json")
         if text is None:
             return None
-        return [
-            json.loads(line)["commitInfo"].get("userMetadata")
-            for line in text.splitlines()
-            if line.startswith('{"commitInfo"')
+        prefix = '{"' + kind + '"'
+        return [json.loads(line)[kind] for line in text.splitlines() if line.startswith(prefix)]
+
+    def layout_property(self) -> TableLayout | None:
+        """:data:`LAYOUT_PROPERTY` of the newest ``metaData``: the newest commit after the newest
+        checkpoint that has one, else the checkpoint's (one listing, those commits, one column of the checkpoint)."""
+        versions, checkpoint = self.versions()
+        for version in reversed([v for v in versions if checkpoint is None or v > checkpoint]):
+            for metadata in self.actions(version, "metaData") or []:
+                return layout_from_property((metadata.get("configuration") or {}).get(LAYOUT_PROPERTY))
+        if checkpoint is None:
+            return None
+        return layout_from_property(self._checkpoint_property(checkpoint))
+
+    def _checkpoint_property(self, version: int) -> str | None:
+        """The property in the ``metaData`` of checkpoint ``version`` (classic or multi-part parquet files)."""
+        import pyarrow.parquet as pq
+        from pyarrow import fs
+
+        selector = fs.FileSelector(self.directory)
+        names = [
+            entry.path
+            for entry in self.filesystem.get_file_info(selector)  # type: ignore[attr-defined]
+            if entry.base_name.startswith(f"{version:020d}.checkpoint.") and entry.base_name.endswith(".parquet")
         ]
+        for name in sorted(names):
+            rows = pq.read_table(name, columns=["metaData"], filesystem=self.filesystem).column("metaData")
+            for metadata in rows.to_pylist():
+                if metadata is not None:
+                    return dict(metadata.get("configuration") or []).get(LAYOUT_PROPERTY)
+        return None
 
     def versions(self) -> tuple[list[int], int | None]:
         """The versions of the commit files present, ascending, and the newest checkpoint's version."""
@@ -104,9 +157,10 @@ class _Log:
 def _after_known(log: _Log, known: TableLog) -> TableLog | None:
     """``known`` advanced by the commits after it; None when ``known`` does not match this log.
 
-    ``known`` is a hint: its snapshot LSN counts only when its snapshot commit, read here,
-    carries it. A snapshot commit gone with log cleanup (the log no longer starts at version 0)
-    counts as :data:`EXPIRED_SNAPSHOT_LSN`, as for a log read from the start.
+    ``known`` is a hint: its snapshot LSN and layout count only when its snapshot commit, read
+    here, carries them. A snapshot commit gone with log cleanup (the log no longer starts at
+    version 0) counts as :data:`EXPIRED_SNAPSHOT_LSN`, with the layout of the table property, as
+    for a log read from the start.
     """
     assert known.version is not None and known.snapshot_lsn is not None
     if known.snapshot_version is None:
@@ -115,8 +169,8 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
     else:
         snapshot_commit = log.commit(known.snapshot_version)
         if snapshot_commit is None and log.commit(0) is None:
-            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker)
-        elif snapshot_commit is None or _snapshot_lsn(snapshot_commit) != known.snapshot_lsn:
+            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, log.layout_property())
+        elif snapshot_commit is None or _snapshot(snapshot_commit) != (known.snapshot_lsn, known.layout):
             return None  # not this log's snapshot (another table now lives at this path)
     if log.commit(known.version) is None and log.commit(known.version + 1) is None:
         return None  # beyond this log, or commits after it are gone with log cleanup: a gap
@@ -141,13 +195,14 @@ def _from_listing(log: _Log) -> TableLog:
 
     found = fold_table_log(newest_first(), newest, None)
     if found.snapshot_lsn is None and (not versions or versions[0] > 0):
-        return TableLog(EXPIRED_SNAPSHOT_LSN, None, newest, found.applied_marker)
+        return TableLog(EXPIRED_SNAPSHOT_LSN, None, newest, found.applied_marker, log.layout_property())
     return found
 
 
-def _snapshot_lsn(commit: list[str | None]) -> LSN | None:
+def _snapshot(commit: list[str | None]) -> tuple[LSN, TableLayout | None] | None:
+    """The snapshot LSN and layout of the snapshot marker in ``commit``; None without one."""
     for user_metadata in commit:
         marker = pgcdc_marker(user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
-            return LSN.parse(marker["snapshot_lsn"])
+            return LSN.parse(marker["snapshot_lsn"]), marker_layout(marker)
     return None
