@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench soak clean
+.PHONY: demo test bench soak scale clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ bench: $(STAMP)
 # SOAK_ARGS, e.g. SOAK_ARGS="--seconds 600 --rate 500 --major 15".
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
+
+# Scale benchmarks of issue 13 (not part of `make test`), e.g. SCALE_ARGS="idle --tables 1,100,500".
+scale: $(STAMP)
+	$(BIN)/python -m bench.scale $(SCALE_ARGS)
 
 clean:
 	rm -rf $(VENV) lake .demo .pytest_cache

@@ -23,6 +23,7 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 from pgcdc_assets.common import discover_tables
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import build_incremental_assets
+from pgcdc_assets.maintenance_job import build_maintenance
 from pgcdc_assets.reconcile_checks import build_reconcile_checks
 from pgcdc_assets.snapshot_assets import build_snapshot_assets
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
@@ -112,11 +113,14 @@ def build_pipeline_definitions(
         description="Drains the slot on schedule.cron from the pgcdc configuration.",
     )
     snapshot_keys = {table: translator.get_snapshot_asset_key(p) for table, p in props.items()}
+    maintenance_job, maintenance_schedule = build_maintenance(
+        config, {p.delta_path: translator.get_table_asset_key(p) for p in props.values()}, names
+    )
     return Definitions(
         assets=[snapshot_assets, incremental_assets],
-        jobs=jobs,
+        jobs=[*jobs, maintenance_job],
         asset_checks=[reconcile_checks],
-        schedules=[schedule],
+        schedules=[schedule, maintenance_schedule],
         sensors=[
             build_slot_lag_sensor(names),
             build_new_tables_sensor(snapshot_keys, names),

@@ -1,7 +1,7 @@
 """Asset checks on each replicated Delta table that a drain evaluates, at what the drain costs.
 
 * ``schema_matches_postgres``: the Delta columns and types are what the type mapping gives
-  for the published columns, plus ``_pgcdc_lsn``. A drain evaluates it only for the tables
+  for the published columns, plus ``_pgcdc_lsn`` (and ``_pgcdc_bucket`` for a bucketed table). A drain evaluates it only for the tables
   whose schema may have moved: a Relation message in the drain changed their columns (the
   schema reconciler reports it, ``TableResult.schema_changed``; a table with columns dropped
   in PostgreSQL and kept in Delta counts whenever it has changes), or they were snapshotted
@@ -28,7 +28,8 @@ from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSpec, AssetKey, M
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
-from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
+from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.markers import LSN_COLUMN, read_snapshot_marker
 from resources.incremental import IncrementalResult
 from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.pgtypes import spark_ddl_type
@@ -79,10 +80,13 @@ def evaluate_table_checks(
     without_snapshot = drained is not None and str(table) in drained.tables_without_snapshot
     if AssetCheckKey(key, SCHEMA_CHECK) in selected and (stats is None or stats.schema_changed or without_snapshot):
         # Otherwise nothing the check looks at changed in this drain: it is not re-evaluated (module docstring).
-        if without_snapshot or (stats is None and read_snapshot_lsn(spark, path) is None):
+        snapshot_lsn, layout = (None, None) if without_snapshot else read_snapshot_marker(spark, path)
+        if snapshot_lsn is None:
             yield AssetCheckResult(asset_key=key, check_name=SCHEMA_CHECK, passed=False, description=no_snapshot)
         else:
             expected = [*postgres_columns(postgres, table), (LSN_COLUMN, "bigint")]
+            if layout is not None:
+                expected.append((BUCKET_COLUMN, "bigint"))
             actual = delta_columns(spark, path)
             missing = [f"{name} {kind}" for name, kind in expected if (name, kind) not in actual]
             unexpected = [f"{name} {kind}" for name, kind in actual if (name, kind) not in expected]

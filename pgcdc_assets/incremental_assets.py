@@ -66,6 +66,8 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
         metadata["pgcdc/delta_version"] = MetadataValue.int(stats.delta_version)
     if stats.applied_lsn is not None:  # None: no change of this table in the drained range
         metadata["pgcdc/applied_lsn"] = MetadataValue.text(str(stats.applied_lsn))
+    if stats.last_applied_lsn is not None:  # this run's or, from the pgcdc state, an earlier run's
+        metadata["pgcdc/last_applied_lsn"] = MetadataValue.text(str(stats.last_applied_lsn))
     return metadata
 
 

@@ -31,6 +31,7 @@ from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
+from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
 from resources.names import PipelineNames, RESNAPSHOT_JOB
@@ -61,6 +62,10 @@ def snapshot_metadata(result: SnapshotResult) -> dict[str, object]:
     columns.append(
         TableColumn(LSN_COLUMN, type="bigint", description="commit LSN that last wrote the row (snapshot LSN here)")
     )
+    if result.layout is not None:
+        columns.append(
+            TableColumn(BUCKET_COLUMN, type="bigint", description=f"partition column: {result.layout.describe()}")
+        )
     return {
         "dagster/row_count": MetadataValue.int(result.rows),
         "dagster/column_schema": MetadataValue.table_schema(TableSchema(columns=columns)),
@@ -71,6 +76,7 @@ def snapshot_metadata(result: SnapshotResult) -> dict[str, object]:
         "pgcdc/rows_per_second": MetadataValue.float(round(result.rows_per_second, 1)),
         "pgcdc/chunks": MetadataValue.int(result.chunks),
         "pgcdc/workers": MetadataValue.int(result.workers),
+        "pgcdc/layout": MetadataValue.text(result.layout.describe() if result.layout is not None else "not bucketed"),
     }
 
 

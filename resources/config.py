@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, ValidationError
 
 from resources.errors import ConfigurationError, mask_dsn
 from resources.delta.lake_storage import LakeStorage, StorageSettings, join_location
+from resources.delta.layout import BucketOverride, DEFAULT_TARGET_ROWS
+from resources.postgres.catalog import TableName
 from resources.postgres.slots import SLOT_NAME
 
 CONFIG_ENV_VAR = "PGCDC_CONFIG"
@@ -37,12 +39,57 @@ class PostgresSettings(_Section):
     __str__ = __repr__
 
 
+class TableBuckets(_Section):
+    """One table's layout, instead of the one its size gives it (docs/contracts.md, "Table layout")."""
+
+    width: int | None = Field(default=None, ge=1, description="range buckets of this many keys (a single integer key)")
+    count: int | None = Field(default=None, ge=1, description="this many hash buckets (any key)")
+    bucketed: bool = Field(default=True, description="false: no bucket column, every MERGE reads the whole table")
+
+    @model_validator(mode="after")
+    def _one_choice(self) -> TableBuckets:
+        if self.width is not None and self.count is not None:
+            raise ValueError("give width (range buckets) or count (hash buckets), not both")
+        if not self.bucketed and (self.width is not None or self.count is not None):
+            raise ValueError("bucketed: false takes no width or count")
+        if self.bucketed and self.width is None and self.count is None:
+            raise ValueError("give width (range buckets) or count (hash buckets), or bucketed: false")
+        return self
+
+
+class BucketSettings(_Section):
+    target_rows: int = Field(
+        default=DEFAULT_TARGET_ROWS, ge=1, description="rows per bucket a snapshot aims at (at most 128 MB of heap)"
+    )
+    tables: dict[str, TableBuckets] = Field(default_factory=dict, description="schema.table -> its own layout")
+
+    @field_validator("tables")
+    @classmethod
+    def _qualified_tables(cls, value: dict[str, TableBuckets]) -> dict[str, TableBuckets]:
+        for name in value:
+            if not _TABLE_NAME.match(name):
+                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        return value
+
+    def override(self, table: TableName) -> BucketOverride | None:
+        """The configured layout of ``table``; None when its size decides."""
+        for name, buckets in self.tables.items():
+            if TableName.parse(name) == table:
+                return BucketOverride(width=buckets.width, count=buckets.count)
+        return None
+
+
 class DeltaSettings(_Section):
     root: str = Field(
         default="./lake",
         description="directory or s3://bucket/prefix; the Delta table of schema.table lives at <root>/<schema>/<table>",
     )
     storage: StorageSettings = Field(default_factory=StorageSettings, description="object-store settings for root")
+    buckets: BucketSettings = Field(default_factory=BucketSettings, description="how keyed tables are partitioned")
+    deletion_vectors: bool = Field(
+        default=False,
+        description="snapshots turn on Delta's deletion vectors (Delta on Spark only; delta-rs readers cannot read them)",
+    )
 
     def lake(self) -> LakeStorage:
         """The lake at ``root``, with what each client needs to reach it (``resources.delta.lake_storage``)."""
@@ -99,6 +146,21 @@ class CheckSettings(_Section):
     max_lag_bytes: int = Field(default=1024 * 1024 * 1024, ge=0, description="asset check bound on slot lag")
 
 
+class MaintenanceSettings(_Section):
+    """``maintenance``: what the ``pgcdc_maintenance`` job keeps (``resources/delta/maintenance.py``)."""
+
+    cron: str = Field(default="0 3 * * *", description="when pgcdc_maintenance_schedule fires (stopped by default)")
+    retention_hours: int = Field(
+        default=168,
+        ge=1,
+        description="data files a newer version no longer references are deleted this long after their removal; "
+        "time travel to any version of this window keeps working",
+    )
+    target_file_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=1024 * 1024, description="compaction writes files of about this size"
+    )
+
+
 class PgcdcConfig(_Section):
     postgres: PostgresSettings
     publication: str = Field(min_length=1)
@@ -111,6 +173,7 @@ class PgcdcConfig(_Section):
     schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
     sensors: SensorSettings = Field(default_factory=SensorSettings)
     checks: CheckSettings = Field(default_factory=CheckSettings)
+    maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
 
     @field_validator("slot")
     @classmethod

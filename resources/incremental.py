@@ -5,9 +5,10 @@ The order that makes it exactly-once (argued in docs/contracts.md):
 1. Preflight, read-only (``resources/postgres/preflight.py``, shared with ``pgcdc changes``): server
    (version, wal_level), publication, slot (exists, pgoutput, this database, not lost, not
    in use). PostgreSQL 18 streams nothing for a missing publication instead of failing,
-   so that check is ours. Then the tables to replicate and their snapshot markers: when no
-   table has one, delta.root is most likely wrong and the run refuses (confirming would
-   skip every pending change for good).
+   so that check is ours. Then the tables to replicate, the pgcdc state table (one read) and
+   the snapshot markers of the tables it does not list: when no table has a snapshot,
+   delta.root is most likely wrong and the run refuses (confirming would skip every pending
+   change for good). A listed table's own log is read only when a change for it arrives.
 2. ``end_lsn`` = IDENTIFY_SYSTEM's xlogpos: the WAL *flush* position, i.e. everything the
    walsender can decode right now. A transaction committed with synchronous_commit=off
    may lie just beyond it; the next run picks it up. (pg_current_wal_lsn() could point
@@ -18,8 +19,9 @@ The order that makes it exactly-once (argued in docs/contracts.md):
    Delta, *then* the chunk's last commit end LSN is confirmed to the slot. A crash in
    between replays the chunk, which the Delta writes absorb (MERGE of final images per
    key; append markers for keyless tables).
-5. At the end, with nothing left below end_lsn, confirm max(last commit end, end_lsn), so
-   an idle slot (or one whose changes are all for other tables) still advances.
+5. At the end, with nothing left below end_lsn, record the state rows of the tables whose
+   log the run read, then confirm max(last commit end, end_lsn), so an idle slot (or one
+   whose changes are all for other tables) still advances.
 
 Tables whose Delta table has no snapshot marker yet are left alone and their changes
 skipped: confirming past them is safe because their snapshot, taken later, starts at a
@@ -44,8 +46,9 @@ from resources.cdc.drain import drain, start_streaming
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import TransactionAssembler
 from resources.config import PgcdcConfig
-from resources.delta.markers import newest_version, read_snapshot_lsn
+from resources.delta.destination import Destination, TableLog
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.delta.state_table import read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
@@ -61,6 +64,7 @@ from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import read_slot
 from resources.postgres.stream import ReplicationStream
+from resources.testing.faults import fault_point
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
@@ -76,8 +80,10 @@ class TableResult:
     truncates: int
     #: Commit end LSN of the newest change this run applied; None when none was.
     applied_lsn: LSN | None
-    #: The Delta table's newest version after the run.
+    #: The Delta table's newest version after the run (from the pgcdc state for a table the run did not read).
     delta_version: int | None
+    #: Commit end LSN of the newest change applied to the table by this run or, as the state records, an earlier one.
+    last_applied_lsn: LSN | None = None
     #: Its schema check is due: a Relation message changed it in this run, or it was snapshotted since the previous drain.
     schema_changed: bool = False
 
@@ -152,13 +158,16 @@ def run_incremental(
                 f'replication slot "{config.slot}" is confirmed at {start_lsn}, beyond the requested end {end_lsn}',
                 f"a drain ran outside the {slot_pool(config.slot)} pool meanwhile: give it a limit of 1, then retry",
             )
-        targets, without_snapshot = _targets(config, spark, tables, say)
-        for target in targets.values():  # snapshotted since the previous drain: not checked yet
-            if target.snapshot_lsn is not None and target.snapshot_lsn > start_lsn:
+        state = read_state(spark, state_path(config.delta.root, config.slot))
+        destination = SparkDeltaDestination(spark)
+        targets = _targets(config, destination, tables, state, say)
+        for target in targets.values():  # snapshotted since the previous drain: its schema check is due
+            recorded = target.log or target.known
+            if recorded is not None and recorded.snapshot_lsn is not None and recorded.snapshot_lsn > start_lsn:
                 target.stats.schema_changed = True
         stream = ReplicationStream(rc)
         applier = ChangeApplier(
-            SparkDeltaDestination(spark), TypeResolver(conn), targets, max_changes=max_chunk_changes,
+            destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows, max_replace_values=max_replace_values,
         )
         if end_lsn is None:
@@ -167,8 +176,13 @@ def run_incremental(
         options = PgOutputOptions([config.publication], streaming="on")
         start_streaming(stream, config.slot, options)
         proto = options.resolve_proto_version(rc.server_version_num)
+        written: dict[str, StateRow] = {}
+
+        def record_state() -> None:
+            written.update(_record_state(spark, config, destination, targets, state))
+
         with TransactionAssembler(proto, spill_dir) as assembler:
-            drain(stream, assembler, applier, end_lsn, say, started)
+            drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
@@ -177,14 +191,15 @@ def run_incremental(
         start_lsn=start_lsn,
         end_lsn=end_lsn,
         confirmed_flush_lsn=confirmed,
-        tables=_table_results(spark, targets),
+        tables=_table_results(targets, {**state, **written}),
         transactions=applier.transactions,
         changes=applier.changes_applied,
         changes_skipped=applier.changes_skipped,
         lag_bytes_before=max(0, end_lsn - start_lsn),
         lag_bytes_after=max(0, flush_now - confirmed),
         duration_s=duration,
-        tables_without_snapshot=without_snapshot,
+        # Read before the run (not listed by the state) or during it (a listed table whose log has no snapshot now).
+        tables_without_snapshot=[str(t.table) for t in targets.values() if t.log is not None and t.log.snapshot_lsn is None],
     )
     say(
         f"done: {result.transactions} transactions, {result.changes} changes applied "
@@ -194,15 +209,28 @@ def run_incremental(
 
 
 def _targets(
-    config: PgcdcConfig, spark: SparkSession, tables: list[TableName], say: Callable[[str], None]
-) -> tuple[dict[TableName, TableTarget], list[str]]:
-    """The run's tables with their snapshot LSNs, and the names of those without a snapshot yet."""
-    targets = {
-        table: TableTarget(table, path, _snapshot_lsn(spark, path, config))
-        for table in tables
-        for path in [config.table_path(table.schema, table.name)]
-    }
-    without_snapshot = [str(t.table) for t in targets.values() if t.snapshot_lsn is None]
+    config: PgcdcConfig,
+    destination: Destination,
+    tables: list[TableName],
+    state: dict[str, StateRow],
+    say: Callable[[str], None],
+) -> dict[TableName, TableTarget]:
+    """The run's tables; refuses when none has a snapshot.
+
+    A table the state lists as snapshotted is not read here: its own log is read when the drain
+    meets a change for it. Any other table's log is read now (through the lake's storage client,
+    no engine round trip), so a table snapshotted since the state was last written, or a lake
+    written before the state existed, is seen as it is.
+    """
+    targets: dict[TableName, TableTarget] = {}
+    for table in tables:
+        path = config.table_path(table.schema, table.name)
+        row = state.get(str(table))
+        if row is not None and row.path == path:
+            targets[table] = TableTarget(table, path, known=row.log)
+        else:
+            targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
+    without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and t.log.snapshot_lsn is None]
     if targets and len(without_snapshot) == len(targets):
         # Every change would be skipped and the slot confirmed past it: with a mistyped or
         # unmounted delta.root the real lake would never get those changes.
@@ -215,32 +243,70 @@ def _targets(
             f"no snapshot yet for {', '.join(without_snapshot)}: their changes are skipped "
             "(their snapshot will start after this run's position)"
         )
-    return targets, without_snapshot
+    return targets
 
 
-def _table_results(spark: SparkSession, targets: dict[TableName, TableTarget]) -> dict[str, TableResult]:
-    """Per table: what the run applied, and the Delta version it left (None without a snapshot)."""
-    return {
-        str(target.table): TableResult(
-            target.stats.inserted,
-            target.stats.updated,
-            target.stats.deleted,
-            target.stats.truncates,
-            target.stats.applied_lsn,
-            newest_version(spark, target.path) if target.snapshot_lsn is not None else None,
-            target.stats.schema_changed,
+def _record_state(
+    spark: SparkSession,
+    config: PgcdcConfig,
+    destination: Destination,
+    targets: dict[TableName, TableTarget],
+    state: dict[str, StateRow],
+) -> dict[str, StateRow]:
+    """Write the state rows of the snapshotted tables whose log this run read; returns those rows.
+
+    Each such log is read again from where the run read it (only this run's own commits), so a
+    row records what the table's log says, not what the run believes it wrote.
+    """
+    rows = {}
+    gone = []  # listed by the state, but their log has no snapshot (any more)
+    for table, target in targets.items():
+        if target.log is None:
+            continue
+        if target.log.snapshot_lsn is None:
+            if str(table) in state:
+                gone.append(str(table))
+            continue
+        log = _read_log(destination, target.path, config, target.log)
+        previous = state.get(str(table))
+        applied = target.stats.applied_lsn
+        if applied is None and previous is not None and previous.log.snapshot_version == log.snapshot_version:
+            applied = previous.applied_lsn  # the same snapshot's rows: what was applied before still is
+        rows[str(table)] = StateRow(str(table), target.path, log, applied)
+    if rows or gone:
+        fault_point("before_state_write")
+        write_state(spark, state_path(config.delta.root, config.slot), state, rows.values(), forget=gone)
+    return rows
+
+
+def _table_results(targets: dict[TableName, TableTarget], state: dict[str, StateRow]) -> dict[str, TableResult]:
+    """Per table: what the run applied, the Delta version it left (None without a snapshot) and the
+    newest change applied so far, from the run's state rows (``state``: without reading the tables it did not meet)."""
+    results = {}
+    for table, target in targets.items():
+        row = state.get(str(table))
+        has_snapshot = row is not None and (target.log is None or target.log.snapshot_lsn is not None)
+        stats = target.stats
+        results[str(table)] = TableResult(
+            stats.inserted,
+            stats.updated,
+            stats.deleted,
+            stats.truncates,
+            stats.applied_lsn,
+            row.log.version if has_snapshot else None,  # type: ignore[union-attr]
+            row.applied_lsn if has_snapshot else None,  # type: ignore[union-attr]
+            stats.schema_changed,
         )
-        for target in targets.values()
-    }
+    return results
 
 
-def _snapshot_lsn(spark: SparkSession, path: str, config: PgcdcConfig) -> LSN | None:
-    """read_snapshot_lsn, with a failure to read the location as one line naming delta.root."""
+def _read_log(destination: Destination, path: str, config: PgcdcConfig, known: TableLog | None = None) -> TableLog:
+    """The table's log, with a failure to read the location as one line naming delta.root."""
     try:
-        return read_snapshot_lsn(spark, path)
+        return destination.read_table_log(path, known)
     except PgcdcError:
         raise
-    except Exception as exc:  # noqa: BLE001 - Spark's errors are multi-line and name no fix
+    except Exception as exc:  # noqa: BLE001 - storage errors are multi-line and name no fix
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
         raise ConfigurationError(
             f"cannot read the Delta table at {path} ({first_line})",

@@ -14,10 +14,13 @@ RESNAPSHOT_JOB = "pgcdc_resnapshot"
 INCREMENTAL_JOB = "pgcdc_incremental"
 INCREMENTAL_SCHEDULE = "pgcdc_incremental_schedule"
 RECONCILE_JOB = "pgcdc_reconcile"
+MAINTENANCE_JOB = "pgcdc_maintenance"
+MAINTENANCE_SCHEDULE = "pgcdc_maintenance_schedule"
 
 
 def slot_pool(slot: str) -> str:
-    """The Dagster concurrency pool of every step that drains ``slot``.
+    """The Dagster concurrency pool of every step that drains ``slot``, and of the maintenance
+    of its tables (compaction must not race a drain's MERGE on the same files).
 
     With a limit of 1 on it (``dagster instance concurrency set pgcdc_slot_<slot> 1``, or
     ``concurrency: pools: default_limit: 1`` in dagster.yaml) a second drain waits for the

@@ -27,6 +27,7 @@ go into the one atomic Delta commit, so the result is the same table a single CO
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -38,16 +39,20 @@ import psycopg
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.config import DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
+from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
+from resources.delta.capabilities import engine_capabilities
+from resources.delta.layout import choose_layout, is_range_key, LayoutError, TableLayout, TableSize
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
-from resources.delta.markers import LSN_COLUMN, snapshot_marker
-from resources.delta.snapshot_writes import write_snapshot
+from resources.delta.markers import LSN_COLUMN, read_layout_property, snapshot_marker
+from resources.delta.destination import TableLog
+from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
+from resources.delta.state_table import read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import read_table, table_oid, TableName
+from resources.postgres.catalog import key_range, primary_key_columns, read_table, size_estimate, TableInfo, table_oid, TableName
 from resources.postgres.copy import (
     block_ranges,
     copy_pieces,
@@ -126,6 +131,7 @@ class SnapshotResult:
     columns: list[tuple[str, str, str]]  # (name, PostgreSQL type, Delta type) of the published columns
     chunks: int = 1  # ctid ranges the table was read in
     workers: int = 1  # sessions that read them
+    layout: TableLayout | None = None  # how the Delta table is bucketed (None: not bucketed)
 
     @property
     def rows_per_second(self) -> float:
@@ -155,8 +161,14 @@ def snapshot_table(
     workers: int = DEFAULT_WORKERS,
     chunk_mb: int = DEFAULT_CHUNK_MB,
     on_progress: Callable[[SnapshotProgress], None] | None = None,
+    buckets: BucketSettings | None = None,
+    deletion_vectors: bool = False,
 ) -> SnapshotResult:
     """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path``.
+
+    The Delta table is bucketed by the layout ``buckets`` gives it (default: from its size,
+    ``resources/delta/layout.py``), recorded in the marker; ``deletion_vectors`` turns them on
+    (Delta on Spark only: check :func:`check_deletion_vectors` first).
 
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
@@ -168,7 +180,10 @@ def snapshot_table(
     started = time.monotonic()
     reading = _Reading(max(1, workers), max(1, chunk_mb) * 2**20, max(1, chunk_rows), max(1, chunk_bytes))
     try:
-        return _snapshot_table(dsn, publication, table, spark, path, slot, reading, on_progress, started)
+        return _snapshot_table(
+            dsn, publication, table, spark, path, slot, reading, on_progress, started,
+            buckets or BucketSettings(), deletion_vectors,
+        )
     except PgcdcError as exc:
         raise _naming_table(exc, table) from exc
     except PgValueError as exc:
@@ -214,6 +229,8 @@ def _snapshot_table(
     reading: _Reading,
     on_progress: Callable[[SnapshotProgress], None] | None,
     started: float,
+    buckets: BucketSettings,
+    deletion_vectors: bool,
 ) -> SnapshotResult:
     chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
@@ -226,7 +243,8 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        marker = snapshot_marker(snapshot_lsn, slot, str(table))
+        layout = _table_layout(conn.connection, info, schema, buckets, read_layout_property(spark, path))
+        marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         blocks, block_size = heap_blocks(conn.connection, info.oid)
         ranges = block_ranges(blocks, max(1, reading.range_bytes // block_size))
         workers = min(reading.workers, len(ranges))
@@ -279,9 +297,11 @@ def _snapshot_table(
 
         stream = pieces()
         try:
-            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes)
+            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes, layout=layout)
         finally:
             stream.close()
+        if deletion_vectors:
+            enable_deletion_vectors(spark, path)
     return SnapshotResult(
         table=table,
         snapshot_lsn=snapshot_lsn,
@@ -292,7 +312,55 @@ def _snapshot_table(
         columns=[(col.column, col.type_name, spark_ddl_type(col)) for col in columns],
         chunks=len(ranges),
         workers=workers,
+        layout=layout,
     )
+
+
+def _table_layout(
+    conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings, created_with: str | None
+) -> TableLayout | None:
+    """The table's bucketing: by its replica identity key (the primary key under REPLICA IDENTITY
+    FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured,
+    read inside the snapshot's transaction.
+
+    A table created with a layout keeps it (``created_with``, its table property): engines set table
+    properties only when a table is created, and a drain whose snapshot marker has left the log
+    trusts that property, so it must stay true; a table whose key changed since is refused.
+    """
+    key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
+    published = {column.name for column in info.columns}
+    usable = bool(key) and all(name in published for name in key)
+    if created_with and created_with != "none":
+        layout = TableLayout.from_json(json.loads(created_with))
+        if not usable or tuple(key) != layout.key:
+            raise ConfigurationError(
+                f"the Delta table of {info.table} was created bucketed by ({', '.join(layout.key)}), which is no "
+                "longer the table's key",
+                "remove the table's Delta directory, then snapshot the table again",
+            )
+        return layout
+    if not usable:
+        return None  # no usable key: merged by row value or appended, not by key
+    key_types = [schema.field(name).type for name in key]
+    override = buckets.override(info.table)
+    rows, pages = size_estimate(conn, info.oid)
+    span = key_range(conn, info.table, key[0]) if override is None and is_range_key(key_types) else None
+    try:
+        return choose_layout(key, key_types, TableSize(rows, pages, span), override, buckets.target_rows)
+    except LayoutError as exc:
+        raise ConfigurationError(
+            f"delta.buckets.tables.{info.table}: {exc}", "use count (hash buckets) for this table instead of width"
+        ) from None
+
+
+def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
+    """Refuse ``delta.deletion_vectors: true`` on an engine without Delta's commands, before anything is written."""
+    if config.delta.deletion_vectors and not engine_capabilities(spark).delta_commands:
+        raise ConfigurationError(
+            "delta.deletion_vectors is true but the engine is not Delta Lake on Spark (the embedded Sail engine "
+            "cannot write deletion vectors)",
+            "set delta.deletion_vectors: false, or spark.engine: spark / a Spark Connect server with Delta",
+        )
 
 
 # --------------------------------------------------------------------------- many tables
@@ -347,9 +415,13 @@ def snapshot_each(
 
     Callers report per table as soon as one is done (a Dagster step materializes it)
     instead of waiting for the slowest; the publication and slot must already be set up.
+    Once all are done, the finished ones are recorded in the pgcdc state table in one write
+    (``resources/delta/state_table.py``; a crash before it costs the next drain a log read).
     """
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
+    check_deletion_vectors(config, spark)
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
+    finished: list[SnapshotResult] = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {
             pool.submit(
@@ -363,6 +435,8 @@ def snapshot_each(
                 workers=config.snapshot.workers,
                 chunk_mb=config.snapshot.chunk_mb,
                 on_progress=on_progress,
+                buckets=config.delta.buckets,
+                deletion_vectors=config.delta.deletion_vectors,
             ): table
             for table in tables
         }
@@ -371,4 +445,12 @@ def snapshot_each(
             for future in done:
                 table = pending.pop(future)
                 error = future.exception()
+                if error is None:
+                    finished.append(future.result())
                 yield table, error if error is not None else future.result()
+    if finished:
+        state = state_path(config.delta.root, config.slot)
+        write_state(spark, state, read_state(spark, state), [
+            StateRow(str(done.table), done.path, TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None, done.layout), None)
+            for done in finished
+        ])

@@ -21,6 +21,7 @@ from resources.cdc.applier import ChangeApplier
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import CommittedTransaction, TransactionAssembler
 from resources.cdc.writer import OrderedWriter
+from resources.delta.layout import BUCKET_COLUMN, bucket_values, HASH, RANGE, TableLayout, with_buckets
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
@@ -56,17 +57,19 @@ def transactions(bodies: list[list[bytes]], tmp_path: Path, *, first_end: int = 
     return done
 
 
-def destination_with_snapshot(rows: list[tuple[int, str]]) -> InMemoryDestination:
+def destination_with_snapshot(rows: list[tuple[int, str]], layout: TableLayout | None = None) -> InMemoryDestination:
     destination = InMemoryDestination()
     table = pa.Table.from_pylist([{"id": i, "body": b, LSN_COLUMN: SNAPSHOT_LSN} for i, b in rows], schema=SCHEMA)
-    destination.write_snapshot(table, SCHEMA, PATH, snapshot_marker(LSN(SNAPSHOT_LSN), "slot", str(TABLE)))
+    if layout is not None:
+        table = with_buckets(layout, table)
+    destination.write_snapshot(table, table.schema, PATH, snapshot_marker(LSN(SNAPSHOT_LSN), "slot", str(TABLE), layout))
     return destination
 
 
 def apply(destination: InMemoryDestination, txns: list[CommittedTransaction], *, max_changes: int = 1000,
-          durable_seen: list[int] | None = None, snapshot_lsn: int = SNAPSHOT_LSN) -> tuple[ChangeApplier, int]:
+          durable_seen: list[int] | None = None) -> tuple[ChangeApplier, int]:
     """Feed ``txns`` the way cdc/drain.py does; returns the applier and what finish() answered."""
-    target = TableTarget(TABLE, PATH, LSN(snapshot_lsn))
+    target = TableTarget(TABLE, PATH)  # its snapshot LSN is read from the destination's log
     applier = ChangeApplier(destination, StaticTypes(), {TABLE: target}, max_changes=max_changes,
                             max_bytes=1 << 30, log=lambda _: None)
     try:
@@ -82,9 +85,13 @@ def apply(destination: InMemoryDestination, txns: list[CommittedTransaction], *,
         applier.close()
 
 
-def table_of(destination: InMemoryDestination) -> dict[int, str | None]:
+def table_of(destination: InMemoryDestination, layout: TableLayout | None = None) -> dict[int, str | None]:
+    """The rows by key, after checking each key appears once and sits in its bucket."""
     rows = destination.rows(PATH)
     assert len({row["id"] for row in rows}) == len(rows), "a key appears twice"
+    if layout is not None:
+        expected = bucket_values(layout, [pa.array([row["id"] for row in rows], pa.int32())]).to_pylist()
+        assert [row[BUCKET_COLUMN] for row in rows] == expected, "a row is not in its key's bucket"
     return {row["id"]: row["body"] for row in rows}
 
 
@@ -149,11 +156,16 @@ def test_keyless_replay_skips_exactly_what_the_marker_covers(tmp_path: Path) -> 
 OPS = st.lists(st.tuples(st.sampled_from("IUDK"), st.integers(0, 4), st.integers(0, 4), st.booleans()), max_size=40)
 
 
-@settings(max_examples=150, deadline=None)
-@given(OPS, st.lists(st.integers(1, 6), min_size=1, max_size=10), st.integers(1, 8), st.sets(st.integers(0, 4)))
+LAYOUTS = st.sampled_from([None, TableLayout(RANGE, ("id",), 2), TableLayout(HASH, ("id",), 3)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS, st.lists(st.integers(1, 6), min_size=1, max_size=10), st.integers(1, 8), st.sets(st.integers(0, 4)), LAYOUTS)
 def test_random_changes_fold_to_what_one_by_one_gives(ops: list, sizes: list[int], max_changes: int,
-                                                      initial: set[int]) -> None:
-    """I/U/D and key changes over five keys, unchanged TOAST included, cut into random transactions and chunks."""
+                                                      initial: set[int], layout: TableLayout | None) -> None:
+    """I/U/D and key changes over five keys, unchanged TOAST included, cut into random transactions and chunks;
+    unbucketed, and in range or hash buckets (so key changes move rows between buckets, which the memory
+    merge prunes as Delta does)."""
     import tempfile
 
     model = {key: f"v{key}" for key in initial}
@@ -180,10 +192,10 @@ def test_random_changes_fold_to_what_one_by_one_gives(ops: list, sizes: list[int
             break
         bodies.append(messages[at:at + size])
         at += size
-    destination = destination_with_snapshot([(key, f"v{key}") for key in initial])
+    destination = destination_with_snapshot([(key, f"v{key}") for key in initial], layout)
     with tempfile.TemporaryDirectory() as spill:
         apply(destination, transactions(bodies, Path(spill)), max_changes=max_changes)
-    assert table_of(destination) == model
+    assert table_of(destination, layout) == model
 
 
 def test_the_memory_merge_refuses_two_changes_for_one_key() -> None:

@@ -26,6 +26,7 @@ from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.delta.markers import read_snapshot_lsn
 from resources.errors import ConnectionFailure
 from resources.lsn import LSN
+from resources.testing.verify import assert_buckets_right
 from tests.conftest import PgDatabase
 
 pytest_plugins = ["tests.spark_fixtures"]
@@ -71,9 +72,11 @@ def create_shop(pg: PgDatabase) -> None:
 
 
 def delta_rows(root: Path, table: str) -> list[tuple]:
-    """A Delta table's rows (without pgcdc's LSN column) through delta-rs, in sorted_rows order."""
+    """A Delta table's rows (without pgcdc's LSN and bucket columns, after checking the buckets) through
+    delta-rs, in sorted_rows order."""
+    assert_buckets_right(str(root / "public" / table))
     data = deltalake.DeltaTable(str(root / "public" / table)).to_pyarrow_table()
-    columns = [name for name in data.column_names if name != "_pgcdc_lsn"]
+    columns = [name for name in data.column_names if name not in ("_pgcdc_lsn", "_pgcdc_bucket")]
     return sorted_rows([tuple(record[name] for name in columns) for record in data.select(columns).to_pylist()])
 
 
@@ -248,8 +251,10 @@ def test_snapshot_job_copies_every_table_with_metadata(
                 tags={"pgcdc/postgres_type": "timestamp without time zone"},
             ),
             TableColumn("_pgcdc_lsn", "bigint", description="commit LSN that last wrote the row (snapshot LSN here)"),
+            TableColumn("_pgcdc_bucket", "bigint", description="partition column: range buckets of 1,000,000 keys of id"),
         ]
     )  # fmt: skip
+    assert orders["pgcdc/layout"] == "range buckets of 1,000,000 keys of id"
     slot = shop.execute("SELECT slot_type, plugin FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
     assert slot == [("logical", "pgoutput")]
     assert (1, "c1", Decimal("1.25"), [1, None], datetime(2024, 1, 1, 0, 0, 1)) in delta_rows(lake, "orders")

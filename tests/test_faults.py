@@ -36,7 +36,7 @@ from resources.snapshot import snapshot_tables
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 from tests.tcp_proxy import TcpProxy
 
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -83,7 +83,9 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None =
         "postgres": {"dsn": dsn or pg.dsn},
         "publication": "pub",
         "slot": SLOT,
-        "delta": {"root": str(tmp_path / "lake")},
+        # acct in range buckets of 50 keys (its re-inserted keys open new ones), so every crash
+        # below is replayed into a bucketed table
+        "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.acct": {"width": 50}}}},
     })
     snapshot_tables(config, spark, None)
     return config
@@ -124,6 +126,7 @@ def assert_exact(pg: PgDatabase, config: PgcdcConfig) -> None:
     """The oracle on both tables (acct has 400 rows throughout; journal is keyless)."""
     root = Path(config.delta.root)
     assert assert_delta_equals_postgres(pg.dsn, "public.acct", str(root / "public" / "acct"), key=("id",)) == 400
+    assert assert_buckets_right(str(root / "public" / "acct")) is not None
     assert_delta_equals_postgres(pg.dsn, "public.journal", str(root / "public" / "journal"))
 
 

@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 
 from resources.cdc.schema import SchemaChangeError
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.state_table import read_state, state_path
 from resources.errors import ConfigurationError, SlotError
 from resources.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
@@ -31,7 +32,7 @@ from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
 from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 
 pytest_plugins = ["tests.spark_fixtures"]
@@ -45,7 +46,8 @@ def settings(pg: PgDatabase, lake: Path, tables: list[str] | None = None) -> dic
         "publication": "pub",
         "slot": SLOT,
         "tables": tables or [],
-        "delta": {"root": str(lake)},
+        # acct (the crash tests' table) in range buckets of 5 keys: replays cross buckets
+        "delta": {"root": str(lake), "buckets": {"tables": {"public.acct": {"width": 5}}}},
     }
 
 
@@ -67,7 +69,10 @@ def path_of(config: PgcdcConfig, table: str) -> str:
 
 
 def same(pg: PgDatabase, config: PgcdcConfig, table: str, key: tuple[str, ...] = ("id",), **kwargs: object) -> int:
-    return assert_delta_equals_postgres(pg.dsn, table, path_of(config, table), key=key, **kwargs)  # type: ignore[arg-type]
+    """Delta equals PostgreSQL, and every row is in its key's bucket (or the table is unbucketed)."""
+    rows = assert_delta_equals_postgres(pg.dsn, table, path_of(config, table), key=key, **kwargs)  # type: ignore[arg-type]
+    assert_buckets_right(path_of(config, table))
+    return rows
 
 
 def slot_confirmed(pg: PgDatabase) -> LSN:
@@ -529,6 +534,10 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     assert LSN.parse(before_rerun) <= slot_confirmed(pg) <= LSN.parse(after_rerun)
     assert same(pg, config, "public.acct") == 21
     assert same(pg, config, "public.journal", key=()) == 30  # keyless: exactly once across the crash
+    state = read_state(spark, state_path(config.delta.root, SLOT))  # the rerun recorded what Delta holds
+    assert {table: row.log.version for table, row in state.items()} == {
+        table: delta_version(config, table) for table in ("public.acct", "public.journal")
+    }
 
 
 # --------------------------------------------------------------------------- memory

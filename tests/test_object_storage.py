@@ -26,6 +26,7 @@ from resources.delta import snapshot_writes
 from resources.config import parse_config
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.delta.markers import read_commit_metadata
+from resources.delta.state_table import read_state, state_path
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.errors import ConfigurationError
 from resources.incremental import run_incremental
@@ -173,7 +174,12 @@ def lifecycle(
 
     prefix = s3_root.removeprefix(f"s3://{BUCKET}/") + "/"
     assert staged_objects(s3_server, prefix) == []
-    assert all(key.startswith(prefix + "public/") for key in s3_server.keys(prefix))
+    assert all(key.startswith((prefix + "public/", prefix + "_pgcdc/state/")) for key in s3_server.keys(prefix))
+    state = read_state(s3_spark, state_path(s3_root, SLOT))  # the state table lives on the store too
+    assert {table: row.log.version for table, row in state.items()} == {
+        table: deltalake.DeltaTable(config.table_path(*table.split(".")), storage_options=config.delta.lake().object_store_options()).version()
+        for table in TABLES
+    }
     orders = config.table_path("public", "orders")
     commits = read_commit_metadata(s3_spark, orders)
     assert commits and all(TEST_SECRET not in (commit.user_metadata or "") for commit in commits)

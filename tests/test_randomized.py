@@ -42,7 +42,7 @@ from resources.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from tests.workload import DDL, Step, generate
 
-from resources.testing.verify import assert_delta_equals_postgres, compare_table
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, compare_table
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -88,7 +88,11 @@ class Replay:
             "publication": "pub",
             "slot": self.slot,
             "tables": [],
-            "delta": {"root": str(tmp_path / "lake")},
+            # Small buckets, so key changes and TOAST-keeping updates move rows between them;
+            # the other tables get the layout their size gives them (one bucket at this size).
+            "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {
+                "public.k_int": {"width": 64}, "public.k_comp": {"count": 2}, "public.late": {"count": 2},
+            }}},
         })
         self.log_file = tmp_path / f"workload-{seed}.sql"
         self.run_log: list[str] = []
@@ -174,6 +178,7 @@ class Replay:
                 conn.execute(f"CREATE TEMP VIEW cmp_{name} AS SELECT {present} FROM public.{name}")
                 target = f"pg_temp.cmp_{name}"
             compare_table(conn, target, path, key=key, extra_delta_columns=lingering)
+            assert_buckets_right(path)
             if name == "dup_t":
                 (copies,), = conn.execute("SELECT count(*) - count(DISTINCT d.*) FROM public.dup_t d").fetchall()
                 self.most_duplicates = max(self.most_duplicates, copies)

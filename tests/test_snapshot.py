@@ -22,6 +22,8 @@ from psycopg.types.string import TextLoader
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.layout import BUCKET_COLUMN
+from resources.testing.verify import assert_buckets_right
 from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
 from resources.errors import ConfigurationError, SlotError, SnapshotError
 from resources.lsn import LSN
@@ -49,7 +51,10 @@ def make_config(pg: PgDatabase, root: Path, **overrides: Any) -> PgcdcConfig:
 
 
 def delta_table(path: str | Path) -> pa.Table:
-    return deltalake.DeltaTable(str(path)).to_pyarrow_table()
+    """The Delta table's columns but the bucket column, after checking every row is in its key's bucket."""
+    assert_buckets_right(str(path))
+    table = deltalake.DeltaTable(str(path)).to_pyarrow_table()
+    return table.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in table.column_names else table
 
 
 def lake_files(root: Path) -> list[Path]:
@@ -334,7 +339,8 @@ def test_resnapshot_replaces_rows_and_moves_the_snapshot_lsn(
     history = deltalake.DeltaTable(path).history()
     assert history[0]["userMetadata"] == (
         f'{{"pgcdc": {{"kind": "snapshot", "snapshot_lsn": "{second.snapshot_lsn}", "slot": "{SLOT}",'
-        ' "table": "public.items"}}'
+        ' "table": "public.items", "layout": {"bucket_column": "_pgcdc_bucket", "kind": "range", "key": ["id"],'
+        ' "size": 1000000}}}'
     )
     state = ensure_slot(pg.dsn, SLOT)  # exists now: returned as it is
     assert not isinstance(state, CreatedSlot) and state.plugin == "pgoutput"

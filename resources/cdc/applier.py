@@ -49,11 +49,12 @@ import pyarrow.compute as pc
 
 from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
-from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaReconciler
+from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaChangeError, SchemaReconciler
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination
+from resources.delta.layout import BUCKET_COLUMN, bucket_values
 from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
 from resources.errors import PgcdcError
@@ -151,7 +152,7 @@ class ChangeApplier:
                 elif op == "T":
                     for oid in subject:
                         target = self._target_by_oid.get(oid)
-                        if target is not None and not target.skips(end):
+                        if target is not None and not self._skips(target, end):
                             self._truncate(target, self._relations[oid], end, seq)
                 seq += 1
         finally:
@@ -166,7 +167,7 @@ class ChangeApplier:
         for oid in unique.tolist():
             index = np.arange(len(oids)) if len(unique) == 1 else np.flatnonzero(oids == oid)
             target = self._target_by_oid.get(oid)
-            if target is None or target.skips(end):
+            if target is None or self._skips(target, end):
                 self.changes_skipped += len(index)
                 continue
             relation = self._relations[oid]
@@ -197,6 +198,18 @@ class ChangeApplier:
                 self.pending_bytes += added
                 if self.pending_changes >= self._max_changes or self.pending_bytes >= self._max_bytes:
                     self.flush()
+
+    def _skips(self, target: TableTarget, end: int) -> bool:
+        """:meth:`TableTarget.skips`, reading the table's own log the first time the run meets it.
+
+        Only tables with changes are read, and only once a run: this run's writes to the table
+        all come after, and it tracks the applied marker itself from then on. The read is of a
+        table no queued write touches yet, so it need not wait for the writer thread.
+        """
+        if target.log is None:
+            target.log = self._destination.read_table_log(target.path, target.known)
+            target.applied_marker = target.log.applied_marker
+        return target.skips(end)
 
     def flush(self) -> None:
         """Send every pending batch to Delta; once written, every completely added transaction is durable."""
@@ -248,13 +261,39 @@ class ChangeApplier:
             target.mode, target.key_index = KEYED, key_index
         else:
             target.mode, target.key_index = APPEND, ()
-        if target.mode in MARKED_MODES and not target.applied_marker_loaded:
-            target.applied_marker = self._writer.call(self._destination.read_applied_marker, target.path)  # type: ignore[assignment]
-            target.applied_marker_loaded = True
         if self._schema.reconcile(target, columns, previous, relation, end, seq):
             target.stats.schema_changed = True
         target.relation = relation
         target.columns = columns
+        self._check_layout(target)
+
+    @staticmethod
+    def _check_layout(target: TableTarget) -> None:
+        """Refuse to write a bucketed table whose bucket cannot be computed for every change: a
+        bucket predicate must never skip a row, so an unknown or stale layout stops the run."""
+        bucketed = target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names
+        layout = target.layout
+        if layout is None and not bucketed:
+            return
+        if layout is None:
+            raise SchemaChangeError(
+                f"{target.table} is bucketed ({BUCKET_COLUMN}) but the snapshot commit recording its layout is gone "
+                "from the Delta log (log cleanup)",
+                RESNAPSHOT_FIX,
+            )
+        if not bucketed:
+            raise SchemaChangeError(
+                f"the snapshot of {target.table} recorded {layout.describe()} but its Delta table has no {BUCKET_COLUMN} "
+                "column (rewritten by another writer?)",
+                RESNAPSHOT_FIX,
+            )
+        key = {target.columns[i].column for i in target.key_index}
+        if target.mode != KEYED or key != set(layout.key):
+            raise SchemaChangeError(
+                f"the replica identity of {target.table} changed since its snapshot, which bucketed it by "
+                f"({', '.join(layout.key)})",
+                RESNAPSHOT_FIX,
+            )
 
     def _warn_keyless(self, target: TableTarget, op: str) -> None:
         self.changes_skipped += 1
@@ -487,16 +526,27 @@ class ChangeApplier:
         old_keys: list[pa.Array] | None,
         index: pa.Array | None = None,
     ) -> pa.Table:
-        """Text columns -> typed columns (then the rows at ``index``, if given), plus unchanged-TOAST
-        flags, ``_pgcdc_lsn`` and dropped columns."""
+        """Text columns -> typed columns (then the rows at ``index``, if given), plus the bucket (of the
+        row's key, and of the old key of a moved row), unchanged-TOAST flags, ``_pgcdc_lsn`` and dropped columns."""
         arrays = [self._convert(target, values, column) for values, column in zip(columns, target.columns)]
         if index is not None:
             arrays = [array.take(index) for array in arrays]
         names = [column.column for column in target.columns]
+        layout = target.layout
+        if layout is not None:
+            by_name = dict(zip(names, arrays))
+            arrays.append(bucket_values(layout, [by_name[name] for name in layout.key]))
+            names.append(BUCKET_COLUMN)
         if old_keys is not None and any(flag is not None for flag in flags):
+            old_by_name: dict[str, pa.Array] = {}
             for values, i in zip(old_keys, target.key_index):
-                arrays.append(self._convert(target, values, target.columns[i]))
+                old_by_name[target.columns[i].column] = self._convert(target, values, target.columns[i])
+                arrays.append(old_by_name[target.columns[i].column])
                 names.append(OLD_KEY_PREFIX + target.columns[i].column)
+            if layout is not None:
+                # The row under the old key (which holds the kept TOAST values) lives in the old key's bucket.
+                arrays.append(bucket_values(layout, [old_by_name[name] for name in layout.key]))
+                names.append(OLD_KEY_PREFIX + BUCKET_COLUMN)
         for flag, column in zip(flags, target.columns):
             if flag is not None:
                 arrays.append(flag)

@@ -22,8 +22,13 @@ def drain(
     end_lsn: LSN,
     say: Callable[[str], None],
     started: float,
+    before_final_confirm: Callable[[], None] | None = None,
 ) -> None:
-    """The main loop; on any error the stream stops having confirmed only durable positions."""
+    """The main loop; on any error the stream stops having confirmed only durable positions.
+
+    ``before_final_confirm`` runs once every change below ``end_lsn`` is durable in Delta and
+    before the last confirm (the run records the state of the tables it wrote): a crash in it
+    leaves the last chunk unconfirmed, so the next run replays it."""
     feed = assembler.feed
     feed_rows = assembler.feed_rows
     confirmed = stream.confirmed_lsn
@@ -60,9 +65,12 @@ def drain(
                     f"at {txn.end_lsn} of {end_lsn}"
                 )
         applier.flush()
+        durable = applier.finish()
+        if before_final_confirm is not None:
+            before_final_confirm()
         # Everything committed before end_lsn has been applied: confirm at least end_lsn so an
         # idle slot advances (see the module docstring for why this loses nothing).
-        confirm(max(applier.finish(), end_lsn))
+        confirm(max(durable, end_lsn))
     except BaseException:
         try:
             applier.close()

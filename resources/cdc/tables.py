@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from resources.delta.destination import TableLog
+from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
@@ -38,8 +40,10 @@ class TableTarget:
 
     table: TableName
     path: str
-    #: None: never snapshotted, so every change is skipped (its snapshot will come later).
-    snapshot_lsn: LSN | None
+    #: What the pgcdc state table last recorded of the table's log: a hint for reading it, never a decision.
+    known: TableLog | None = None
+    #: Read from the table's own log when the run first meets a change for it (ChangeApplier): decides skips.
+    log: TableLog | None = None
     stats: TableStats = field(default_factory=TableStats)
     relation: Relation | None = None
     columns: list[PgColumnType] = field(default_factory=list)
@@ -48,13 +52,20 @@ class TableTarget:
     #: Delta columns the relation no longer has: written NULL from now on.
     dropped: list[pa.Field] = field(default_factory=list)
     delta_schema: pa.Schema | None = None
-    #: (commit end LSN, position) of the last change in Delta, for keyless and FULL tables.
+    #: (commit end LSN, position) of the last change in Delta, for keyless and FULL tables (from ``log``, then this run's).
     applied_marker: tuple[int, int] | None = None
-    applied_marker_loaded: bool = False
     #: (row batch, indexes of this table's rows in it, commit end LSN, position of the batch's first change)
     pending: list[tuple] = field(default_factory=list)
     pending_bytes: int = 0
     warned: bool = False
 
+    @property
+    def layout(self) -> TableLayout | None:
+        """The bucketing its log records (None: not bucketed, e.g. written by an earlier pgcdc); ``log`` must be read."""
+        assert self.log is not None, "the table's log is read before its changes are merged"
+        return self.log.layout
+
     def skips(self, end_lsn: int) -> bool:
-        return self.snapshot_lsn is None or end_lsn <= self.snapshot_lsn
+        """Whether a change committed at ``end_lsn`` is already in (or never goes to) the table; ``log`` must be read."""
+        assert self.log is not None, "the table's log is read before its first change is routed"
+        return self.log.snapshot_lsn is None or end_lsn <= self.log.snapshot_lsn

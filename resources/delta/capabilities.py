@@ -12,7 +12,8 @@ Delta writers ask this module, and only there (docs/engine-notes.md):
 
 Delta on Spark also has ``OPTIMIZE``, ``VACUUM``, ``TRUNCATE TABLE`` and MERGE ``userMetadata``
 (``spark.databricks.delta.commitInfo.userMetadata``); Sail 0.7.2 has none of these. pgcdc
-does not need them for correctness; maintenance may use them through ``delta_commands``.
+does not need them for correctness; table maintenance (``maintenance.py``) runs ``OPTIMIZE`` and
+``VACUUM`` where ``delta_commands`` says the engine has them, and delta-rs elsewhere.
 """
 
 from __future__ import annotations

@@ -11,9 +11,39 @@ through Spark in production (``resources/delta/spark_destination.py``). The batc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import pyarrow as pa
+
+from resources.delta.layout import TableLayout
+from resources.lsn import LSN
+
+
+@dataclass(frozen=True, slots=True)
+class TableLog:
+    """What a table's own commit log says pgcdc has done to it, as of Delta version ``version``.
+
+    It is the single source of truth for skipping and applying changes. A copy kept elsewhere
+    (the pgcdc state table) may be handed back to :meth:`Destination.read_table_log` as
+    ``known``: the read then checks it against the log and reads only the commits after it.
+    """
+
+    #: LSN of the newest snapshot commit; None: never snapshotted (every change is skipped).
+    snapshot_lsn: LSN | None
+    #: Version of that snapshot commit; None when unknown (it left the log, or no snapshot).
+    snapshot_version: int | None
+    #: The newest version of the table; None: no table at the path.
+    version: int | None
+    #: (commit end LSN, position) of the newest append/replace marker since that snapshot.
+    applied_marker: tuple[int, int] | None
+    #: The bucketing that snapshot recorded (docs/contracts.md, "Table layout"); once its commit left
+    #: the log, the table property ``delta.pgcdc.layout`` of the newest metadata. None: unbucketed.
+    layout: TableLayout | None
+
+
+NO_TABLE = TableLog(None, None, None, None, None)
+"""The log of a path holding no table."""
 
 
 class Destination(Protocol):
@@ -36,8 +66,10 @@ class Destination(Protocol):
     def delete_all_rows(self, path: str) -> None:
         """Empty the table (TRUNCATE)."""
 
-    def read_applied_marker(self, path: str) -> tuple[int, int] | None:
-        """The newest (end LSN, position) an append or replace commit applied, unless a snapshot followed."""
+    def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
+        """The table's :class:`TableLog` from its own log: only the commits after ``known.version``
+        when ``known`` (an earlier answer, possibly stale) still matches the log, else from the
+        newest commit back to the newest snapshot commit. Never more than those commits."""
 
     def table_schema(self, path: str) -> pa.Schema:
         """The table's current schema."""

@@ -18,6 +18,7 @@ pgcdc's clean-up uses Arrow's C++ S3 client); the settings below are the ones al
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -123,7 +124,14 @@ def join_location(root: str, *components: str) -> str:
         if not is_object_store(root):
             parse_object_location(root)  # raises, naming the schemes that work
         return "/".join([root.rstrip("/"), *components])
-    return str(Path(root.removeprefix("file://")).resolve().joinpath(*components))
+    return os.path.join(_resolved_root(root.removeprefix("file://"), os.getcwd()), *components)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_root(root: str, working_directory: str) -> str:
+    """``root`` resolved against ``working_directory``: once per root, not once per table of a
+    run (resolving walks the path with a system call per component)."""
+    return str((Path(working_directory) / root).resolve())
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +151,7 @@ class LakeStorage:
         self.root = root
         self.settings = settings or StorageSettings()
         self.location = parse_object_location(root) if is_object_store(root) else None
+        self._filesystem: object | None = None
 
     def __repr__(self) -> str:
         return f"LakeStorage(root={self.root!r})"
@@ -245,7 +254,12 @@ class LakeStorage:
 
     def filesystem(self) -> object:
         """A ``pyarrow.fs.S3FileSystem`` on the store, with short time-outs so a wrong endpoint
-        fails in seconds (the AWS SDK's defaults retry for minutes)."""
+        fails in seconds (the AWS SDK's defaults retry for minutes); made once per lake."""
+        if self._filesystem is None:
+            self._filesystem = self._new_filesystem()
+        return self._filesystem
+
+    def _new_filesystem(self) -> object:
         from pyarrow import fs
 
         if self.location is None:
@@ -387,6 +401,22 @@ def open_lake(root: str, settings: StorageSettings | None = None) -> LakeStorage
     if lake.is_object_store:
         _OPEN_LAKES[root.rstrip("/")] = lake
     return lake
+
+
+def storage_client(location: str) -> tuple[object, str]:
+    """A ``pyarrow.fs`` filesystem reaching ``location`` and the path it takes there: the opened
+    lake's client for an object-store location, the local filesystem otherwise. pgcdc reads
+    Delta logs with it (``resources/delta/table_log.py``) without a round trip through the engine."""
+    from pyarrow import fs
+
+    for root, lake in _OPEN_LAKES.items():
+        if location == root or location.startswith(root + "/"):
+            return lake.filesystem(), parse_object_location(location).store_path
+    if is_object_store(location):
+        raise ConfigurationError(
+            f"{location} is on an object store pgcdc has not opened", "open the lake first (open_lake(delta.root, delta.storage))"
+        )
+    return fs.LocalFileSystem(), location.removeprefix("file://")
 
 
 def remove_tree(location: str) -> None:

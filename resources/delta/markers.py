@@ -4,13 +4,16 @@ Every pgcdc commit that the next run must be able to find carries a JSON marker 
 ``userMetadata``, ``{"pgcdc": {"kind": ...}}``:
 
 * ``snapshot``: the table was (re)written from a COPY at ``snapshot_lsn``; changes at or below
-  it are already in the rows.
+  it are already in the rows. ``layout`` (absent: unbucketed, as every table written before
+  pgcdc chose layouts) is the table's bucketing (``resources/delta/layout.py``).
 * ``append`` / ``replace``: a keyless append or a REPLICA IDENTITY FULL rewrite applied the
   changes of one transaction up to position ``applied_seq`` of the commit ending at
   ``applied_lsn``; a replay skips exactly those.
 
-Other writers' metadata (free text, other JSON) is ignored. Reading the log is one Spark query
-over ``_delta_log`` (:func:`read_commit_metadata`), newest commit first.
+Other writers' metadata (free text, other JSON) is ignored. Reading the whole log through the engine
+is one Spark query over ``_delta_log`` (:func:`read_commit_metadata`), newest commit first; the
+incremental run reads only the commits it needs with ``resources/delta/table_log.py`` instead, and
+folds them with :func:`fold_table_log`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyspark.errors import AnalysisException
-from pyspark.sql import functions as F, SparkSession
+from pyspark.sql import DataFrame, functions as F, SparkSession
 
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.destination import TableLog
+from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 
 LSN_COLUMN = "_pgcdc_lsn"
@@ -68,19 +73,7 @@ def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = Non
                 "version", F.unix_millis("timestamp").alias("timestamp_ms"), "operation", "userMetadata"
             ).orderBy(F.desc("version")).collect()
         ]
-    commits = (
-        spark.read.format("binaryFile")
-        .option("pathGlobFilter", "*.json")
-        .load(f"{path.rstrip('/')}/_delta_log")
-        .select(
-            F.regexp_extract("path", r"(\d+)\.json$", 1).cast("bigint").alias("version"),
-            F.explode(F.split(F.col("content").cast("string"), "\n")).alias("line"),
-        )
-        .where(F.col("line").startswith('{"commitInfo"'))
-        .select("version", F.from_json("line", _COMMIT_INFO_SCHEMA).alias("action"))
-        .select("version", "action.commitInfo.*")
-        .orderBy(F.desc("version"))
-    )
+    commits = _log_actions(spark, path, "commitInfo", _COMMIT_INFO_SCHEMA).select("version", "action.commitInfo.*")
     if limit is not None:
         commits = commits.limit(limit)
     return [
@@ -89,12 +82,21 @@ def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = Non
     ]
 
 
-def version_with_metadata(spark: SparkSession, path: str, user_metadata: str) -> int:
-    """Our commit's version, found by its marker so a concurrent writer cannot be mistaken for it."""
-    for commit in read_commit_metadata(spark, path):
-        if commit.user_metadata == user_metadata:
-            return commit.version
-    raise RuntimeError(f"no commit with userMetadata {user_metadata!r} in {path}")
+def _log_actions(spark: SparkSession, path: str, action: str, schema: str) -> DataFrame:
+    """The ``action`` actions (parsed by ``schema`` as column ``action``) of the JSON commits left in
+    the table's log, with their ``version``, newest first: a scan of the log's JSON files."""
+    return (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.json")
+        .load(f"{path.rstrip('/')}/_delta_log")
+        .select(
+            F.regexp_extract("path", r"(\d+)\.json$", 1).cast("bigint").alias("version"),
+            F.explode(F.split(F.col("content").cast("string"), "\n")).alias("line"),
+        )
+        .where(F.col("line").startswith('{"' + action + '"'))
+        .select("version", F.from_json("line", schema).alias("action"))
+        .orderBy(F.desc("version"))
+    )
 
 
 EXPIRED_SNAPSHOT_LSN = LSN(0)
@@ -102,7 +104,13 @@ EXPIRED_SNAPSHOT_LSN = LSN(0)
 
 
 def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
-    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker.
+    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker."""
+    return read_snapshot_marker(spark, path)[0]
+
+
+def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, TableLayout | None]:
+    """The snapshot LSN of the newest snapshot commit at ``path`` (None without table or marker)
+    and the layout it recorded (None: unbucketed, or the marker is gone, see below).
 
     Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a
     newer checkpoint covers them, so a table replicated for longer than that has lost its
@@ -117,34 +125,98 @@ def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
         commits = read_commit_metadata(spark, path)
     except AnalysisException as exc:
         if exc.getCondition() == "PATH_NOT_FOUND":  # JVM Spark; Sail lists no commits instead
-            return None
+            return None, None
         raise
     for commit in commits:
-        marker = _pgcdc_marker(commit.user_metadata)
+        marker = pgcdc_marker(commit.user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
-            return LSN.parse(marker["snapshot_lsn"])
+            return LSN.parse(marker["snapshot_lsn"]), marker_layout(marker)
     if commits and min(commit.version for commit in commits) > 0:
-        return EXPIRED_SNAPSHOT_LSN
-    return None
+        return EXPIRED_SNAPSHOT_LSN, layout_from_property(read_layout_property(spark, path))
+    return None, None
 
 
-def read_applied_marker(spark: SparkSession, path: str) -> tuple[int, int] | None:
-    """The newest applied-position marker (commit end LSN, position) of an append or FULL
-    rewrite commit in the table's commit log, unless a snapshot replaced the table since:
-    the rows a marker vouches for went with it."""
-    return newest_applied_marker(commit.user_metadata for commit in read_commit_metadata(spark, path))
+LAYOUT_PROPERTY = "delta.pgcdc.layout"
+"""The table property the snapshot that creates a table records its layout in (``none``: unbucketed).
+Table properties live in the table's metadata, which every checkpoint repeats, so the layout
+outlives the snapshot commit's marker when log cleanup removes it. Engines set it only when the
+table is created (Sail ignores writer options for an existing table), so a table keeps the layout it
+was created with: :func:`resources.snapshot` re-snapshots a table whose property names a layout in
+that layout (docs/contracts.md, "Table layout")."""
 
 
-def newest_applied_marker(user_metadata_newest_first: Iterable[str | None]) -> tuple[int, int] | None:
-    """:func:`read_applied_marker` over the commits' userMetadata, newest first (any destination's log)."""
-    for user_metadata in user_metadata_newest_first:
-        marker = _pgcdc_marker(user_metadata)
-        kind = marker.get("kind") if marker is not None else None
-        if kind == "snapshot":
+def layout_property(layout: TableLayout | None) -> str:
+    return json.dumps(layout.to_json()) if layout is not None else "none"
+
+
+def layout_from_property(value: str | None) -> TableLayout | None:
+    """The layout a :data:`LAYOUT_PROPERTY` value names (None: absent, or ``none``)."""
+    return TableLayout.from_json(json.loads(value)) if value and value != "none" else None
+
+
+def read_layout_property(spark: SparkSession, path: str) -> str | None:
+    """:data:`LAYOUT_PROPERTY` in the table's newest metadata (None: no table, or created by an earlier
+    pgcdc): from the newest ``metaData`` action of the commits left in the log, or the newest
+    checkpoint's when that is newer. A scan of the log: read by a re-snapshot and once the snapshot
+    marker is gone, not by every drain."""
+    try:
+        return _layout_property(spark, path)
+    except AnalysisException as exc:
+        if exc.getCondition() == "PATH_NOT_FOUND":  # no table yet (JVM Spark; Sail finds no files)
             return None
-        if kind in (APPEND_MARKER, REPLACE_MARKER):
-            return int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
-    return None
+        raise
+
+
+def _layout_property(spark: SparkSession, path: str) -> str | None:
+    log = f"{path.rstrip('/')}/_delta_log"
+    configuration = "metaData STRUCT<configuration: MAP<STRING, STRING>>"
+    newest = (
+        _log_actions(spark, path, "metaData", configuration)
+        .select("version", F.col("action.metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
+        .limit(1)
+        .collect()
+    )
+    checkpoint = (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.checkpoint.parquet")
+        .load(log)
+        .select(F.regexp_extract("path", r"(\d+)\.checkpoint\.parquet$", 1).cast("bigint").alias("version"))
+        .orderBy(F.desc("version"))
+        .limit(1)
+        .collect()
+    )
+    value = newest[0]["layout"] if newest else None
+    if checkpoint and (not newest or checkpoint[0]["version"] >= newest[0]["version"]):
+        rows = (
+            spark.read.parquet(f"{log}/{int(checkpoint[0]['version']):020d}.checkpoint.parquet")
+            .where(F.col("metaData").isNotNull())
+            .select(F.col("metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
+            .collect()
+        )
+        value = rows[0]["layout"] if rows else value
+    return value
+
+
+def fold_table_log(
+    commits_newest_first: Iterable[tuple[int, Iterable[str | None]]], newest: int, known: TableLog | None
+) -> TableLog:
+    """The :class:`TableLog` of a log whose newest version is ``newest``, from its commits'
+    userMetadata, newest first: the newest snapshot marker (its LSN and layout), and the newest append/replace marker
+    after it (the rows a marker vouches for went with a later snapshot). Where the commits given
+    hold no snapshot marker, ``known`` says what was true at the commit before the oldest of them
+    (None: nothing before them)."""
+    applied: tuple[int, int] | None = None
+    for version, commit in commits_newest_first:
+        for user_metadata in commit:
+            marker = pgcdc_marker(user_metadata)
+            kind = marker.get("kind") if marker is not None else None
+            if kind == "snapshot":
+                return TableLog(LSN.parse(marker["snapshot_lsn"]), version, newest, applied, marker_layout(marker))  # type: ignore[arg-type,index]
+            if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
+                applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
+    if known is None:
+        return TableLog(None, None, newest, applied, None)
+    return TableLog(known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout)
 
 
 def applied_marker(kind: str, end: int, seq: int) -> str:
@@ -152,12 +224,21 @@ def applied_marker(kind: str, end: int, seq: int) -> str:
     return json.dumps({"pgcdc": {"kind": kind, "applied_lsn": str(LSN(end)), "applied_seq": seq}})
 
 
-def snapshot_marker(snapshot_lsn: LSN, slot: str, table: str) -> str:
-    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``."""
-    return json.dumps({"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": table}})
+def snapshot_marker(snapshot_lsn: LSN, slot: str, table: str, layout: TableLayout | None = None) -> str:
+    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``, bucketed by ``layout``."""
+    marker: dict[str, Any] = {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": table}
+    if layout is not None:
+        marker["layout"] = layout.to_json()
+    return json.dumps({"pgcdc": marker})
 
 
-def _pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
+def marker_layout(marker: dict[str, Any]) -> TableLayout | None:
+    """The layout a snapshot marker recorded (None: unbucketed, as every marker written before layouts)."""
+    layout = marker.get("layout")
+    return TableLayout.from_json(layout) if layout else None
+
+
+def pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
     """The ``pgcdc`` object of a commit's userMetadata; None for no metadata or another writer's."""
     if not user_metadata:
         return None
@@ -167,9 +248,3 @@ def _pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
         return None  # another writer's free-form metadata
     pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
     return pgcdc if isinstance(pgcdc, dict) else None
-
-
-def newest_version(spark: SparkSession, path: str) -> int | None:
-    """The table's newest Delta version; None for a table without commits."""
-    newest = read_commit_metadata(spark, path, limit=1)
-    return newest[0].version if newest else None

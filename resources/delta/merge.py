@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.lake_storage import remove_tree
+from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
 
 
@@ -48,6 +50,13 @@ def merge_batch(
     from the target row under the old key instead, whether or not the new key matches a row.
     The MERGE rejects two changes for one key, so callers fold a batch per key first.
 
+    A bucketed table's batch carries each row's :data:`~resources.delta.layout.BUCKET_COLUMN`
+    (and ``_pgcdc_oldkey__pgcdc_bucket`` beside the old key): the MERGE then matches on bucket
+    and key and names the batch's buckets as a partition predicate on the target, so the
+    engine reads and rewrites only those partitions. Every row the batch can touch is in one
+    of them: a delete or the old row of a moved key carries its own (old) key's bucket, and the
+    row under an old key that supplies kept values is read from the old keys' buckets.
+
     The source is staged as Parquet (:func:`_merge_source`) rather than shipped as a view:
     the engine builds its join's hash table from the side that looks smaller, and it sizes
     a file scan by its compressed bytes but an in-memory relation by its Arrow bytes. A view
@@ -64,6 +73,8 @@ def merge_batch(
     ]
     flags = {name for name in source.column_names if name.startswith(UNCHANGED_PREFIX)}
     old_keys = [name for name in source.column_names if name.startswith(OLD_KEY_PREFIX)]
+    bucketed = BUCKET_COLUMN in value_columns
+    matched_on = [*key_columns, BUCKET_COLUMN] if bucketed else list(key_columns)
     staged = _merge_source(path)
     spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
     staged_source = f"parquet.{quote_column(staged)}"
@@ -73,11 +84,17 @@ def merge_batch(
         # A key-changing update that kept TOAST values: the row under the old key holds them.
         join = " AND ".join(f"o.{quote_column(name.removeprefix(OLD_KEY_PREFIX))} = s.{quote_column(name)}" for name in old_keys)
         carried = ", ".join(f"o.{quote_column(name)} AS {quote_column(_carried(name))}" for name in kept)
-        using = f"(SELECT s.*, {carried} FROM {staged_source} s LEFT JOIN {target} o ON {join})"
+        old_rows = target
+        if bucketed:
+            old_rows = f"(SELECT * FROM {target} WHERE {_in_buckets(source, OLD_KEY_PREFIX + BUCKET_COLUMN, '')})"
+        using = f"(SELECT s.*, {carried} FROM {staged_source} s LEFT JOIN {old_rows} o ON {join})"
     else:
         using = staged_source
-    on = " AND ".join(f"t.{quote_column(key)} = s.{quote_column(key)}" for key in key_columns)
-    moved = f"s.{quote_column(old_keys[0])} IS NOT NULL" if old_keys else "false"
+    on = " AND ".join(f"t.{quote_column(key)} = s.{quote_column(key)}" for key in matched_on)
+    if bucketed:
+        on += f" AND {_in_buckets(source, BUCKET_COLUMN, 't.')}"
+    moved_flag = next((name for name in old_keys if name != OLD_KEY_PREFIX + BUCKET_COLUMN), None)
+    moved = f"s.{quote_column(moved_flag)} IS NOT NULL" if moved_flag else "false"
     updates = ", ".join(
         f"{quote_column(name)} = "
         + (
@@ -90,7 +107,7 @@ def merge_batch(
             else f"s.{quote_column(name)}"
         )
         for name in value_columns
-        if name not in key_columns
+        if name not in matched_on
     )
     insert_columns = ", ".join(quote_column(name) for name in value_columns)
     insert_values = ", ".join(
@@ -115,6 +132,15 @@ def _merge_source(path: str) -> str:
     """Where :func:`merge_batch` stages its source: one directory per table, overwritten by
     every MERGE, so even where it cannot be removed (object stores) it holds one batch at most."""
     return f"{path.rstrip('/')}/{STAGING_DIRECTORY}/merge_source"
+
+
+def _in_buckets(source: pa.Table, column: str, qualifier: str) -> str:
+    """``<qualifier><bucket column> IN (the buckets in source's column)``, the partition predicate
+    (``false`` for none: a piece of a batch without moved rows)."""
+    buckets = sorted(value for value in pc.unique(source.column(column)).to_pylist() if value is not None)
+    if not buckets:
+        return "false"
+    return f"{qualifier}{quote_column(BUCKET_COLUMN)} IN ({', '.join(str(int(bucket)) for bucket in buckets)})"
 
 
 def _carried(column: str) -> str:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import pyarrow as pa
-from pyspark.sql import functions as F, SparkSession
+from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import DecimalType
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import spark_dataframe
+from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.merge import quote_column
 
 
@@ -33,7 +34,16 @@ def widen_columns(spark: SparkSession, path: str, widened: Mapping[str, pa.DataT
         else F.col(quote_column(field.name))
         for field in schema
     ]
-    frame.select(*columns).write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
+    _rewrite(frame.select(*columns), schema, path)
+
+
+def _rewrite(frame: DataFrame, schema: pa.Schema, path: str) -> None:
+    """Overwrite the table with ``frame`` (its new schema), keeping a bucketed table's partitioning:
+    an overwrite without ``partitionBy`` would write the table unpartitioned."""
+    writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+    if BUCKET_COLUMN in schema.names:
+        writer = writer.partitionBy(BUCKET_COLUMN)
+    writer.save(path)
 
 
 def add_columns(spark: SparkSession, path: str, new_columns: pa.Schema) -> None:
@@ -83,7 +93,7 @@ def fill_columns(spark: SparkSession, path: str, values: pa.Table, lsn_column: s
     columns += [
         F.when(lsn_column_le, F.col(fill_names[name])).alias(name) for name in values.column_names if name not in existing.names
     ]
-    joined.select(*columns).write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(path)
+    _rewrite(joined.select(*columns), existing, path)
 
 
 _SAFE_WIDENINGS = {("smallint", "int"), ("smallint", "bigint"), ("int", "bigint"), ("float", "double")}

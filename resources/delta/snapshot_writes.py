@@ -6,11 +6,14 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, functions as F, SparkSession
 
 from resources.delta.lake_storage import remove_tree
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, spark_dataframe
-from resources.delta.markers import version_with_metadata
+from resources.delta.capabilities import engine_capabilities
+from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
+from resources.delta.markers import LAYOUT_PROPERTY, layout_property
+from resources.delta.table_log import version_with_metadata
 
 
 STAGING_DIRECTORY = "_pgcdc_staging"
@@ -34,8 +37,16 @@ def write_snapshot(
     user_metadata: str,
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    layout: TableLayout | None = None,
 ) -> int:
     """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
+
+    With a ``layout``, every row gets its :data:`~resources.delta.layout.BUCKET_COLUMN` value
+    (computed here, on the batches, by the same function a drain uses) and the table is
+    partitioned by it, one file per bucket sorted by key: the bucket bounds the file's size
+    (Sail 0.7.2 ignores ``maxRecordsPerFile``), and the sort clusters neighbouring keys.
+    ``user_metadata`` must then be the marker recording that layout; the table property
+    :data:`~resources.delta.markers.LAYOUT_PROPERTY` records it too (it outlives the marker).
 
     Readers see the old table or the whole new one, never a prefix. Batches are shipped to
     the server as they arrive, each piece (at most :data:`SHIP_BYTES`) as a temporary view,
@@ -47,6 +58,10 @@ def write_snapshot(
     carries ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without
     the data.
     """
+    if layout is not None:
+        batches = data.to_batches() if isinstance(data, pa.Table) else data
+        data = (with_buckets(layout, batch) for batch in batches)
+        schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
     pieces = chunks(data, schema, max(1, min(chunk_bytes, SHIP_BYTES)), SHIP_MIN_BYTES)
     staging: str | None = None
     pending: list[str] = []  # views shipped but not yet written
@@ -62,18 +77,18 @@ def write_snapshot(
             pending.append(view)
             pending_bytes += piece.nbytes
         if staging is None:
-            _overwrite(_union(spark, pending), path, user_metadata)
+            _overwrite(_union(spark, pending), path, user_metadata, layout)
         else:
             _write_staged(spark, pending, path, staging)
             _drop_views(spark, pending)
-            _overwrite(spark.read.format("delta").load(staging), path, user_metadata)
+            _overwrite(spark.read.format("delta").load(staging), path, user_metadata, layout)
             remove_tree(staging)
     finally:
         try:
             _drop_views(spark, pending)
         except Exception:  # noqa: BLE001 - the session is gone; its views went with it
             pass
-    return version_with_metadata(spark, path, user_metadata)
+    return version_with_metadata(path, user_metadata)
 
 
 def _union(spark: SparkSession, views: Sequence[str]) -> DataFrame:
@@ -88,7 +103,7 @@ def _write_staged(spark: SparkSession, views: Sequence[str], path: str, staging:
     """Append the views to the staging table (created by the first call); return its path."""
     if staging is None:
         staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
-        _overwrite(_union(spark, views), staging, None)
+        _overwrite(_union(spark, views), staging, None, None)
     else:
         _append(_union(spark, views), staging)
     return staging
@@ -101,12 +116,34 @@ def _drop_views(spark: SparkSession, views: list[str]) -> None:
         views.pop()
 
 
-def _overwrite(frame: DataFrame, path: str, user_metadata: str | None) -> None:
+def _overwrite(frame: DataFrame, path: str, user_metadata: str | None, layout: TableLayout | None) -> None:
+    """Overwrite the table (schema too); bucketed by ``layout``: one task, so one file, per bucket, sorted by key."""
+    if layout is not None:
+        key = [F.col("`" + name.replace("`", "``") + "`") for name in layout.key]
+        frame = frame.repartition(BUCKET_COLUMN).sortWithinPartitions(BUCKET_COLUMN, *key)
     writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
-    if user_metadata is not None:
+    if layout is not None:
+        writer = writer.partitionBy(BUCKET_COLUMN)
+    if user_metadata is not None:  # the table itself, not the staging table
         writer = writer.option("userMetadata", user_metadata)
+        if not engine_capabilities(frame.sparkSession).delta_commands:
+            # Sail records delta.* writer options as table properties; Delta on Spark refuses
+            # property names it does not know, so there the layout lives in the marker only.
+            writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))
     writer.save(path)
 
 
 def _append(frame: DataFrame, path: str) -> None:
     frame.write.format("delta").mode("append").save(path)
+
+
+def enable_deletion_vectors(spark: SparkSession, path: str) -> None:
+    """Turn on Delta's deletion vectors for the table (config ``delta.deletion_vectors``): a MERGE
+    then marks changed rows deleted instead of rewriting their files. Only where the engine has
+    Delta's SQL commands (the capability seam); Sail 0.7.2 can neither set table properties on a
+    path nor write deletion vectors, and callers refuse the setting there before writing."""
+    if not engine_capabilities(spark).delta_commands:
+        raise RuntimeError("deletion vectors need Delta Lake on Spark (the capability seam says this engine has no Delta commands)")
+    spark.sql(
+        f"ALTER TABLE delta.`{path.replace('`', '``')}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')"
+    ).collect()

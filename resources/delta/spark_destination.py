@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.delta import markers, merge, schema_changes, snapshot_writes
+from resources.delta import merge, schema_changes, snapshot_writes, table_log
+from resources.delta.destination import TableLog
 
 
 class SparkDeltaDestination:
@@ -33,8 +34,8 @@ class SparkDeltaDestination:
     def delete_all_rows(self, path: str) -> None:
         merge.delete_all_rows(self.spark, path)
 
-    def read_applied_marker(self, path: str) -> tuple[int, int] | None:
-        return markers.read_applied_marker(self.spark, path)
+    def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
+        return table_log.read_table_log(path, known)  # the lake's storage client: no engine round trip
 
     def table_schema(self, path: str) -> pa.Schema:
         return schema_changes.table_schema(self.spark, path)

@@ -217,3 +217,39 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
         if (name in column_list if column_list is not None else True)
     )
     return TableInfo(oid, table, relkind, replica_identity, columns, row_filter)
+
+
+def primary_key_columns(conn: psycopg.Connection, oid: int) -> tuple[str, ...]:
+    """The table's primary-key columns in the key's order; empty without one. (Client-side
+    parameters, as every query here: a replication connection has no extended protocol.)"""
+    rows = client_cursor(conn).execute(
+        "SELECT a.attname FROM pg_catalog.pg_index i"
+        " CROSS JOIN LATERAL pg_catalog.unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k(attnum, position)"
+        " JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) i.indrelid"
+        " AND a.attnum OPERATOR(pg_catalog.=) k.attnum"
+        " WHERE i.indrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND i.indisprimary ORDER BY k.position",
+        {"oid": oid},
+    ).fetchall()
+    return tuple(name for (name,) in rows)
+
+
+def size_estimate(conn: psycopg.Connection, oid: int) -> tuple[float, int]:
+    """PostgreSQL's estimate of the table's rows (negative: never counted) and its heap pages,
+    summed over its leaf partitions (a partitioned table's own entry holds neither)."""
+    row = client_cursor(conn).execute(
+        "SELECT pg_catalog.sum(c.reltuples::pg_catalog.float8), pg_catalog.sum(c.relpages)::pg_catalog.int8,"
+        " pg_catalog.bool_or(c.reltuples OPERATOR(pg_catalog.<) 0)"
+        " FROM pg_catalog.pg_partition_tree(%(oid)s::pg_catalog.oid::pg_catalog.regclass) p"
+        " JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) p.relid WHERE p.isleaf",
+        {"oid": oid},
+    ).fetchone()
+    if row is None or row[0] is None:
+        return 0.0, 0
+    return (-1.0 if row[2] else float(row[0])), int(row[1])
+
+
+def key_range(conn: psycopg.Connection, table: TableName, column: str) -> tuple[int, int] | None:
+    """Smallest and largest value of an integer key column (two index probes); None for an empty table."""
+    quoted = quote_ident(column)
+    row = client_cursor(conn).execute(f"SELECT pg_catalog.min({quoted}), pg_catalog.max({quoted}) FROM {table.quoted}").fetchone()
+    return None if row is None or row[0] is None else (int(row[0]), int(row[1]))

@@ -8,7 +8,7 @@ import psycopg
 
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, PgColumnType
-from resources.postgres.catalog import TableInfo
+from resources.postgres.catalog import primary_key_columns, TableInfo
 
 
 class ColumnTypes(Protocol):
@@ -50,14 +50,7 @@ class TypeResolver:
         table that also has a primary key holds no duplicate rows, so it can be matched per
         key (a MERGE) instead of per row value.
         """
-        rows = self._conn.execute(
-            "SELECT a.attname FROM pg_catalog.pg_index i"
-            " JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) i.indrelid"
-            " AND a.attnum OPERATOR(pg_catalog.=) ANY (i.indkey::pg_catalog.int2[])"
-            " WHERE i.indrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND i.indisprimary",
-            {"oid": relation.oid},
-        ).fetchall()
-        return tuple(name for (name,) in rows)
+        return primary_key_columns(self._conn, relation.oid)
 
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
         """What PostgreSQL gave the existing rows of the named columns, per column: the set over

@@ -11,6 +11,8 @@ Points (see ``resources/incremental.py``):
 * ``before_merge``: changes are decoded and batched, nothing of the chunk is in Delta yet.
 * ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
 * ``after_confirm``: the slot has been told the chunk's end position.
+* ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
+  (``resources/delta/state_table.py``) not yet written, the last chunk not confirmed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import signal
 
 FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
-FAULT_POINTS = ("before_merge", "after_delta_commit", "after_confirm")
+FAULT_POINTS = ("before_merge", "after_delta_commit", "after_confirm", "before_state_write")
 
 
 def fault_point(name: str) -> None:

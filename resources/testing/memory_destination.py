@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 
-from resources.delta.markers import newest_applied_marker
+from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.markers import fold_table_log
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
@@ -57,6 +59,7 @@ class InMemoryDestination:
     def __init__(self) -> None:
         self.tables: dict[str, pa.Table] = {}
         self.commits: dict[str, list[str | None]] = {}
+        self.log_reads: list[str] = []
 
     def _commit(self, path: str, table: pa.Table, user_metadata: str | None = None) -> int:
         self.tables[path] = table
@@ -72,13 +75,27 @@ class InMemoryDestination:
         return self._commit(path, table, user_metadata)
 
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str]) -> None:
+        """As the Delta MERGE, partition pruning included: a bucketed batch sees only the target rows
+        in its buckets (matched on key and bucket), so a wrong bucket shows as a duplicate or a
+        row left behind, as it would in Delta."""
         target = self.tables[path]
         names = source.column_names
         value_columns = [n for n in names if n != OP_COLUMN and not n.startswith((UNCHANGED_PREFIX, OLD_KEY_PREFIX))]
         old_keys = [n for n in names if n.startswith(OLD_KEY_PREFIX)]
+        moved_flag = next((n for n in old_keys if n != OLD_KEY_PREFIX + BUCKET_COLUMN), None)
         before = target.to_pylist()
+        pruned: list[dict] = []
+        if BUCKET_COLUMN in value_columns:
+            key_columns = [*key_columns, BUCKET_COLUMN]
+            buckets = set(source.column(BUCKET_COLUMN).to_pylist())
+            old_buckets = set(source.column(OLD_KEY_PREFIX + BUCKET_COLUMN).to_pylist()) if moved_flag else set()
+            pruned = [row for row in before if row[BUCKET_COLUMN] not in buckets]
+            old_rows = [row for row in before if row[BUCKET_COLUMN] in old_buckets]
+            before = [row for row in before if row[BUCKET_COLUMN] in buckets]
+        else:
+            old_rows = before
         by_key = {tuple(row[k] for k in key_columns): row for row in before}
-        by_old_key = {tuple(row[n.removeprefix(OLD_KEY_PREFIX)] for n in old_keys): row for row in before}
+        by_old_key = {tuple(row[n.removeprefix(OLD_KEY_PREFIX)] for n in old_keys): row for row in old_rows}
         rows = {key: dict(row) for key, row in by_key.items()}
         seen: set[tuple] = set()
         for change in source.to_pylist():
@@ -87,7 +104,7 @@ class InMemoryDestination:
                 raise ValueError(f"two changes for key {key} in one MERGE batch: fold the batch per key first")
             seen.add(key)
             kept = {n for n in value_columns if change.get(unchanged_flag_column(n)) is True}
-            moved = bool(old_keys) and change[old_keys[0]] is not None
+            moved = moved_flag is not None and change[moved_flag] is not None
             old = by_old_key.get(tuple(change[n] for n in old_keys)) if moved else None
             if key in rows and None not in key:
                 if change[OP_COLUMN] == "D":
@@ -104,7 +121,7 @@ class InMemoryDestination:
                     else:
                         row[n] = change[n]
                 rows[key] = row
-        self._commit(path, pa.Table.from_pylist(list(rows.values()), schema=target.schema))
+        self._commit(path, pa.Table.from_pylist(pruned + list(rows.values()), schema=target.schema))
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
         target = self.tables[path]
@@ -124,8 +141,14 @@ class InMemoryDestination:
     def delete_all_rows(self, path: str) -> None:
         self._commit(path, self.tables[path].schema.empty_table())
 
-    def read_applied_marker(self, path: str) -> tuple[int, int] | None:
-        return newest_applied_marker(reversed(self.commits.get(path, [])))
+    def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
+        """Read whole every time (``known`` is not needed in memory); counted in :attr:`log_reads`."""
+        self.log_reads.append(path)
+        commits = self.commits.get(path)
+        if not commits:
+            return NO_TABLE
+        newest = len(commits) - 1
+        return fold_table_log(((version, [commits[version]]) for version in range(newest, -1, -1)), newest, None)
 
     def table_schema(self, path: str) -> pa.Schema:
         return self.tables[path].schema

@@ -13,6 +13,7 @@ compare against a snapshot it holds open (``REPEATABLE READ``) while writes go o
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -20,11 +21,13 @@ from collections.abc import Mapping, Sequence
 import psycopg
 import pyarrow as pa
 
+from resources.delta.layout import BUCKET_COLUMN, bucket_values, TableLayout
+from resources.delta.markers import LAYOUT_PROPERTY
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import connect
 from resources.postgres.sql import quote_ident
 
-__all__ = ["assert_delta_equals_postgres", "compare_table", "delta_rows"]
+__all__ = ["assert_buckets_right", "assert_delta_equals_postgres", "compare_table", "delta_rows"]
 
 
 class _ExactFloat(float):
@@ -169,3 +172,41 @@ def _diff(table: str, columns: list[str], key: Sequence[str], pg_rows: list[tupl
     if len(lines) > 41:
         lines = lines[:41] + [f"  ... {len(lines) - 41} more lines"]
     return "\n".join(lines)
+
+
+def assert_buckets_right(path: str, storage_options: Mapping[str, str] | None = None) -> TableLayout | None:
+    """Raise AssertionError unless every row of the Delta table at ``path`` sits in the bucket its
+    key gives it under the layout its newest snapshot marker and its table property recorded (the two
+    must agree; the property alone once log cleanup removed the marker), and the table is partitioned
+    by the bucket column; a table without a layout must have no bucket column. Returns the layout.
+
+    :func:`compare_table` ignores the bucket column (it is not PostgreSQL's); this is its check.
+    """
+    import deltalake  # the dev extra
+
+    options = dict(storage_options) if storage_options else None
+    delta = deltalake.DeltaTable(path, storage_options=options)
+    # the marker; once log cleanup removed it, the table property (resources/delta/markers.py)
+    configured = delta.metadata().configuration.get(LAYOUT_PROPERTY) or "none"
+    layout = TableLayout.from_json(json.loads(configured)) if configured != "none" else None
+    for commit in delta.history():  # newest first
+        marker = json.loads(commit["userMetadata"]) if str(commit.get("userMetadata") or "").startswith("{") else {}
+        pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
+        if isinstance(pgcdc, dict) and pgcdc.get("kind") == "snapshot":
+            marked = TableLayout.from_json(pgcdc["layout"]) if pgcdc.get("layout") else None
+            # a table created unbucketed (or by an earlier pgcdc) may have adopted a layout since
+            assert layout is None or marked == layout, f"{path}: the snapshot marker says {marked}, the table property {layout}"
+            layout = marked
+            break
+    table = delta.to_pyarrow_table()
+    if layout is None:
+        assert BUCKET_COLUMN not in table.column_names, f"{path}: a bucket column but no layout in the snapshot marker"
+        return None
+    assert delta.metadata().partition_columns == [BUCKET_COLUMN], f"{path}: partitioned by {delta.metadata().partition_columns}"
+    expected = bucket_values(layout, [table.column(name) for name in layout.key])
+    stored = table.column(BUCKET_COLUMN).combine_chunks()
+    wrong = [i for i, (got, want) in enumerate(zip(stored.to_pylist(), expected.to_pylist())) if got != want]
+    if wrong:
+        rows = table.take(wrong[:5]).select([*layout.key, BUCKET_COLUMN]).to_pylist()
+        raise AssertionError(f"{path}: {len(wrong)} row(s) outside their key's bucket ({layout.describe()}), e.g. {rows}")
+    return layout

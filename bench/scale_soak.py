@@ -1,0 +1,154 @@
+"""bench.scale part (c), the soak: many drains on a busy table with maintenance every N drains.
+
+Run ``python -m bench.scale soak [--drains 2000] [--maintain-every 50] ...`` or
+``python -m bench.scale_soak`` alone.
+
+A throwaway PostgreSQL holds ``busy`` (bigint key, ``--rows`` rows); before each drain one
+transaction updates ``--changes`` random keys, inserts a tenth as many new keys and deletes a
+few; then ``run_incremental`` drains it into Delta on embedded Sail. Every ``--maintain-every``
+drains the table gets what the ``pgcdc_maintenance`` job does (``maintain_table``: compaction,
+vacuum after ``--retention-hours``, log checkpoint and clean-up). The engine is restarted every
+``--engine-runs`` drains (each Dagster run gets a fresh one; Sail keeps memory per operation).
+
+Reported, as the ratio of the end to the start (the goal is flat): the median drain time of
+the first and the last ``--window`` drains, the data files of the table's newest version,
+the data files on storage, and the log (files and bytes). Storage and log are only bounded
+once the retention (a week by default) and Delta's log retention (30 days) have passed, so in
+a soak of minutes they grow with every drain by design; the table's files and the drain time
+are what maintenance keeps flat. The oracle compares Delta with PostgreSQL at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+from resources.config import parse_config
+from resources.delta.engine import SparkEngine
+from resources.delta.lake_storage import LakeStorage
+from resources.delta.maintenance import maintain_table
+from resources.incremental import run_incremental
+from resources.snapshot import snapshot_tables
+from resources.testing.local_postgres import start_local_postgres
+from resources.testing.verify import assert_delta_equals_postgres
+
+SLOT = "scale_soak"
+
+
+def table_figures(path: str) -> dict[str, int]:
+    """Data files of the newest version, data files on storage, log files and log bytes."""
+    import deltalake
+
+    log = Path(path) / "_delta_log"
+    log_entries = [entry for entry in log.iterdir() if entry.is_file()]
+    return {
+        "table_files": deltalake.DeltaTable(path).get_add_actions(flatten=True).num_rows,
+        "storage_files": sum(1 for entry in Path(path).glob("*.parquet")),
+        "log_files": len(log_entries),
+        "log_bytes": sum(entry.stat().st_size for entry in log_entries),
+    }
+
+
+def write_changes(conn: psycopg.Connection, rows: int, changes: int, next_key: int) -> int:
+    """One transaction: ``changes`` random updates, ``changes // 10`` inserts, a few deletes; the next new key."""
+    inserts = max(1, changes // 10)
+    with conn.transaction():
+        conn.execute(
+            "UPDATE busy SET v = v + 1, note = md5(pg_catalog.random()::text)"
+            " WHERE id IN (SELECT (pg_catalog.random() * %s)::bigint + 1 FROM pg_catalog.generate_series(1, %s))",
+            (rows - 1, changes),
+        )
+        conn.execute(
+            "INSERT INTO busy SELECT g, 0, 'new' FROM pg_catalog.generate_series(%s::bigint, %s::bigint) g",
+            (next_key, next_key + inserts - 1),
+        )
+        conn.execute("DELETE FROM busy WHERE id IN (SELECT (pg_catalog.random() * %s)::bigint + 1 FROM pg_catalog.generate_series(1, 3))", (rows - 1,))
+    return next_key + inserts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drains", type=int, default=2000, help="drains in the soak (default 2000)")
+    parser.add_argument("--maintain-every", type=int, default=50, help="maintenance every N drains (default 50)")
+    parser.add_argument("--retention-hours", type=int, default=168, help="maintenance.retention_hours (default 168)")
+    parser.add_argument("--rows", type=int, default=100_000, help="rows of the busy table (default 100,000)")
+    parser.add_argument("--changes", type=int, default=100, help="random updates per drain (default 100)")
+    parser.add_argument("--engine-runs", type=int, default=100, help="drains per engine start (default 100)")
+    parser.add_argument("--window", type=int, default=50, help="drains per start / end median (default 50)")
+    parser.add_argument("--major", type=int, default=18, help="PostgreSQL major version (15 or 18)")
+    parser.add_argument("--keep", action="store_true", help="keep the lake and the server's directory")
+    args = parser.parse_args(argv)
+    if args.drains < 2 * args.window:
+        parser.error("--drains must be at least twice --window")
+
+    work = Path(tempfile.mkdtemp(prefix="pgcdc-scale-soak-"))
+    server = start_local_postgres(args.major, {"max_wal_size": "1GB"}, base_dir=work / "pg")
+    engine: SparkEngine | None = None
+    try:
+        with psycopg.connect(server.dsn(), autocommit=True) as admin:
+            admin.execute("CREATE DATABASE soak")
+        dsn = server.dsn("soak")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE busy (id bigint PRIMARY KEY, v int NOT NULL, note text)")
+            conn.execute("INSERT INTO busy SELECT g, 0, md5(g::text) FROM generate_series(1, %s) g", (args.rows,))
+            conn.execute("CREATE PUBLICATION soak_pub FOR TABLE busy")
+        config = parse_config({"postgres": {"dsn": dsn}, "publication": "soak_pub", "slot": SLOT,
+                               "delta": {"root": str(work / "lake")}})  # fmt: skip
+        path = config.table_path("public", "busy")
+        lake = LakeStorage(config.delta.root)
+        engine = SparkEngine.embedded()
+        snapshot_tables(config, engine.spark)
+        start = table_figures(path)
+        print(f"PostgreSQL {args.major}, busy: {args.rows:,} rows; {args.drains} drains of {args.changes} updates"
+              f" + {max(1, args.changes // 10)} inserts + 3 deletes; maintenance every {args.maintain_every}"
+              f" (retention {args.retention_hours} h); start: {start}", flush=True)  # fmt: skip
+        durations: list[float] = []
+        maintenance: list[float] = []
+        peak_table_files = start["table_files"]
+        next_key = args.rows + 1
+        began = time.monotonic()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for drain in range(1, args.drains + 1):
+                next_key = write_changes(conn, args.rows, args.changes, next_key)
+                if drain % args.engine_runs == 0:
+                    engine.close()
+                    engine = SparkEngine.embedded()
+                result = run_incremental(config, engine.spark)
+                durations.append(result.duration_s)
+                if drain % args.maintain_every == 0:
+                    peak_table_files = max(peak_table_files, table_figures(path)["table_files"])
+                    done = maintain_table(path, lake, retention_hours=args.retention_hours,
+                                          target_file_bytes=config.maintenance.target_file_bytes)  # fmt: skip
+                    maintenance.append(done.duration_s)
+                if drain % 100 == 0:
+                    print(f"drain {drain}: {time.monotonic() - began:.0f} s, median drain of the last 100"
+                          f" {statistics.median(durations[-100:]):.2f} s, {table_figures(path)}", flush=True)  # fmt: skip
+        end = table_figures(path)
+        rows = assert_delta_equals_postgres(dsn, "public.busy", path, key=("id",))
+        first, last = statistics.median(durations[: args.window]), statistics.median(durations[-args.window :])
+        print(f"\n{args.drains} drains in {time.monotonic() - began:.0f} s; oracle: {rows:,} rows equal")
+        print(f"median drain s: first {args.window} {first:.3f}, last {args.window} {last:.3f}, ratio {last / first:.2f}")
+        for name in ("table_files", "storage_files", "log_files", "log_bytes"):
+            print(f"{name}: start {start[name]:,}, end {end[name]:,}")
+        print(f"table files at most {peak_table_files} just before a maintenance run; maintenance median"
+              f" {statistics.median(maintenance) if maintenance else 0:.2f} s over {len(maintenance)} runs")  # fmt: skip
+        return 0
+    finally:
+        if engine is not None:
+            engine.close()
+        server.destroy()
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

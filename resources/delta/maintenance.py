@@ -1,0 +1,412 @@
+"""Table maintenance: compact small files, delete files no version inside the retention needs,
+keep the log checkpointed and its expired entries cleaned.
+
+Every drain adds files (a MERGE writes its output as new files, inserts land in new small
+files) and leaves the replaced ones on storage, so without maintenance a table's file count
+and its storage grow with the number of drains, and so does the cost of every MERGE (the
+engine reads every file of the target). One call of :func:`maintain_table` per Delta table:
+
+1. **compact**: rewrite small files into files of about ``target_file_bytes``, per partition
+   (bucket) when the table is partitioned. One commit, ``dataChange: false``: the rows do not
+   change, only the files that hold them.
+2. **vacuum**: delete the data files that no version committed within ``retention_hours``
+   references (Delta's VACUUM: a file removed from the table at time t is deleted once
+   t < now - retention). Time travel to any version of the window keeps reading; older
+   versions may not. Only files that still exist are deleted, and nothing is committed when
+   there are none.
+3. **log**: a checkpoint at the newest version, then the commits older than the table's
+   ``delta.logRetentionDuration`` (Delta's default: 30 days) that the checkpoint covers are
+   deleted, with the ``.crc`` files left of them. A table whose log retention is shorter than
+   ``retention_hours`` keeps its log whole (a warning says so): cleaning it would break time
+   travel inside the retention.
+
+Which engine does the work (the capability seam, ``capabilities.py``): Delta on Spark runs
+its own ``OPTIMIZE`` and ``VACUUM ... RETAIN n HOURS``, and writes checkpoints and cleans its log
+itself on every tenth commit. An engine without these commands (embedded Sail 0.7.2) gets them
+from delta-rs (``deltalake``) in pgcdc's own process, on local paths and on ``s3://`` lakes
+alike (``LakeStorage.object_store_options``). delta-rs commits keep the table's protocol
+(it adds no table feature) and Sail and Spark read them; docs/engine-notes.md has the checks.
+
+pgcdc's commit markers are untouched: the maintenance commits (``OPTIMIZE``, ``VACUUM START``,
+``VACUUM END``) carry no ``userMetadata``, so the marker readers in ``markers.py`` pass over them,
+and a snapshot commit removed by log cleanup is what ``EXPIRED_SNAPSHOT_LSN`` already covers.
+
+Never run this while a drain writes the same table: the Dagster job runs in the slot's pool.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pyspark.sql import SparkSession
+
+from resources.delta.capabilities import engine_capabilities
+from resources.delta.lake_storage import is_object_store, join_location, LakeStorage, parse_object_location
+from resources.delta.snapshot_writes import STAGING_DIRECTORY
+
+DELTA_LOG = "_delta_log"
+STATE_DIRECTORY = "_pgcdc"
+"""``<delta.root>/_pgcdc/``: pgcdc's own Delta tables (its state), maintained with the replicated ones."""
+DELTA_DEFAULT_RETENTION_HOURS = 168
+"""Delta's ``deletedFileRetentionDuration`` default, below which both engines want an explicit override."""
+DELTA_DEFAULT_LOG_RETENTION_HOURS = 30 * 24
+_COMMIT_FILE = re.compile(r"^(\d{20})\.(?:json|crc|checkpoint(?:\.\d+\.\d+)?\.parquet)$")
+_INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(second|minute|hour|day|week)s?\s*$", re.IGNORECASE)
+_INTERVAL_HOURS = {"second": 1 / 3600, "minute": 1 / 60, "hour": 1.0, "day": 24.0, "week": 168.0}
+
+
+@dataclass(frozen=True, slots=True)
+class FileStats:
+    """Data files: how many and how many bytes."""
+
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TableMaintenance:
+    """What maintenance did to one table: the figures the Dagster job records."""
+
+    path: str
+    #: "spark" (the engine's OPTIMIZE / VACUUM) or "delta-rs".
+    method: str
+    version_before: int
+    version_after: int
+    #: Data files of the newest version, before and after compaction.
+    table_before: FileStats
+    table_after: FileStats
+    #: Data files on storage (every version's), before and after: what vacuum shrinks.
+    storage_before: FileStats
+    storage_after: FileStats
+    #: Files compaction took out of the table and the files it wrote instead.
+    files_compacted: int
+    files_written: int
+    #: Data files vacuum deleted from storage.
+    files_vacuumed: int
+    #: Files of ``_delta_log`` deleted (expired commits, their checkpoints and .crc files).
+    log_files_removed: int
+    log_files_after: int
+    duration_s: float
+    warnings: tuple[str, ...] = ()
+
+
+def maintain_table(
+    path: str,
+    lake: LakeStorage,
+    *,
+    retention_hours: int,
+    target_file_bytes: int,
+    spark: SparkSession | None = None,
+) -> TableMaintenance:
+    """Compact, vacuum and clean the log of the Delta table at ``path`` (see the module docstring).
+
+    ``spark`` is the session when one is running; its engine's own commands are used when it
+    has them (Delta on Spark), delta-rs otherwise, and without a session (embedded Sail needs
+    none for this).
+    """
+    if retention_hours < 1:
+        raise ValueError("retention_hours must be at least 1")
+    started = time.monotonic()
+    storage_before = _storage_files(lake, path)
+    log_before = _log_files(lake, path)
+    if spark is not None and engine_capabilities(spark).delta_commands:
+        done = _SparkMaintenance(spark, path).run(retention_hours, target_file_bytes)
+    else:
+        done = _DeltaRsMaintenance(path, lake).run(retention_hours, target_file_bytes)
+    storage_after = _storage_files(lake, path)
+    log_after = _log_files(lake, path)
+    return TableMaintenance(
+        path=path,
+        method=done.method,
+        version_before=done.version_before,
+        version_after=done.version_after,
+        table_before=done.table_before,
+        table_after=done.table_after,
+        storage_before=FileStats(len(storage_before), sum(storage_before.values())),
+        storage_after=FileStats(len(storage_after), sum(storage_after.values())),
+        files_compacted=done.files_compacted,
+        files_written=done.files_written,
+        files_vacuumed=len(storage_before.keys() - storage_after.keys()),
+        log_files_removed=len(log_before - log_after),
+        log_files_after=len(log_after),
+        duration_s=time.monotonic() - started,
+        warnings=done.warnings,
+    )
+
+
+def delta_tables_under(lake: LakeStorage, location: str) -> list[str]:
+    """Every Delta table at or below ``location`` (a directory holding ``_delta_log``), sorted;
+    none when it does not exist. pgcdc's staging tables (``_pgcdc_staging``) are not among them."""
+    from pyarrow import fs
+
+    filesystem, base = _filesystem_path(lake, location)
+    found = set()
+    for info in filesystem.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True)):  # type: ignore[attr-defined]
+        parts = info.path[len(base) :].strip("/").split("/")
+        if DELTA_LOG in parts and STAGING_DIRECTORY not in parts:
+            table = "/".join(parts[: parts.index(DELTA_LOG)])
+            found.add(join_location(location, table) if table else location.rstrip("/"))
+    return sorted(found)
+
+
+def is_delta_table(lake: LakeStorage, path: str) -> bool:
+    """Whether ``path`` holds a Delta table (a ``_delta_log`` with at least one file)."""
+    return bool(_log_files(lake, path))
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    method: str
+    version_before: int
+    version_after: int
+    table_before: FileStats
+    table_after: FileStats
+    files_compacted: int
+    files_written: int
+    warnings: tuple[str, ...] = ()
+
+
+def _no_hooks() -> object:
+    """delta-rs post-commit hooks off: no checkpoint or log cleanup of its own choosing in the
+    middle of maintenance; :meth:`_DeltaRsMaintenance.run` does both at the end, guarded."""
+    from deltalake import PostCommitHookProperties
+
+    return PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False)
+
+
+class _DeltaRsMaintenance:
+    """delta-rs, in this process: for engines without Delta's maintenance commands."""
+
+    def __init__(self, path: str, lake: LakeStorage) -> None:
+        self.path = path
+        self.lake = lake
+
+    def _open(self):  # type: ignore[no-untyped-def]  # deltalake.DeltaTable
+        from deltalake import DeltaTable
+
+        return DeltaTable(self.path, storage_options=self.lake.object_store_options() or None)
+
+    def _open_at(self, version: int):  # type: ignore[no-untyped-def]
+        from deltalake import DeltaTable
+
+        return DeltaTable(self.path, version=version, storage_options=self.lake.object_store_options() or None)
+
+    def run(self, retention_hours: int, target_file_bytes: int) -> _Done:
+        table = self._open()
+        version_before, table_before = table.version(), _add_stats(table)
+        compacted = table.optimize.compact(target_size=target_file_bytes, post_commithook_properties=_no_hooks())
+        table = self._open()
+        # Vacuum lists every tombstone older than the retention, deleted or not; a real run
+        # (two commits) only when one of them is still on storage.
+        candidates = table.vacuum(retention_hours=retention_hours, enforce_retention_duration=False, dry_run=True)
+        if set(candidates) & _storage_files(self.lake, self.path).keys():
+            table.vacuum(
+                retention_hours=retention_hours,
+                enforce_retention_duration=False,
+                dry_run=False,
+                post_commithook_properties=_no_hooks(),
+            )
+            table = self._open()
+        warnings = []
+        version = table.version()
+        log_hours = _log_retention_hours(table.metadata().configuration)
+        if log_hours >= retention_hours:
+            self._clean_log(_newest_writer_commit(self.lake, self.path), log_hours)
+        else:
+            warnings.append(
+                f"{self.path}: delta.logRetentionDuration ({log_hours:g} h) is shorter than maintenance.retention_hours"
+                f" ({retention_hours} h), so its log is not cleaned: raise the table property or lower the retention"
+            )
+        self._checkpoint(version)
+        return _Done(
+            method="delta-rs",
+            version_before=version_before,
+            version_after=version,
+            table_before=table_before,
+            table_after=_add_stats(table),
+            files_compacted=int(compacted["numFilesRemoved"]),
+            files_written=int(compacted["numFilesAdded"]),
+            warnings=tuple(warnings),
+        )
+
+    def _checkpoint(self, version: int) -> None:
+        """A checkpoint at ``version`` unless it has one (Sail writes one every ten commits)."""
+        if f"{version:020d}.checkpoint.parquet" not in _log_files(self.lake, self.path):
+            self._open_at(version).create_checkpoint()
+
+    def _clean_log(self, keep_from: int, log_hours: float) -> None:
+        """Delete the expired log entries older than version ``keep_from``: a checkpoint there,
+        then Delta's clean-up of what it covers, then the orphaned ``.crc`` files. Nothing (no
+        checkpoint either) while no file below ``keep_from`` has expired."""
+        cutoff = time.time() - log_hours * 3600
+        if not any(int(name[:20]) < keep_from and mtime < cutoff for name, mtime in _log_entries(self.lake, self.path).items()):
+            return
+        self._checkpoint(keep_from)
+        self._open_at(keep_from).cleanup_metadata()
+        self._remove_orphan_checksums()
+
+    def _remove_orphan_checksums(self) -> None:
+        """Delete the ``.crc`` files of commits log cleanup removed (Sail writes one per commit;
+        delta-rs cleans only the commits and checkpoints): a checksum without its commit is
+        read by nobody."""
+        names = _log_files(self.lake, self.path)
+        commits = [int(name[:20]) for name in names if name.endswith(".json")]
+        if not commits:
+            return
+        oldest = min(commits)
+        filesystem, log = _filesystem_path(self.lake, join_location(self.path, DELTA_LOG))
+        for name in names:
+            if name.endswith(".crc") and int(name[:20]) < oldest:
+                filesystem.delete_file(f"{log}/{name}")  # type: ignore[attr-defined]
+
+
+class _SparkMaintenance:
+    """Delta on Spark's own commands; it checkpoints and cleans its log on its own commits."""
+
+    def __init__(self, spark: SparkSession, path: str) -> None:
+        self.spark = spark
+        self.table = "delta.`" + path.replace("`", "``") + "`"
+
+    def _detail(self) -> tuple[int, FileStats]:
+        row = self.spark.sql(f"DESCRIBE DETAIL {self.table}").select("numFiles", "sizeInBytes").first()
+        assert row is not None
+        newest = self.spark.sql(f"DESCRIBE HISTORY {self.table} LIMIT 1").select("version").first()
+        assert newest is not None
+        return int(newest["version"]), FileStats(int(row["numFiles"]), int(row["sizeInBytes"]))
+
+    def run(self, retention_hours: int, target_file_bytes: int) -> _Done:
+        version_before, table_before = self._detail()
+        settings = {"spark.databricks.delta.optimize.maxFileSize": str(target_file_bytes)}
+        if retention_hours < DELTA_DEFAULT_RETENTION_HOURS:  # configured on purpose: lift Delta's guard
+            settings["spark.databricks.delta.retentionDurationCheck.enabled"] = "false"
+        with _session_settings(self.spark, settings):
+            metrics = self.spark.sql(f"OPTIMIZE {self.table}").select("metrics.*").first()
+            assert metrics is not None
+            self.spark.sql(f"VACUUM {self.table} RETAIN {int(retention_hours)} HOURS").collect()
+        version_after, table_after = self._detail()
+        return _Done(
+            method="spark",
+            version_before=version_before,
+            version_after=version_after,
+            table_before=table_before,
+            table_after=table_after,
+            files_compacted=int(metrics["numFilesRemoved"]),
+            files_written=int(metrics["numFilesAdded"]),
+        )
+
+
+@contextmanager
+def _session_settings(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
+    """Session settings for the commands inside, restored afterwards."""
+    previous = {key: spark.conf.get(key, None) for key in settings}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
+
+
+MAINTENANCE_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
+"""The commits maintenance writes (delta-rs and Delta on Spark name them alike)."""
+
+
+def _newest_writer_commit(lake: LakeStorage, path: str) -> int:
+    """The newest version not written by maintenance: the newest snapshot, drain or other writer's commit.
+
+    Log clean-up keeps it and everything after it, so maintenance never takes a commit (and its
+    marker) out of the log that would have stayed without maintenance: a table's log is cleaned
+    only as far as its own writers have moved it. Maintenance commits nothing on an idle table,
+    so this reads a few commit files, newest first.
+    """
+    versions = sorted((int(name[:20]) for name in _log_files(lake, path) if name.endswith(".json")), reverse=True)
+    filesystem, log = _filesystem_path(lake, join_location(path, DELTA_LOG))
+    for version in versions:
+        with filesystem.open_input_stream(f"{log}/{version:020d}.json") as commit:  # type: ignore[attr-defined]
+            actions = commit.read().decode("utf-8").splitlines()
+        infos = [json.loads(line)["commitInfo"] for line in actions if line.startswith('{"commitInfo"')]
+        if not infos or infos[0].get("operation") not in MAINTENANCE_OPERATIONS:
+            return version
+    return versions[-1]
+
+
+def _add_stats(table: object) -> FileStats:
+    actions = table.get_add_actions(flatten=True)  # type: ignore[attr-defined]
+    return FileStats(actions.num_rows, sum(actions.column("size_bytes").to_pylist()))
+
+
+def _log_retention_hours(configuration: dict[str, str]) -> float:
+    """``delta.logRetentionDuration`` in hours (Delta's default when unset or unreadable)."""
+    match = _INTERVAL.match(configuration.get("delta.logRetentionDuration", ""))
+    if match is None:
+        return float(DELTA_DEFAULT_LOG_RETENTION_HOURS)
+    return int(match.group(1)) * _INTERVAL_HOURS[match.group(2).lower()]
+
+
+def _filesystem_path(lake: LakeStorage, location: str) -> tuple[object, str]:
+    """The pyarrow filesystem holding ``location`` and the path on it."""
+    if is_object_store(location):
+        return lake.filesystem(), parse_object_location(location).store_path
+    from pyarrow import fs
+
+    return fs.LocalFileSystem(), location.removeprefix("file://").rstrip("/")
+
+
+def _storage_files(lake: LakeStorage, path: str) -> dict[str, int]:
+    """Data files on storage below the table (partition directories included), relative path ->
+    bytes; ``_delta_log`` and the other hidden entries (pgcdc's staging) are not data."""
+    from pyarrow import fs
+
+    filesystem, base = _filesystem_path(lake, path)
+    files = {}
+    for info in filesystem.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True)):  # type: ignore[attr-defined]
+        relative = info.path[len(base) :].strip("/")
+        if info.type == fs.FileType.File and not any(_hidden(part) for part in relative.split("/")):
+            files[relative] = info.size
+    return files
+
+
+def _hidden(name: str) -> bool:
+    """Delta's rule for what is not table data: names starting with ``.``, or with ``_`` unless
+    a partition directory (``_pgcdc_bucket=3``)."""
+    return name.startswith(".") or (name.startswith("_") and "=" not in name)
+
+
+def _log_files(lake: LakeStorage, path: str) -> set[str]:
+    """Names of the commit, checkpoint and checksum files in the table's ``_delta_log``."""
+    return set(_log_entries(lake, path))
+
+
+def _log_entries(lake: LakeStorage, path: str) -> dict[str, float]:
+    """:func:`_log_files` with each file's modification time (seconds since the epoch)."""
+    from pyarrow import fs
+
+    filesystem, log = _filesystem_path(lake, join_location(path, DELTA_LOG))
+    selector = fs.FileSelector(log, allow_not_found=True)
+    return {
+        info.base_name: info.mtime.timestamp()
+        for info in filesystem.get_file_info(selector)  # type: ignore[attr-defined]
+        if _COMMIT_FILE.match(info.base_name)
+    }
+
+
+def describe(result: TableMaintenance) -> str:
+    """One log line with the counts."""
+    return (
+        f"{result.path} ({result.method}): files {result.table_before.files} -> {result.table_after.files}"
+        f" ({result.files_compacted} compacted into {result.files_written}),"
+        f" {result.table_before.bytes} -> {result.table_after.bytes} bytes;"
+        f" storage {result.storage_before.files} -> {result.storage_after.files} files"
+        f" ({result.files_vacuumed} vacuumed); log files removed {result.log_files_removed};"
+        f" version {result.version_before} -> {result.version_after}; {result.duration_s:.2f} s"
+    )
+

@@ -1,0 +1,208 @@
+"""Reading a Delta table's commit log directly through the lake's storage client, in O(commits read).
+
+The incremental run decides what to skip and what to apply from each table's own log (the
+snapshot marker, the append/replace markers of ``resources/delta/markers.py``). Reading it
+through the engine scans every commit the log holds (a Spark job per table per run); this
+module reads only the files it needs, with the ``pyarrow.fs`` client of the lake
+(``lake_storage.storage_client``: local directories and ``s3://`` lakes, wherever the engine runs):
+
+* with a ``known`` :class:`~resources.delta.destination.TableLog` (from the pgcdc state table,
+  possibly stale): the commits after ``known.version``, found by asking for ``version + 1``,
+  ``version + 2``, ... until one is missing; plus one read of the known snapshot commit to
+  check that ``known`` describes this log (a table deleted and written again restarts its
+  versions), and of ``known.version`` itself (when both it and the next commit are gone, log
+  cleanup removed commits the read would need). A mismatch falls back to:
+* without ``known``: one listing of ``_delta_log``, then the commits newest first, back to the
+  newest snapshot commit.
+
+Delta's commit files are ``_delta_log/<version as 20 digits>.json``, one JSON action per line;
+pgcdc's markers are in the ``commitInfo`` action's ``userMetadata``. Checkpoints do not keep
+``commitInfo``, so a marker in a commit that log cleanup removed is gone: a table whose log no
+longer starts at version 0 and holds no snapshot marker has snapshot LSN
+:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (see ``read_snapshot_lsn`` for why), and its
+layout is the one the table property :data:`~resources.delta.markers.LAYOUT_PROPERTY` of its newest
+``metaData`` action names (in the commits after the newest checkpoint, else in that checkpoint):
+read once, when the read first finds the snapshot commit gone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.lake_storage import storage_client
+from resources.delta.layout import TableLayout
+from resources.delta.markers import (
+    EXPIRED_SNAPSHOT_LSN,
+    fold_table_log,
+    LAYOUT_PROPERTY,
+    layout_from_property,
+    marker_layout,
+    pgcdc_marker,
+)
+from resources.lsn import LSN
+
+LOG_DIRECTORY = "_delta_log"
+LAST_CHECKPOINT = "_last_checkpoint"
+
+
+def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
+    """The :class:`TableLog` of the table at ``path`` (see the module docstring for what is read)."""
+    log = _Log(path)
+    if known is not None and known.version is not None and known.snapshot_lsn is not None:
+        checked = _after_known(log, known)
+        if checked is not None:
+            return checked
+    return _from_listing(log)
+
+
+def version_with_metadata(path: str, user_metadata: str) -> int:
+    """The version of the newest commit carrying ``user_metadata`` (a writer's own commit, found by its
+    marker so a concurrent writer cannot be mistaken for it): one listing, then the commits newest first."""
+    log = _Log(path)
+    for version in reversed(log.versions()[0]):
+        if user_metadata in (log.commit(version) or []):
+            return version
+    raise RuntimeError(f"no commit with userMetadata {user_metadata!r} in {path}")
+
+
+def table_exists(path: str) -> bool:
+    """Whether a Delta table is at ``path``: its first commit, or a checkpoint after log cleanup (two reads at most)."""
+    log = _Log(path)
+    return log.commit(0) is not None or log.read(LAST_CHECKPOINT) is not None
+
+
+class _Log:
+    """One table's ``_delta_log`` on its store."""
+
+    def __init__(self, path: str) -> None:
+        self.filesystem, root = storage_client(path)
+        self.directory = f"{root.rstrip('/')}/{LOG_DIRECTORY}"
+
+    def read(self, name: str) -> str | None:
+        """The file ``name`` of the log directory as text; None when it does not exist."""
+        try:
+            with self.filesystem.open_input_stream(f"{self.directory}/{name}") as stream:  # type: ignore[attr-defined]
+                return stream.read().decode("utf-8")
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def commit(self, version: int) -> list[str | None] | None:
+        """The userMetadata of the commit file ``version`` (a list: Delta allows one commitInfo,
+        but nothing is assumed); None when the file does not exist."""
+        actions = self.actions(version, "commitInfo")
+        return None if actions is None else [action.get("userMetadata") for action in actions]
+
+    def actions(self, version: int, kind: str) -> list[dict[str, Any]] | None:
+        """The ``kind`` actions of the commit file ``version``; None when the file does not exist."""
+        text = self.read(f"{version:020d}.json")
+        if text is None:
+            return None
+        prefix = '{"' + kind + '"'
+        return [json.loads(line)[kind] for line in text.splitlines() if line.startswith(prefix)]
+
+    def layout_property(self) -> TableLayout | None:
+        """:data:`LAYOUT_PROPERTY` of the newest ``metaData``: the newest commit after the newest
+        checkpoint that has one, else the checkpoint's (one listing, those commits, one column of the checkpoint)."""
+        versions, checkpoint = self.versions()
+        for version in reversed([v for v in versions if checkpoint is None or v > checkpoint]):
+            for metadata in self.actions(version, "metaData") or []:
+                return layout_from_property((metadata.get("configuration") or {}).get(LAYOUT_PROPERTY))
+        if checkpoint is None:
+            return None
+        return layout_from_property(self._checkpoint_property(checkpoint))
+
+    def _checkpoint_property(self, version: int) -> str | None:
+        """The property in the ``metaData`` of checkpoint ``version`` (classic or multi-part parquet files)."""
+        import pyarrow.parquet as pq
+        from pyarrow import fs
+
+        selector = fs.FileSelector(self.directory)
+        names = [
+            entry.path
+            for entry in self.filesystem.get_file_info(selector)  # type: ignore[attr-defined]
+            if entry.base_name.startswith(f"{version:020d}.checkpoint.") and entry.base_name.endswith(".parquet")
+        ]
+        for name in sorted(names):
+            rows = pq.read_table(name, columns=["metaData"], filesystem=self.filesystem).column("metaData")
+            for metadata in rows.to_pylist():
+                if metadata is not None:
+                    return dict(metadata.get("configuration") or []).get(LAYOUT_PROPERTY)
+        return None
+
+    def versions(self) -> tuple[list[int], int | None]:
+        """The versions of the commit files present, ascending, and the newest checkpoint's version."""
+        from pyarrow import fs
+
+        selector = fs.FileSelector(self.directory, allow_not_found=True)
+        try:
+            entries = self.filesystem.get_file_info(selector)  # type: ignore[attr-defined]
+        except NotADirectoryError:  # a path under a regular file: no table there
+            return [], None
+        commits: list[int] = []
+        checkpoint: int | None = None
+        for entry in entries:
+            name = entry.base_name
+            if not name[:20].isdigit():
+                continue
+            if name.endswith(".json") and len(name) == 25:
+                commits.append(int(name[:20]))
+            elif ".checkpoint." in name:
+                checkpoint = max(checkpoint or 0, int(name[:20]))
+        return sorted(commits), checkpoint
+
+
+def _after_known(log: _Log, known: TableLog) -> TableLog | None:
+    """``known`` advanced by the commits after it; None when ``known`` does not match this log.
+
+    ``known`` is a hint: its snapshot LSN and layout count only when its snapshot commit, read
+    here, carries them. A snapshot commit gone with log cleanup (the log no longer starts at
+    version 0) counts as :data:`EXPIRED_SNAPSHOT_LSN`, with the layout of the table property, as
+    for a log read from the start.
+    """
+    assert known.version is not None and known.snapshot_lsn is not None
+    if known.snapshot_version is None:
+        if known.snapshot_lsn != EXPIRED_SNAPSHOT_LSN:
+            return None
+    else:
+        snapshot_commit = log.commit(known.snapshot_version)
+        if snapshot_commit is None and log.commit(0) is None:
+            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, log.layout_property())
+        elif snapshot_commit is None or _snapshot(snapshot_commit) != (known.snapshot_lsn, known.layout):
+            return None  # not this log's snapshot (another table now lives at this path)
+    if log.commit(known.version) is None and log.commit(known.version + 1) is None:
+        return None  # beyond this log, or commits after it are gone with log cleanup: a gap
+    newer: list[tuple[int, list[str | None]]] = []
+    while (commit := log.commit(known.version + len(newer) + 1)) is not None:
+        newer.append((known.version + len(newer) + 1, commit))
+    return fold_table_log(reversed(newer), known.version + len(newer), known)
+
+
+def _from_listing(log: _Log) -> TableLog:
+    """Newest commit first, back to the newest snapshot commit (or the oldest commit kept)."""
+    versions, checkpoint = log.versions()
+    if not versions and checkpoint is None:
+        return NO_TABLE
+    newest = max(versions[-1] if versions else -1, checkpoint or -1)
+
+    def newest_first() -> Iterable[tuple[int, list[str | None]]]:
+        for version in reversed(versions):
+            commit = log.commit(version)
+            if commit is not None:
+                yield version, commit
+
+    found = fold_table_log(newest_first(), newest, None)
+    if found.snapshot_lsn is None and (not versions or versions[0] > 0):
+        return TableLog(EXPIRED_SNAPSHOT_LSN, None, newest, found.applied_marker, log.layout_property())
+    return found
+
+
+def _snapshot(commit: list[str | None]) -> tuple[LSN, TableLayout | None] | None:
+    """The snapshot LSN and layout of the snapshot marker in ``commit``; None without one."""
+    for user_metadata in commit:
+        marker = pgcdc_marker(user_metadata)
+        if marker is not None and marker.get("kind") == "snapshot":
+            return LSN.parse(marker["snapshot_lsn"]), marker_layout(marker)
+    return None
