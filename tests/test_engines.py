@@ -54,7 +54,6 @@ from tests.test_object_storage import lifecycle as object_storage_lifecycle
 from tests.test_randomized import Replay
 from tests.workload import generate
 from tests.test_faults import (
-    DDL as FAULT_DDL,
     REPO,
     SLOT,
     Child,
