@@ -5,7 +5,9 @@ test modules over :data:`ENGINES`, so pytest runs every test of one engine befor
 the next and at most one JVM engine runs at a time (the suite shares two cores):
 
 * ``spark-local``: the managed engine pgcdc starts itself (``spark.engine: spark``): a Spark
-  Connect server with Delta on ``local[N]`` (``resources.delta.spark_server``);
+  Connect server with Delta on ``local[N]`` (``resources.delta.spark_server``), with Hadoop's S3A
+  client reaching the session's local S3 server (``tests/s3_fixtures.py``), so one JVM serves the
+  tests on local paths and on ``s3://``;
 * ``spark-cluster``: a Spark standalone master and one worker, and a Spark Connect server with
   Delta on that cluster, as ``spark.remote: sc://...`` would find it in production;
 * ``sail-server``: Sail's standalone Spark Connect server (``sail spark server``).
@@ -17,6 +19,7 @@ if any process of them is left.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +33,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.delta.engine import SparkEngine
+from resources.delta.lake_storage import LakeStorage
 from resources.delta.spark_connect import connect_session, engine_address
 from resources.delta.spark_server import (
     free_port,
@@ -40,9 +44,9 @@ from resources.delta.spark_server import (
     stop_group,
     wait_listening,
 )
+from tests.s3_fixtures import BUCKET
 
 ENGINES = ["spark-local", "spark-cluster", "sail-server"]
-SPARK_ENGINES = ENGINES[:2]
 START_TIMEOUT_S = 600.0
 """Generous: the first start on a fresh machine downloads Delta's jars."""
 
@@ -76,6 +80,8 @@ class EngineUnderTest:
     _cluster: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _master_url: str = ""
     _port: int = 0
+    #: The lake the managed engine must reach besides local paths (its S3A settings and credentials).
+    s3_lake: LakeStorage | None = None
 
     @property
     def server_pid(self) -> int:
@@ -88,7 +94,11 @@ class EngineUnderTest:
 
     def start(self) -> None:
         if self.name == "spark-local":
-            self._managed = SparkEngine.managed_spark(master="local[2]")
+            lake = self.s3_lake
+            self._managed = SparkEngine.managed_spark(
+                lake.spark_settings() if lake else None, master="local[2]",
+                storage_environment=lake.engine_environment() if lake else None,
+            )  # fmt: skip
             self.spark = self._managed.spark
             self.url = engine_address(self.spark)
             self.groups.append(self.server_pid)
@@ -173,6 +183,8 @@ class EngineUnderTest:
 @pytest.fixture(scope="session")
 def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
     under_test = EngineUnderTest(request.param, Path(tempfile.mkdtemp(prefix=f"pgcdc-{request.param}-")))
+    if request.param == "spark-local":
+        under_test.s3_lake = request.getfixturevalue("s3_server").lake(f"s3://{BUCKET}/")
     try:
         under_test.start()
         yield under_test
@@ -183,3 +195,4 @@ def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
             time.sleep(0.2)
         left = [pgid for pgid in under_test.groups if group_alive(pgid)]
         assert not left, f"{request.param}: processes left behind in process groups {left}"
+        shutil.rmtree(under_test.work_dir, ignore_errors=True)  # the engines' logs; kept after a failure

@@ -108,12 +108,3 @@ def s3_spark_engine(s3_server: S3Server) -> Iterator[SparkEngine]:
 @pytest.fixture(scope="session")
 def s3_spark(s3_spark_engine: SparkEngine) -> SparkSession:
     return s3_spark_engine.spark
-
-
-@pytest.fixture(scope="module")
-def s3_apache_spark(s3_server: S3Server) -> Iterator[SparkSession]:
-    """Apache Spark with Delta (the managed engine, ``spark.engine: spark``) reaching the moto store
-    through S3A; the first use on a fresh machine downloads S3A's jars into the jar cache."""
-    lake = s3_server.lake(f"s3://{BUCKET}/")
-    with SparkEngine.managed_spark(lake.spark_settings(), storage_environment=lake.engine_environment()) as engine:
-        yield engine.spark

@@ -1,15 +1,24 @@
 """pgcdc on the engines beyond embedded Sail: Apache Spark with Delta (managed by pgcdc, and a
 standalone cluster behind a Spark Connect server) and Sail's standalone server.
 
-Each engine (``tests/engine_fixtures.py``, one at a time) runs a representative lifecycle,
-compared with PostgreSQL after every step by ``resources/verify.py`` (delta-rs, independent of
-the writer): snapshot, drains under concurrent writes, re-snapshot of one table, TRUNCATE,
-ADD COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table.
-Then: the engine is SIGKILLed during a drain (one-line failure within seconds, the slot not
-moved past Delta, exact after a restart). The Spark engines also run the crash points (the
-drain process SIGKILLs itself); Sail's server, covered by the embedded tests, runs the lifecycle
-and the kill only. Not here yet: the seeded randomized workload on Spark (it fails there at an
-extreme timestamp read back as timestamp[ns]; see docs/engine-notes.md).
+A JVM engine costs 15-40 s to start and seconds per Delta statement on two cores, so each engine
+(``tests/engine_fixtures.py``, one at a time, shared by every test that runs on it) walks one
+scenario instead of several tests that each set one up
+(:func:`test_lifecycle_kill_and_crash_match_postgres`), compared with PostgreSQL after every step by
+``resources/testing/verify.py`` (delta-rs, independent of the writer):
+
+1. lifecycle: snapshot, drains under concurrent writes, re-snapshot of one table, TRUNCATE, ADD
+   COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table, and
+   timestamps at PostgreSQL's ``infinity``;
+2. the engine SIGKILLed during a drain in another process: one-line failure within seconds, the
+   slot not moved past Delta, exact after a restart;
+3. a crash point (the drain process SIGKILLs itself; one point per engine, all points run on
+   embedded Sail in tests/test_faults.py); on the managed engine the crashed process had started
+   its own Spark JVM, which must die with it.
+
+``spark-local`` also runs a short seeded randomized workload (tests/workload.py) and the
+object-storage lifecycle of tests/test_object_storage.py on ``s3://`` through S3A. Which test
+runs on which engine: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -38,10 +47,13 @@ from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
-pytest.register_assert_rewrite("tests.engine_fixtures")  # imported here before pytest loads it as a plugin
-from tests.engine_fixtures import ENGINES, SPARK_ENGINES, EngineUnderTest, group_alive
+pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # imported here before pytest loads them as plugins
+from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
+from tests.s3_fixtures import S3Server
+from tests.test_object_storage import lifecycle as object_storage_lifecycle
+from tests.test_randomized import Replay
+from tests.workload import generate
 from tests.test_faults import (
-    DDL as FAULT_DDL,
     REPO,
     SLOT,
     Child,
@@ -52,23 +64,28 @@ from tests.test_faults import (
     wait_mid_drain,
 )
 
-pytest_plugins = ["tests.engine_fixtures"]
+pytest_plugins = ["tests.engine_fixtures", "tests.s3_fixtures"]
 
 LIFECYCLE_DDL = """
-    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
+    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text, seen timestamptz);
     CREATE TABLE dup (k int, v text);
     ALTER TABLE dup REPLICA IDENTITY FULL;
-    CREATE TABLE journal (entry int, note text);
-    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 300) g;
+    CREATE TABLE journal (entry int, note text, at timestamptz);
+    INSERT INTO acct SELECT g, 0, 'start',
+        (CASE g % 3 WHEN 0 THEN 'infinity' WHEN 1 THEN '-infinity' ELSE '2024-05-01 10:00+00' END)::timestamptz
+      FROM generate_series(1, 300) g;
     INSERT INTO dup VALUES (1, 'a'), (1, 'a'), (1, 'a'), (2, 'b'), (2, 'b'), (3, NULL), (3, NULL);
-    INSERT INTO journal VALUES (-1, 'seed');
+    INSERT INTO journal VALUES (-1, 'seed', 'infinity');
     CREATE PUBLICATION pub FOR TABLE acct, dup, journal;
 """
-#: Tests that run on the Spark engines only: Sail runs them embedded (tests/test_faults.py).
-SPARK_ONLY = {"test_crash_points_then_the_rerun_is_exact"}
+"""``infinity`` (stored at the int64 microsecond limits) is the regression test of Spark's INT96
+timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
+#: Tests that run on the managed Spark engine only: its JVM is up anyway, and the other engines
+#: add nothing to them that the lifecycle walk does not cover.
+SPARK_LOCAL_ONLY = {"test_randomized_workload_on_spark_matches_postgres", "test_lifecycle_on_s3_with_apache_spark_and_delta"}
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
-CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge"}
+CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge", "sail-server": "after_confirm"}
 ENGINE_VERSIONS = {
     "spark-local": POSTGRES_VERSIONS[:1],
     "spark-cluster": POSTGRES_VERSIONS[-1:],
@@ -90,7 +107,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One session-wide engine instance per name, shared by every test that runs on it, paired
     with the PostgreSQL versions it runs against."""
     if "engine" in metafunc.fixturenames:
-        names = SPARK_ENGINES if metafunc.function.__name__ in SPARK_ONLY else ENGINES
+        names = ["spark-local"] if metafunc.function.__name__ in SPARK_LOCAL_ONLY else ENGINES
         pairs = [(name, version) for name in names for version in ENGINE_VERSIONS[name]]
         metafunc.parametrize(
             ("engine", "pg_server"), pairs, indirect=True, scope="session",
@@ -129,12 +146,14 @@ def writes(pg: PgDatabase, transactions: int, offset: int) -> None:
     with pg.connect() as conn:
         for i in range(transactions):
             with conn.transaction():
-                conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id = %s", (f"w{i}", 1 + i % 50))
-                conn.execute("INSERT INTO journal VALUES (%s, 'w')", (offset + i,))
+                conn.execute("UPDATE acct SET balance = balance + 1, note = %s, seen = 'infinity' WHERE id = %s",
+                             (f"w{i}", 1 + i % 50))
+                conn.execute("INSERT INTO journal VALUES (%s, 'w', '-infinity')", (offset + i,))
                 conn.execute("INSERT INTO dup VALUES (%s, 'x'), (%s, 'x')", (i % 3, i % 3))
 
 
-def test_lifecycle_matches_postgres_after_every_step(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+@pytest.mark.timeout(1800)  # three scenarios of the suite's 600 s each, on a JVM on two shared cores
+def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
     spark = engine.spark
     assert spark is not None
     # The seam says what the engine is; nothing below depends on it but the cost.
@@ -183,20 +202,16 @@ def test_lifecycle_matches_postgres_after_every_step(engine: EngineUnderTest, pg
                " INSERT INTO dup VALUES (2, 'b')")
     step("drain on FULL identity", lambda: run_incremental(config, spark))
     assert_lake_exact(pg, config, 50)
-    print(f"{engine.name} (PostgreSQL {pg.major}) lifecycle seconds: {timings}")
+
+    step("engine killed mid-drain, restart, re-run", lambda: engine_killed_mid_drain(engine, pg, tmp_path, config))
+    step(f"crash at {CRASH_POINT[engine.name]}, re-run", lambda: crash_point(engine, pg, tmp_path))
+    print(f"{engine.name} (PostgreSQL {pg.major}) seconds: {timings}")
 
 
-def test_engine_killed_during_a_drain_fails_in_one_line_and_the_next_run_is_exact(
-    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
-) -> None:
+def engine_killed_mid_drain(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path, config: PgcdcConfig) -> None:
     """SIGKILL of the engine's server (the Spark Connect JVM or the Sail server) while a drain
     in another process is applying chunks: that process fails within seconds with one line,
     the slot stays where the last durable chunk put it, and after a restart the next run is exact."""
-    spark = engine.spark
-    assert spark is not None
-    pg.execute(FAULT_DDL)
-    config = engine_config(pg, tmp_path, engine)
-    snapshot_tables(config, spark)
     start = confirmed(pg)
     backlog(pg, 60)
     child = Child(write_config(config, tmp_path), chunk=40)
@@ -213,25 +228,18 @@ def test_engine_killed_during_a_drain_fails_in_one_line_and_the_next_run_is_exac
     after_failure = confirmed(pg)
     engine.restart()
     assert confirmed(pg) == after_failure  # nothing moved the slot meanwhile
-    config = engine_config(pg, tmp_path, engine)  # the managed engine restarts on a new port
-    rerun_converges(pg, config, engine.spark)
+    rerun_converges(pg, engine_config(pg, tmp_path, engine), engine.spark, exact=assert_lake_exact)  # new port if managed
 
 
-def test_crash_points_then_the_rerun_is_exact(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
-    """The drain process SIGKILLs itself at a fault point (one per engine, to save JVM time; all
-    points run on embedded Sail in tests/test_faults.py); the re-run applies exactly the rest.
-    On the managed engine the crashed process had started its own Spark JVM
+def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    """The drain process SIGKILLs itself at the engine's fault point; the re-run applies exactly
+    the rest. On the managed engine the crashed process had started its own Spark JVM
     (``spark.engine: spark``): that JVM must die with it."""
-    point = CRASH_POINT[engine.name]
-    spark = engine.spark
-    assert spark is not None
-    pg.execute(FAULT_DDL)
     config = engine_config(pg, tmp_path, engine)
-    snapshot_tables(config, spark)
     backlog(pg, 30)
     own_jvm = engine.name == "spark-local"
     child_config = config.model_copy(update={"spark": config.spark.model_copy(update={"remote": None, "engine": "spark"})}) if own_jvm else config
-    child = Child(write_config(child_config, tmp_path), chunk=100, env={FAULT_POINT_ENV: point})
+    child = Child(write_config(child_config, tmp_path), chunk=100, env={FAULT_POINT_ENV: CRASH_POINT[engine.name]})
     try:
         assert child.wait(timeout=600) == -9, child.output()
     finally:
@@ -242,7 +250,35 @@ def test_crash_points_then_the_rerun_is_exact(engine: EngineUnderTest, pg: PgDat
         while group_alive(jvm) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not group_alive(jvm), "the managed Spark JVM outlived the pgcdc process that started it"
-    rerun_converges(pg, config, spark)
+    rerun_converges(pg, config, engine.spark, exact=assert_lake_exact)
+
+
+#: A short workload (17 steps, 5 runs of chunks of 100 and more) that covers unchanged TOAST, key
+#: changes, identical rows of a REPLICA IDENTITY FULL table, a keyless table, TRUNCATE, ADD COLUMN,
+#: re-snapshots, a table published mid-stream and timestamps at infinity; found with tests.workload.generate.
+SPARK_WORKLOAD = (16322, 16)
+
+
+def test_randomized_workload_on_spark_matches_postgres(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    """tests/test_randomized.py's differential workload on Delta-on-Spark, exact against PostgreSQL
+    after every run (seed 20240601 found the INT96 timestamps there; the longer seeds run on Sail)."""
+    seed, ops = SPARK_WORKLOAD
+    steps = generate(seed, ops)
+    rendered = "\n".join(" ".join(step.statements) for step in steps if step.kind == "sql")
+    for feature in ("TRUNCATE", "ADD COLUMN", "UPDATE dup_t", "INSERT INTO log_t", "UPDATE full_t", "infinity"):
+        assert feature in rendered, f"seed {seed} no longer covers {feature}: tests/workload.py changed, pick another"
+    replay = Replay(pg, tmp_path, engine.spark, seed, ops)
+    replay.execute(steps)
+    assert replay.most_duplicates > 0, "dup_t never held identical rows"
+    print(f"{engine.name}: seed {seed}, {len(steps)} steps, runs {' '.join(replay.run_times)}")
+
+
+def test_lifecycle_on_s3_with_apache_spark_and_delta(
+    engine: EngineUnderTest, pg: PgDatabase, s3_server: S3Server, s3_root: str
+) -> None:
+    """tests/test_object_storage.py's lifecycle on ``s3://`` through Hadoop's S3A client, on the
+    managed engine (started with S3A's settings and the store's credentials in its environment)."""
+    object_storage_lifecycle(pg, s3_server, s3_root, engine.spark, drains_under_writes=1)
 
 
 def next_line(stream: TextIO, prefix: str) -> str:

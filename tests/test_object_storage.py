@@ -1,5 +1,7 @@
 """The lake on object storage (``delta.root: s3://bucket/prefix``) against a local S3 (moto, started
-by ``tests/s3_fixtures.py``), real PostgreSQL 15 and 18 and the embedded Sail engine.
+by ``tests/s3_fixtures.py``), real PostgreSQL 15 and 18 and the embedded Sail engine (Apache
+Spark with Delta runs the same :func:`lifecycle` through S3A in ``tests/test_engines.py``, on the
+JVM engine those tests start anyway).
 
 The lifecycle runs on s3:// as it does on a local directory: snapshot, drains while PostgreSQL
 is being written, TRUNCATE, a REPLICA IDENTITY FULL table with duplicate rows and a keyless
@@ -32,7 +34,7 @@ from resources.errors import ConfigurationError
 from resources.incremental import run_incremental
 from resources.delta.lake_storage import open_lake, remove_tree
 from resources.snapshot import snapshot_tables
-from tests.conftest import POSTGRES_VERSIONS, PgDatabase
+from tests.conftest import PgDatabase
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.s3_fixtures import BUCKET, TEST_SECRET, S3Server
 
@@ -101,15 +103,6 @@ def test_storage_settings_refuse_literal_secrets_and_plain_http_without_saying_t
 
 def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession) -> None:
     lifecycle(pg, s3_server, s3_root, s3_spark)
-
-
-@pytest.mark.parametrize("pg_server", POSTGRES_VERSIONS[-1:], indirect=True, ids=lambda v: f"pg{v}")
-def test_lifecycle_on_s3_with_apache_spark_and_delta(
-    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_apache_spark: SparkSession
-) -> None:
-    """The same on Apache Spark with Delta's jars (the managed engine), through Hadoop's S3A client
-    under the same s3:// URL; one PostgreSQL version, since a JVM engine costs minutes on two cores."""
-    lifecycle(pg, s3_server, s3_root, s3_apache_spark, drains_under_writes=1)
 
 
 def lifecycle(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
@@ -12,6 +13,28 @@ from pyspark.sql.pandas.types import from_arrow_schema
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Arrow bytes sent per createDataFrame: bounds client memory and stays under Spark Connect's
 local-relation cache threshold (64 MiB by default)."""
+
+
+WRITE_SETTINGS: dict[str, str] = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
+"""Session settings every Delta write of pgcdc's relies on, whatever the engine.
+
+Apache Spark stores a ``timestamp`` (timestamptz) column as Parquet INT96 by default. Spark
+reads that back, but Arrow-based readers (delta-rs, pyarrow, pandas, DuckDB) decode INT96 as
+``timestamp[ns]``, which ends in 1677 and 2262: PostgreSQL's ``infinity`` (stored at the int64
+microsecond limits) and any timestamp outside those years fail to read there (found by the
+randomized workload on Spark, docs/engine-notes.md). INT64 microseconds is what Sail writes
+anyway; ``timestamp_ntz`` is INT64 on every engine."""
+
+_PREPARED_SESSIONS: weakref.WeakSet[SparkSession] = weakref.WeakSet()
+
+
+def prepare_writes(spark: SparkSession) -> None:
+    """Apply :data:`WRITE_SETTINGS` to the session, once per session (a caller's session included)."""
+    if spark in _PREPARED_SESSIONS:
+        return
+    for key, value in WRITE_SETTINGS.items():
+        spark.conf.set(key, value)
+    _PREPARED_SESSIONS.add(spark)
 
 
 def nullable_schema(schema: pa.Schema) -> pa.Schema:
@@ -25,7 +48,10 @@ def nullable_schema(schema: pa.Schema) -> pa.Schema:
 
 
 def spark_dataframe(spark: SparkSession, table: pa.Table) -> DataFrame:
-    """Arrow to Spark without Python rows, keeping naive timestamps as timestamp_ntz."""
+    """Arrow to Spark without Python rows, keeping naive timestamps as timestamp_ntz; the session
+    is prepared for pgcdc's writes (:func:`prepare_writes`), since every write but a rewrite of a
+    table in place starts here."""
+    prepare_writes(spark)
     table = table.cast(nullable_schema(table.schema))
     return spark.createDataFrame(table, schema=from_arrow_schema(table.schema, prefer_timestamp_ntz=True))
 

@@ -29,7 +29,7 @@ from pyspark.sql import SparkSession
 
 from resources.config import SparkSettings
 from resources.delta.spark_connect import connect_session
-from resources.delta.spark_server import managed_server_config
+from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
 from resources.errors import ConfigurationError
 
 
@@ -116,6 +116,8 @@ class SparkEngine:
                     "or use spark.engine: sail",
                 )
             spark = connect_session(f"sc://127.0.0.1:{int(fields[0])}")
+            if request["config"].get("spark.jars.packages") == DELTA_PACKAGE:  # Ivy resolved it: later starts skip Ivy
+                remember_resolved_jars(spark.conf.get("spark.jars") or "")
         except BaseException:
             _stop_server(server)
             raise

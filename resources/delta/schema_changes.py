@@ -10,7 +10,7 @@ from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import DecimalType
 
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.dataframes import spark_dataframe
+from resources.delta.dataframes import prepare_writes, spark_dataframe
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.merge import quote_column
 
@@ -26,6 +26,7 @@ def widen_columns(spark: SparkSession, path: str, widened: Mapping[str, pa.DataT
     Neither Sail nor open-source Delta without the type-widening feature can ALTER a
     column's type, so the table is rewritten; readers see the old or the new table whole.
     """
+    prepare_writes(spark)  # the rewrite writes every column anew, timestamps included
     frame = spark.read.format("delta").load(path)
     schema = to_arrow_schema(frame.schema)
     columns = [
