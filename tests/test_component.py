@@ -225,9 +225,16 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
         fail_window=timedelta(minutes=30), warn_window=timedelta(minutes=20)
     )
     assert {job.name for job in defs.jobs} >= {
-        f"pgcdc_{p}_{job}" for p in pipelines for job in ("snapshot", "resnapshot", "incremental", "reconcile")
+        f"pgcdc_{p}_{job}" for p in pipelines for job in ("snapshot", "resnapshot", "incremental", "reconcile", "maintenance")
     }
-    assert {s.name for s in defs.schedules} == {"pgcdc_shop_incremental_schedule", "pgcdc_billing_incremental_schedule"}
+    assert {s.name for s in defs.schedules} == {
+        f"pgcdc_{p}_{schedule}" for p in pipelines for schedule in ("incremental_schedule", "maintenance_schedule")
+    }
+    maintenance_nodes = defs.resolve_job_def("pgcdc_billing_maintenance").nodes
+    assert [(node.name, node.definition.pool) for node in maintenance_nodes] == [
+        ("pgcdc_billing_maintain_tables", "pgcdc_slot_billing_slot")
+    ]
+    assert maintenance_nodes[0].definition.required_resource_keys == {"pgcdc_billing_postgres", "pgcdc_billing_spark"}
     assert {s.name for s in defs.sensors} == {
         f"pgcdc_{p}_{sensor}" for p in pipelines for sensor in ("slot_lag_sensor", "new_tables_sensor", "slot_health_sensor")
     }
