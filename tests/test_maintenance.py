@@ -77,7 +77,8 @@ def table_files(path: str) -> set[str]:
 
 
 def storage_files(path: str) -> set[str]:
-    return {name for name in os.listdir(path) if name.endswith(".parquet")}
+    """The data files on disk, as the log names them (bucketed tables keep theirs under ``_pgcdc_bucket=N/``)."""
+    return {file.relative_to(path).as_posix() for file in Path(path).rglob("*.parquet") if "_delta_log" not in file.parts}
 
 
 def rows_at(path: str, version: int) -> list[dict]:
