@@ -77,7 +77,8 @@ def table_files(path: str) -> set[str]:
 
 
 def storage_files(path: str) -> set[str]:
-    return {name for name in os.listdir(path) if name.endswith(".parquet")}
+    """The data files on disk, as the log names them (bucketed tables keep theirs under ``_pgcdc_bucket=N/``)."""
+    return {file.relative_to(path).as_posix() for file in Path(path).rglob("*.parquet") if "_delta_log" not in file.parts}
 
 
 def rows_at(path: str, version: int) -> list[dict]:
@@ -168,8 +169,9 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
 
     # pgcdc's own tables under <delta.root>/_pgcdc/ (its state) are maintained with the others.
     state = str(tmp_path / "lake" / "_pgcdc" / "state" / SLOT)
-    for i in range(4):
-        deltalake.write_deltalake(state, pa.table({"table": [f"t{i}"], "version": [i]}), mode="append")
+    rows = deltalake.DeltaTable(state).to_pyarrow_table()  # written by the snapshot and the drains
+    for _ in range(4):
+        deltalake.write_deltalake(state, rows, mode="append")
 
     with instance_for_test() as instance:
         first = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(instance=instance)

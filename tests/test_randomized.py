@@ -178,6 +178,10 @@ class Replay:
                 conn.execute(f"CREATE TEMP VIEW cmp_{name} AS SELECT {present} FROM public.{name}")
                 target = f"pg_temp.cmp_{name}"
             compare_table(conn, target, path, key=key, extra_delta_columns=lingering)
+            if missing:
+                # Dropped now: a backend drops its temporary objects after the client has left, and
+                # the view would block the workload's next DROP COLUMN until then.
+                conn.execute(f"DROP VIEW pg_temp.cmp_{name}")
             assert_buckets_right(path)
             if name == "dup_t":
                 (copies,), = conn.execute("SELECT count(*) - count(DISTINCT d.*) FROM public.dup_t d").fetchall()

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import deltalake
@@ -25,6 +26,7 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config, PgcdcConfig
 from resources.delta import table_log
 from resources.delta.destination import TableLog
+from resources.delta.layout import HASH, TableLayout
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import read_state, state_path, StateRow, write_state
 from resources.incremental import IncrementalResult, run_incremental
@@ -101,9 +103,10 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     """)
     snapshots = {str(r.table): r for r in snapshot_tables(config, spark)}
     state = state_of(spark, config)
-    assert {t: (r.log.snapshot_lsn, r.log.snapshot_version, r.log.version) for t, r in state.items()} == {
-        t: (s.snapshot_lsn, s.delta_version, s.delta_version) for t, s in snapshots.items()
+    assert {t: (r.log.snapshot_lsn, r.log.snapshot_version, r.log.version, r.log.layout) for t, r in state.items()} == {
+        t: (s.snapshot_lsn, s.delta_version, s.delta_version, s.layout) for t, s in snapshots.items()
     }
+    assert state["public.acct"].log.layout is not None  # keyed: bucketed
 
     # SIGKILL once every Delta commit of the drain is durable, before the state write and the
     # final confirm: the state is behind both tables, the rerun replays the drain (the keyless
@@ -133,12 +136,12 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     real = state_of(spark, config)
     forged = real["public.acct"]
     (now,), = pg.execute("SELECT pg_current_wal_lsn()::text")
-    lying = TableLog(LSN.parse(now) + 1_000_000, forged.log.snapshot_version, forged.log.version, None)
+    lying = replace(forged.log, snapshot_lsn=LSN.parse(now) + 1_000_000, applied_marker=None)
     write_state(spark, state_path(config.delta.root, SLOT), real, [StateRow(forged.table, forged.path, lying, None)])
     # And a row one commit behind (a crash after an intermediate confirm, before the state write).
     behind = real["public.journal"]
     write_state(spark, state_path(config.delta.root, SLOT), state_of(spark, config), [
-        StateRow(behind.table, behind.path, TableLog(behind.log.snapshot_lsn, behind.log.snapshot_version, behind.log.version - 1, None), None)
+        StateRow(behind.table, behind.path, replace(behind.log, version=behind.log.version - 1, applied_marker=None), None)
     ])
     pg.execute("UPDATE acct SET n = 2 WHERE id = 2; INSERT INTO journal VALUES (4, 'four')")
     third = drained(pg, config, spark, {"acct": 2, "journal": 5})
@@ -155,12 +158,18 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     assert fifth.tables_without_snapshot == [] and fifth.tables["public.extra"].inserted == 1
     assert "public.extra" in state_of(spark, config)
 
-    # A listed table whose Delta table went away: its changes are skipped, its row forgotten.
+    # A listed table whose Delta table went away: its changes are skipped, its row forgotten. And a row
+    # claiming another layout (believed, the MERGE would look for acct's row in another bucket and
+    # insert a second one): the snapshot commit's marker says otherwise.
     shutil.rmtree(path_of(config, "extra"))
+    real = state_of(spark, config)
+    other_layout = replace(real["public.acct"].log, layout=TableLayout(HASH, ("id",), 7))
+    write_state(spark, state_path(config.delta.root, SLOT), real, [StateRow("public.acct", path_of(config, "acct"), other_layout, None)])
     pg.execute("INSERT INTO extra VALUES (3); UPDATE acct SET n = 3 WHERE id = 1")
     sixth = drained(pg, config, spark, {"acct": 2, "journal": 5})
     assert sixth.tables_without_snapshot == ["public.extra"] and sixth.tables["public.extra"].delta_version is None
     assert "public.extra" not in state_of(spark, config) and not Path(path_of(config, "extra")).exists()
+    assert state_of(spark, config)["public.acct"].log.layout == snapshots["public.acct"].layout
 
 
 def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(

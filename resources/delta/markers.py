@@ -157,8 +157,9 @@ def layout_from_property(value: str | None) -> TableLayout | None:
 def read_layout_property(spark: SparkSession, path: str) -> str | None:
     """:data:`LAYOUT_PROPERTY` in the table's newest metadata (None: no table, or created by an earlier
     pgcdc): from the newest ``metaData`` action of the commits left in the log, or the newest
-    checkpoint's when that is newer. A scan of the log: read by a re-snapshot and once the snapshot
-    marker is gone, not by every drain."""
+    checkpoint's when that is newer. A scan of the log through the engine: read by a re-snapshot (and
+    :func:`read_snapshot_marker` once the snapshot marker is gone); drains read it through the storage
+    client instead (``resources/delta/table_log.py``)."""
     try:
         return _layout_property(spark, path)
     except AnalysisException as exc:
