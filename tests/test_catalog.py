@@ -49,9 +49,9 @@ def test_column_list_row_filter_and_primary_key(shop: PgDatabase) -> None:
     assert info.replica_identity == "d"
     assert info.row_filter == "(total > (0)::numeric)"
     assert info.copy_query() == (
-        'COPY (SELECT "id", "customer", "total" FROM ONLY "public"."orders" WHERE (total > (0)::numeric))'
+        'COPY (SELECT "id", "customer", "total" FROM ONLY "public"."orders" WHERE ((total > (0)::numeric)))'
         " TO STDOUT WITH (FORMAT csv)"
-    )
+    )  # the filter is parenthesized again so that a ctid range can be ANDed to it
 
 
 def test_identities_full_nothing_and_partitioned(shop: PgDatabase) -> None:
