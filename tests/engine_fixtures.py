@@ -36,6 +36,8 @@ from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.spark_connect import connect_session, engine_address
 from resources.delta.spark_server import (
+    DELTA_PACKAGE,
+    delta_jar_config,
     free_port,
     managed_server_config,
     new_group_dying_with_parent,
@@ -196,3 +198,10 @@ def engine(request: pytest.FixtureRequest) -> Iterator[EngineUnderTest]:
         left = [pgid for pgid in under_test.groups if group_alive(pgid)]
         assert not left, f"{request.param}: processes left behind in process groups {left}"
         shutil.rmtree(under_test.work_dir, ignore_errors=True)  # the engines' logs; kept after a failure
+
+
+def assert_delta_jars(config: dict[str, str]) -> None:
+    """Delta's jars are on the session: through Ivy (a fresh jar cache) or the jars an earlier start recorded."""
+    assert delta_jar_config().items() <= config.items()
+    _group, artifact, version = DELTA_PACKAGE.split(":")
+    assert config.get("spark.jars.packages") == DELTA_PACKAGE or f"{artifact}-{version}.jar" in config.get("spark.jars", "")

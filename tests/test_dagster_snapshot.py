@@ -28,6 +28,7 @@ from resources.errors import ConnectionFailure
 from resources.lsn import LSN
 from resources.testing.verify import assert_buckets_right
 from tests.conftest import PgDatabase
+from tests.engine_fixtures import assert_delta_jars
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -137,7 +138,7 @@ def test_spark_resource_modes() -> None:
     classic = SparkDeltaResource(mode="classic", spark_config={"spark.sql.shuffle.partitions": "4"})
     classic_config = classic.session_config()
     assert classic_config["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
-    assert classic_config["spark.jars.packages"] == "io.delta:delta-spark_4.1_2.13:4.4.0"
+    assert_delta_jars(classic_config)
     assert classic_config["spark.sql.shuffle.partitions"] == "4"
     embedded = SparkDeltaResource(spark_config={"spark.sql.shuffle.partitions": "4"})
     assert embedded.session_config() == {"spark.sql.shuffle.partitions": "4"}

@@ -19,6 +19,7 @@ from resources.delta.schema_changes import add_columns
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
 from resources.testing.memory_destination import InMemoryDestination
+from tests.engine_fixtures import assert_delta_jars
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -58,7 +59,7 @@ def test_classic_config_adds_delta_and_keeps_user_settings() -> None:
     config = classic_delta_config({"spark.sql.shuffle.partitions": "4"})
     assert config["spark.sql.extensions"] == "io.delta.sql.DeltaSparkSessionExtension"
     assert config["spark.sql.catalog.spark_catalog"] == "org.apache.spark.sql.delta.catalog.DeltaCatalog"
-    assert config["spark.jars.packages"] == "io.delta:delta-spark_4.1_2.13:4.4.0"
+    assert_delta_jars(config)
     assert config["spark.databricks.delta.snapshotPartitions"] == "2"
     assert config["spark.sql.shuffle.partitions"] == "4"  # the user's setting wins
 

@@ -21,6 +21,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config
+from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
 from resources.errors import ConfigurationError, SnapshotError
 from resources.pgtypes import SESSION_SETTINGS
@@ -130,7 +131,7 @@ def test_parallel_ctid_chunks_give_the_table_one_copy_gives(
                 assert split.rows == single.rows and _content(parallel) == _content(one), name
             if publication == "filtered":  # what the row filter and column list publish, no more
                 ((published_rows,),) = pg.execute("SELECT count(*) FROM narrow WHERE id % 5 <> 0")
-                assert split.rows == published_rows and delta_rows(str(parallel))[0].names == ["id", "v", LSN_COLUMN]
+                assert split.rows == published_rows and delta_rows(str(parallel))[0].names == ["id", "v", LSN_COLUMN, BUCKET_COLUMN]
                 continue
             with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
                 assert compare_table(conn, f"public.{name}", str(parallel)) == split.rows
