@@ -241,24 +241,38 @@ def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
 _END = object()
 
 
+class _Handover:
+    """A bounded queue from producer threads to one consumer, which the consumer can abandon.
+
+    A producer's ``offer`` gives up once ``stop`` is set (the consumer stopped early), so no
+    producer blocks forever on a full queue; a producer's exception goes to ``failures`` for
+    the consumer to raise.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.items: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.failures: list[BaseException] = []
+
+    def offer(self, item: object) -> bool:
+        """Hand ``item`` over; False when the consumer has stopped."""
+        while not self.stop.is_set():
+            try:
+                self.items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
 def prefetched(source: Iterator[T], depth: int, name: str) -> Iterator[T]:
     """Run ``source`` in a thread, ``depth`` items ahead of the consumer.
 
     When the consumer stops early (the write failed), the producer notices at its next
     hand-over and closes ``source``; the caller then closes the connection it was reading.
     """
-    handover: queue.Queue[object] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def offer(item: object) -> bool:
-        while not stop.is_set():
-            try:
-                handover.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    handover = _Handover(depth)
+    offer, stop, failure = handover.offer, handover.stop, handover.failures
 
     def produce() -> None:
         try:
@@ -274,7 +288,7 @@ def prefetched(source: Iterator[T], depth: int, name: str) -> Iterator[T]:
     thread = threading.Thread(target=produce, name=name, daemon=True)
     thread.start()
     try:
-        while (item := handover.get()) is not _END:
+        while (item := handover.items.get()) is not _END:
             yield item  # type: ignore[misc]
         thread.join()
         if failure:
@@ -371,18 +385,8 @@ def parallel_copy(
     todo: queue.SimpleQueue[str] = queue.SimpleQueue()
     for query in queries:
         todo.put(query)
-    handover: queue.Queue[object] = queue.Queue(maxsize=max(1, workers))
-    stop = threading.Event()
-    failure: list[BaseException] = []
-
-    def offer(item: object) -> bool:
-        while not stop.is_set():
-            try:
-                handover.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    handover = _Handover(max(1, workers))
+    offer, stop, failure = handover.offer, handover.stop, handover.failures
 
     def work(index: int) -> None:
         conn: psycopg.Connection | None = None
@@ -418,7 +422,7 @@ def parallel_copy(
     try:
         finished = 0
         while finished < len(threads):
-            item = handover.get()
+            item = handover.items.get()
             if item is _END:
                 finished += 1
                 if failure:
