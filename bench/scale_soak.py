@@ -50,7 +50,7 @@ def table_figures(path: str) -> dict[str, int]:
     log_entries = [entry for entry in log.iterdir() if entry.is_file()]
     return {
         "table_files": deltalake.DeltaTable(path).get_add_actions(flatten=True).num_rows,
-        "storage_files": sum(1 for entry in Path(path).glob("*.parquet")),
+        "storage_files": sum(1 for entry in Path(path).rglob("*.parquet") if "_delta_log" not in entry.parts),
         "log_files": len(log_entries),
         "log_bytes": sum(entry.stat().st_size for entry in log_entries),
     }
