@@ -9,6 +9,8 @@ few; then ``run_incremental`` drains it into Delta on embedded Sail. Every ``--m
 drains the table gets what the ``pgcdc_maintenance`` job does (``maintain_table``: compaction,
 vacuum after ``--retention-hours``, log checkpoint and clean-up). The engine is restarted every
 ``--engine-runs`` drains (each Dagster run gets a fresh one; Sail keeps memory per operation).
+Maintenance covers pgcdc's state table too (``<root>/_pgcdc/state/<slot>``, rewritten by every
+drain), as the job does.
 
 Reported, as the ratio of the end to the start (the goal is flat): the median drain time of
 the first and the last ``--window`` drains, the data files of the table's newest version,
@@ -16,6 +18,12 @@ the data files on storage, and the log (files and bytes). Storage and log are on
 once the retention (a week by default) and Delta's log retention (30 days) have passed, so in
 a soak of minutes they grow with every drain by design; the table's files and the drain time
 are what maintenance keeps flat. The oracle compares Delta with PostgreSQL at the end.
+
+The first and last drains run minutes apart, on a machine whose load may change meanwhile, so
+the soak ends with a same-run baseline: a second slot and lake (``fresh``) snapshot the table
+as it is then, and ``--baseline-drains`` rounds each write one transaction and drain the soaked
+lake and the fresh one, alternately, with the same changes. The median ratio of the two drain
+times is what the soaked history costs each drain, whatever the machine's load (1.0: nothing).
 """
 
 from __future__ import annotations
@@ -34,12 +42,14 @@ from resources.config import parse_config
 from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.maintenance import maintain_table
+from resources.delta.state_table import state_path
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
 
 SLOT = "scale_soak"
+FRESH_SLOT = "scale_soak_fresh"
 
 
 def table_figures(path: str) -> dict[str, int]:
@@ -82,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changes", type=int, default=100, help="random updates per drain (default 100)")
     parser.add_argument("--engine-runs", type=int, default=100, help="drains per engine start (default 100)")
     parser.add_argument("--window", type=int, default=50, help="drains per start / end median (default 50)")
+    parser.add_argument("--baseline-drains", type=int, default=50,
+                        help="rounds of soaked-lake against fresh-lake drains at the end (default 50)")  # fmt: skip
     parser.add_argument("--major", type=int, default=18, help="PostgreSQL major version (15 or 18)")
     parser.add_argument("--keep", action="store_true", help="keep the lake and the server's directory")
     args = parser.parse_args(argv)
@@ -102,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config({"postgres": {"dsn": dsn}, "publication": "soak_pub", "slot": SLOT,
                                "delta": {"root": str(work / "lake")}})  # fmt: skip
         path = config.table_path("public", "busy")
+        state = state_path(config.delta.root, SLOT)
         lake = LakeStorage(config.delta.root)
         engine = SparkEngine.embedded()
         snapshot_tables(config, engine.spark)
@@ -124,19 +137,38 @@ def main(argv: list[str] | None = None) -> int:
                 durations.append(result.duration_s)
                 if drain % args.maintain_every == 0:
                     peak_table_files = max(peak_table_files, table_figures(path)["table_files"])
-                    done = maintain_table(path, lake, retention_hours=args.retention_hours,
-                                          target_file_bytes=config.maintenance.target_file_bytes)  # fmt: skip
-                    maintenance.append(done.duration_s)
+                    maintenance.append(sum(
+                        maintain_table(table, lake, retention_hours=args.retention_hours,
+                                       target_file_bytes=config.maintenance.target_file_bytes).duration_s
+                        for table in (path, state)
+                    ))  # fmt: skip
                 if drain % 100 == 0:
                     print(f"drain {drain}: {time.monotonic() - began:.0f} s, median drain of the last 100"
                           f" {statistics.median(durations[-100:]):.2f} s, {table_figures(path)}", flush=True)  # fmt: skip
-        end = table_figures(path)
+            end = table_figures(path)
+            state_end = table_figures(state)
+            fresh = parse_config({"postgres": {"dsn": dsn}, "publication": "soak_pub", "slot": FRESH_SLOT,
+                                  "delta": {"root": str(work / "fresh")}})  # fmt: skip
+            snapshot_tables(fresh, engine.spark)
+            soaked_s: list[float] = []
+            fresh_s: list[float] = []
+            for round_ in range(args.baseline_drains):
+                next_key = write_changes(conn, args.rows, args.changes, next_key)
+                for lake_config in (config, fresh) if round_ % 2 == 0 else (fresh, config):  # neither always first
+                    duration = run_incremental(lake_config, engine.spark).duration_s
+                    (soaked_s if lake_config is config else fresh_s).append(duration)
         rows = assert_delta_equals_postgres(dsn, "public.busy", path, key=("id",))
+        assert_delta_equals_postgres(dsn, "public.busy", fresh.table_path("public", "busy"), key=("id",))
         first, last = statistics.median(durations[: args.window]), statistics.median(durations[-args.window :])
         print(f"\n{args.drains} drains in {time.monotonic() - began:.0f} s; oracle: {rows:,} rows equal")
         print(f"median drain s: first {args.window} {first:.3f}, last {args.window} {last:.3f}, ratio {last / first:.2f}")
         for name in ("table_files", "storage_files", "log_files", "log_bytes"):
             print(f"{name}: start {start[name]:,}, end {end[name]:,}")
+        print(f"state table at the end: {state_end}")
+        if soaked_s:
+            ratios = [old / new for old, new in zip(soaked_s, fresh_s, strict=True)]
+            print(f"same-run baseline, {len(ratios)} rounds: median drain soaked lake {statistics.median(soaked_s):.3f} s,"
+                  f" fresh lake {statistics.median(fresh_s):.3f} s, median ratio {statistics.median(ratios):.2f}")  # fmt: skip
         print(f"table files at most {peak_table_files} just before a maintenance run; maintenance median"
               f" {statistics.median(maintenance) if maintenance else 0:.2f} s over {len(maintenance)} runs")  # fmt: skip
         return 0
