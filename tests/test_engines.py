@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+import deltalake
 import pytest
 import yaml
 
@@ -43,13 +44,16 @@ from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.snapshot import snapshot_tables
+from resources.delta.layout import HASH, TableLayout
+from resources.delta.markers import LAYOUT_PROPERTY
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # imported here before pytest loads them as plugins
 from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.s3_fixtures import S3Server
+from tests.test_bucket_layout import clean_log
 from tests.test_object_storage import lifecycle as object_storage_lifecycle
 from tests.test_randomized import Replay
 from tests.workload import generate
@@ -82,7 +86,10 @@ LIFECYCLE_DDL = """
 timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
 #: Tests that run on the managed Spark engine only: its JVM is up anyway, and the other engines
 #: add nothing to them that the lifecycle walk does not cover.
-SPARK_LOCAL_ONLY = {"test_randomized_workload_on_spark_matches_postgres", "test_lifecycle_on_s3_with_apache_spark_and_delta"}
+SPARK_LOCAL_ONLY = {
+    "test_randomized_workload_on_spark_matches_postgres", "test_lifecycle_on_s3_with_apache_spark_and_delta",
+    "test_bucketed_tables_drain_on_after_log_cleanup_on_spark",
+}
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
 CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge", "sail-server": "after_confirm"}
@@ -279,6 +286,41 @@ def test_lifecycle_on_s3_with_apache_spark_and_delta(
     """tests/test_object_storage.py's lifecycle on ``s3://`` through Hadoop's S3A client, on the
     managed engine (started with S3A's settings and the store's credentials in its environment)."""
     object_storage_lifecycle(pg, s3_server, s3_root, engine.spark, drains_under_writes=1)
+
+
+def test_bucketed_tables_drain_on_after_log_cleanup_on_spark(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    """Delta on Spark keeps no ``delta.pgcdc.layout`` property: a table created unbucketed that adopted
+    hash buckets by a re-snapshot drains on, rows moving between buckets, once log cleanup removed its
+    snapshot commits, with the layout the pgcdc state recorded for its Delta id (a table created
+    bucketed on Spark is the same case: no property, the marker gone)."""
+    pg.execute("""
+        CREATE TABLE adopted (id int PRIMARY KEY, v int, body text);
+        INSERT INTO adopted SELECT g, g, 'a' || g FROM generate_series(0, 49) g;
+        CREATE PUBLICATION pub FOR TABLE adopted;
+    """)
+
+    def configured(layout: dict[str, object]) -> PgcdcConfig:
+        return parse_config({
+            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "spark": {"remote": engine.url},
+            "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.adopted": layout}}},
+        })  # fmt: skip
+
+    snapshot_tables(configured({"bucketed": False}), engine.spark)
+    config = configured({"count": 3})
+    snapshot_tables(config, engine.spark)
+    layout = TableLayout(HASH, ("id",), 3)
+    path = config.table_path("public", "adopted")
+    assert LAYOUT_PROPERTY not in deltalake.DeltaTable(path).metadata().configuration  # Spark refuses it
+    steps = ("UPDATE adopted SET id = id + 100, v = -v WHERE id < 6; DELETE FROM adopted WHERE id = 30",
+             "UPDATE adopted SET id = 1, v = 0 WHERE id = 101; UPDATE adopted SET id = id + 200 WHERE id BETWEEN 10 AND 14;"
+             " DELETE FROM adopted WHERE id = 40; INSERT INTO adopted VALUES (7000, 7, 'new')")
+    for cleaned, step in enumerate(steps):
+        if cleaned:  # both snapshot commits leave the log (the merge commit after them is kept)
+            clean_log(path)
+        pg.execute(step)
+        run_incremental(config, engine.spark, max_chunk_changes=4)
+    assert_delta_equals_postgres(pg.dsn, "public.adopted", path, key=("id",))
+    assert assert_buckets_right(path, known=layout) == layout
 
 
 def next_line(stream: TextIO, prefix: str) -> str:

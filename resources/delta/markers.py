@@ -137,12 +137,13 @@ def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, Ta
 
 
 LAYOUT_PROPERTY = "delta.pgcdc.layout"
-"""The table property the snapshot that creates a table records its layout in (``none``: unbucketed).
+"""The table property the snapshot that creates a table records its layout in (``none``: created
+unbucketed), on engines that accept it (Sail; Delta on Spark refuses unknown ``delta.*`` names).
 Table properties live in the table's metadata, which every checkpoint repeats, so the layout
 outlives the snapshot commit's marker when log cleanup removes it. Engines set it only when the
-table is created (Sail ignores writer options for an existing table), so a table keeps the layout it
-was created with: :func:`resources.snapshot` re-snapshots a table whose property names a layout in
-that layout (docs/contracts.md, "Table layout")."""
+table is created (writer options do not change an existing table's properties), so a table that
+adopted buckets later still says ``none``: its layout outlives the marker in the pgcdc state, under
+the table's Delta id (``resources/delta/table_log.py: expired_layout``, docs/contracts.md, "Table layout")."""
 
 
 def layout_property(layout: TableLayout | None) -> str:
