@@ -7,8 +7,9 @@ scenario instead of several tests that each set one up
 (:func:`test_lifecycle_kill_and_crash_match_postgres`), compared with PostgreSQL after every step by
 ``resources/testing/verify.py`` (delta-rs, independent of the writer):
 
-1. lifecycle: snapshot, drains under concurrent writes, re-snapshot of one table, TRUNCATE, ADD
-   COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table, and
+1. lifecycle: snapshot, drains under concurrent writes, re-snapshot of one table (adopting buckets,
+   as a table an earlier pgcdc wrote does), log cleanup of that table's snapshot commits (its layout
+   then comes from the pgcdc state: no table property names it), TRUNCATE, ADD COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table, and
    timestamps at PostgreSQL's ``infinity``;
 2. the engine SIGKILLed during a drain in another process: one-line failure within seconds, the
    slot not moved past Delta, exact after a restart;
@@ -44,8 +45,8 @@ from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.snapshot import snapshot_tables
-from resources.delta.layout import HASH, TableLayout
-from resources.delta.markers import LAYOUT_PROPERTY
+from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property
+from resources.delta.table_log import read_table_log
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
@@ -86,10 +87,7 @@ LIFECYCLE_DDL = """
 timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
 #: Tests that run on the managed Spark engine only: its JVM is up anyway, and the other engines
 #: add nothing to them that the lifecycle walk does not cover.
-SPARK_LOCAL_ONLY = {
-    "test_randomized_workload_on_spark_matches_postgres", "test_lifecycle_on_s3_with_apache_spark_and_delta",
-    "test_bucketed_tables_drain_on_after_log_cleanup_on_spark",
-}
+SPARK_LOCAL_ONLY = {"test_randomized_workload_on_spark_matches_postgres", "test_lifecycle_on_s3_with_apache_spark_and_delta"}
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
 CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge", "sail-server": "after_confirm"}
@@ -125,13 +123,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                              ids=[f"pg{POSTGRES_VERSIONS[-1]}"])  # fmt: skip
 
 
-def engine_config(pg: PgDatabase, tmp_path: Path, engine: EngineUnderTest, **spark: object) -> PgcdcConfig:
+def engine_config(
+    pg: PgDatabase, tmp_path: Path, engine: EngineUnderTest, buckets: dict[str, object] | None = None, **spark: object
+) -> PgcdcConfig:
     """pgcdc configured as a user would for this engine: ``spark.remote`` is its URL."""
     return parse_config({
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
         "slot": SLOT,
-        "delta": {"root": str(tmp_path / "lake")},
+        "delta": {"root": str(tmp_path / "lake"), "buckets": buckets or {}},
         "spark": {"remote": engine.url, **spark},
     })  # fmt: skip
 
@@ -174,7 +174,8 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
         action()  # type: ignore[operator]
         timings[label] = round(time.monotonic() - started, 1)
 
-    step("snapshot", lambda: snapshot_tables(config, spark))
+    # acct as an earlier pgcdc wrote it (unbucketed); its re-snapshot below adopts buckets
+    step("snapshot", lambda: snapshot_tables(engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}), spark))
     assert_lake_exact(pg, config, 300)
 
     # Drains while another connection keeps writing: whatever the first drain misses, the next one gets.
@@ -192,6 +193,14 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     step("drain after re-snapshot", lambda: run_incremental(config, spark))
     assert_lake_exact(pg, config, 300)
 
+    # Log cleanup removes the snapshot commits of acct: no table property names its layout (Delta on
+    # Spark refuses it; Sail's says "created unbucketed"), the drains below use the pgcdc state's, kept
+    # for acct's Delta id.
+    acct = config.table_path("public", "acct")
+    layout = read_table_log(acct).layout
+    assert layout is not None and layout_from_property(deltalake.DeltaTable(acct).metadata().configuration.get(LAYOUT_PROPERTY)) is None
+    clean_log(acct)
+
     # TRUNCATE of the keyless table and of a keyed one, with rows after it.
     pg.execute("TRUNCATE journal; INSERT INTO journal VALUES (1, 'after'), (1, 'after');"
                " TRUNCATE acct; INSERT INTO acct SELECT g, g, 'reborn' FROM generate_series(1, 50) g")
@@ -202,6 +211,7 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     pg.execute("ALTER TABLE acct ADD COLUMN status text NOT NULL DEFAULT 'new'; UPDATE acct SET balance = -1 WHERE id = 1")
     step("drain with ADD COLUMN", lambda: run_incremental(config, spark))
     assert_lake_exact(pg, config, 50)
+    assert assert_buckets_right(acct, known=layout) == layout
 
     # REPLICA IDENTITY FULL with identical rows: one copy changes, one is deleted, NULLs included.
     pg.execute("UPDATE dup SET v = 'c' WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 1 AND v = 'a');"
@@ -286,41 +296,6 @@ def test_lifecycle_on_s3_with_apache_spark_and_delta(
     """tests/test_object_storage.py's lifecycle on ``s3://`` through Hadoop's S3A client, on the
     managed engine (started with S3A's settings and the store's credentials in its environment)."""
     object_storage_lifecycle(pg, s3_server, s3_root, engine.spark, drains_under_writes=1)
-
-
-def test_bucketed_tables_drain_on_after_log_cleanup_on_spark(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
-    """Delta on Spark keeps no ``delta.pgcdc.layout`` property: a table created unbucketed that adopted
-    hash buckets by a re-snapshot drains on, rows moving between buckets, once log cleanup removed its
-    snapshot commits, with the layout the pgcdc state recorded for its Delta id (a table created
-    bucketed on Spark is the same case: no property, the marker gone)."""
-    pg.execute("""
-        CREATE TABLE adopted (id int PRIMARY KEY, v int, body text);
-        INSERT INTO adopted SELECT g, g, 'a' || g FROM generate_series(0, 49) g;
-        CREATE PUBLICATION pub FOR TABLE adopted;
-    """)
-
-    def configured(layout: dict[str, object]) -> PgcdcConfig:
-        return parse_config({
-            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "spark": {"remote": engine.url},
-            "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.adopted": layout}}},
-        })  # fmt: skip
-
-    snapshot_tables(configured({"bucketed": False}), engine.spark)
-    config = configured({"count": 3})
-    snapshot_tables(config, engine.spark)
-    layout = TableLayout(HASH, ("id",), 3)
-    path = config.table_path("public", "adopted")
-    assert LAYOUT_PROPERTY not in deltalake.DeltaTable(path).metadata().configuration  # Spark refuses it
-    steps = ("UPDATE adopted SET id = id + 100, v = -v WHERE id < 6; DELETE FROM adopted WHERE id = 30",
-             "UPDATE adopted SET id = 1, v = 0 WHERE id = 101; UPDATE adopted SET id = id + 200 WHERE id BETWEEN 10 AND 14;"
-             " DELETE FROM adopted WHERE id = 40; INSERT INTO adopted VALUES (7000, 7, 'new')")
-    for cleaned, step in enumerate(steps):
-        if cleaned:  # both snapshot commits leave the log (the merge commit after them is kept)
-            clean_log(path)
-        pg.execute(step)
-        run_incremental(config, engine.spark, max_chunk_changes=4)
-    assert_delta_equals_postgres(pg.dsn, "public.adopted", path, key=("id",))
-    assert assert_buckets_right(path, known=layout) == layout
 
 
 def next_line(stream: TextIO, prefix: str) -> str:
