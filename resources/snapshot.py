@@ -360,7 +360,7 @@ def _table_layout(
         layout = existing
         if not usable or tuple(key) != layout.key:
             raise ConfigurationError(
-                f"the Delta table of {info.table} was created bucketed by ({', '.join(layout.key)}), which is no "
+                f"the Delta table of {info.table} is bucketed by ({', '.join(layout.key)}), which is no "
                 "longer the table's key",
                 "remove the table's Delta directory, then snapshot the table again",
             )
