@@ -1,10 +1,11 @@
 """bench.scale part (b): a drain costs what its changes cost, not what the table costs.
 
 Run ``python -m bench.scale big`` or ``python -m bench.scale_big [--sizes 100000,1000000,10000000]
-[--rounds 3] [--major 18] [--target-rows N] [--unbucketed]``. It starts a throwaway PostgreSQL and one embedded engine,
+[--rounds 3] [--major 18] [--target-rows N] [--unbucketed | --both]``. It starts a throwaway PostgreSQL and one embedded engine,
 loads one table per size (``id bigint`` primary key, about 100 bytes a row), ANALYZEs them and
 snapshots each into Delta with the layout its size gives it (``--unbucketed``: none, as pgcdc wrote
-tables before layouts). Each table has its own publication and slot, so a drain reads only its
+tables before layouts; ``--both``: one table of each per size, drained in turn, so bucketed and
+unbucketed compare in the same run). Each table has its own publication and slot, so a drain reads only its
 table's changes. Then, per table and round, two timed drains (after one untimed warm-up):
 
 * newest: 100 updates of the 100 newest keys plus 100 inserts of new keys (a table whose recent
@@ -46,12 +47,21 @@ RANDOM_UPDATES = 200
 LOAD_BATCH = 1_000_000
 
 
-def table_name(rows: int) -> str:
-    return f"t{rows}"
+#: One benchmarked table: (rows, unbucketed).
+Table = tuple[int, bool]
 
 
-def load(dsn: str, rows: int) -> None:
-    name = table_name(rows)
+def table_name(table: Table) -> str:
+    rows, unbucketed = table
+    return f"t{rows}" + ("_unbucketed" if unbucketed else "")
+
+
+def describe(table: Table) -> str:
+    return f"{table[0]:>11,} rows{' unbucketed' if table[1] else ''}"
+
+
+def load(dsn: str, table: Table) -> None:
+    name, rows = table_name(table), table[0]
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             f"CREATE TABLE {name} (id bigint PRIMARY KEY, customer int, status text, amount numeric(12,2), note text)"
@@ -66,18 +76,18 @@ def load(dsn: str, rows: int) -> None:
         conn.execute(f"CREATE PUBLICATION pub_{name} FOR TABLE {name}")
 
 
-def config_for(dsn: str, rows: int, root: Path, unbucketed: bool, target_rows: int) -> PgcdcConfig:
-    name = table_name(rows)
-    tables = {f"public.{name}": {"bucketed": False}} if unbucketed else {}
+def config_for(dsn: str, table: Table, root: Path, target_rows: int) -> PgcdcConfig:
+    name = table_name(table)
+    tables = {f"public.{name}": {"bucketed": False}} if table[1] else {}
     return parse_config({
         "postgres": {"dsn": dsn}, "publication": f"pub_{name}", "slot": f"slot_{name}", "tables": [f"public.{name}"],
         "delta": {"root": str(root), "buckets": {"target_rows": target_rows, "tables": tables}},
     })
 
 
-def newest_changes(dsn: str, rows: int, round_number: int) -> None:
+def newest_changes(dsn: str, table: Table, round_number: int) -> None:
     """100 updates of the newest keys and 100 inserts after them (the table grows by 100 a round)."""
-    name = table_name(rows)
+    name, rows = table_name(table), table[0]
     top = rows + round_number * NEWEST_INSERTS
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"UPDATE {name} SET status = 'paid', amount = amount + 1 WHERE id > %s", (top - NEWEST_UPDATES,))
@@ -87,10 +97,9 @@ def newest_changes(dsn: str, rows: int, round_number: int) -> None:
         )
 
 
-def random_changes(dsn: str, rows: int, rng: random.Random) -> None:
-    keys = rng.sample(range(1, rows + 1), RANDOM_UPDATES)
+def random_changes(dsn: str, table: Table, keys: list[int]) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"UPDATE {table_name(rows)} SET amount = amount + 1 WHERE id = ANY(%s)", (keys,))
+        conn.execute(f"UPDATE {table_name(table)} SET amount = amount + 1 WHERE id = ANY(%s)", (keys,))
 
 
 def timed_drain(config: PgcdcConfig, engine: SparkEngine) -> float:
@@ -111,8 +120,8 @@ def merge_files(path: str) -> tuple[int, int, int]:
     return len(files), partitions, removed
 
 
-def check(dsn: str, rows: int, config: PgcdcConfig) -> None:
-    name = table_name(rows)
+def check(dsn: str, table: Table, config: PgcdcConfig) -> None:
+    name = table_name(table)
     delta = deltalake.DeltaTable(config.table_path("public", name)).to_pyarrow_table(columns=["id", "amount"])
     with psycopg.connect(dsn, autocommit=True) as conn:
         (count, amount), = conn.execute(f"SELECT count(*), sum(amount) FROM {name}").fetchall()
@@ -126,56 +135,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--major", type=int, default=18)
     parser.add_argument("--target-rows", type=int, default=DEFAULT_TARGET_ROWS, help="delta.buckets.target_rows")
     parser.add_argument("--unbucketed", action="store_true", help="snapshot without buckets (the layout before pgcdc chose one)")
+    parser.add_argument("--both", action="store_true", help="a bucketed and an unbucketed table per size, same run")
     args = parser.parse_args(argv)
     sizes = sorted(int(size) for size in args.sizes.split(","))
+    kinds = [False, True] if args.both else [args.unbucketed]
+    tables = [(rows, unbucketed) for rows in sizes for unbucketed in kinds]
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-big-"))
     server = start_local_postgres(args.major, base_dir=work / "pg")
     rng = random.Random(13)
     try:
         dsn = server.dsn()
-        for rows in sizes:
+        for table in tables:
             started = time.perf_counter()
-            load(dsn, rows)
-            print(f"loaded {rows:,} rows in {time.perf_counter() - started:.1f}s", flush=True)
-        configs = {rows: config_for(dsn, rows, work / "lake", args.unbucketed, args.target_rows) for rows in sizes}
-        results: dict[int, dict[str, float]] = {}
+            load(dsn, table)
+            print(f"loaded {describe(table)} in {time.perf_counter() - started:.1f}s", flush=True)
+        configs = {table: config_for(dsn, table, work / "lake", args.target_rows) for table in tables}
+        results: dict[Table, dict[str, float]] = {}
         with SparkEngine.embedded() as engine:
-            for rows in sizes:
+            for table in tables:
                 started = time.perf_counter()
-                (snapshot,) = snapshot_tables(configs[rows], engine.spark)
+                (snapshot,) = snapshot_tables(configs[table], engine.spark)
                 layout = snapshot.layout.describe() if snapshot.layout else "unbucketed"
-                print(f"snapshot of {rows:,} rows: {time.perf_counter() - started:.1f}s ({layout})", flush=True)
+                print(f"snapshot of {describe(table)}: {time.perf_counter() - started:.1f}s ({layout})", flush=True)
             for rows in sizes:
-                config = configs[rows]
-                newest_changes(dsn, rows, 0)
-                timed_drain(config, engine)  # warm-up
-                newest = []
-                for round_number in range(1, args.rounds + 1):
-                    newest_changes(dsn, rows, round_number)
-                    newest.append(timed_drain(config, engine))
-                files, partitions, newest_removed = merge_files(config.table_path("public", table_name(rows)))
-                uniform = []
+                same_size = [table for table in tables if table[0] == rows]
+                newest: dict[Table, list[float]] = {table: [] for table in same_size}
+                uniform: dict[Table, list[float]] = {table: [] for table in same_size}
+                for table in same_size:
+                    newest_changes(dsn, table, 0)
+                    timed_drain(configs[table], engine)  # warm-up
+                for round_number in range(1, args.rounds + 1):  # the kinds in turn, so they share the machine's mood
+                    for table in same_size:
+                        newest_changes(dsn, table, round_number)
+                        newest[table].append(timed_drain(configs[table], engine))
+                newest_removed = {table: merge_files(configs[table].table_path("public", table_name(table)))[2] for table in same_size}
                 for _ in range(args.rounds):
-                    random_changes(dsn, rows, rng)
-                    uniform.append(timed_drain(config, engine))
-                _, _, random_removed = merge_files(config.table_path("public", table_name(rows)))
-                check(dsn, rows, config)
-                results[rows] = {"newest": statistics.median(newest), "random": statistics.median(uniform)}
-                print(
-                    f"{rows:>11,} rows: newest {results[rows]['newest']:.2f}s (last MERGE rewrote {newest_removed} "
-                    f"file(s)), random {results[rows]['random']:.2f}s (rewrote {random_removed}); "
-                    f"{files} files in {partitions} partition(s)",
-                    flush=True,
-                )
-        base = results[sizes[0]]
-        print(f"\nratios against {sizes[0]:,} rows (one run; the machine may be shared, figures vary):")
-        for rows in sizes:
+                    keys = rng.sample(range(1, rows + 1), RANDOM_UPDATES)  # the same keys in each kind's table
+                    for table in same_size:
+                        random_changes(dsn, table, keys)
+                        uniform[table].append(timed_drain(configs[table], engine))
+                for table in same_size:
+                    config = configs[table]
+                    files, partitions, random_removed = merge_files(config.table_path("public", table_name(table)))
+                    check(dsn, table, config)
+                    results[table] = {"newest": statistics.median(newest[table]), "random": statistics.median(uniform[table])}
+                    print(
+                        f"{describe(table)}: newest {results[table]['newest']:.2f}s (last MERGE rewrote {newest_removed[table]} "
+                        f"file(s)), random {results[table]['random']:.2f}s (rewrote {random_removed}); "
+                        f"{files} files in {partitions} partition(s)",
+                        flush=True,
+                    )
+        print(f"\nratios against {sizes[0]:,} rows of the same kind (one run; the machine may be shared, figures vary):")
+        for table in tables:
+            base = results[(sizes[0], table[1])]
             print(
-                f"{rows:>11,} rows: newest {results[rows]['newest'] / base['newest']:.2f}x, "
-                f"random {results[rows]['random'] / base['random']:.2f}x"
+                f"{describe(table)}: newest {results[table]['newest'] / base['newest']:.2f}x, "
+                f"random {results[table]['random'] / base['random']:.2f}x"
             )
-        ratio = results[sizes[-1]]["newest"] / base["newest"]
-        print(f"goal: newest at {sizes[-1]:,} rows within 1.5x of {sizes[0]:,}: {'met' if ratio <= 1.5 else 'NOT met'} ({ratio:.2f}x)")
+        for kind in kinds:
+            ratio = results[(sizes[-1], kind)]["newest"] / results[(sizes[0], kind)]["newest"]
+            print(
+                f"goal{' (unbucketed)' if kind else ''}: newest at {sizes[-1]:,} rows within 1.5x of {sizes[0]:,}: "
+                f"{'met' if ratio <= 1.5 else 'NOT met'} ({ratio:.2f}x)"
+            )
+        if args.both:
+            for rows in sizes:
+                bucketed, unbucketed = results[(rows, False)], results[(rows, True)]
+                print(
+                    f"{rows:>11,} rows, bucketed / unbucketed: newest {bucketed['newest'] / unbucketed['newest']:.2f}x, "
+                    f"random {bucketed['random'] / unbucketed['random']:.2f}x"
+                )
     finally:
         server.destroy()
         shutil.rmtree(work, ignore_errors=True)

@@ -27,7 +27,6 @@ go into the one atomic Delta commit, so the result is the same table a single CO
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -41,12 +40,13 @@ from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.layout import choose_layout, is_range_key, LayoutError, TableLayout, TableSize
+from resources.delta.layout import BUCKET_COLUMN, choose_layout, is_range_key, LayoutError, TableLayout, TableSize
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
-from resources.delta.markers import LSN_COLUMN, read_layout_property, snapshot_marker
+from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.delta.destination import TableLog
 from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
 from resources.delta.state_table import read_state, state_path, StateRow, write_state
+from resources.delta.table_log import read_table_log, read_table_metadata
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
@@ -132,6 +132,7 @@ class SnapshotResult:
     chunks: int = 1  # ctid ranges the table was read in
     workers: int = 1  # sessions that read them
     layout: TableLayout | None = None  # how the Delta table is bucketed (None: not bucketed)
+    table_id: str | None = None  # Delta's metaData.id of the table written (what the state row's layout belongs to)
 
     @property
     def rows_per_second(self) -> float:
@@ -163,12 +164,15 @@ def snapshot_table(
     on_progress: Callable[[SnapshotProgress], None] | None = None,
     buckets: BucketSettings | None = None,
     deletion_vectors: bool = False,
+    known: TableLog | None = None,
 ) -> SnapshotResult:
     """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path``.
 
     The Delta table is bucketed by the layout ``buckets`` gives it (default: from its size,
-    ``resources/delta/layout.py``), recorded in the marker; ``deletion_vectors`` turns them on
-    (Delta on Spark only: check :func:`check_deletion_vectors` first).
+    ``resources/delta/layout.py``), recorded in the marker, unless it is bucketed already: then it
+    keeps its layout (found as a drain finds it, ``known`` being the pgcdc state's row of the
+    table); ``deletion_vectors`` turns them on (Delta on Spark only: check
+    :func:`check_deletion_vectors` first).
 
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
@@ -182,7 +186,7 @@ def snapshot_table(
     try:
         return _snapshot_table(
             dsn, publication, table, spark, path, slot, reading, on_progress, started,
-            buckets or BucketSettings(), deletion_vectors,
+            buckets or BucketSettings(), deletion_vectors, known,
         )
     except PgcdcError as exc:
         raise _naming_table(exc, table) from exc
@@ -231,8 +235,10 @@ def _snapshot_table(
     started: float,
     buckets: BucketSettings,
     deletion_vectors: bool,
+    known: TableLog | None,
 ) -> SnapshotResult:
     chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
+    existing = _existing_layout(table, path, known)
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
         # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
         # first command: look it up before BEGIN.
@@ -243,7 +249,7 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        layout = _table_layout(conn.connection, info, schema, buckets, read_layout_property(spark, path))
+        layout = _table_layout(conn.connection, info, schema, buckets, existing)
         marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         blocks, block_size = heap_blocks(conn.connection, info.oid)
         ranges = block_ranges(blocks, max(1, reading.range_bytes // block_size))
@@ -302,6 +308,7 @@ def _snapshot_table(
             stream.close()
         if deletion_vectors:
             enable_deletion_vectors(spark, path)
+        written = read_table_metadata(path)
     return SnapshotResult(
         table=table,
         snapshot_lsn=snapshot_lsn,
@@ -313,28 +320,47 @@ def _snapshot_table(
         chunks=len(ranges),
         workers=workers,
         layout=layout,
+        table_id=written.table_id if written is not None else None,
     )
 
 
+def _existing_layout(table: TableName, path: str, known: TableLog | None) -> TableLayout | None:
+    """The layout of the Delta table at ``path`` if it is bucketed (None: no table, or unbucketed), read
+    as a drain reads it (the snapshot marker, else :func:`~resources.delta.table_log.expired_layout`);
+    a bucketed table whose layout no record names any more is refused: re-bucketing it in place
+    could contradict a layout recorded for it elsewhere."""
+    layout = read_table_log(path, known).layout
+    if layout is None:
+        metadata = read_table_metadata(path)
+        if metadata is not None and metadata.bucketed:
+            raise ConfigurationError(
+                f"the Delta table of {table} is bucketed ({BUCKET_COLUMN}) but no record of its layout is left "
+                "(its snapshot commit left the log and the pgcdc state has no row for this table)",
+                "remove the table's Delta directory, then snapshot the table again",
+            )
+    return layout
+
+
 def _table_layout(
-    conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings, created_with: str | None
+    conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings, existing: TableLayout | None
 ) -> TableLayout | None:
     """The table's bucketing: by its replica identity key (the primary key under REPLICA IDENTITY
     FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured,
     read inside the snapshot's transaction.
 
-    A table created with a layout keeps it (``created_with``, its table property): engines set table
-    properties only when a table is created, and a drain whose snapshot marker has left the log
-    trusts that property, so it must stay true; a table whose key changed since is refused.
+    A bucketed table keeps its layout (``existing``), whatever the configuration says now: a drain
+    whose snapshot marker has left the log trusts a layout recorded for the table's id (its table
+    property, the pgcdc state), so a table's layout must never change while its id stays; a table
+    whose key changed since is refused.
     """
     key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
     published = {column.name for column in info.columns}
     usable = bool(key) and all(name in published for name in key)
-    if created_with and created_with != "none":
-        layout = TableLayout.from_json(json.loads(created_with))
+    if existing is not None:
+        layout = existing
         if not usable or tuple(key) != layout.key:
             raise ConfigurationError(
-                f"the Delta table of {info.table} was created bucketed by ({', '.join(layout.key)}), which is no "
+                f"the Delta table of {info.table} is bucketed by ({', '.join(layout.key)}), which is no "
                 "longer the table's key",
                 "remove the table's Delta directory, then snapshot the table again",
             )
@@ -420,6 +446,13 @@ def snapshot_each(
     """
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
     check_deletion_vectors(config, spark)
+    state = state_path(config.delta.root, config.slot)
+    rows = read_state(spark, state)
+
+    def known(table: TableName) -> TableLog | None:
+        row = rows.get(str(table))
+        return row.log if row is not None and row.path == config.table_path(table.schema, table.name) else None
+
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     finished: list[SnapshotResult] = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
@@ -437,6 +470,7 @@ def snapshot_each(
                 on_progress=on_progress,
                 buckets=config.delta.buckets,
                 deletion_vectors=config.delta.deletion_vectors,
+                known=known(table),
             ): table
             for table in tables
         }
@@ -449,8 +483,10 @@ def snapshot_each(
                     finished.append(future.result())
                 yield table, error if error is not None else future.result()
     if finished:
-        state = state_path(config.delta.root, config.slot)
         write_state(spark, state, read_state(spark, state), [
-            StateRow(str(done.table), done.path, TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None, done.layout), None)
+            StateRow(
+                str(done.table), done.path,
+                TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None, done.layout, done.table_id), None,
+            )
             for done in finished
-        ])
+        ])  # fmt: skip

@@ -3,12 +3,16 @@ table written the way earlier pgcdc versions wrote it (no bucket column, no layo
 through a re-snapshot that adopts range buckets, then row moves between buckets (with and without
 unchanged TOAST), deletes, new buckets, a widening and an added column (both rewrite the table), a
 REPLICA IDENTITY FULL table with a primary key in hash buckets, TRUNCATE, and a re-snapshot with
-another configured layout (a table keeps the layout it was created with). After every drain Delta
-equals PostgreSQL value for value and every row sits in its key's bucket.
+another configured layout (a table keeps the layout it was created with). Midway, Delta's log cleanup
+removes the commit of the snapshot that adopted the buckets (the table property says "created
+unbucketed"): the drains go on with the layout the pgcdc state recorded for the table's Delta id; with
+the state gone too, the drain and a re-snapshot refuse in one line until the directory is removed.
+After every drain Delta equals PostgreSQL value for value and every row sits in its key's bucket.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import deltalake
@@ -17,6 +21,8 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
+from resources.cdc.schema import SchemaChangeError
+from resources.delta.state_table import state_path
 from resources.errors import ConfigurationError
 from resources.incremental import run_incremental
 from resources.postgres.catalog import TableName
@@ -45,14 +51,28 @@ def config_with(pg: PgDatabase, lake: Path, tables: dict[str, dict]) -> PgcdcCon
     })
 
 
-def drain_and_compare(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession) -> dict[str, TableLayout | None]:
+def drain_and_compare(
+    pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, known: dict[str, TableLayout] | None = None
+) -> dict[str, TableLayout | None]:
+    """Drain, then compare both tables with PostgreSQL; ``known``: layouts the tables' logs no longer name."""
     run_incremental(config, spark, max_chunk_changes=7)  # several chunks, so moves span MERGEs
     layouts = {}
     for table in ("acct", "fullpk"):
         path = config.table_path("public", table)
         assert_delta_equals_postgres(pg.dsn, f"public.{table}", path, key=("id",) if table == "acct" else ("code",))
-        layouts[table] = assert_buckets_right(path)
+        layouts[table] = assert_buckets_right(path, known=(known or {}).get(table))
     return layouts
+
+
+def clean_log(path: str) -> None:
+    """What Delta's log cleanup leaves once the commits are old enough: a checkpoint at the newest
+    version and no commit file before it (the snapshot markers are gone)."""
+    deltalake.DeltaTable(path).create_checkpoint()
+    log = Path(path) / "_delta_log"
+    newest = max(int(commit.name[:20]) for commit in log.glob("*.json"))
+    for old in log.iterdir():
+        if old.name[:20].isdigit() and int(old.name[:20]) < newest and not old.name.endswith(".parquet"):
+            old.unlink()
 
 
 def newest_merge_predicate(path: str) -> str:
@@ -99,13 +119,32 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     predicate = newest_merge_predicate(path)
     assert f"{BUCKET_COLUMN}IN(" in predicate.replace(" ", "").replace("`", ""), predicate  # the partition predicate
 
+    # log cleanup removes the adopting snapshot's commit; acct's property says "created unbucketed"
+    acct_layout = TableLayout(RANGE, ("id",), 10)
+    clean_log(path)
+    pg.execute("UPDATE acct SET id = 301 WHERE id = 7; UPDATE acct SET v = 1 WHERE id = 43; DELETE FROM acct WHERE id = 8")
+    drain_and_compare(pg, new, spark, {"acct": acct_layout})
+
     # schema changes rewrite the table: the partitioning and the buckets must survive them
     pg.execute("ALTER TABLE acct ALTER COLUMN v TYPE bigint; ALTER TABLE acct ADD COLUMN w int DEFAULT 7;"
                " UPDATE acct SET v = v * 1000000000, id = id + 1000 WHERE id IN (10, 20)")
-    drain_and_compare(pg, new, spark)
+    drain_and_compare(pg, new, spark, {"acct": acct_layout})
     assert deltalake.DeltaTable(path).metadata().partition_columns == [BUCKET_COLUMN]
 
     pg.execute("TRUNCATE acct; INSERT INTO acct VALUES (3, 3, 'after truncate', 1), (95, 95, 'x', 2)")
+    drain_and_compare(pg, new, spark, {"acct": acct_layout})
+
+    # with the state gone as well, nothing names acct's layout: the drain and a re-snapshot refuse in one line
+    shutil.rmtree(state_path(str(lake), new.slot))
+    pg.execute("UPDATE acct SET v = 2 WHERE id = 3")
+    with pytest.raises(SchemaChangeError, match="no record of its layout is left") as refused:
+        run_incremental(new, spark)
+    assert "remove the table's Delta directory" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ConfigurationError, match="bucketed .* but no record of its layout is left"):
+        snapshot_tables(new, spark, [TableName("public", "acct")])
+    shutil.rmtree(path)
+    snapshot_tables(new, spark, [TableName("public", "acct")])
+    pg.execute("UPDATE acct SET id = 4 WHERE id = 3")
     drain_and_compare(pg, new, spark)
 
     # a table keeps the layout it was created with (its table property, which outlives the marker)

@@ -7,8 +7,9 @@ scenario instead of several tests that each set one up
 (:func:`test_lifecycle_kill_and_crash_match_postgres`), compared with PostgreSQL after every step by
 ``resources/testing/verify.py`` (delta-rs, independent of the writer):
 
-1. lifecycle: snapshot, drains under concurrent writes, re-snapshot of one table, TRUNCATE, ADD
-   COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table, and
+1. lifecycle: snapshot, drains under concurrent writes, re-snapshot of one table (adopting buckets,
+   as a table an earlier pgcdc wrote does), log cleanup of that table's snapshot commits (its layout
+   then comes from the pgcdc state: no table property names it), TRUNCATE, ADD COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table, and
    timestamps at PostgreSQL's ``infinity``;
 2. the engine SIGKILLed during a drain in another process: one-line failure within seconds, the
    slot not moved past Delta, exact after a restart;
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+import deltalake
 import pytest
 import yaml
 
@@ -43,13 +45,16 @@ from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.snapshot import snapshot_tables
+from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property
+from resources.delta.table_log import read_table_log
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # imported here before pytest loads them as plugins
 from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.s3_fixtures import S3Server
+from tests.test_bucket_layout import clean_log
 from tests.test_object_storage import lifecycle as object_storage_lifecycle
 from tests.test_randomized import Replay
 from tests.workload import generate
@@ -118,13 +123,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                              ids=[f"pg{POSTGRES_VERSIONS[-1]}"])  # fmt: skip
 
 
-def engine_config(pg: PgDatabase, tmp_path: Path, engine: EngineUnderTest, **spark: object) -> PgcdcConfig:
+def engine_config(
+    pg: PgDatabase, tmp_path: Path, engine: EngineUnderTest, buckets: dict[str, object] | None = None, **spark: object
+) -> PgcdcConfig:
     """pgcdc configured as a user would for this engine: ``spark.remote`` is its URL."""
     return parse_config({
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
         "slot": SLOT,
-        "delta": {"root": str(tmp_path / "lake")},
+        "delta": {"root": str(tmp_path / "lake"), "buckets": buckets or {}},
         "spark": {"remote": engine.url, **spark},
     })  # fmt: skip
 
@@ -167,7 +174,8 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
         action()  # type: ignore[operator]
         timings[label] = round(time.monotonic() - started, 1)
 
-    step("snapshot", lambda: snapshot_tables(config, spark))
+    # acct as an earlier pgcdc wrote it (unbucketed); its re-snapshot below adopts buckets
+    step("snapshot", lambda: snapshot_tables(engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}), spark))
     assert_lake_exact(pg, config, 300)
 
     # Drains while another connection keeps writing: whatever the first drain misses, the next one gets.
@@ -185,6 +193,14 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     step("drain after re-snapshot", lambda: run_incremental(config, spark))
     assert_lake_exact(pg, config, 300)
 
+    # Log cleanup removes the snapshot commits of acct: no table property names its layout (Delta on
+    # Spark refuses it; Sail's says "created unbucketed"), the drains below use the pgcdc state's, kept
+    # for acct's Delta id.
+    acct = config.table_path("public", "acct")
+    layout = read_table_log(acct).layout
+    assert layout is not None and layout_from_property(deltalake.DeltaTable(acct).metadata().configuration.get(LAYOUT_PROPERTY)) is None
+    clean_log(acct)
+
     # TRUNCATE of the keyless table and of a keyed one, with rows after it.
     pg.execute("TRUNCATE journal; INSERT INTO journal VALUES (1, 'after'), (1, 'after');"
                " TRUNCATE acct; INSERT INTO acct SELECT g, g, 'reborn' FROM generate_series(1, 50) g")
@@ -195,6 +211,7 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     pg.execute("ALTER TABLE acct ADD COLUMN status text NOT NULL DEFAULT 'new'; UPDATE acct SET balance = -1 WHERE id = 1")
     step("drain with ADD COLUMN", lambda: run_incremental(config, spark))
     assert_lake_exact(pg, config, 50)
+    assert assert_buckets_right(acct, known=layout) == layout
 
     # REPLICA IDENTITY FULL with identical rows: one copy changes, one is deleted, NULLs included.
     pg.execute("UPDATE dup SET v = 'c' WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 1 AND v = 'a');"

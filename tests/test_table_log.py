@@ -2,11 +2,12 @@
 
 No engine: a log is a directory of commit files (``_delta_log/<version>.json`` with a ``commitInfo``
 line) written here, with pgcdc's markers, other writers' metadata and commits without any, and
-optionally cleaned up to a checkpoint (a real parquet file holding the table's metadata, whose
-``delta.pgcdc.layout`` property names the layout once the snapshot marker is gone) the way Delta's
-log cleanup does. The read from scratch and
-the read from every earlier answer (a state row as of that version, as the incremental run hands
-it over) must agree with the history; a row that does not describe the log must not change the answer.
+optionally cleaned up to a checkpoint (a real parquet file holding the table's metadata: its id, its
+partition columns and, as Sail records it, the ``delta.pgcdc.layout`` property) the way Delta's log
+cleanup does. The read from scratch and the read from every earlier answer (a state row as of that
+version, as the incremental run hands it over) must agree with the history; once the snapshot marker is
+gone, the layout is the property's, else the row's for the same table id (Delta on Spark records no
+property); a row that does not describe the log must not change the answer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pyarrow.parquet as pq
 from hypothesis import given, settings, strategies as st
 
 from resources.delta.destination import NO_TABLE, TableLog
-from resources.delta.layout import HASH, RANGE, TableLayout
+from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
 from resources.delta.markers import (
     APPEND_MARKER,
     applied_marker,
@@ -45,7 +46,10 @@ commit_kinds = st.one_of(
 layouts = st.sampled_from([None, TableLayout(RANGE, ("id",), 1000), TableLayout(HASH, ("id", "k"), 8)])
 OTHER_LAYOUT = TableLayout(HASH, ("id",), 3)
 
-METADATA_TYPE = pa.struct([("id", pa.string()), ("configuration", pa.map_(pa.string(), pa.string()))])
+METADATA_TYPE = pa.struct([
+    ("id", pa.string()), ("partitionColumns", pa.list_(pa.string())), ("configuration", pa.map_(pa.string(), pa.string())),
+])
+TABLE_ID = "5f1c7a0e-table"
 
 
 def user_metadata(commit: tuple, layout: TableLayout | None) -> str | None:
@@ -56,12 +60,18 @@ def user_metadata(commit: tuple, layout: TableLayout | None) -> str | None:
     return "nightly compaction" if commit[0] == "foreign" else None
 
 
-def write_log(path: Path, history: list[tuple], cleaned_below: int, layout: TableLayout | None) -> None:
+def write_log(path: Path, history: list[tuple], cleaned_below: int, layout: TableLayout | None, recorded: bool) -> None:
     """The commit files of ``history`` from ``cleaned_below`` on, and a checkpoint there when cleaned;
-    the first commit and "schema" commits carry the table's metadata with its layout property."""
+    the first commit and "schema" commits carry the table's metadata, with its layout property when
+    ``recorded`` (as Sail writes it; Delta on Spark refuses it)."""
     log = path / "_delta_log"
     log.mkdir(parents=True)
-    table_metadata = {"id": "t", "configuration": {LAYOUT_PROPERTY: layout_property(layout), "delta.appendOnly": "false"}}
+    configuration = {"delta.appendOnly": "false"}
+    if recorded:
+        configuration[LAYOUT_PROPERTY] = layout_property(layout)
+    table_metadata = {
+        "id": TABLE_ID, "partitionColumns": [BUCKET_COLUMN] if layout is not None else [], "configuration": configuration,
+    }
     for version, commit in enumerate(history):
         if version < cleaned_below:
             continue
@@ -74,27 +84,31 @@ def write_log(path: Path, history: list[tuple], cleaned_below: int, layout: Tabl
             actions.insert(1, {"metaData": table_metadata})
         (log / f"{version:020d}.json").write_text("\n".join(json.dumps(a) for a in actions) + "\n")
     if cleaned_below:
-        configuration = list(table_metadata["configuration"].items())
-        checkpoint = pa.table({"metaData": pa.array([None, {"id": "t", "configuration": configuration}], METADATA_TYPE)})
+        configuration = list(configuration.items())
+        checkpoint = pa.table({"metaData": pa.array([None, {**table_metadata, "configuration": configuration}], METADATA_TYPE)})
         pq.write_table(checkpoint, log / f"{cleaned_below:020d}.checkpoint.parquet")
         (log / "_last_checkpoint").write_text(json.dumps({"version": cleaned_below, "size": 1}))
 
 
-def truth(history: list[tuple], upto: int, cleaned_below: int, markers_from: int, layout: TableLayout | None) -> TableLog:
+def truth(
+    history: list[tuple], upto: int, cleaned_below: int, markers_from: int, layout: TableLayout | None,
+    expired_layout: TableLayout | None = None,
+) -> TableLog:
     """The TableLog as of version ``upto`` from the history, as far as commits >= ``cleaned_below`` show
-    the snapshot, and commits >= ``markers_from`` the applied markers (``layout``: the table's)."""
+    the snapshot, and commits >= ``markers_from`` the applied markers (``layout``: the table's;
+    ``expired_layout``: what is known of it once its snapshot commit is gone)."""
     applied = None
     for version in range(upto, -1, -1):
         commit = history[version]
         if commit[0] == "snapshot":
             if version < cleaned_below:
                 break
-            return TableLog(LSN(commit[1]), version, upto, applied, layout)
+            return TableLog(LSN(commit[1]), version, upto, applied, layout, TABLE_ID)
         if commit[0] == "append" and applied is None and version >= markers_from:
             applied = (commit[1], commit[2])
     if cleaned_below > 0:
-        return TableLog(EXPIRED_SNAPSHOT_LSN, None, upto, applied, layout)
-    return TableLog(None, None, upto, applied, None)
+        return TableLog(EXPIRED_SNAPSHOT_LSN, None, upto, applied, expired_layout, TABLE_ID)
+    return TableLog(None, None, upto, applied, None, TABLE_ID)
 
 
 @settings(max_examples=60, deadline=None)
@@ -102,35 +116,44 @@ def truth(history: list[tuple], upto: int, cleaned_below: int, markers_from: int
     history=st.lists(commit_kinds, min_size=1, max_size=25),
     cleanup=st.floats(0, 1),
     layout=layouts,
+    recorded=st.booleans(),
     data=st.data(),
 )
 def test_reads_from_scratch_and_from_any_earlier_answer_agree_with_the_history(
-    tmp_path_factory, history: list[tuple], cleanup: float, layout: TableLayout | None, data: st.DataObject
+    tmp_path_factory, history: list[tuple], cleanup: float, layout: TableLayout | None, recorded: bool, data: st.DataObject
 ) -> None:
     path = tmp_path_factory.mktemp("table")
     newest = len(history) - 1
     cleaned_below = int(cleanup * newest) if cleanup > 0.5 else 0  # half the logs are cleaned up
-    write_log(path, history, cleaned_below, layout)
+    write_log(path, history, cleaned_below, layout, recorded)
     from_scratch = read_table_log(str(path))
-    assert from_scratch == truth(history, newest, cleaned_below, cleaned_below, layout)
+    # without a row, only the property names the layout of a table whose snapshot commit is gone
+    assert from_scratch == truth(history, newest, cleaned_below, cleaned_below, layout, layout if recorded else None)
 
     # A state row written at an earlier version D (what a full read said then, before the cleanup).
     earlier = data.draw(st.integers(0, newest), label="state row version")
     row = truth(history, earlier, 0, 0, layout)
     if row.snapshot_lsn is not None:
         # The row remembers markers the cleanup removed, unless the cleanup removed commits after it
-        # too (a gap: read from scratch); a snapshot the cleanup removed counts as expired either way.
+        # too (a gap: read from scratch); a snapshot the cleanup removed counts as expired either way,
+        # with the layout the row recorded for this table id.
         gap = earlier + 1 < cleaned_below
-        assert read_table_log(str(path), row) == truth(history, newest, cleaned_below, cleaned_below if gap else 0, layout)
+        expected = truth(history, newest, cleaned_below, cleaned_below if gap else 0, layout, layout)
+        assert read_table_log(str(path), row) == expected
+        # A row of a state written before table ids were recorded: learns the id while the marker is there.
+        assert read_table_log(str(path), replace(row, table_id=None)).table_id == TABLE_ID
+        if row.snapshot_version is not None and row.snapshot_version < cleaned_below:
+            assert read_table_log(str(path), replace(row, table_id=None)).layout == from_scratch.layout
 
-        # A row claiming another snapshot LSN or layout at that version, or a version beyond the log, is not believed;
-        # a snapshot commit it names that cleanup removed has the layout of the table property, not the row's.
-        if row.snapshot_version is not None:
-            for lying in (replace(row, snapshot_lsn=LSN(row.snapshot_lsn + 1)), replace(row, layout=OTHER_LAYOUT)):
-                answer = read_table_log(str(path), lying)
-                assert answer == from_scratch or (row.snapshot_version < cleaned_below and answer.layout == layout)
+        # A row claiming another snapshot LSN, or describing another table (another id, any layout),
+        # or a version beyond the log, is not believed.
+        lying_lsn = replace(row, snapshot_lsn=LSN(row.snapshot_lsn + 1))
+        answer = read_table_log(str(path), lying_lsn)
+        assert answer == (expected if row.snapshot_version < cleaned_below else from_scratch)  # type: ignore[operator]
+        other_table = replace(row, layout=OTHER_LAYOUT, table_id="another-table")
+        assert read_table_log(str(path), other_table) == from_scratch
         beyond = replace(row, version=newest + 5)
-        assert read_table_log(str(path), beyond) == from_scratch
+        assert read_table_log(str(path), beyond) == replace(from_scratch, layout=layout)
 
 
 def test_a_path_without_table_has_no_log(tmp_path: Path) -> None:

@@ -277,9 +277,9 @@ class ChangeApplier:
             return
         if layout is None:
             raise SchemaChangeError(
-                f"{target.table} is bucketed ({BUCKET_COLUMN}) but the snapshot commit recording its layout is gone "
-                "from the Delta log (log cleanup)",
-                RESNAPSHOT_FIX,
+                f"{target.table} is bucketed ({BUCKET_COLUMN}) but no record of its layout is left: its snapshot "
+                "commit left the Delta log (log cleanup) and the pgcdc state has no layout for this table",
+                "remove the table's Delta directory, then re-snapshot the table",
             )
         if not bucketed:
             raise SchemaChangeError(

@@ -38,8 +38,12 @@ class TableLog:
     #: (commit end LSN, position) of the newest append/replace marker since that snapshot.
     applied_marker: tuple[int, int] | None
     #: The bucketing that snapshot recorded (docs/contracts.md, "Table layout"); once its commit left
-    #: the log, the table property ``delta.pgcdc.layout`` of the newest metadata. None: unbucketed.
+    #: the log, the table property ``delta.pgcdc.layout`` of the newest metadata, else the layout a
+    #: ``known`` row recorded for the same table (``table_id``). None: unbucketed, or not known.
     layout: TableLayout | None
+    #: Delta's ``metaData.id`` of the table (kept by every overwrite, new when the table is created
+    #: again at the path): which table ``layout`` belongs to. None: not read.
+    table_id: str | None = None
 
 
 NO_TABLE = TableLog(None, None, None, None, None)

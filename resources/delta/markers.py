@@ -137,12 +137,13 @@ def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, Ta
 
 
 LAYOUT_PROPERTY = "delta.pgcdc.layout"
-"""The table property the snapshot that creates a table records its layout in (``none``: unbucketed).
+"""The table property the snapshot that creates a table records its layout in (``none``: created
+unbucketed), on engines that accept it (Sail; Delta on Spark refuses unknown ``delta.*`` names).
 Table properties live in the table's metadata, which every checkpoint repeats, so the layout
 outlives the snapshot commit's marker when log cleanup removes it. Engines set it only when the
-table is created (Sail ignores writer options for an existing table), so a table keeps the layout it
-was created with: :func:`resources.snapshot` re-snapshots a table whose property names a layout in
-that layout (docs/contracts.md, "Table layout")."""
+table is created (writer options do not change an existing table's properties), so a table that
+adopted buckets later still says ``none``: its layout outlives the marker in the pgcdc state, under
+the table's Delta id (``resources/delta/table_log.py: expired_layout``, docs/contracts.md, "Table layout")."""
 
 
 def layout_property(layout: TableLayout | None) -> str:
@@ -205,19 +206,24 @@ def fold_table_log(
     userMetadata, newest first: the newest snapshot marker (its LSN and layout), and the newest append/replace marker
     after it (the rows a marker vouches for went with a later snapshot). Where the commits given
     hold no snapshot marker, ``known`` says what was true at the commit before the oldest of them
-    (None: nothing before them)."""
+    (None: nothing before them). The commits continue ``known``'s log, so its table id carries over
+    (an overwrite keeps the id; a table created again restarts its versions)."""
     applied: tuple[int, int] | None = None
+    table_id = known.table_id if known is not None else None
     for version, commit in commits_newest_first:
         for user_metadata in commit:
             marker = pgcdc_marker(user_metadata)
             kind = marker.get("kind") if marker is not None else None
             if kind == "snapshot":
-                return TableLog(LSN.parse(marker["snapshot_lsn"]), version, newest, applied, marker_layout(marker))  # type: ignore[arg-type,index]
+                snapshot_lsn = LSN.parse(marker["snapshot_lsn"])  # type: ignore[index]
+                return TableLog(snapshot_lsn, version, newest, applied, marker_layout(marker), table_id)  # type: ignore[arg-type]
             if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
                 applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
     if known is None:
         return TableLog(None, None, newest, applied, None)
-    return TableLog(known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout)
+    return TableLog(
+        known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout, table_id
+    )
 
 
 def applied_marker(kind: str, end: int, seq: int) -> str:

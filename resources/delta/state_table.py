@@ -13,6 +13,11 @@ or wrong (a table deleted and written again) costs a longer log read, never a wr
 What a run uses a row for without that check: the refusal "no replicated table has a
 snapshot" (a wrong root has no state either) and the Delta version and applied LSN reported
 for tables without changes (which may lag behind after a crash until the table next changes).
+One thing a row holds that a log may lose: the layout of a bucketed table whose snapshot commit
+log cleanup removed, where the engine keeps no table property naming it (Delta on Spark; a table
+that adopted buckets by a re-snapshot on any engine). A row's layout counts then only for the
+table with the row's ``table_id`` (Delta's ``metaData.id``), which keeps its layout for life
+(``resources.delta.table_log.expired_layout``).
 
 Every write replaces the whole table (one file of one row per table), so what a run reads stays
 one small file (and the engine reads the log from its newest checkpoint) whatever the number of
@@ -50,6 +55,7 @@ STATE_SCHEMA = pa.schema([
     pa.field("marker_lsn", pa.int64()),
     pa.field("marker_seq", pa.int64()),
     pa.field("layout", pa.string()),  # TableLayout.to_json as JSON; null: unbucketed
+    pa.field("table_id", pa.string()),  # Delta's metaData.id of the table the layout belongs to; null: not read
     pa.field("updated_at", pa.timestamp("us", tz="UTC")),
 ])
 
@@ -87,6 +93,7 @@ def read_state(spark: SparkSession, path: str) -> dict[str, StateRow]:
                 record["delta_version"],
                 marker,
                 TableLayout.from_json(json.loads(record["layout"])) if record.get("layout") else None,
+                record.get("table_id"),  # absent from states written before table ids were recorded
             ),
             None if record["applied_lsn"] is None else LSN(record["applied_lsn"]),
         )
@@ -118,6 +125,7 @@ def write_state(
                 "marker_lsn": None if row.log.applied_marker is None else row.log.applied_marker[0],
                 "marker_seq": None if row.log.applied_marker is None else row.log.applied_marker[1],
                 "layout": None if row.log.layout is None else json.dumps(row.log.layout.to_json()),
+                "table_id": row.log.table_id,
                 "updated_at": now,
             }
             for row in sorted(rows.values(), key=lambda row: row.table)

@@ -20,20 +20,24 @@ pgcdc's markers are in the ``commitInfo`` action's ``userMetadata``. Checkpoints
 ``commitInfo``, so a marker in a commit that log cleanup removed is gone: a table whose log no
 longer starts at version 0 and holds no snapshot marker has snapshot LSN
 :data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (see ``read_snapshot_lsn`` for why), and its
-layout is the one the table property :data:`~resources.delta.markers.LAYOUT_PROPERTY` of its newest
-``metaData`` action names (in the commits after the newest checkpoint, else in that checkpoint):
-read once, when the read first finds the snapshot commit gone.
+layout (:func:`expired_layout`) comes from its newest ``metaData`` action (in the commits after the
+newest checkpoint, else in that checkpoint), which checkpoints keep: the table property
+:data:`~resources.delta.markers.LAYOUT_PROPERTY` where the engine recorded it, else the layout
+``known`` recorded when ``known`` describes the same table (its ``table_id`` is the metadata's
+``id``) and the table is partitioned by the bucket column. Read once, when the read first finds the
+snapshot commit gone (and once per table to learn the id of a row written before ids were recorded).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.lake_storage import storage_client
-from resources.delta.layout import TableLayout
+from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import (
     EXPIRED_SNAPSHOT_LSN,
     fold_table_log,
@@ -55,7 +59,7 @@ def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
         checked = _after_known(log, known)
         if checked is not None:
             return checked
-    return _from_listing(log)
+    return _from_listing(log, known)
 
 
 def version_with_metadata(path: str, user_metadata: str) -> int:
@@ -66,6 +70,50 @@ def version_with_metadata(path: str, user_metadata: str) -> int:
         if user_metadata in (log.commit(version) or []):
             return version
     raise RuntimeError(f"no commit with userMetadata {user_metadata!r} in {path}")
+
+
+@dataclass(frozen=True, slots=True)
+class TableMetadata:
+    """What pgcdc reads of a table's newest ``metaData`` action."""
+
+    #: Delta's table id: kept by every commit, overwrites included; new when the table is created again.
+    table_id: str
+    partition_columns: tuple[str, ...]
+    #: The table property :data:`LAYOUT_PROPERTY` (None: absent, as on engines that refuse it).
+    layout_property: str | None
+
+    @property
+    def bucketed(self) -> bool:
+        return BUCKET_COLUMN in self.partition_columns
+
+
+def read_table_metadata(path: str) -> TableMetadata | None:
+    """The table's newest metadata (None: no table at ``path``): a listing of its log, the commits after
+    its newest checkpoint, newest first, until one has a ``metaData`` action, else that checkpoint's."""
+    return _Log(path).metadata()
+
+
+def expired_layout(metadata: TableMetadata | None, known: TableLog | None) -> TableLayout | None:
+    """The layout of a table whose snapshot commit left the log, from its ``metadata``: the table
+    property where the engine recorded one, else ``known``'s layout when ``known`` describes this very
+    table (same ``table_id``) and the table is bucketed; None otherwise (unbucketed, or not known:
+    the drain refuses a bucketed table without a layout).
+
+    ``known``'s layout is trusted without its snapshot commit because a table keeps its layout for
+    as long as it keeps its id: a snapshot of a bucketed table writes the layout the table has
+    (``resources/snapshot.py``), and only a snapshot of an unbucketed one chooses a layout. So any
+    layout recorded for this id, by the snapshot that wrote it or by a log read that found it in the
+    snapshot marker, is still the table's, however stale the row otherwise is. A row recorded
+    before a table adopted buckets by a re-snapshot says "unbucketed" and is not taken for a layout.
+    """
+    if metadata is None:
+        return None
+    created_with = layout_from_property(metadata.layout_property)
+    if created_with is not None:
+        return created_with
+    if known is not None and known.table_id == metadata.table_id and metadata.bucketed:
+        return known.layout
+    return None
 
 
 def table_exists(path: str) -> bool:
@@ -103,19 +151,19 @@ class _Log:
         prefix = '{"' + kind + '"'
         return [json.loads(line)[kind] for line in text.splitlines() if line.startswith(prefix)]
 
-    def layout_property(self) -> TableLayout | None:
-        """:data:`LAYOUT_PROPERTY` of the newest ``metaData``: the newest commit after the newest
-        checkpoint that has one, else the checkpoint's (one listing, those commits, one column of the checkpoint)."""
+    def metadata(self) -> TableMetadata | None:
+        """The newest ``metaData`` action: the newest commit after the newest checkpoint that has one,
+        else the checkpoint's (one listing, those commits, one column of the checkpoint)."""
         versions, checkpoint = self.versions()
         for version in reversed([v for v in versions if checkpoint is None or v > checkpoint]):
             for metadata in self.actions(version, "metaData") or []:
-                return layout_from_property((metadata.get("configuration") or {}).get(LAYOUT_PROPERTY))
+                return _table_metadata(metadata, (metadata.get("configuration") or {}).get(LAYOUT_PROPERTY))
         if checkpoint is None:
             return None
-        return layout_from_property(self._checkpoint_property(checkpoint))
+        return self._checkpoint_metadata(checkpoint)
 
-    def _checkpoint_property(self, version: int) -> str | None:
-        """The property in the ``metaData`` of checkpoint ``version`` (classic or multi-part parquet files)."""
+    def _checkpoint_metadata(self, version: int) -> TableMetadata | None:
+        """The ``metaData`` of checkpoint ``version`` (classic or multi-part parquet files)."""
         import pyarrow.parquet as pq
         from pyarrow import fs
 
@@ -129,7 +177,7 @@ class _Log:
             rows = pq.read_table(name, columns=["metaData"], filesystem=self.filesystem).column("metaData")
             for metadata in rows.to_pylist():
                 if metadata is not None:
-                    return dict(metadata.get("configuration") or []).get(LAYOUT_PROPERTY)
+                    return _table_metadata(metadata, dict(metadata.get("configuration") or []).get(LAYOUT_PROPERTY))
         return None
 
     def versions(self) -> tuple[list[int], int | None]:
@@ -154,13 +202,17 @@ class _Log:
         return sorted(commits), checkpoint
 
 
+def _table_metadata(metadata: dict[str, Any], layout_property: str | None) -> TableMetadata:
+    return TableMetadata(str(metadata.get("id")), tuple(metadata.get("partitionColumns") or ()), layout_property)
+
+
 def _after_known(log: _Log, known: TableLog) -> TableLog | None:
     """``known`` advanced by the commits after it; None when ``known`` does not match this log.
 
     ``known`` is a hint: its snapshot LSN and layout count only when its snapshot commit, read
     here, carries them. A snapshot commit gone with log cleanup (the log no longer starts at
-    version 0) counts as :data:`EXPIRED_SNAPSHOT_LSN`, with the layout of the table property, as
-    for a log read from the start.
+    version 0) counts as :data:`EXPIRED_SNAPSHOT_LSN`, with the layout :func:`expired_layout`
+    finds, as for a log read from the start; a ``known`` naming another table id is not this table's.
     """
     assert known.version is not None and known.snapshot_lsn is not None
     if known.snapshot_version is None:
@@ -169,9 +221,16 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
     else:
         snapshot_commit = log.commit(known.snapshot_version)
         if snapshot_commit is None and log.commit(0) is None:
-            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, log.layout_property())
+            metadata = log.metadata()
+            if metadata is None or known.table_id not in (None, metadata.table_id):
+                return None  # another table now lives at this path
+            layout = expired_layout(metadata, known)
+            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, layout, metadata.table_id)
         elif snapshot_commit is None or _snapshot(snapshot_commit) != (known.snapshot_lsn, known.layout):
             return None  # not this log's snapshot (another table now lives at this path)
+        elif known.table_id is None:  # a row written before ids were recorded: learn it while the marker is here
+            metadata = log.metadata()
+            known = replace(known, table_id=metadata.table_id if metadata is not None else None)
     if log.commit(known.version) is None and log.commit(known.version + 1) is None:
         return None  # beyond this log, or commits after it are gone with log cleanup: a gap
     newer: list[tuple[int, list[str | None]]] = []
@@ -180,8 +239,10 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
     return fold_table_log(reversed(newer), known.version + len(newer), known)
 
 
-def _from_listing(log: _Log) -> TableLog:
-    """Newest commit first, back to the newest snapshot commit (or the oldest commit kept)."""
+def _from_listing(log: _Log, known: TableLog | None) -> TableLog:
+    """Newest commit first, back to the newest snapshot commit (or the oldest commit kept); the table's
+    id from its newest metadata. ``known`` (a row that did not match the log read from it: a gap, or
+    another table) only gives the layout :func:`expired_layout` allows."""
     versions, checkpoint = log.versions()
     if not versions and checkpoint is None:
         return NO_TABLE
@@ -194,9 +255,12 @@ def _from_listing(log: _Log) -> TableLog:
                 yield version, commit
 
     found = fold_table_log(newest_first(), newest, None)
+    metadata = log.metadata()
+    table_id = metadata.table_id if metadata is not None else None
     if found.snapshot_lsn is None and (not versions or versions[0] > 0):
-        return TableLog(EXPIRED_SNAPSHOT_LSN, None, newest, found.applied_marker, log.layout_property())
-    return found
+        layout = expired_layout(metadata, known)
+        return TableLog(EXPIRED_SNAPSHOT_LSN, None, newest, found.applied_marker, layout, table_id)
+    return replace(found, table_id=table_id)
 
 
 def _snapshot(commit: list[str | None]) -> tuple[LSN, TableLayout | None] | None:

@@ -174,11 +174,16 @@ def _diff(table: str, columns: list[str], key: Sequence[str], pg_rows: list[tupl
     return "\n".join(lines)
 
 
-def assert_buckets_right(path: str, storage_options: Mapping[str, str] | None = None) -> TableLayout | None:
+def assert_buckets_right(
+    path: str, storage_options: Mapping[str, str] | None = None, known: TableLayout | None = None
+) -> TableLayout | None:
     """Raise AssertionError unless every row of the Delta table at ``path`` sits in the bucket its
     key gives it under the layout its newest snapshot marker and its table property recorded (the two
     must agree; the property alone once log cleanup removed the marker), and the table is partitioned
     by the bucket column; a table without a layout must have no bucket column. Returns the layout.
+    ``known``: the layout the caller knows the table has, for a table whose log no longer names it
+    (its marker gone, no property: Delta on Spark, or a table that adopted buckets by a re-snapshot);
+    where the log names one, the two must agree.
 
     :func:`compare_table` ignores the bucket column (it is not PostgreSQL's); this is its check.
     """
@@ -198,6 +203,10 @@ def assert_buckets_right(path: str, storage_options: Mapping[str, str] | None = 
             assert layout is None or marked == layout, f"{path}: the snapshot marker says {marked}, the table property {layout}"
             layout = marked
             break
+    else:
+        if layout is None:  # the marker is gone and no property names a layout
+            layout = known
+    assert known is None or layout == known, f"{path}: the log says {layout}, the caller knows {known}"
     table = delta.to_pyarrow_table()
     if layout is None:
         assert BUCKET_COLUMN not in table.column_names, f"{path}: a bucket column but no layout in the snapshot marker"
