@@ -22,14 +22,18 @@ step would start a second engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.markers import LSN_COLUMN, read_snapshot_marker
+from resources.config import PgcdcConfig
+from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.markers import LSN_COLUMN
+from resources.delta.state_table import known_log, read_state, state_path, StateRow
+from resources.delta.table_log import read_table_log
 from resources.incremental import IncrementalResult
 from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.pgtypes import spark_ddl_type
@@ -59,9 +63,26 @@ def delta_columns(spark: SparkSession, path: str) -> list[tuple[str, str]]:
     return [(field.name, field.dataType.simpleString()) for field in spark.read.format("delta").load(path).schema]
 
 
+def table_log_reader(spark: SparkSession, config: PgcdcConfig) -> Callable[[TableName], TableLog]:
+    """Each table's log as a drain reads it: from where the pgcdc state left it, so a bucketed
+    table's layout is known on every engine after Delta's log cleanup removed its snapshot commit
+    (the state row names it, docs/contracts.md). The state is read once, when first needed."""
+    state: dict[str, StateRow] | None = None
+
+    def read(table: TableName) -> TableLog:
+        nonlocal state
+        if state is None:
+            state = read_state(spark, state_path(config.delta.root, config.slot))
+        path = config.table_path(table.schema, table.name)
+        return read_table_log(path, known_log(state, str(table), path))
+
+    return read
+
+
 def evaluate_table_checks(
     postgres: PostgresResource,
     spark: SparkSession,
+    table_log: Callable[[TableName], TableLog],
     table: TableName,
     key: AssetKey,
     selected: set[AssetCheckKey],
@@ -70,7 +91,8 @@ def evaluate_table_checks(
     names: PipelineNames,
 ) -> Iterator[AssetCheckResult]:
     """The selected checks of one table after the drain ``drained`` (None: checks selected without a
-    drain, so every one is evaluated); ``slot_lag`` None means the slot does not exist."""
+    drain, so every one is evaluated); ``slot_lag`` None means the slot does not exist; ``table_log``
+    is a :func:`table_log_reader`."""
     config = postgres.config
     path = config.table_path(table.schema, table.name)
     snapshot_job = names.scoped(SNAPSHOT_JOB)
@@ -80,12 +102,12 @@ def evaluate_table_checks(
     without_snapshot = drained is not None and str(table) in drained.tables_without_snapshot
     if AssetCheckKey(key, SCHEMA_CHECK) in selected and (stats is None or stats.schema_changed or without_snapshot):
         # Otherwise nothing the check looks at changed in this drain: it is not re-evaluated (module docstring).
-        snapshot_lsn, layout = (None, None) if without_snapshot else read_snapshot_marker(spark, path)
-        if snapshot_lsn is None:
+        log = NO_TABLE if without_snapshot else table_log(table)
+        if log.snapshot_lsn is None:
             yield AssetCheckResult(asset_key=key, check_name=SCHEMA_CHECK, passed=False, description=no_snapshot)
         else:
             expected = [*postgres_columns(postgres, table), (LSN_COLUMN, "bigint")]
-            if layout is not None:
+            if log.layout is not None:
                 expected.append((BUCKET_COLUMN, "bigint"))
             actual = delta_columns(spark, path)
             missing = [f"{name} {kind}" for name, kind in expected if (name, kind) not in actual]

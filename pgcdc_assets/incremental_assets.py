@@ -33,7 +33,7 @@ from dagster import (
     multi_asset,
 )
 
-from pgcdc_assets.checks import evaluate_table_checks, table_check_specs
+from pgcdc_assets.checks import evaluate_table_checks, table_check_specs, table_log_reader
 from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
@@ -116,9 +116,10 @@ def build_incremental_assets(
             if checked:
                 state = postgres.read_slot()
                 lag = None if state is None else postgres.slot_lag_bytes(state)
+                table_log = table_log_reader(session, postgres.config)
                 for table in tables:
                     yield from evaluate_table_checks(
-                        postgres, session, table, key_of[table], checked, lag, result, names
+                        postgres, session, table_log, table, key_of[table], checked, lag, result, names
                     )
 
     return drain_slot

@@ -48,7 +48,7 @@ from resources.cdc.transactions import TransactionAssembler
 from resources.config import PgcdcConfig
 from resources.delta.destination import Destination, TableLog
 from resources.delta.spark_destination import SparkDeltaDestination
-from resources.delta.state_table import read_state, state_path, StateRow, write_state
+from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
@@ -225,9 +225,9 @@ def _targets(
     targets: dict[TableName, TableTarget] = {}
     for table in tables:
         path = config.table_path(table.schema, table.name)
-        row = state.get(str(table))
-        if row is not None and row.path == path:
-            targets[table] = TableTarget(table, path, known=row.log)
+        known = known_log(state, str(table), path)
+        if known is not None:
+            targets[table] = TableTarget(table, path, known=known)
         else:
             targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
     without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and t.log.snapshot_lsn is None]

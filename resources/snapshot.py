@@ -45,7 +45,7 @@ from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.delta.destination import TableLog
 from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
-from resources.delta.state_table import read_state, state_path, StateRow, write_state
+from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.delta.table_log import read_table_log, read_table_metadata
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.delta.lake_storage import open_lake
@@ -450,8 +450,7 @@ def snapshot_each(
     rows = read_state(spark, state)
 
     def known(table: TableName) -> TableLog | None:
-        row = rows.get(str(table))
-        return row.log if row is not None and row.path == config.table_path(table.schema, table.name) else None
+        return known_log(rows, str(table), config.table_path(table.schema, table.name))
 
     workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     finished: list[SnapshotResult] = []

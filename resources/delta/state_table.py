@@ -74,6 +74,13 @@ def state_path(root: str, slot: str) -> str:
     return join_location(root, *STATE_DIRECTORY, slot)
 
 
+def known_log(state: dict[str, StateRow], table: str, path: str) -> TableLog | None:
+    """The table's log as the state knows it, to hand to a log read as ``known``; None when the
+    state has no row for the table at ``path`` (a row for another path is another table)."""
+    row = state.get(table)
+    return row.log if row is not None and row.path == path else None
+
+
 def read_state(spark: SparkSession, path: str) -> dict[str, StateRow]:
     """The rows by table name (the newest one where a lost race left two); empty without a state table."""
     if not table_exists(path):
