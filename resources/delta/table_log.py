@@ -27,11 +27,13 @@ read once, when the read first finds the snapshot commit gone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from typing import Any
 
 from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import storage_client
 from resources.delta.layout import TableLayout
 from resources.delta.markers import (
@@ -39,7 +41,9 @@ from resources.delta.markers import (
     fold_table_log,
     LAYOUT_PROPERTY,
     layout_from_property,
+    marker_chunks,
     marker_layout,
+    marker_snapshot_lsn,
     pgcdc_marker,
 )
 from resources.lsn import LSN
@@ -170,8 +174,12 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
         snapshot_commit = log.commit(known.snapshot_version)
         if snapshot_commit is None and log.commit(0) is None:
             known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, log.layout_property())
-        elif snapshot_commit is None or _snapshot(snapshot_commit) != (known.snapshot_lsn, known.layout):
-            return None  # not this log's snapshot (another table now lives at this path)
+        else:
+            recorded = None if snapshot_commit is None else _snapshot(snapshot_commit)
+            if recorded is None or recorded[:2] != (known.snapshot_lsn, known.layout):
+                return None  # not this log's snapshot (another table now lives at this path)
+            # The state does not keep a snapshot's key ranges: they come from its commit, read here anyway.
+            known = dataclasses.replace(known, chunks=recorded[2])
     if log.commit(known.version) is None and log.commit(known.version + 1) is None:
         return None  # beyond this log, or commits after it are gone with log cleanup: a gap
     newer: list[tuple[int, list[str | None]]] = []
@@ -199,10 +207,10 @@ def _from_listing(log: _Log) -> TableLog:
     return found
 
 
-def _snapshot(commit: list[str | None]) -> tuple[LSN, TableLayout | None] | None:
-    """The snapshot LSN and layout of the snapshot marker in ``commit``; None without one."""
+def _snapshot(commit: list[str | None]) -> tuple[LSN | None, TableLayout | None, KeyRanges | None] | None:
+    """The snapshot LSN, layout and key ranges of the snapshot marker in ``commit``; None without one."""
     for user_metadata in commit:
         marker = pgcdc_marker(user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
-            return LSN.parse(marker["snapshot_lsn"]), marker_layout(marker)
+            return marker_snapshot_lsn(marker), marker_layout(marker), marker_chunks(marker)
     return None
