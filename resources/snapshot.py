@@ -27,7 +27,6 @@ go into the one atomic Delta commit, so the result is the same table a single CO
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -41,18 +40,23 @@ from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.layout import choose_layout, is_range_key, LayoutError, TableLayout, TableSize
+from resources.delta.key_ranges import KeyRanges
+from resources.delta.layout import TableLayout
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.markers import LSN_COLUMN, read_layout_property, snapshot_marker
 from resources.delta.destination import TableLog
 from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
 from resources.delta.state_table import read_state, state_path, StateRow, write_state
+from resources.delta.table_log import read_table_log
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
+from resources.incremental import run_incremental
+from resources.key_range_copy import copy_key_range, key_range_plan, RangeCopy, table_layout
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import key_range, primary_key_columns, read_table, size_estimate, TableInfo, table_oid, TableName
+from resources.postgres.catalog import read_table, table_oid, TableName
+from resources.postgres.connections import connect
 from resources.postgres.copy import (
     block_ranges,
     copy_pieces,
@@ -91,8 +95,10 @@ class SnapshotProgress:
     rows: int
     bytes: int  # CSV bytes received from PostgreSQL so far
     elapsed_s: float
-    chunks_done: int = 0  # ctid ranges copied completely
-    chunks: int = 1  # ctid ranges in all (1: one COPY of the whole table)
+    chunks_done: int = 0  # ctid (or key) ranges copied completely
+    chunks: int = 1  # ctid (or key) ranges in all (1: one COPY of the whole table)
+    chunks_before: int = 0  # key ranges done by earlier runs (a resumed snapshot): not part of this run's pace
+    unit: str = "ctid chunks"  # or "key ranges"
 
     @property
     def rows_per_second(self) -> float:
@@ -101,9 +107,10 @@ class SnapshotProgress:
     @property
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the chunks done so far; None until one is done (or with one chunk)."""
-        if self.chunks <= 1 or self.chunks_done == 0:
+        done_now = self.chunks_done - self.chunks_before
+        if self.chunks <= 1 or done_now <= 0:
             return None
-        return self.elapsed_s * (self.chunks - self.chunks_done) / self.chunks_done
+        return self.elapsed_s * (self.chunks - self.chunks_done) / done_now
 
     def describe(self) -> str:
         """One log line: rows, bytes, speed, and for a table read in ctid chunks, chunks done and time left."""
@@ -112,7 +119,7 @@ class SnapshotProgress:
             f" in {self.elapsed_s:,.1f} s ({self.rows_per_second:,.0f} rows/s)"
         )
         if self.chunks > 1:
-            line += f", ctid chunks {self.chunks_done}/{self.chunks} done"
+            line += f", {self.unit} {self.chunks_done}/{self.chunks} done"
             if self.eta_s is not None:
                 line += f", about {self.eta_s:,.0f} s left"
         return line
@@ -132,6 +139,8 @@ class SnapshotResult:
     chunks: int = 1  # ctid ranges the table was read in
     workers: int = 1  # sessions that read them
     layout: TableLayout | None = None  # how the Delta table is bucketed (None: not bucketed)
+    key_ranges: bool = False  # copied in primary-key ranges, one short transaction each (``chunks`` of them)
+    snapshot_version: int | None = None  # the version of the snapshot marker's commit, when not ``delta_version``
 
     @property
     def rows_per_second(self) -> float:
@@ -139,7 +148,9 @@ class SnapshotResult:
 
     @property
     def mode(self) -> str:
-        """How the table was read, for logs: one COPY, or ctid chunks on parallel sessions."""
+        """How the table was read, for logs: one COPY, ctid chunks on parallel sessions, or key ranges."""
+        if self.key_ranges:
+            return f"{self.chunks} primary-key ranges, one short transaction each"
         if self.chunks <= 1:
             return "one COPY"
         return f"{self.chunks} ctid chunks on {self.workers} sessions under one snapshot"
@@ -243,7 +254,7 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        layout = _table_layout(conn.connection, info, schema, buckets, read_layout_property(spark, path))
+        layout = table_layout(conn.connection, info, schema, buckets, read_layout_property(spark, path))
         marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         blocks, block_size = heap_blocks(conn.connection, info.oid)
         ranges = block_ranges(blocks, max(1, reading.range_bytes // block_size))
@@ -316,43 +327,6 @@ def _snapshot_table(
     )
 
 
-def _table_layout(
-    conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings, created_with: str | None
-) -> TableLayout | None:
-    """The table's bucketing: by its replica identity key (the primary key under REPLICA IDENTITY
-    FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured,
-    read inside the snapshot's transaction.
-
-    A table created with a layout keeps it (``created_with``, its table property): engines set table
-    properties only when a table is created, and a drain whose snapshot marker has left the log
-    trusts that property, so it must stay true; a table whose key changed since is refused.
-    """
-    key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
-    published = {column.name for column in info.columns}
-    usable = bool(key) and all(name in published for name in key)
-    if created_with and created_with != "none":
-        layout = TableLayout.from_json(json.loads(created_with))
-        if not usable or tuple(key) != layout.key:
-            raise ConfigurationError(
-                f"the Delta table of {info.table} was created bucketed by ({', '.join(layout.key)}), which is no "
-                "longer the table's key",
-                "remove the table's Delta directory, then snapshot the table again",
-            )
-        return layout
-    if not usable:
-        return None  # no usable key: merged by row value or appended, not by key
-    key_types = [schema.field(name).type for name in key]
-    override = buckets.override(info.table)
-    rows, pages = size_estimate(conn, info.oid)
-    span = key_range(conn, info.table, key[0]) if override is None and is_range_key(key_types) else None
-    try:
-        return choose_layout(key, key_types, TableSize(rows, pages, span), override, buckets.target_rows)
-    except LayoutError as exc:
-        raise ConfigurationError(
-            f"delta.buckets.tables.{info.table}: {exc}", "use count (hash buckets) for this table instead of width"
-        ) from None
-
-
 def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
     """Refuse ``delta.deletion_vectors: true`` on an engine without Delta's commands, before anything is written."""
     if config.delta.deletion_vectors and not engine_capabilities(spark).delta_commands:
@@ -420,8 +394,15 @@ def snapshot_each(
     """
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
     check_deletion_vectors(config, spark)
-    workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     finished: list[SnapshotResult] = []
+    modes: dict[TableName, tuple[KeyRanges | None, bool]] = {}
+    for table in tables:
+        try:
+            modes[table] = _choose_mode(config, table)
+        except Exception as error:  # noqa: BLE001 - reported per table, as a failed copy is
+            yield table, error
+    one_snapshot = [table for table, (plan, resume) in modes.items() if plan is None and not resume]
+    workers = max(1, min(config.snapshot.parallel_tables, len(one_snapshot)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {
             pool.submit(
@@ -438,7 +419,7 @@ def snapshot_each(
                 buckets=config.delta.buckets,
                 deletion_vectors=config.delta.deletion_vectors,
             ): table
-            for table in tables
+            for table in one_snapshot
         }
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -448,9 +429,113 @@ def snapshot_each(
                 if error is None:
                     finished.append(future.result())
                 yield table, error if error is not None else future.result()
+    # Only now, one at a time: each step of a walk drains the slot, which must not confirm past the
+    # consistent point of a one-snapshot copy still in flight (its changes would be skipped for good).
+    for table, (plan, resume) in modes.items():
+        if plan is None and not resume:
+            continue
+        try:
+            result = snapshot_in_key_ranges(config, spark, table, plan, on_progress)
+        except Exception as error:  # noqa: BLE001 - a failing table does not stop the others
+            yield table, _naming_table(error, table) if isinstance(error, PgcdcError) else error
+            continue
+        finished.append(result)
+        yield table, result
     if finished:
         state = state_path(config.delta.root, config.slot)
         write_state(spark, state, read_state(spark, state), [
-            StateRow(str(done.table), done.path, TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None, done.layout), None)
+            StateRow(
+                str(done.table), done.path,
+                TableLog(done.snapshot_lsn, done.snapshot_version or done.delta_version, done.delta_version, None, done.layout),
+                None,
+            )
             for done in finished
-        ])
+        ])  # fmt: skip
+
+
+def _choose_mode(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, bool]:
+    """(the key ranges of a new snapshot in key ranges, or None; whether one part-way is resumed),
+    logged with the reason: a snapshot in key ranges part-way is resumed; otherwise key ranges above
+    ``snapshot.chunked_above_mb`` for a table with a one-column integer primary key, else one
+    snapshot (one COPY, or ctid chunks in parallel)."""
+    log = read_table_log(config.table_path(table.schema, table.name))
+    if log.chunks is not None and not log.chunks.complete:
+        logger.info(
+            "snapshot %s: resuming its snapshot in key ranges of %s: %d of %d done",
+            table, log.chunks.key, log.chunks.done, log.chunks.count,
+        )  # fmt: skip
+        return None, True
+    try:
+        with connect(config.postgres.dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
+            info = read_table(conn, config.publication, table)
+            blocks, block_size = heap_blocks(conn, info.oid)
+            plan, why = key_range_plan(conn, info, blocks * block_size, config.snapshot)
+    except PgcdcError as exc:
+        raise _naming_table(exc, table) from exc
+    except psycopg.Error as exc:
+        raise _naming_table(explain(exc, config.postgres.dsn), table) from exc
+    logger.info("snapshot %s: %s", table, why)
+    return plan, False
+
+
+def snapshot_in_key_ranges(
+    config: PgcdcConfig,
+    spark: SparkSession,
+    table: TableName,
+    plan: KeyRanges | None,
+    on_progress: Callable[[SnapshotProgress], None] | None = None,
+) -> SnapshotResult:
+    """Walk the table's key ranges, one per drain run of the slot, until every range is done.
+
+    Each step is one :func:`~resources.incremental.run_incremental` whose ``hold`` copies the next
+    range (:func:`~resources.key_range_copy.copy_key_range`) while the run holds the permanent slot,
+    then drains every table from the slot's confirmed position, this one by the drain rule of key
+    ranges. ``plan`` starts a new snapshot (its first range replaces the whole table); None resumes
+    the one the table's log records, at its first range not done. A run stopped anywhere loses
+    nothing: the next one resumes. The last step copies nothing and only drains.
+    """
+    started = time.monotonic()
+    path = config.table_path(table.schema, table.name)
+    known = read_table_log(path).chunks
+    done_before = known.done if plan is None and known is not None else 0
+    copies: list[RangeCopy] = []
+    rows = nbytes = 0
+
+    def copy_next() -> None:
+        ranges = plan if plan is not None and not copies else read_table_log(path).chunks
+        if ranges is None:
+            raise SnapshotError(f"{table}: its snapshot in key ranges is gone from its Delta log", "snapshot the table again")
+        k = ranges.next_range()
+        if k is not None:
+            copies.append(copy_key_range(
+                config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k,
+                first=ranges is plan, buckets=config.delta.buckets,
+            ))  # fmt: skip
+
+    while True:
+        copied = len(copies)
+        run_incremental(config, spark, hold=copy_next, log=lambda line: logger.info("snapshot %s: %s", table, line))
+        if len(copies) == copied:
+            break
+        copy = copies[-1]
+        rows, nbytes = rows + copy.rows, nbytes + copy.bytes
+        if on_progress is not None:
+            on_progress(SnapshotProgress(
+                table, rows, nbytes, time.monotonic() - started, copy.ranges.done, copy.ranges.count, done_before, "key ranges",
+            ))  # fmt: skip
+    log = read_table_log(path)
+    if log.chunks is None or log.snapshot_lsn is None or log.version is None:
+        raise SnapshotError(f"{table}: its snapshot in key ranges did not complete", "run the table's snapshot again")
+    return SnapshotResult(
+        table=table,
+        snapshot_lsn=log.snapshot_lsn,
+        rows=rows,
+        path=path,
+        delta_version=log.version,
+        duration_s=time.monotonic() - started,
+        columns=copies[-1].columns if copies else [],
+        chunks=log.chunks.count,
+        layout=log.layout,
+        key_ranges=True,
+        snapshot_version=log.snapshot_version,
+    )

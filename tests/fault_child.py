@@ -1,6 +1,7 @@
 """One incremental drain in its own process, for the fault tests (tests/test_faults.py).
 
 Usage: python -m tests.fault_child CONFIG.yaml MAX_CHUNK_CHANGES
+       python -m tests.fault_child CONFIG.yaml snapshot   (snapshot_tables instead: the walk in key ranges)
 
 Like ``tests.incremental_child``, but a ``PgcdcError`` ends the process the way a user
 would see it: one line ``pgcdc: <ErrorClass>: <cause>: <fix>`` on stderr and exit status 2
@@ -16,6 +17,7 @@ from resources.config import load_config
 from resources.delta.engine import SparkEngine
 from resources.errors import PgcdcError
 from resources.incremental import run_incremental
+from resources.snapshot import snapshot_tables
 
 EXIT_PGCDC_ERROR = 2
 
@@ -25,6 +27,10 @@ def main() -> int:
     with SparkEngine.from_config(config.spark) as engine:
         print(f"engine up {engine.server_pid}", flush=True)  # the engine process pgcdc started, if any
         try:
+            if sys.argv[2] == "snapshot":
+                for done in snapshot_tables(config, engine.spark):
+                    print(f"snapshot {done.table} {done.mode} at {done.snapshot_lsn}", flush=True)
+                return 0
             result = run_incremental(
                 config, engine.spark, log=lambda line: print(line, flush=True), max_chunk_changes=int(sys.argv[2])
             )
