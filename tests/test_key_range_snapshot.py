@@ -29,7 +29,7 @@ from resources.delta.table_log import read_table_log
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables, SnapshotProgress
 from resources.testing.faults import FAULT_POINT_ENV
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 from tests.test_faults import Child
 
@@ -99,7 +99,8 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
         "slot": "pgcdc_slot",
-        "delta": {"root": str(tmp_path / "lake")},
+        # big in range buckets of 1,000 keys: every range commit and drain writes a bucketed table
+        "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.big": {"width": 1000}}}},
         "snapshot": {"chunked_above_mb": 0.05, "key_chunk_mb": 0.04},
     })
     path = str(tmp_path / "lake" / "public" / "big")
@@ -125,6 +126,7 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
     root = Path(config.delta.root)
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > ROWS // 2
     assert pg.execute("SELECT length(body) FROM big WHERE id = -7") == [(3200,)]
+    assert assert_buckets_right(path) is not None
     assert_delta_equals_postgres(pg.dsn, "public.flat", str(root / "public" / "flat"))
 
     # The same table again, by processes killed part-way, each resuming where the previous one died.
@@ -146,4 +148,5 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
     assert final.chunks is not None and final.chunks.complete and final.snapshot_lsn is not None
     run_incremental(config, spark)
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > ROWS // 2
+    assert assert_buckets_right(path) is not None
     assert_delta_equals_postgres(pg.dsn, "public.flat", str(root / "public" / "flat"))

@@ -244,9 +244,10 @@ def snapshot_marker(
     For a snapshot in key ranges, ``chunks`` says which ranges are done at which point (this commit
     copied ``copied_range``) and ``snapshot_lsn`` is None until every range is done.
     """
-    marker: dict[str, Any] = {"kind": "snapshot", "slot": slot, "table": table}
+    marker: dict[str, Any] = {"kind": "snapshot"}
     if snapshot_lsn is not None:
         marker["snapshot_lsn"] = str(snapshot_lsn)
+    marker.update(slot=slot, table=table)
     if layout is not None:
         marker["layout"] = layout.to_json()
     if chunks is not None:
