@@ -135,12 +135,12 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
     with Writer(pg, seed=pg.major + 1):
         progress = []
         for point in ("after_range_commit", "after_range_slot", "before_merge"):
-            child = Child(config_file, "snapshot", env={FAULT_POINT_ENV: point})  # type: ignore[arg-type]
+            child = Child(config_file, "snapshot:public.big", env={FAULT_POINT_ENV: point})
             assert child.wait() == -9, (point, child.output())
             ranges = read_table_log(path).chunks
             assert ranges is not None and not ranges.complete, point
             progress.append(ranges.done)
-        child = Child(config_file, "snapshot")  # type: ignore[arg-type]
+        child = Child(config_file, "snapshot:public.big")
         assert child.wait() == 0, child.output()
     # killed after range 1's commit; before range 2's commit; in the drain after range 2's commit
     assert progress == [1, 1, 2], progress
