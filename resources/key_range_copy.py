@@ -27,11 +27,11 @@ from pyspark.sql import SparkSession
 from resources.config import BucketSettings, SnapshotSettings
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.key_ranges import KeyRanges
-from resources.delta.layout import choose_layout, is_range_key, LayoutError, TableLayout, TableSize
+from resources.delta.layout import BUCKET_COLUMN, choose_layout, is_range_key, LayoutError, TableLayout, TableSize
 from resources.delta.markers import LSN_COLUMN, read_layout_property, snapshot_marker
 from resources.delta.snapshot_writes import write_snapshot
 from resources.delta.table_log import read_table_log
-from resources.errors import ConfigurationError
+from resources.errors import ConfigurationError, SnapshotError
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, SESSION_SETTINGS, spark_ddl_type
 from resources.postgres.catalog import key_range, primary_key_columns, read_table, size_estimate, TableInfo, table_oid, TableName
@@ -49,10 +49,14 @@ from resources.postgres.copy import (
 from resources.postgres.replication import ReplicationConnection
 from resources.testing.faults import fault_point
 
-__all__ = ["copy_key_range", "key_range_plan", "RangeCopy", "table_layout"]
+__all__ = ["ColumnsChanged", "copy_key_range", "key_range_plan", "RangeCopy", "table_layout"]
 
 INTEGER_KEY_TYPES = {21: "int2", 23: "int4", 20: "int8"}
 """Key types a table can be copied in ranges of; any other key keeps the one-snapshot mode."""
+
+
+class ColumnsChanged(SnapshotError):
+    """The table's published columns differ from its Delta table's: a range cannot replace its rows alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,7 @@ def copy_key_range(
             layout = table_layout(conn.connection, info, schema, buckets or BucketSettings(), read_layout_property(spark, path))
         else:
             layout = read_table_log(path).layout
+            _check_columns(spark, path, table, schema)
         done = ranges.with_point(k, point)
         marker = snapshot_marker(done.snapshot_lsn, slot, str(table), layout, done, k)
         low, high = ranges.limits(k)
@@ -169,6 +174,19 @@ def copy_key_range(
     fault_point("after_range_commit")
     described = [(col.column, col.type_name, spark_ddl_type(col)) for col in columns]
     return RangeCopy(done, k, point, counted["rows"], counted["bytes"], version, layout, described)
+
+
+def _check_columns(spark: SparkSession, path: str, table: TableName, schema: pa.Schema) -> None:
+    """Refuse (:class:`ColumnsChanged`) to replace one range when the COPY's columns are not the Delta
+    table's (an ALTER TABLE since the snapshot began, a column dropped since the previous snapshot):
+    by name only (a column added by a drain comes last in Delta), types are the drain's business
+    (``resources/cdc/schema.py``)."""
+    delta = [name for name in spark.read.format("delta").load(path).columns if name != BUCKET_COLUMN]
+    if sorted(delta) != sorted(schema.names):
+        raise ColumnsChanged(
+            f"{table}: its columns ({', '.join(schema.names)}) are not its Delta table's ({', '.join(delta)})",
+            "the snapshot starts over",
+        )
 
 
 def _range_predicate(key: str, low: int | None, high: int | None) -> str:

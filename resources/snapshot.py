@@ -50,7 +50,7 @@ from resources.delta.state_table import read_state, state_path, StateRow, write_
 from resources.delta.table_log import read_table_log
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.incremental import run_incremental
-from resources.key_range_copy import copy_key_range, key_range_plan, RangeCopy, table_layout
+from resources.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy, table_layout
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
@@ -456,26 +456,38 @@ def snapshot_each(
 def _choose_mode(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, bool]:
     """(the key ranges of a new snapshot in key ranges, or None; whether one part-way is resumed),
     logged with the reason: a snapshot in key ranges part-way is resumed; otherwise key ranges above
-    ``snapshot.chunked_above_mb`` for a table with a one-column integer primary key, else one
-    snapshot (one COPY, or ctid chunks in parallel)."""
+    ``snapshot.chunked_above_mb`` for a table with a one-column integer primary key (in place, range
+    by range, when the table has a complete snapshot by that key), else one snapshot (one COPY, or
+    ctid chunks in parallel)."""
     log = read_table_log(config.table_path(table.schema, table.name))
-    if log.chunks is not None and not log.chunks.complete:
+    if log.chunks is not None and log.chunks.next_range() is not None:
         logger.info(
             "snapshot %s: resuming its snapshot in key ranges of %s: %d of %d done",
             table, log.chunks.key, log.chunks.done, log.chunks.count,
         )  # fmt: skip
         return None, True
+    plan, why = _plan(config, table)
+    if plan is not None and log.snapshot_lsn is not None:
+        if log.chunks is not None and log.chunks.key == plan.key:
+            plan = log.chunks.again()
+        else:
+            plan = KeyRanges(plan.key, plan.bounds, (int(log.snapshot_lsn),) * plan.count, frozenset(range(plan.count)))
+        why += "; a re-snapshot in place: each range is drained as before until copied again"
+    logger.info("snapshot %s: %s", table, why)
+    return plan, False
+
+
+def _plan(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, str]:
+    """:func:`~resources.key_range_copy.key_range_plan` for the table as it is now."""
     try:
         with connect(config.postgres.dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
             info = read_table(conn, config.publication, table)
             blocks, block_size = heap_blocks(conn, info.oid)
-            plan, why = key_range_plan(conn, info, blocks * block_size, config.snapshot)
+            return key_range_plan(conn, info, blocks * block_size, config.snapshot)
     except PgcdcError as exc:
         raise _naming_table(exc, table) from exc
     except psycopg.Error as exc:
         raise _naming_table(explain(exc, config.postgres.dsn), table) from exc
-    logger.info("snapshot %s: %s", table, why)
-    return plan, False
 
 
 def snapshot_in_key_ranges(
@@ -490,9 +502,12 @@ def snapshot_in_key_ranges(
     Each step is one :func:`~resources.incremental.run_incremental` whose ``hold`` copies the next
     range (:func:`~resources.key_range_copy.copy_key_range`) while the run holds the permanent slot,
     then drains every table from the slot's confirmed position, this one by the drain rule of key
-    ranges. ``plan`` starts a new snapshot (its first range replaces the whole table); None resumes
-    the one the table's log records, at its first range not done. A run stopped anywhere loses
-    nothing: the next one resumes. The last step copies nothing and only drains.
+    ranges. ``plan`` starts a new snapshot (its first range replaces the whole table) or, with ranges
+    to copy again (``redo``), a re-snapshot in place (each range replaced on its own, the others
+    drained as before); None resumes the one the table's log records, at its next range. A run
+    stopped anywhere loses nothing: the next one resumes. The last step copies nothing and only
+    drains. When the table's columns no longer match its Delta table, the walk starts over with a
+    snapshot whose first range replaces the whole table.
     """
     started = time.monotonic()
     path = config.table_path(table.schema, table.name)
@@ -501,16 +516,26 @@ def snapshot_in_key_ranges(
     copies: list[RangeCopy] = []
     rows = nbytes = 0
 
+    def copy_range(ranges: KeyRanges, k: int, first: bool) -> None:
+        copies.append(copy_key_range(
+            config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k,
+            first=first, buckets=config.delta.buckets,
+        ))  # fmt: skip
+
     def copy_next() -> None:
         ranges = plan if plan is not None and not copies else read_table_log(path).chunks
         if ranges is None:
             raise SnapshotError(f"{table}: its snapshot in key ranges is gone from its Delta log", "snapshot the table again")
         k = ranges.next_range()
-        if k is not None:
-            copies.append(copy_key_range(
-                config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k,
-                first=ranges is plan, buckets=config.delta.buckets,
-            ))  # fmt: skip
+        if k is None:
+            return
+        new_snapshot = ranges is plan and not plan.redo
+        try:
+            copy_range(ranges, k, new_snapshot)
+        except ColumnsChanged as changed:
+            fresh = _plan(config, table)[0] or KeyRanges(ranges.key, (), (None,))  # else one range: the whole table
+            logger.info("snapshot %s: %s; starting over in %d key ranges", table, changed, fresh.count)
+            copy_range(fresh, 0, True)
 
     while True:
         copied = len(copies)

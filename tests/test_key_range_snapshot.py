@@ -6,9 +6,10 @@ transaction while a second connection keeps inserting, updating, deleting and mo
 ranges; between two ranges a key-moving update carries a TOASTed (> 2 kB, stored out of line) body
 unchanged from a range not copied yet into one already copied (the hole the drain answers by
 copying that range again); a keyless table of the same size keeps the ctid mode. Then the same
-table is snapshotted again by child processes SIGKILLed at three points of the walk (after a
-range's temporary slot, after a range's Delta commit, inside the drain of a step), each run
-resuming where the previous one died, under the same traffic. After each part, a drain, then Delta
+table is snapshotted again, in place (every range keeps its rows and is drained as before until
+copied again), by child processes SIGKILLed at three points of the walk (after a range's temporary
+slot, after a range's Delta commit, inside the drain of a step), each run resuming where the
+previous one died, under the same traffic. After each part, a drain, then Delta
 equals PostgreSQL value for value and with multiplicity.
 """
 
@@ -19,6 +20,7 @@ import random
 import threading
 from pathlib import Path
 
+import deltalake
 import psycopg
 import pytest
 import yaml
@@ -129,7 +131,8 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
     assert assert_buckets_right(path) is not None
     assert_delta_equals_postgres(pg.dsn, "public.flat", str(root / "public" / "flat"))
 
-    # The same table again, by processes killed part-way, each resuming where the previous one died.
+    # The same table again (a re-snapshot in place), by processes killed part-way, each resuming where
+    # the previous one died.
     config_file = tmp_path / "pgcdc.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump()), encoding="utf-8")
     with Writer(pg, seed=pg.major + 1):
@@ -137,15 +140,17 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
         for point in ("after_range_commit", "after_range_slot", "before_merge"):
             child = Child(config_file, "snapshot:public.big", env={FAULT_POINT_ENV: point})
             assert child.wait() == -9, (point, child.output())
-            ranges = read_table_log(path).chunks
-            assert ranges is not None and not ranges.complete, point
-            progress.append(ranges.done)
+            log = read_table_log(path)
+            # a re-snapshot in place: part-way, yet every range has a point and Delta the whole table
+            assert log.chunks is not None and log.chunks.next_range() is not None and log.snapshot_lsn is not None, point
+            assert deltalake.DeltaTable(path).to_pyarrow_table().num_rows > ROWS // 2, point
+            progress.append(log.chunks.done)
         child = Child(config_file, "snapshot:public.big")
         assert child.wait() == 0, child.output()
     # killed after range 1's commit; before range 2's commit; in the drain after range 2's commit
     assert progress == [1, 1, 2], progress
     final = read_table_log(path)
-    assert final.chunks is not None and final.chunks.complete and final.snapshot_lsn is not None
+    assert final.chunks is not None and final.chunks.next_range() is None and final.snapshot_lsn is not None
     run_incremental(config, spark)
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > ROWS // 2
     assert assert_buckets_right(path) is not None

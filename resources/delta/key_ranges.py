@@ -6,7 +6,8 @@ R_0..R_{n-1} of its single integer primary key, each at its own consistent point
 snapshot marker of every commit that copies a range (``resources/delta/markers.py``), cumulatively,
 so the newest such marker is the whole truth, as a plain snapshot marker is. The drain rule that
 makes the table exact (docs/contracts.md, "Chunked snapshots in primary-key ranges") is
-:meth:`KeyRanges.applies`.
+:meth:`KeyRanges.applies`. A re-snapshot walks the same way with every range still at its previous
+point until copied again (``redo``), so readers see a complete table throughout.
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ class KeyRanges:
     bounds: tuple[int, ...]
     #: Per range, the consistent point C_k of its copy (an LSN as int); None: not copied yet.
     points: tuple[int | None, ...]
+    #: Ranges a re-snapshot has yet to copy again: their point is the previous snapshot's (their rows are
+    #: that snapshot's plus every change since, drained as before) until their new copy replaces it.
+    redo: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if len(self.points) != len(self.bounds) + 1 or list(self.bounds) != sorted(set(self.bounds)):
             raise ValueError(f"inconsistent key ranges: {len(self.bounds)} bounds, {len(self.points)} points")
+        if any(not 0 <= k < len(self.points) or self.points[k] is None for k in self.redo):
+            raise ValueError("a range to copy again must have a point")
 
     @classmethod
     def split(cls, key: str, low: int, high: int, count: int) -> KeyRanges:
@@ -44,17 +50,23 @@ class KeyRanges:
         bounds = sorted({low + (high - low + 1) * i // count for i in range(1, count)})
         return cls(key, tuple(bounds), (None,) * (len(bounds) + 1))
 
+    def again(self) -> KeyRanges:
+        """A re-snapshot of these ranges: every range to be copied again, each keeping its point meanwhile."""
+        return KeyRanges(self.key, self.bounds, self.points, frozenset(range(self.count)))
+
     @property
     def count(self) -> int:
         return len(self.points)
 
     @property
     def done(self) -> int:
-        return sum(point is not None for point in self.points)
+        """Ranges copied by this snapshot (a re-snapshot's ranges still to copy again do not count)."""
+        return sum(point is not None for point in self.points) - len(self.redo)
 
     @property
     def complete(self) -> bool:
-        return self.done == self.count
+        """Every range has a point (a re-snapshot's ranges still to copy again keep their previous one)."""
+        return all(point is not None for point in self.points)
 
     @property
     def snapshot_lsn(self) -> LSN | None:
@@ -62,8 +74,8 @@ class KeyRanges:
         return LSN(max(self.points)) if self.complete else None  # type: ignore[type-var]
 
     def next_range(self) -> int | None:
-        """The first range not done; None when all are."""
-        return next((k for k, point in enumerate(self.points) if point is None), None)
+        """The first range to copy (not done, or to copy again); None when the walk is over."""
+        return next((k for k, point in enumerate(self.points) if point is None or k in self.redo), None)
 
     def limits(self, k: int) -> tuple[int | None, int | None]:
         """(lowest key, key past the end) of range k; None: open-ended."""
@@ -73,7 +85,8 @@ class KeyRanges:
 
     def with_point(self, k: int, point: int) -> KeyRanges:
         """Range k done at consistent point ``point``."""
-        return KeyRanges(self.key, self.bounds, tuple(point if i == k else p for i, p in enumerate(self.points)))
+        points = tuple(point if i == k else p for i, p in enumerate(self.points))
+        return KeyRanges(self.key, self.bounds, points, self.redo - {k})
 
     def ranges_of(self, keys: np.ndarray) -> np.ndarray:
         """The range index of each key."""
@@ -91,11 +104,14 @@ class KeyRanges:
         return all(point is None or lsn <= point for point in self.points)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        value: dict[str, Any] = {
             "key": self.key,
             "bounds": list(self.bounds),
             "points": [None if p is None else str(LSN(p)) for p in self.points],
         }
+        if self.redo:
+            value["redo"] = sorted(self.redo)
+        return value
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> KeyRanges:
@@ -103,4 +119,5 @@ class KeyRanges:
             str(value["key"]),
             tuple(int(b) for b in value["bounds"]),
             tuple(None if p is None else int(LSN.parse(p)) for p in value["points"]),
+            frozenset(int(k) for k in value.get("redo", ())),
         )
