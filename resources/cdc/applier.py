@@ -35,7 +35,9 @@ keeps dropped ones (NULL from then on) and refuses any other type change.
 
 Every change carries its transaction's commit *end* LSN: ``_pgcdc_lsn`` holds it, and a
 table skips changes whose transaction ends at or before its snapshot LSN (a slot's
-consistent point is a record boundary, so that is exactly the set the snapshot holds).
+consistent point is a record boundary, so that is exactly the set the snapshot holds). A table
+snapshotted in primary-key ranges decides per row image instead, by its range's own point
+(:meth:`ChangeApplier._key_range_pieces`; docs/contracts.md, "Chunked snapshots in primary-key ranges").
 """
 
 from __future__ import annotations
@@ -72,21 +74,6 @@ __all__ = [
     "ChangeApplier",
 ]
 
-
-def _integer_keys(values: pa.Array) -> np.ndarray:
-    """Integer key values from their text (absent images: 0, never used)."""
-    return pc.cast(pc.cast(pc.cast(values, pa.binary()), pa.string()), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-
-
-def _halves(rows: PendingRows, start: int, new_applies: np.ndarray, old_applies: np.ndarray) -> PendingRows:
-    """Rows ``start``.. (as many as the masks) with only the row images that apply: a change keeping
-    only its old image is the delete of that key; one keeping neither is dropped."""
-    stop = start + len(new_applies)
-    ops = np.where(new_applies, rows.ops[start:stop], DELETE).astype(rows.ops.dtype)
-    new = np.where(new_applies, rows.new[start:stop], -1)
-    old = np.where(old_applies, rows.old[start:stop], -1)
-    keep = new_applies | old_applies
-    return PendingRows(rows.data, ops[keep], new[keep], old[keep], rows.lsns[start:stop][keep], rows.seqs[start:stop][keep])
 
 DEFAULT_REPLACE_VALUES = 2_000
 """Most distinct row values one REPLICA IDENTITY FULL commit rewrites: its predicate lists their
@@ -666,3 +653,19 @@ class ChangeApplier:
                 f"cannot apply a change to {target.table}: {exc}",
                 "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
             ) from exc
+
+
+def _integer_keys(values: pa.Array) -> np.ndarray:
+    """Integer key values from their text (absent images: 0, never used)."""
+    return pc.cast(pc.cast(pc.cast(values, pa.binary()), pa.string()), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+
+
+def _halves(rows: PendingRows, start: int, new_applies: np.ndarray, old_applies: np.ndarray) -> PendingRows:
+    """Rows ``start``.. (as many as the masks) with only the row images that apply: a change keeping
+    only its old image is the delete of that key; one keeping neither is dropped."""
+    stop = start + len(new_applies)
+    ops = np.where(new_applies, rows.ops[start:stop], DELETE).astype(rows.ops.dtype)
+    new = np.where(new_applies, rows.new[start:stop], -1)
+    old = np.where(old_applies, rows.old[start:stop], -1)
+    keep = new_applies | old_applies
+    return PendingRows(rows.data, ops[keep], new[keep], old[keep], rows.lsns[start:stop][keep], rows.seqs[start:stop][keep])
