@@ -34,7 +34,7 @@ from resources.config import PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
-from resources.names import PipelineNames, RESNAPSHOT_JOB
+from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
@@ -77,6 +77,7 @@ def snapshot_metadata(result: SnapshotResult) -> dict[str, object]:
         "pgcdc/chunks": MetadataValue.int(result.chunks),
         "pgcdc/workers": MetadataValue.int(result.workers),
         "pgcdc/layout": MetadataValue.text(result.layout.describe() if result.layout is not None else "not bucketed"),
+        "pgcdc/mode": MetadataValue.text(result.mode),
     }
 
 
@@ -162,6 +163,9 @@ def build_snapshot_assets(
         required_resource_keys={names.postgres_key, names.spark_key},
         retry_policy=TRANSIENT_RETRY_POLICY,
         description="Copy the selected tables into Delta, each consistent with the replication slot.",
+        # A table copied in key ranges drains the slot between its ranges (and holds it while it copies
+        # one), and no drain may confirm past a one-snapshot copy in flight: never beside a drain run.
+        pool=slot_pool(config.slot),
     )
     def snapshot_tables(context: AssetExecutionContext, config: SnapshotRunConfig) -> Iterator[MaterializeResult]:
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)

@@ -123,6 +123,14 @@ DEFAULT_CHUNK_MB = 64
 """Heap megabytes per ctid range: a table up to this size is read by one COPY."""
 
 
+DEFAULT_CHUNKED_ABOVE_MB = 10240.0
+"""10 GiB: below it one snapshot transaction lasts minutes (a few hundred MB/s), above it the
+transaction would hold VACUUM back for long, so the table is copied in key ranges instead."""
+
+DEFAULT_KEY_CHUNK_MB = 1024.0
+"""Heap megabytes per key range: a few seconds of COPY per short transaction, a few hundred ranges for 1 TB."""
+
+
 class SnapshotSettings(_Section):
     parallel_tables: int = Field(default=2, ge=1, le=64, description="tables copied at once")
     workers: int = Field(
@@ -131,6 +139,14 @@ class SnapshotSettings(_Section):
     )  # fmt: skip
     chunk_mb: int = Field(
         default=DEFAULT_CHUNK_MB, ge=1, le=1024 * 1024, description="heap megabytes per ctid range; a smaller table is one COPY"
+    )
+    chunked_above_mb: float = Field(
+        default=DEFAULT_CHUNKED_ABOVE_MB, ge=0,
+        description="heap megabytes above which a table with a one-column integer primary key is copied in key ranges, "
+        "one short transaction each, resumable (docs/contracts.md); smaller or keyless tables use one snapshot",
+    )  # fmt: skip
+    key_chunk_mb: float = Field(
+        default=DEFAULT_KEY_CHUNK_MB, gt=0, description="heap megabytes per primary-key range of a table copied in key ranges"
     )
 
 

@@ -34,8 +34,10 @@ walsender does not drop the connection after wal_sender_timeout during a long wr
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import psycopg
@@ -45,11 +47,14 @@ from resources.cdc.applier import ChangeApplier, DEFAULT_MERGE_ROWS, DEFAULT_REP
 from resources.cdc.drain import drain, start_streaming
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import TransactionAssembler
+from resources.cdc.writer import HEARTBEAT_SECONDS
 from resources.config import PgcdcConfig
 from resources.delta.destination import Destination, TableLog
+from resources.delta.key_ranges import KeyRanges
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
+from resources.key_range_copy import copy_key_range
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
@@ -124,6 +129,7 @@ def run_incremental(
     max_replace_values: int = DEFAULT_REPLACE_VALUES,
     spill_dir: str | None = None,
     end_lsn: LSN | None = None,
+    hold: Callable[[], None] | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
 
@@ -136,6 +142,10 @@ def run_incremental(
     temporary directory). ``end_lsn`` drains up to exactly that position instead of the WAL
     flush position (reconciliation fixes it as a temporary slot's consistent point); it must
     not lie behind the slot's confirmed position.
+
+    ``hold`` runs first, while the run holds the slot (streaming started, so no other reader can
+    take it; status updates keep it), before the tables' logs are read and the end position is
+    taken: a snapshot in key ranges copies its next range there (docs/contracts.md).
     """
     say = log or (lambda message: None)
     started = time.monotonic()
@@ -158,6 +168,13 @@ def run_incremental(
                 f'replication slot "{config.slot}" is confirmed at {start_lsn}, beyond the requested end {end_lsn}',
                 f"a drain ran outside the {slot_pool(config.slot)} pool meanwhile: give it a limit of 1, then retry",
             )
+        stream = ReplicationStream(rc)
+        options = PgOutputOptions([config.publication], streaming="on")
+        if hold is not None:
+            start_streaming(stream, config.slot, options)
+            _holding(stream, hold)
+            if end_lsn is None:
+                end_lsn = _flush_lsn(conn)
         state = read_state(spark, state_path(config.delta.root, config.slot))
         destination = SparkDeltaDestination(spark)
         targets = _targets(config, destination, tables, state, say)
@@ -165,16 +182,16 @@ def run_incremental(
             recorded = target.log or target.known
             if recorded is not None and recorded.snapshot_lsn is not None and recorded.snapshot_lsn > start_lsn:
                 target.stats.schema_changed = True
-        stream = ReplicationStream(rc)
         applier = ChangeApplier(
             destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
-            max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows, max_replace_values=max_replace_values,
-        )
+            max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
+            max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, spark),
+        )  # fmt: skip
         if end_lsn is None:
             end_lsn = rc.identify_system().xlogpos
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
-        options = PgOutputOptions([config.publication], streaming="on")
-        start_streaming(stream, config.slot, options)
+        if not stream.streaming:
+            start_streaming(stream, config.slot, options)
         proto = options.resolve_proto_version(rc.server_version_num)
         written: dict[str, StateRow] = {}
 
@@ -185,7 +202,7 @@ def run_incremental(
             drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
-        flush_now = LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
+        flush_now = _flush_lsn(conn)
     duration = time.monotonic() - started
     result = IncrementalResult(
         start_lsn=start_lsn,
@@ -199,13 +216,37 @@ def run_incremental(
         lag_bytes_after=max(0, flush_now - confirmed),
         duration_s=duration,
         # Read before the run (not listed by the state) or during it (a listed table whose log has no snapshot now).
-        tables_without_snapshot=[str(t.table) for t in targets.values() if t.log is not None and t.log.snapshot_lsn is None],
+        tables_without_snapshot=[str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted],
     )
     say(
         f"done: {result.transactions} transactions, {result.changes} changes applied "
         f"({result.changes_per_second:,.0f}/s), {result.changes_skipped} skipped, slot confirmed at {confirmed}"
     )
     return result
+
+
+def _flush_lsn(conn: psycopg.Connection) -> LSN:
+    """The WAL flush position (what IDENTIFY_SYSTEM reports), from a normal session."""
+    return LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
+
+
+def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:
+    """Run ``step`` on a thread of its own while this one keeps the stream alive with status updates
+    (only this thread touches the replication connection)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgcdc-hold") as pool:
+        future = pool.submit(step)
+        while not future.done():
+            stream.keepalive()
+            wait((future,), timeout=HEARTBEAT_SECONDS)
+        future.result()
+
+
+def _recopy_range(config: PgcdcConfig, spark: SparkSession, table: TableName, path: str, ranges: KeyRanges, k: int) -> None:
+    """The drain's re-copy of one key range (``ChangeApplier``): inside this run, so under the slot."""
+    copy_key_range(
+        config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k, first=False,
+        buckets=config.delta.buckets,
+    )  # fmt: skip
 
 
 def _targets(
@@ -230,7 +271,7 @@ def _targets(
             targets[table] = TableTarget(table, path, known=known)
         else:
             targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
-    without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and t.log.snapshot_lsn is None]
+    without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted]
     if targets and len(without_snapshot) == len(targets):
         # Every change would be skipped and the slot confirmed past it: with a mistyped or
         # unmounted delta.root the real lake would never get those changes.

@@ -40,7 +40,8 @@ from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.layout import BUCKET_COLUMN, choose_layout, is_range_key, LayoutError, TableLayout, TableSize
+from resources.delta.key_ranges import KeyRanges
+from resources.delta.layout import TableLayout
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.delta.destination import TableLog
@@ -48,11 +49,15 @@ from resources.delta.snapshot_writes import enable_deletion_vectors, write_snaps
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.delta.table_log import read_table_log, read_table_metadata
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
+from resources.incremental import run_incremental
+from resources.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
+from resources.snapshot_layout import existing_layout, table_layout
 from resources.delta.lake_storage import open_lake
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import key_range, primary_key_columns, read_table, size_estimate, TableInfo, table_oid, TableName
+from resources.postgres.catalog import read_table, table_oid, TableName
+from resources.postgres.connections import connect
 from resources.postgres.copy import (
     block_ranges,
     copy_pieces,
@@ -91,8 +96,10 @@ class SnapshotProgress:
     rows: int
     bytes: int  # CSV bytes received from PostgreSQL so far
     elapsed_s: float
-    chunks_done: int = 0  # ctid ranges copied completely
-    chunks: int = 1  # ctid ranges in all (1: one COPY of the whole table)
+    chunks_done: int = 0  # ctid (or key) ranges copied completely
+    chunks: int = 1  # ctid (or key) ranges in all (1: one COPY of the whole table)
+    chunks_before: int = 0  # key ranges done by earlier runs (a resumed snapshot): not part of this run's pace
+    unit: str = "ctid chunks"  # or "key ranges"
 
     @property
     def rows_per_second(self) -> float:
@@ -101,9 +108,10 @@ class SnapshotProgress:
     @property
     def eta_s(self) -> float | None:
         """Seconds left at the pace of the chunks done so far; None until one is done (or with one chunk)."""
-        if self.chunks <= 1 or self.chunks_done == 0:
+        done_now = self.chunks_done - self.chunks_before
+        if self.chunks <= 1 or done_now <= 0:
             return None
-        return self.elapsed_s * (self.chunks - self.chunks_done) / self.chunks_done
+        return self.elapsed_s * (self.chunks - self.chunks_done) / done_now
 
     def describe(self) -> str:
         """One log line: rows, bytes, speed, and for a table read in ctid chunks, chunks done and time left."""
@@ -112,7 +120,7 @@ class SnapshotProgress:
             f" in {self.elapsed_s:,.1f} s ({self.rows_per_second:,.0f} rows/s)"
         )
         if self.chunks > 1:
-            line += f", ctid chunks {self.chunks_done}/{self.chunks} done"
+            line += f", {self.unit} {self.chunks_done}/{self.chunks} done"
             if self.eta_s is not None:
                 line += f", about {self.eta_s:,.0f} s left"
         return line
@@ -133,6 +141,8 @@ class SnapshotResult:
     workers: int = 1  # sessions that read them
     layout: TableLayout | None = None  # how the Delta table is bucketed (None: not bucketed)
     table_id: str | None = None  # Delta's metaData.id of the table written (what the state row's layout belongs to)
+    key_ranges: bool = False  # copied in primary-key ranges, one short transaction each (``chunks`` of them)
+    snapshot_version: int | None = None  # the version of the snapshot marker's commit, when not ``delta_version``
 
     @property
     def rows_per_second(self) -> float:
@@ -140,7 +150,9 @@ class SnapshotResult:
 
     @property
     def mode(self) -> str:
-        """How the table was read, for logs: one COPY, or ctid chunks on parallel sessions."""
+        """How the table was read, for logs: one COPY, ctid chunks on parallel sessions, or key ranges."""
+        if self.key_ranges:
+            return f"{self.chunks} primary-key ranges, one short transaction each"
         if self.chunks <= 1:
             return "one COPY"
         return f"{self.chunks} ctid chunks on {self.workers} sessions under one snapshot"
@@ -238,7 +250,7 @@ def _snapshot_table(
     known: TableLog | None,
 ) -> SnapshotResult:
     chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
-    existing = _existing_layout(table, path, known)
+    existing = existing_layout(table, path, known)
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
         # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
         # first command: look it up before BEGIN.
@@ -249,7 +261,7 @@ def _snapshot_table(
         info = read_table(conn.connection, publication, table)
         columns = read_column_types(conn, info)
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        layout = _table_layout(conn.connection, info, schema, buckets, existing)
+        layout = table_layout(conn.connection, info, schema, buckets, existing)
         marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
         blocks, block_size = heap_blocks(conn.connection, info.oid)
         ranges = block_ranges(blocks, max(1, reading.range_bytes // block_size))
@@ -322,61 +334,6 @@ def _snapshot_table(
         layout=layout,
         table_id=written.table_id if written is not None else None,
     )
-
-
-def _existing_layout(table: TableName, path: str, known: TableLog | None) -> TableLayout | None:
-    """The layout of the Delta table at ``path`` if it is bucketed (None: no table, or unbucketed), read
-    as a drain reads it (the snapshot marker, else :func:`~resources.delta.table_log.expired_layout`);
-    a bucketed table whose layout no record names any more is refused: re-bucketing it in place
-    could contradict a layout recorded for it elsewhere."""
-    layout = read_table_log(path, known).layout
-    if layout is None:
-        metadata = read_table_metadata(path)
-        if metadata is not None and metadata.bucketed:
-            raise ConfigurationError(
-                f"the Delta table of {table} is bucketed ({BUCKET_COLUMN}) but no record of its layout is left "
-                "(its snapshot commit left the log and the pgcdc state has no row for this table)",
-                "remove the table's Delta directory, then snapshot the table again",
-            )
-    return layout
-
-
-def _table_layout(
-    conn: psycopg.Connection, info: TableInfo, schema: pa.Schema, buckets: BucketSettings, existing: TableLayout | None
-) -> TableLayout | None:
-    """The table's bucketing: by its replica identity key (the primary key under REPLICA IDENTITY
-    FULL, which otherwise names every column), sized from PostgreSQL's estimate unless configured,
-    read inside the snapshot's transaction.
-
-    A bucketed table keeps its layout (``existing``), whatever the configuration says now: a drain
-    whose snapshot marker has left the log trusts a layout recorded for the table's id (its table
-    property, the pgcdc state), so a table's layout must never change while its id stays; a table
-    whose key changed since is refused.
-    """
-    key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
-    published = {column.name for column in info.columns}
-    usable = bool(key) and all(name in published for name in key)
-    if existing is not None:
-        layout = existing
-        if not usable or tuple(key) != layout.key:
-            raise ConfigurationError(
-                f"the Delta table of {info.table} is bucketed by ({', '.join(layout.key)}), which is no "
-                "longer the table's key",
-                "remove the table's Delta directory, then snapshot the table again",
-            )
-        return layout
-    if not usable:
-        return None  # no usable key: merged by row value or appended, not by key
-    key_types = [schema.field(name).type for name in key]
-    override = buckets.override(info.table)
-    rows, pages = size_estimate(conn, info.oid)
-    span = key_range(conn, info.table, key[0]) if override is None and is_range_key(key_types) else None
-    try:
-        return choose_layout(key, key_types, TableSize(rows, pages, span), override, buckets.target_rows)
-    except LayoutError as exc:
-        raise ConfigurationError(
-            f"delta.buckets.tables.{info.table}: {exc}", "use count (hash buckets) for this table instead of width"
-        ) from None
 
 
 def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
@@ -452,8 +409,15 @@ def snapshot_each(
     def known(table: TableName) -> TableLog | None:
         return known_log(rows, str(table), config.table_path(table.schema, table.name))
 
-    workers = max(1, min(config.snapshot.parallel_tables, len(tables)))
     finished: list[SnapshotResult] = []
+    modes: dict[TableName, tuple[KeyRanges | None, bool]] = {}
+    for table in tables:
+        try:
+            modes[table] = _choose_mode(config, table)
+        except Exception as error:  # noqa: BLE001 - reported per table, as a failed copy is
+            yield table, error
+    one_snapshot = [table for table, (plan, resume) in modes.items() if plan is None and not resume]
+    workers = max(1, min(config.snapshot.parallel_tables, len(one_snapshot)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {
             pool.submit(
@@ -471,7 +435,7 @@ def snapshot_each(
                 deletion_vectors=config.delta.deletion_vectors,
                 known=known(table),
             ): table
-            for table in tables
+            for table in one_snapshot
         }
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -481,11 +445,143 @@ def snapshot_each(
                 if error is None:
                     finished.append(future.result())
                 yield table, error if error is not None else future.result()
+    # Only now, one at a time: each step of a walk drains the slot, which must not confirm past the
+    # consistent point of a one-snapshot copy still in flight (its changes would be skipped for good).
+    for table, (plan, resume) in modes.items():
+        if plan is None and not resume:
+            continue
+        try:
+            result = snapshot_in_key_ranges(config, spark, table, plan, on_progress, known=known(table))
+        except Exception as error:  # noqa: BLE001 - a failing table does not stop the others
+            yield table, _naming_table(error, table) if isinstance(error, PgcdcError) else error
+            continue
+        finished.append(result)
+        yield table, result
     if finished:
         write_state(spark, state, read_state(spark, state), [
             StateRow(
                 str(done.table), done.path,
-                TableLog(done.snapshot_lsn, done.delta_version, done.delta_version, None, done.layout, done.table_id), None,
+                TableLog(
+                    done.snapshot_lsn, done.snapshot_version or done.delta_version, done.delta_version, None, done.layout,
+                    done.table_id,
+                ),
+                None,
             )
             for done in finished
         ])  # fmt: skip
+
+
+def _choose_mode(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, bool]:
+    """(the key ranges of a new snapshot in key ranges, or None; whether one part-way is resumed),
+    logged with the reason: a snapshot in key ranges part-way is resumed; otherwise key ranges above
+    ``snapshot.chunked_above_mb`` for a table with a one-column integer primary key (in place, range
+    by range, when the table has a complete snapshot by that key), else one snapshot (one COPY, or
+    ctid chunks in parallel)."""
+    log = read_table_log(config.table_path(table.schema, table.name))
+    if log.chunks is not None and log.chunks.next_range() is not None:
+        logger.info(
+            "snapshot %s: resuming its snapshot in key ranges of %s: %d of %d done",
+            table, log.chunks.key, log.chunks.done, log.chunks.count,
+        )  # fmt: skip
+        return None, True
+    plan, why = _plan(config, table)
+    if plan is not None and log.snapshot_lsn is not None:
+        if log.chunks is not None and log.chunks.key == plan.key:
+            plan = log.chunks.again()
+        else:
+            plan = KeyRanges(plan.key, plan.bounds, (int(log.snapshot_lsn),) * plan.count, frozenset(range(plan.count)))
+        why += "; a re-snapshot in place: each range is drained as before until copied again"
+    logger.info("snapshot %s: %s", table, why)
+    return plan, False
+
+
+def _plan(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, str]:
+    """:func:`~resources.key_range_copy.key_range_plan` for the table as it is now."""
+    try:
+        with connect(config.postgres.dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
+            info = read_table(conn, config.publication, table)
+            blocks, block_size = heap_blocks(conn, info.oid)
+            return key_range_plan(conn, info, blocks * block_size, config.snapshot)
+    except PgcdcError as exc:
+        raise _naming_table(exc, table) from exc
+    except psycopg.Error as exc:
+        raise _naming_table(explain(exc, config.postgres.dsn), table) from exc
+
+
+def snapshot_in_key_ranges(
+    config: PgcdcConfig,
+    spark: SparkSession,
+    table: TableName,
+    plan: KeyRanges | None,
+    on_progress: Callable[[SnapshotProgress], None] | None = None,
+    known: TableLog | None = None,
+) -> SnapshotResult:
+    """Walk the table's key ranges, one per drain run of the slot, until every range is done.
+
+    Each step is one :func:`~resources.incremental.run_incremental` whose ``hold`` copies the next
+    range (:func:`~resources.key_range_copy.copy_key_range`) while the run holds the permanent slot,
+    then drains every table from the slot's confirmed position, this one by the drain rule of key
+    ranges. ``plan`` starts a new snapshot (its first range replaces the whole table) or, with ranges
+    to copy again (``redo``), a re-snapshot in place (each range replaced on its own, the others
+    drained as before); None resumes the one the table's log records, at its next range. A run
+    stopped anywhere loses nothing: the next one resumes. The last step copies nothing and only
+    drains. When the table's columns no longer match its Delta table, the walk starts over with a
+    snapshot whose first range replaces the whole table. ``known`` is the pgcdc state's row of the
+    table (where its layout is recorded after log cleanup).
+    """
+    started = time.monotonic()
+    path = config.table_path(table.schema, table.name)
+    recorded = read_table_log(path, known).chunks
+    done_before = recorded.done if plan is None and recorded is not None else 0
+    copies: list[RangeCopy] = []
+    rows = nbytes = 0
+
+    def copy_range(ranges: KeyRanges, k: int, first: bool) -> None:
+        copies.append(copy_key_range(
+            config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k,
+            first=first, known=known, buckets=config.delta.buckets,
+        ))  # fmt: skip
+
+    def copy_next() -> None:
+        ranges = plan if plan is not None and not copies else read_table_log(path).chunks
+        if ranges is None:
+            raise SnapshotError(f"{table}: its snapshot in key ranges is gone from its Delta log", "snapshot the table again")
+        k = ranges.next_range()
+        if k is None:
+            return
+        new_snapshot = ranges is plan and not plan.redo
+        try:
+            copy_range(ranges, k, new_snapshot)
+        except ColumnsChanged as changed:
+            fresh = _plan(config, table)[0] or KeyRanges(ranges.key, (), (None,))  # else one range: the whole table
+            logger.info("snapshot %s: %s; starting over in %d key ranges", table, changed, fresh.count)
+            copy_range(fresh, 0, True)
+
+    while True:
+        copied = len(copies)
+        run_incremental(config, spark, hold=copy_next, log=lambda line: logger.info("snapshot %s: %s", table, line))
+        if len(copies) == copied:
+            break
+        copy = copies[-1]
+        rows, nbytes = rows + copy.rows, nbytes + copy.bytes
+        if on_progress is not None:
+            on_progress(SnapshotProgress(
+                table, rows, nbytes, time.monotonic() - started, copy.ranges.done, copy.ranges.count, done_before, "key ranges",
+            ))  # fmt: skip
+    log = read_table_log(path)
+    if log.chunks is None or log.snapshot_lsn is None or log.version is None:
+        raise SnapshotError(f"{table}: its snapshot in key ranges did not complete", "run the table's snapshot again")
+    return SnapshotResult(
+        table=table,
+        snapshot_lsn=log.snapshot_lsn,
+        rows=rows,
+        path=path,
+        delta_version=log.version,
+        duration_s=time.monotonic() - started,
+        columns=copies[-1].columns if copies else [],
+        chunks=log.chunks.count,
+        layout=log.layout,
+        key_ranges=True,
+        snapshot_version=log.snapshot_version,
+        table_id=log.table_id,
+    )

@@ -1,6 +1,7 @@
 """One incremental drain in its own process, for the fault tests (tests/test_faults.py).
 
 Usage: python -m tests.fault_child CONFIG.yaml MAX_CHUNK_CHANGES
+       python -m tests.fault_child CONFIG.yaml snapshot[:schema.table]   (snapshot_tables instead, of that table only)
 
 Like ``tests.incremental_child``, but a ``PgcdcError`` ends the process the way a user
 would see it: one line ``pgcdc: <ErrorClass>: <cause>: <fix>`` on stderr and exit status 2
@@ -16,6 +17,8 @@ from resources.config import load_config
 from resources.delta.engine import SparkEngine
 from resources.errors import PgcdcError
 from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
+from resources.snapshot import snapshot_tables
 
 EXIT_PGCDC_ERROR = 2
 
@@ -25,6 +28,11 @@ def main() -> int:
     with SparkEngine.from_config(config.spark) as engine:
         print(f"engine up {engine.server_pid}", flush=True)  # the engine process pgcdc started, if any
         try:
+            if sys.argv[2].startswith("snapshot"):
+                only = [TableName.parse(sys.argv[2].split(":", 1)[1])] if ":" in sys.argv[2] else None
+                for done in snapshot_tables(config, engine.spark, only):
+                    print(f"snapshot {done.table} {done.mode} at {done.snapshot_lsn}", flush=True)
+                return 0
             result = run_incremental(
                 config, engine.spark, log=lambda line: print(line, flush=True), max_chunk_changes=int(sys.argv[2])
             )

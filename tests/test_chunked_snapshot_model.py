@@ -1,18 +1,25 @@
-"""A model check of the chunked, resumable snapshot design in docs/contracts.md (not implemented yet).
+"""A model check of the chunked, resumable snapshot design in docs/contracts.md ("Chunked snapshots in primary-key ranges").
 
 Pure Python, no PostgreSQL: a keyed table, a stream of transactions (inserts, updates, key-moving
 updates, deletes) with increasing commit end LSNs, primary-key ranges copied one at a time at their
 own consistent points, drains between them, and crashes of both at random moments. It checks the
 design's drain rule and its serialisation condition: after every drain the ranges already copied
 equal PostgreSQL's rows, and once every range is done the whole table does. The broken variants at
-the end show the check can fail where the design's argument says it must.
+the end show the check can fail where the design's argument says it must. The rule itself is the
+code's (``resources/delta/key_ranges.py``); tests/test_key_range_drain.py runs it inside the real
+ChangeApplier, tests/test_key_range_snapshot.py against PostgreSQL and Delta.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from resources.delta.key_ranges import KeyRanges
 
 KEYS = 60
 RANGES = [(0, 15), (15, 30), (30, 45), (45, KEYS)]
@@ -63,9 +70,14 @@ Rule = Callable[[World, int, int], bool]  # (world, key, commit LSN) -> apply th
 
 
 def design_rule(world: World, key: int, lsn: int) -> bool:
-    """The design: apply a half iff its key's range is done and the change is newer than that range's copy."""
-    point = world.done.get(range_of(key))
-    return point is not None and lsn > point
+    """The design: apply a half iff its key's range is done and the change is newer than that range's copy,
+    decided by the code's own rule (``KeyRanges.applies``, which the ChangeApplier runs per row image)."""
+    return bool(key_ranges(tuple(world.done.get(i) for i in range(len(RANGES)))).applies(np.array([key]), np.array([lsn]))[0])
+
+
+@functools.cache
+def key_ranges(points: tuple[int | None, ...]) -> KeyRanges:
+    return KeyRanges("k", tuple(high for _, high in RANGES[:-1]), points)
 
 
 def copy_chunk(world: World, rng: random.Random, crash: bool, race: Rule | None = None, split: bool = True) -> None:

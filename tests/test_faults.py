@@ -149,7 +149,7 @@ def rerun_converges(
 class Child:
     """``tests.fault_child`` draining in the background, output in files (pipes could fill up)."""
 
-    def __init__(self, config_file: Path, chunk: int = SMALL_CHUNK, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config_file: Path, chunk: int | str = SMALL_CHUNK, env: dict[str, str] | None = None) -> None:
         self.out = config_file.with_suffix(".out")
         self.err = config_file.with_suffix(".err")
         environment = {k: v for k, v in os.environ.items() if k != FAULT_POINT_ENV}

@@ -35,13 +35,15 @@ keeps dropped ones (NULL from then on) and refuses any other type change.
 
 Every change carries its transaction's commit *end* LSN: ``_pgcdc_lsn`` holds it, and a
 table skips changes whose transaction ends at or before its snapshot LSN (a slot's
-consistent point is a record boundary, so that is exactly the set the snapshot holds).
+consistent point is a record boundary, so that is exactly the set the snapshot holds). A table
+snapshotted in primary-key ranges decides per row image instead, by its range's own point
+(:meth:`ChangeApplier._key_range_pieces`; docs/contracts.md, "Chunked snapshots in primary-key ranges").
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +56,7 @@ from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination
+from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import BUCKET_COLUMN, bucket_values
 from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
@@ -70,6 +73,7 @@ from resources.testing.faults import fault_point
 __all__ = [
     "ChangeApplier",
 ]
+
 
 DEFAULT_REPLACE_VALUES = 2_000
 """Most distinct row values one REPLICA IDENTITY FULL commit rewrites: its predicate lists their
@@ -101,9 +105,14 @@ class ChangeApplier:
         heartbeat: Callable[[], None] | None = None,
         max_merge_rows: int = DEFAULT_MERGE_ROWS,
         max_replace_values: int = DEFAULT_REPLACE_VALUES,
+        recopy_range: Callable[[TableName, str, KeyRanges, int], None] | None = None,
     ) -> None:
         """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
-        for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out)."""
+        for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out).
+
+        ``recopy_range(table, path, ranges, k)`` copies range k of a table snapshotted in key ranges
+        again, at a new consistent point, in one commit carrying its marker (see :meth:`_key_range_pieces`
+        for when); without it such a table's drain stops there with an error."""
         self._destination = destination
         self._types = types
         self._targets = targets
@@ -111,6 +120,7 @@ class ChangeApplier:
         self._max_bytes = max(1, max_bytes)
         self._max_merge_rows = max(1, max_merge_rows)
         self._max_replace_values = max(2, max_replace_values)
+        self._recopy_range = recopy_range
         self._log = log
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
@@ -318,22 +328,98 @@ class ChangeApplier:
         self._writer.write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)
+        chunks = target.log.chunks if target.log is not None else None
+        if chunks is not None:
+            # A range copied at or after the truncate holds rows written after it, which the delete
+            # just removed: copy each such range again (its new point lies beyond this change).
+            for k, point in enumerate(chunks.points):
+                if point is not None and point >= end:
+                    self._recopy(target, k, end, "a TRUNCATE emptied it after its copy")
 
     def _flush_target(self, target: TableTarget) -> None:
         pending, target.pending = target.pending, []
         self.pending_changes -= sum(len(taken) for _, taken, _, _ in pending)
         self.pending_bytes -= target.pending_bytes
         target.pending_bytes = 0
-        for rows in gather(pending):
-            fault_point("before_merge")
-            if target.mode == APPEND:
-                self._append(target, rows)
-            elif target.mode == FULL:
-                self._replace_full(target, rows)
-            elif not self._merge_columnar(target, rows):
-                self._merge_by_row(target, rows)
-            self.changes_applied += len(rows)
-            target.stats.applied_lsn = LSN(max(int(rows.lsns.max()), target.stats.applied_lsn or 0))
+        for gathered in gather(pending):
+            assert target.log is not None, "the table's log is read before its changes are queued"
+            pieces = self._key_range_pieces(target, gathered) if target.log.chunks is not None else (gathered,)
+            for rows in pieces:
+                fault_point("before_merge")
+                if target.mode == APPEND:
+                    self._append(target, rows)
+                elif target.mode == FULL:
+                    self._replace_full(target, rows)
+                elif not self._merge_columnar(target, rows):
+                    self._merge_by_row(target, rows)
+                self.changes_applied += len(rows)
+                target.stats.applied_lsn = LSN(max(int(rows.lsns.max()), target.stats.applied_lsn or 0))
+
+    def _key_range_pieces(self, target: TableTarget, rows: PendingRows) -> Iterator[PendingRows]:
+        """The changes of a table snapshotted in key ranges that apply, by the drain rule per row image
+        (:meth:`KeyRanges.applies`, docs/contracts.md): a change keeping only its old half becomes the
+        delete of its old key, one keeping only its new half an upsert of its new key.
+
+        One case has no sound answer from the stream: a row moved into a done range by an update that
+        keeps unchanged-TOAST values, while its old half does not apply (its old row is not in Delta,
+        so the kept values are unknown). Then the changes before it are written, the new key's range
+        is copied again at a new consistent point (beyond this change, so the change is in that copy),
+        and the rule goes on with the new point. Nothing wrong or NULL is ever written for it.
+        """
+        assert target.log is not None and target.log.chunks is not None
+        names = [column.column for column in target.columns]
+        if target.mode != KEYED or [names[i] for i in target.key_index] != [target.log.chunks.key]:
+            raise SchemaChangeError(
+                f"{target.table} is being snapshotted in ranges of its primary key ({target.log.chunks.key}), which is "
+                "no longer its replica identity key",
+                RESNAPSHOT_FIX,
+            )
+        key_at = target.key_index[0]
+        new_columns, unchanged = tuple_columns_at(rows.data, rows.new, len(names))
+        old_columns, _ = tuple_columns_at(rows.data, rows.old, len(names))
+        new_keys, old_keys = _integer_keys(new_columns[key_at]), _integer_keys(old_columns[key_at])
+        has_new, has_old = rows.new >= 0, rows.old >= 0
+        kept_toast = np.logical_or.reduce(unchanged) if unchanged else np.zeros(len(rows), bool)
+        moved_with_toast = has_old & has_new & (old_keys != new_keys) & kept_toast
+        start = 0
+        while start < len(rows):
+            chunks = target.log.chunks
+            assert chunks is not None
+            lsns = rows.lsns[start:]
+            new_applies = has_new[start:] & chunks.applies(new_keys[start:], lsns)
+            old_applies = has_old[start:] & chunks.applies(old_keys[start:], lsns)
+            holes = np.flatnonzero(new_applies & moved_with_toast[start:] & ~old_applies)
+            stop = start + int(holes[0]) if len(holes) else len(rows)
+            taken = stop - start
+            piece = _halves(rows, start, new_applies[:taken], old_applies[:taken])
+            self.changes_skipped += taken - len(piece)
+            if len(piece):
+                yield piece
+            if stop == len(rows):
+                return
+            k = int(chunks.ranges_of(new_keys[stop : stop + 1])[0])
+            self._recopy(target, k, int(rows.lsns[stop]), "a row moved into it kept unchanged-TOAST values of a row not in Delta")
+            start = stop
+
+    def _recopy(self, target: TableTarget, k: int, lsn: int, why: str) -> None:
+        """Copy range k of the table again (after every queued write), then re-read its log from the
+        range's commit on; its new point must lie at or beyond ``lsn``, the change that needed it."""
+        assert target.log is not None and target.log.chunks is not None
+        if self._recopy_range is None:
+            raise PgcdcError(
+                f"{target.table}: key range {k} must be copied again ({why}) and this run cannot copy",
+                "run the table's snapshot (pgcdc_snapshot) to continue its snapshot in key ranges",
+            )
+        self._log(f"{target.table}: copying key range {k + 1} of {target.log.chunks.count} again: {why}")
+        self._writer.call(self._recopy_range, target.table, target.path, target.log.chunks, k)
+        target.log = self._writer.call(self._destination.read_table_log, target.path, target.log)  # type: ignore[assignment]
+        chunks = target.log.chunks if target.log is not None else None
+        point = chunks.points[k] if chunks is not None else None
+        if point is None or point < lsn:
+            raise PgcdcError(
+                f"{target.table}: key range {k} was copied again but its log does not show it done after {LSN(lsn)}",
+                "another writer changed the table's Delta directory; re-snapshot the table",
+            )
 
     def _merge(self, target: TableTarget, batch: pa.Table, key_columns: list[str]) -> None:
         """MERGE a folded batch, in pieces of at most ``max_merge_rows`` source rows.
@@ -567,3 +653,19 @@ class ChangeApplier:
                 f"cannot apply a change to {target.table}: {exc}",
                 "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
             ) from exc
+
+
+def _integer_keys(values: pa.Array) -> np.ndarray:
+    """Integer key values from their text (absent images: 0, never used)."""
+    return pc.cast(pc.cast(pc.cast(values, pa.binary()), pa.string()), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+
+
+def _halves(rows: PendingRows, start: int, new_applies: np.ndarray, old_applies: np.ndarray) -> PendingRows:
+    """Rows ``start``.. (as many as the masks) with only the row images that apply: a change keeping
+    only its old image is the delete of that key; one keeping neither is dropped."""
+    stop = start + len(new_applies)
+    ops = np.where(new_applies, rows.ops[start:stop], DELETE).astype(rows.ops.dtype)
+    new = np.where(new_applies, rows.new[start:stop], -1)
+    old = np.where(old_applies, rows.old[start:stop], -1)
+    keep = new_applies | old_applies
+    return PendingRows(rows.data, ops[keep], new[keep], old[keep], rows.lsns[start:stop][keep], rows.seqs[start:stop][keep])

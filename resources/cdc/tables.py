@@ -68,4 +68,6 @@ class TableTarget:
     def skips(self, end_lsn: int) -> bool:
         """Whether a change committed at ``end_lsn`` is already in (or never goes to) the table; ``log`` must be read."""
         assert self.log is not None, "the table's log is read before its first change is routed"
+        if self.log.chunks is not None:  # a snapshot in key ranges: decided per row image (ChangeApplier)
+            return self.log.chunks.skips_all(end_lsn)
         return self.log.snapshot_lsn is None or end_lsn <= self.log.snapshot_lsn

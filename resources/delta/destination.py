@@ -16,6 +16,7 @@ from typing import Protocol
 
 import pyarrow as pa
 
+from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 
@@ -44,6 +45,14 @@ class TableLog:
     #: Delta's ``metaData.id`` of the table (kept by every overwrite, new when the table is created
     #: again at the path): which table ``layout`` belongs to. None: not read.
     table_id: str | None = None
+    #: A snapshot in primary-key ranges (the newest snapshot marker's): which ranges are done at which
+    #: point; ``snapshot_lsn`` is None until all are. None: a snapshot of the whole table at once.
+    chunks: KeyRanges | None = None
+
+    @property
+    def being_snapshotted(self) -> bool:
+        """Snapshotted, or part-way through a snapshot in key ranges (some changes apply)."""
+        return self.snapshot_lsn is not None or self.chunks is not None
 
 
 NO_TABLE = TableLog(None, None, None, None, None)

@@ -5,7 +5,10 @@ Every pgcdc commit that the next run must be able to find carries a JSON marker 
 
 * ``snapshot``: the table was (re)written from a COPY at ``snapshot_lsn``; changes at or below
   it are already in the rows. ``layout`` (absent: unbucketed, as every table written before
-  pgcdc chose layouts) is the table's bucketing (``resources/delta/layout.py``).
+  pgcdc chose layouts) is the table's bucketing (``resources/delta/layout.py``). A table copied in
+  primary-key ranges has ``chunks`` (``resources/delta/key_ranges.py``: the ranges, and the
+  consistent point of each one done so far, ``range``: the one this commit copied) and a
+  ``snapshot_lsn`` only once every range is done.
 * ``append`` / ``replace``: a keyless append or a REPLICA IDENTITY FULL rewrite applied the
   changes of one transaction up to position ``applied_seq`` of the commit ending at
   ``applied_lsn``; a replay skips exactly those.
@@ -28,6 +31,7 @@ from pyspark.sql import DataFrame, functions as F, SparkSession
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.destination import TableLog
+from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 
@@ -130,7 +134,7 @@ def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, Ta
     for commit in commits:
         marker = pgcdc_marker(commit.user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
-            return LSN.parse(marker["snapshot_lsn"]), marker_layout(marker)
+            return marker_snapshot_lsn(marker), marker_layout(marker)
     if commits and min(commit.version for commit in commits) > 0:
         return EXPIRED_SNAPSHOT_LSN, layout_from_property(read_layout_property(spark, path))
     return None, None
@@ -215,14 +219,17 @@ def fold_table_log(
             marker = pgcdc_marker(user_metadata)
             kind = marker.get("kind") if marker is not None else None
             if kind == "snapshot":
-                snapshot_lsn = LSN.parse(marker["snapshot_lsn"])  # type: ignore[index]
-                return TableLog(snapshot_lsn, version, newest, applied, marker_layout(marker), table_id)  # type: ignore[arg-type]
+                return TableLog(
+                    marker_snapshot_lsn(marker), version, newest, applied, marker_layout(marker), table_id,  # type: ignore[arg-type]
+                    marker_chunks(marker),
+                )
             if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
                 applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
     if known is None:
         return TableLog(None, None, newest, applied, None)
     return TableLog(
-        known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout, table_id
+        known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout, table_id,
+        known.chunks,
     )
 
 
@@ -231,12 +238,40 @@ def applied_marker(kind: str, end: int, seq: int) -> str:
     return json.dumps({"pgcdc": {"kind": kind, "applied_lsn": str(LSN(end)), "applied_seq": seq}})
 
 
-def snapshot_marker(snapshot_lsn: LSN, slot: str, table: str, layout: TableLayout | None = None) -> str:
-    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``, bucketed by ``layout``."""
-    marker: dict[str, Any] = {"kind": "snapshot", "snapshot_lsn": str(snapshot_lsn), "slot": slot, "table": table}
+def snapshot_marker(
+    snapshot_lsn: LSN | None,
+    slot: str,
+    table: str,
+    layout: TableLayout | None = None,
+    chunks: KeyRanges | None = None,
+    copied_range: int | None = None,
+) -> str:
+    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``, bucketed by ``layout``.
+
+    For a snapshot in key ranges, ``chunks`` says which ranges are done at which point (this commit
+    copied ``copied_range``) and ``snapshot_lsn`` is None until every range is done.
+    """
+    marker: dict[str, Any] = {"kind": "snapshot"}
+    if snapshot_lsn is not None:
+        marker["snapshot_lsn"] = str(snapshot_lsn)
+    marker.update(slot=slot, table=table)
     if layout is not None:
         marker["layout"] = layout.to_json()
+    if chunks is not None:
+        marker["chunks"] = {**chunks.to_json(), "range": copied_range}
     return json.dumps({"pgcdc": marker})
+
+
+def marker_snapshot_lsn(marker: dict[str, Any]) -> LSN | None:
+    """A snapshot marker's LSN; None for a snapshot in key ranges not complete yet."""
+    value = marker.get("snapshot_lsn")
+    return LSN.parse(value) if value else None
+
+
+def marker_chunks(marker: dict[str, Any]) -> KeyRanges | None:
+    """The key ranges a snapshot marker recorded (None: a snapshot of the whole table at once)."""
+    chunks = marker.get("chunks")
+    return KeyRanges.from_json(chunks) if chunks else None
 
 
 def marker_layout(marker: dict[str, Any]) -> TableLayout | None:

@@ -84,6 +84,8 @@ def merge_batch(
         # A key-changing update that kept TOAST values: the row under the old key holds them.
         join = " AND ".join(f"o.{quote_column(name.removeprefix(OLD_KEY_PREFIX))} = s.{quote_column(name)}" for name in old_keys)
         carried = ", ".join(f"o.{quote_column(name)} AS {quote_column(_carried(name))}" for name in kept)
+        found_on = quote_column(old_keys[0].removeprefix(OLD_KEY_PREFIX))
+        carried += f", o.{found_on} IS NOT NULL AS {OLD_ROW_FOUND}"
         old_rows = target
         if bucketed:
             old_rows = f"(SELECT * FROM {target} WHERE {_in_buckets(source, OLD_KEY_PREFIX + BUCKET_COLUMN, '')})"
@@ -100,8 +102,9 @@ def merge_batch(
         + (
             f"CASE WHEN NOT s.{quote_column(unchanged_flag_column(name))} THEN s.{quote_column(name)} "
             # A moved row keeps the value of the row under its old key, even where its new key
-            # still matches a row (one the same batch deletes): that row's value is stale.
-            + (f"WHEN {moved} THEN s.{quote_column(_carried(name))} " if using != staged_source else "")
+            # still matches a row (one the same batch deletes): that row's value is stale. Without
+            # a row under the old key (a replay: the move is applied already) the row keeps its value.
+            + (f"WHEN {moved} AND s.{OLD_ROW_FOUND} THEN s.{quote_column(_carried(name))} " if using != staged_source else "")
             + f"ELSE t.{quote_column(name)} END"
             if name in kept
             else f"s.{quote_column(name)}"
@@ -141,6 +144,10 @@ def _in_buckets(source: pa.Table, column: str, qualifier: str) -> str:
     if not buckets:
         return "false"
     return f"{qualifier}{quote_column(BUCKET_COLUMN)} IN ({', '.join(str(int(bucket)) for bucket in buckets)})"
+
+
+OLD_ROW_FOUND = "_pgcdc_old_row_found"
+"""Set in a MERGE's source beside the carried values: whether a row under the old key was found."""
 
 
 def _carried(column: str) -> str:

@@ -38,6 +38,7 @@ def write_snapshot(
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     layout: TableLayout | None = None,
+    replace_where: str | None = None,
 ) -> int:
     """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
 
@@ -57,6 +58,10 @@ def write_snapshot(
     until their chunk is written) and a crash leaves only staging debris. The one commit
     carries ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without
     the data.
+
+    ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
+    range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
+    removed or added (an empty range), so its marker is never lost.
     """
     if layout is not None:
         batches = data.to_batches() if isinstance(data, pa.Table) else data
@@ -77,11 +82,12 @@ def write_snapshot(
             pending.append(view)
             pending_bytes += piece.nbytes
         if staging is None:
-            _overwrite(_union(spark, pending), path, user_metadata, layout)
+            frame = _union(spark, pending) if pending else spark_dataframe(spark, schema.empty_table())
+            _overwrite(frame, path, user_metadata, layout, replace_where)
         else:
             _write_staged(spark, pending, path, staging)
             _drop_views(spark, pending)
-            _overwrite(spark.read.format("delta").load(staging), path, user_metadata, layout)
+            _overwrite(spark.read.format("delta").load(staging), path, user_metadata, layout, replace_where)
             remove_tree(staging)
     finally:
         try:
@@ -116,17 +122,32 @@ def _drop_views(spark: SparkSession, views: list[str]) -> None:
         views.pop()
 
 
-def _overwrite(frame: DataFrame, path: str, user_metadata: str | None, layout: TableLayout | None) -> None:
-    """Overwrite the table (schema too); bucketed by ``layout``: one task, so one file, per bucket, sorted by key."""
+def _overwrite(
+    frame: DataFrame, path: str, user_metadata: str | None, layout: TableLayout | None, replace_where: str | None = None
+) -> None:
+    """Overwrite the table (schema too), or only the rows ``replace_where`` selects; bucketed by
+    ``layout``: one task, so one file, per bucket, sorted by key."""
+    delta_commands = engine_capabilities(frame.sparkSession).delta_commands
+    if replace_where is not None:
+        # Through a union with the (empty) table scan: Sail's replaceWhere refuses type details the
+        # scan irons out (resources/delta/merge.py: replace_rows).
+        scan = frame.sparkSession.read.format("delta").load(path)
+        frame = scan.where(F.lit(False)).unionByName(frame)
     if layout is not None:
         key = [F.col("`" + name.replace("`", "``") + "`") for name in layout.key]
         frame = frame.repartition(BUCKET_COLUMN).sortWithinPartitions(BUCKET_COLUMN, *key)
-    writer = frame.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+    writer = frame.write.format("delta").mode("overwrite")
+    if replace_where is not None:
+        writer = writer.option("replaceWhere", replace_where)
+    if replace_where is None or not delta_commands:
+        # Sail skips the commit of a write that adds and removes nothing unless the schema is
+        # (re)written, which keeps the same schema here; Delta on Spark commits it anyway.
+        writer = writer.option("overwriteSchema", "true")
     if layout is not None:
         writer = writer.partitionBy(BUCKET_COLUMN)
     if user_metadata is not None:  # the table itself, not the staging table
         writer = writer.option("userMetadata", user_metadata)
-        if not engine_capabilities(frame.sparkSession).delta_commands:
+        if not delta_commands:
             # Sail records delta.* writer options as table properties; Delta on Spark refuses
             # property names it does not know, so there the layout lives in the marker only.
             writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))

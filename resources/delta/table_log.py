@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import (
@@ -43,7 +44,9 @@ from resources.delta.markers import (
     fold_table_log,
     LAYOUT_PROPERTY,
     layout_from_property,
+    marker_chunks,
     marker_layout,
+    marker_snapshot_lsn,
     pgcdc_marker,
 )
 from resources.lsn import LSN
@@ -226,11 +229,15 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
                 return None  # another table now lives at this path
             layout = expired_layout(metadata, known)
             known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, layout, metadata.table_id)
-        elif snapshot_commit is None or _snapshot(snapshot_commit) != (known.snapshot_lsn, known.layout):
-            return None  # not this log's snapshot (another table now lives at this path)
-        elif known.table_id is None:  # a row written before ids were recorded: learn it while the marker is here
-            metadata = log.metadata()
-            known = replace(known, table_id=metadata.table_id if metadata is not None else None)
+        else:
+            recorded = None if snapshot_commit is None else _snapshot(snapshot_commit)
+            if recorded is None or recorded[:2] != (known.snapshot_lsn, known.layout):
+                return None  # not this log's snapshot (another table now lives at this path)
+            # The state does not keep a snapshot's key ranges: they come from its commit, read here anyway.
+            known = replace(known, chunks=recorded[2])
+            if known.table_id is None:  # a row written before ids were recorded: learn it while the marker is here
+                metadata = log.metadata()
+                known = replace(known, table_id=metadata.table_id if metadata is not None else None)
     if log.commit(known.version) is None and log.commit(known.version + 1) is None:
         return None  # beyond this log, or commits after it are gone with log cleanup: a gap
     newer: list[tuple[int, list[str | None]]] = []
@@ -257,16 +264,16 @@ def _from_listing(log: _Log, known: TableLog | None) -> TableLog:
     found = fold_table_log(newest_first(), newest, None)
     metadata = log.metadata()
     table_id = metadata.table_id if metadata is not None else None
-    if found.snapshot_lsn is None and (not versions or versions[0] > 0):
+    if found.snapshot_version is None and (not versions or versions[0] > 0):  # no snapshot marker left
         layout = expired_layout(metadata, known)
         return TableLog(EXPIRED_SNAPSHOT_LSN, None, newest, found.applied_marker, layout, table_id)
     return replace(found, table_id=table_id)
 
 
-def _snapshot(commit: list[str | None]) -> tuple[LSN, TableLayout | None] | None:
-    """The snapshot LSN and layout of the snapshot marker in ``commit``; None without one."""
+def _snapshot(commit: list[str | None]) -> tuple[LSN | None, TableLayout | None, KeyRanges | None] | None:
+    """The snapshot LSN, layout and key ranges of the snapshot marker in ``commit``; None without one."""
     for user_metadata in commit:
         marker = pgcdc_marker(user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
-            return LSN.parse(marker["snapshot_lsn"]), marker_layout(marker)
+            return marker_snapshot_lsn(marker), marker_layout(marker), marker_chunks(marker)
     return None

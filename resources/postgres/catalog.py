@@ -125,14 +125,17 @@ class TableInfo:
             return tuple(column.name for column in self.columns)
         return tuple(column.name for column in self.columns if column.is_identity_key)
 
-    def copy_query(self, blocks: tuple[int, int | None] | None = None) -> str:
+    def copy_query(
+        self, blocks: tuple[int, int | None] | None = None, keys: tuple[str, int | None, int | None] | None = None
+    ) -> str:
         """The COPY that reads what the publication publishes, as PostgreSQL's own sync does.
 
         ONLY keeps inheritance children out of a plain table; a partitioned root
         published with publish_via_partition_root is read whole. ``blocks`` = (first, end)
         limits the read to the rows whose ctid lies in heap blocks first .. end - 1 (end None:
         to the end of the heap), a TID Range Scan (PostgreSQL 14+); on a partitioned root the
-        range applies to every leaf.
+        range applies to every leaf. ``keys`` = (column, low, high) limits it to the rows whose
+        integer ``column`` lies in [low, high) (None: open-ended).
         """
         columns = ", ".join(quote_ident(column.name) for column in self.columns)
         only = "ONLY " if self.relkind == "r" else ""
@@ -142,6 +145,12 @@ class TableInfo:
             conditions.append(f"ctid OPERATOR(pg_catalog.>=) '({int(first)},0)'::pg_catalog.tid")
             if end is not None:
                 conditions.append(f"ctid OPERATOR(pg_catalog.<) '({int(end)},0)'::pg_catalog.tid")
+        if keys is not None:
+            column, low, high = keys
+            if low is not None:
+                conditions.append(f"{quote_ident(column)} OPERATOR(pg_catalog.>=) {int(low)}")
+            if high is not None:
+                conditions.append(f"{quote_ident(column)} OPERATOR(pg_catalog.<) {int(high)}")
         where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
         return f"COPY (SELECT {columns} FROM {only}{self.table.quoted}{where}) TO STDOUT WITH (FORMAT csv)"
 

@@ -13,6 +13,10 @@ Points (see ``resources/incremental.py``):
 * ``after_confirm``: the slot has been told the chunk's end position.
 * ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
   (``resources/delta/state_table.py``) not yet written, the last chunk not confirmed.
+* ``after_range_slot``: a snapshot in key ranges (``resources/key_range_snapshot.py``) created the
+  temporary slot of its next range, nothing of the range is in Delta yet.
+* ``after_range_commit``: the range's Delta commit (with its marker) is durable, the drain that
+  follows it has not started.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import os
 import signal
 
 FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
-FAULT_POINTS = ("before_merge", "after_delta_commit", "after_confirm", "before_state_write")
+FAULT_POINTS = (
+    "before_merge", "after_delta_commit", "after_confirm", "before_state_write", "after_range_slot", "after_range_commit",
+)
 
 
 def fault_point(name: str) -> None:

@@ -111,8 +111,8 @@ class InMemoryDestination:
                     del rows[key]
                 else:
                     rows[key].update({n: change[n] for n in value_columns if n not in key_columns and n not in kept})
-                    if moved:
-                        rows[key].update({n: old[n] if old is not None else None for n in kept})
+                    if moved and old is not None:  # no old row: a replay, the move is in Delta already
+                        rows[key].update({n: old[n] for n in kept})
             elif change[OP_COLUMN] != "D":
                 row = dict.fromkeys(target.column_names)
                 for n in value_columns:
@@ -137,6 +137,12 @@ class InMemoryDestination:
             (selected if tuple(row[n] for n in probe.column_names) in probed else kept).append(row)
         replacement = rewrite(pa.Table.from_pylist(selected, schema=target.schema))
         self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=target.schema), user_metadata)
+
+    def replace_where(self, path: str, selected: Callable[[dict], bool], rows: pa.Table, user_metadata: str) -> int:
+        """Replace the rows ``selected`` picks by ``rows`` in one commit (a snapshot's key-range copy, as
+        ``resources/delta/snapshot_writes.py: write_snapshot(replace_where=...)`` writes it); a new table at a new path."""
+        kept = [row for row in self.tables[path].to_pylist() if not selected(row)] if path in self.tables else []
+        return self._commit(path, pa.Table.from_pylist(kept + rows.to_pylist(), schema=rows.schema), user_metadata)
 
     def delete_all_rows(self, path: str) -> None:
         self._commit(path, self.tables[path].schema.empty_table())
