@@ -39,7 +39,6 @@ import psycopg
 import pyarrow as pa
 
 from bench.lakes import add_arguments, bench_lake, open_engine
-from resources.config import DEFAULT_CHUNK_MB
 from resources.delta.lake_storage import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
@@ -103,17 +102,27 @@ def _proc_cpu(pid: int, *, reaped_children: bool = False) -> float:
 
 
 def _postgres_cpu(postmaster: int) -> float:
-    """The server's CPU: the postmaster with the backends it reaped, plus the live ones."""
-    total = _proc_cpu(postmaster, reaped_children=True)
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat", encoding="ascii") as stat:
-                    parent = int(stat.read().rpartition(")")[2].split()[1])
-            except OSError:
-                continue
-            if parent == postmaster:
-                total += _proc_cpu(int(entry.name))
+    """The server's CPU: the postmaster with the backends it reaped, plus the live ones.
+
+    A backend that has exited but is not reaped yet (a zombie) shows no CPU anywhere, so this
+    waits (up to a second) until the postmaster has reaped every ended backend.
+    """
+    for _ in range(100):
+        total = _proc_cpu(postmaster, reaped_children=True)
+        zombies = False
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat", encoding="ascii") as stat:
+                        fields = stat.read().rpartition(")")[2].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == postmaster:
+                    zombies |= fields[0] == "Z"
+                    total += _proc_cpu(int(entry.name))
+        if not zombies:
+            break
+        time.sleep(0.01)
     return total
 
 
@@ -187,7 +196,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", default="1,2,4", help="comma-separated session counts to measure")
     parser.add_argument(
-        "--chunk-mb", type=int, default=DEFAULT_CHUNK_MB, help="heap megabytes per ctid range (snapshot.chunk_mb)"
+        "--chunk-mb", type=int, default=16,
+        help="heap megabytes per ctid range (snapshot.chunk_mb, default 64): 16 splits the default tables into"
+        " 5 (narrow) and 4 (wide) ranges, so that 2 and 4 workers have work to share",
     )
     add_arguments(parser)
     args = parser.parse_args()
