@@ -81,7 +81,9 @@ class Cpu:
     psql: float = 0.0
 
     def __sub__(self, other: Cpu) -> Cpu:
-        return Cpu(self.pgcdc - other.pgcdc, self.engine - other.engine, self.postgres - other.postgres, self.psql - other.psql)
+        return Cpu(
+            self.pgcdc - other.pgcdc, self.engine - other.engine, self.postgres - other.postgres, self.psql - other.psql
+        )
 
     def describe(self) -> str:
         parts = {"pgcdc": self.pgcdc, "engine": self.engine, "PostgreSQL": self.postgres, "psql": self.psql}

@@ -65,10 +65,11 @@ def write_snapshot(
     the staging directory is removed afterwards (a crash leaves only staging debris).
 
     Measured against shipping each piece as a Spark Connect temporary view (the previous
-    design, docs/engine-notes.md): about 0.3 CPU-seconds less per million narrow rows (the
-    client's Arrow IPC and protobuf copies under the GIL and the server's decoding go; pyarrow's
-    staging write costs less than a tenth of a second), one engine operation per snapshot
-    instead of two per piece, and the engine's memory no longer holds the pieces in flight.
+    design; docs/engine-notes.md, "Staged Parquet and a bounded engine pool"): about 0.2
+    CPU-seconds less per million narrow rows (the client's Arrow IPC and protobuf copies under
+    the GIL and the server's decoding go; pyarrow's staging write costs about 0.15 s outside the
+    GIL), one engine operation per snapshot instead of two per piece, and the engine no longer
+    holds the pieces in flight nor a staging Delta table's worth of views.
     The staged files name their columns by position (``c0``, ``c1``, ...), so no column name
     can trip a Parquet reader, and are cast back to exactly the types :func:`spark_dataframe`
     would give.
@@ -87,7 +88,8 @@ def write_snapshot(
 
 
 def _stage(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int) -> None:
-    """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging`` (at least one file, so the engine finds the schema)."""
+    """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging``; at
+    least one file, so the engine finds the schema of an empty table too."""
     filesystem, directory = storage_client(staging)
     if not is_object_store(staging):  # an object store has no directories (creating one leaves marker objects)
         filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
@@ -105,7 +107,8 @@ def _stage(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging
 
 
 def _staged_frame(spark: SparkSession, schema: pa.Schema, staging: str) -> DataFrame:
-    """The staged files with the table's column names and exactly the Spark types :func:`spark_dataframe` gives ``schema``."""
+    """The staged files with the table's column names and exactly the Spark types that
+    :func:`~resources.delta.dataframes.spark_dataframe` gives ``schema``."""
     prepare_writes(spark)
     spark_schema = from_arrow_schema(nullable_schema(schema), prefer_timestamp_ntz=True)
     return spark.read.parquet(staging).select(
