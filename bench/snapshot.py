@@ -12,6 +12,9 @@ throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measure
   snapshot; 1 = one COPY).
 
 Both take the best of ``--runs``, after one warm-up each (page cache, Sail's first write).
+For the best run the CPU seconds of each process are reported too (``/proc``): pgcdc's own
+process, the engine's server, PostgreSQL (the postmaster's children, ended ones included) and,
+for the baseline, psql: on a machine with few cores, the sum is what bounds the wall time.
 A final pgcdc run with tracemalloc on gives the Python heap's peak; it is not timed,
 because tracemalloc slows every allocation. For a big table's memory, run e.g.
 ``--narrow-rows 10000000 --wide-rows 1000 --runs 1 --workers 2``: the RSS figures are the
@@ -21,6 +24,7 @@ process's and the Sail server's high-water marks.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import subprocess
@@ -64,6 +68,77 @@ WIDE_LOAD = (
 )
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """CPU seconds used by this process, the engine's server, PostgreSQL and psql (children of this process)."""
+
+    pgcdc: float = 0.0
+    engine: float = 0.0
+    postgres: float = 0.0
+    psql: float = 0.0
+
+    def __sub__(self, other: Cpu) -> Cpu:
+        return Cpu(
+            self.pgcdc - other.pgcdc, self.engine - other.engine, self.postgres - other.postgres, self.psql - other.psql
+        )
+
+    def describe(self) -> str:
+        parts = {"pgcdc": self.pgcdc, "engine": self.engine, "PostgreSQL": self.postgres, "psql": self.psql}
+        return " + ".join(f"{name} {value:.2f}" for name, value in parts.items() if value > 0.005)
+
+
+def _proc_cpu(pid: int, *, reaped_children: bool = False) -> float:
+    """utime + stime (+ cutime + cstime: children it has waited for) of ``pid`` from /proc, 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])
+    if reaped_children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / CLOCK_TICKS
+
+
+def _postgres_cpu(postmaster: int) -> float:
+    """The server's CPU: the postmaster with the backends it reaped, plus the live ones.
+
+    A backend that has exited but is not reaped yet (a zombie) shows no CPU anywhere, so this
+    waits (up to a second) until the postmaster has reaped every ended backend.
+    """
+    for _ in range(100):
+        total = _proc_cpu(postmaster, reaped_children=True)
+        zombies = False
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat", encoding="ascii") as stat:
+                        fields = stat.read().rpartition(")")[2].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == postmaster:
+                    zombies |= fields[0] == "Z"
+                    total += _proc_cpu(int(entry.name))
+        if not zombies:
+            break
+        time.sleep(0.01)
+    return total
+
+
+def cpu_now(postmaster: int, engine_pid: int | None) -> Cpu:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    psql = resource.getrusage(resource.RUSAGE_CHILDREN)  # psql runs as this process's child
+    return Cpu(
+        own.ru_utime + own.ru_stime,
+        _proc_cpu(engine_pid) if engine_pid is not None else 0.0,
+        _postgres_cpu(postmaster),
+        psql.ru_utime + psql.ru_stime,
+    )
+
+
 @dataclass
 class Measurement:
     table: str
@@ -71,9 +146,11 @@ class Measurement:
     columns: int
     csv_bytes: int
     copy_s: float
+    copy_cpu: Cpu
     workers: int
     chunks: int
     pgcdc_s: float
+    pgcdc_cpu: Cpu
 
     @property
     def copy_rate(self) -> float:
@@ -103,9 +180,15 @@ def psql_copy_seconds(server: LocalPostgres, table: str) -> float:
         return time.perf_counter() - started
 
 
-def best_of(runs: int, action: Callable[[], float]) -> float:
+def best_of(runs: int, action: Callable[[], float], cpu: Callable[[], Cpu]) -> tuple[float, Cpu]:
+    """The shortest of ``runs`` timed runs after a warm-up, with the CPU each process spent in it."""
     action()  # warm-up
-    return min(action() for _ in range(runs))
+    samples = []
+    for _ in range(runs):
+        before = cpu()
+        seconds = action()
+        samples.append((seconds, cpu() - before))
+    return min(samples, key=lambda sample: sample[0])
 
 
 def main() -> None:
@@ -114,7 +197,11 @@ def main() -> None:
     parser.add_argument("--wide-rows", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", default="1,2,4", help="comma-separated session counts to measure")
-    parser.add_argument("--chunk-mb", type=int, default=16, help="heap megabytes per ctid range")
+    parser.add_argument(
+        "--chunk-mb", type=int, default=16,
+        help="heap megabytes per ctid range (snapshot.chunk_mb, default 64): 16 splits the default tables into"
+        " 5 (narrow) and 4 (wide) ranges, so that 2 and 4 workers have work to share",
+    )
     add_arguments(parser)
     args = parser.parse_args()
 
@@ -134,7 +221,9 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
     load_tables(server, args.narrow_rows, args.wide_rows)
     ensure_slot(server.dsn(), SLOT)
+    postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
     with open_engine(args.engine, root, storage) as engine:
+        cpu = lambda: cpu_now(postmaster, engine.server_pid)  # noqa: E731
         measurements = []
         results: dict[str, SnapshotResult] = {}
 
@@ -148,16 +237,18 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
                 )
                 return time.perf_counter() - started
 
-            copy_s = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table))
+            copy_s, copy_cpu = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table), cpu)
             with psycopg.connect(server.dsn()) as conn:
                 (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
             for workers in worker_counts:
-                pgcdc_s = best_of(args.runs, lambda table=table, workers=workers: pgcdc_seconds(table, workers))
+                pgcdc_s, pgcdc_cpu = best_of(
+                    args.runs, lambda table=table, workers=workers: pgcdc_seconds(table, workers), cpu
+                )
                 result = results[table]
                 measurements.append(
                     Measurement(
-                        table, result.rows, len(result.columns), int(csv_bytes), copy_s,
-                        result.workers, result.chunks, pgcdc_s,
+                        table, result.rows, len(result.columns), int(csv_bytes), copy_s, copy_cpu,
+                        result.workers, result.chunks, pgcdc_s, pgcdc_cpu,
                     )
                 )  # fmt: skip
 
@@ -187,6 +278,10 @@ def report(
             f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f} {m.workers:>7} {m.chunks:>6}"
             f" {m.pgcdc_s:>8.3f} {m.pgcdc_rate:>13,.0f} {m.pgcdc_rate / m.copy_rate:>6.0%}"
         )
+    print()
+    print("CPU seconds of the best runs, per process:")
+    for m in measurements:
+        print(f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s): {m.pgcdc_cpu.describe()}")
     print()
     print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
     print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")

@@ -188,7 +188,7 @@ def snapshot_table(
 
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
-    (:func:`ensure_slot`). ``chunk_bytes`` bounds each Spark write and each parsed piece,
+    (:func:`ensure_slot`). ``chunk_bytes`` bounds each staged Parquet file and each parsed piece,
     ``chunk_rows`` each parsed piece. A heap bigger than ``chunk_mb`` is read as ctid ranges
     of about that size by ``workers`` sessions under the one snapshot. ``on_progress`` runs
     on the calling thread.
