@@ -28,6 +28,7 @@ go into the one atomic Delta commit, so the result is the same table a single CO
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -209,7 +210,10 @@ def snapshot_table(
     except psycopg.Error as exc:
         raise _naming_table(explain(exc, dsn), table) from exc
     except Exception as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, OSError) and exc.errno:  # the lake's storage client: the path is named below
+            first_line = os.strerror(exc.errno)
+        else:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise SnapshotError(
             f"cannot snapshot {table} into {path}: {first_line}",
             "check the Spark engine and the Delta location, then run the snapshot again",
