@@ -26,6 +26,7 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import PgcdcConfig
+from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import delta_tables_under, maintain_table
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_snapshot_lsn
 from resources.delta.table_log import read_table_log
@@ -259,3 +260,26 @@ def test_maintenance_of_an_object_store_lake_through_delta_rs(s3_server: S3Serve
     assert done.storage_after.files == 5 and done.log_files_after == 6  # 5 commits and a checkpoint
     table = deltalake.DeltaTable(path, storage_options=lake.object_store_options())
     assert sorted(table.to_pyarrow_table().column("version").to_pylist()) == [0, 1, 2, 3]
+
+
+def test_vacuum_deletes_files_whose_tombstones_a_checkpoint_already_dropped(tmp_path: Path) -> None:
+    """A checkpoint drops tombstones older than the table's deletedFileRetentionDuration (Sail writes
+    one every ten commits); the files they named are still on storage, unreferenced. Vacuum must find
+    them by listing, not by tombstones, or they stay for good. The newest version stays readable."""
+    path = str(tmp_path / "t")
+    rows = pa.table({"id": pa.array([1, 2, 3], pa.int64())})
+    deltalake.write_deltalake(path, rows, configuration={"delta.deletedFileRetentionDuration": "interval 1 second"})
+    for _ in range(4):  # each overwrite replaces the table's file: a tombstone each
+        deltalake.write_deltalake(path, rows, mode="overwrite")
+    time.sleep(1.5)
+    deltalake.DeltaTable(path).create_checkpoint()  # drops the (now expired) tombstones
+    two_hours_ago = time.time() - 7200
+    for data_file in Path(path).glob("*.parquet"):
+        os.utime(data_file, (two_hours_ago, two_hours_ago))
+    assert len(list(Path(path).glob("*.parquet"))) == 5
+
+    done = maintain_table(path, open_lake(path), retention_hours=1, target_file_bytes=1 << 20)
+
+    assert done.files_vacuumed == 4, done
+    assert [p.name for p in Path(path).glob("*.parquet")] == [Path(f).name for f in deltalake.DeltaTable(path).file_uris()]
+    assert deltalake.DeltaTable(path).to_pyarrow_table().sort_by("id").equals(rows)

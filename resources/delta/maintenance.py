@@ -201,14 +201,20 @@ class _DeltaRsMaintenance:
         version_before, table_before = table.version(), _add_stats(table)
         compacted = table.optimize.compact(target_size=target_file_bytes, post_commithook_properties=_no_hooks())
         table = self._open()
-        # Vacuum lists every tombstone older than the retention, deleted or not; a real run
-        # (two commits) only when one of them is still on storage.
-        candidates = table.vacuum(retention_hours=retention_hours, enforce_retention_duration=False, dry_run=True)
+        # A full vacuum lists the table's files (as Delta on Spark's VACUUM does) instead of trusting
+        # the tombstones: a checkpoint drops a tombstone once it is older than the table's
+        # deletedFileRetentionDuration (Sail writes one every ten commits), so a vacuum working
+        # from tombstones misses every file whose tombstone expired between two maintenance runs
+        # and leaves it on storage for good. A real run (two commits) only when there is a file to delete.
+        candidates = table.vacuum(
+            retention_hours=retention_hours, enforce_retention_duration=False, dry_run=True, full=True
+        )
         if set(candidates) & _storage_files(self.lake, self.path).keys():
             table.vacuum(
                 retention_hours=retention_hours,
                 enforce_retention_duration=False,
                 dry_run=False,
+                full=True,
                 post_commithook_properties=_no_hooks(),
             )
             table = self._open()
