@@ -35,15 +35,11 @@ from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, SESSION_SETTINGS, spark_ddl_type
 from resources.postgres.catalog import key_range, primary_key_columns, read_table, TableInfo, table_oid, TableName
 from resources.postgres.copy import (
-    copy_pieces,
+    copied_batches,
     DEFAULT_CHUNK_ROWS,
     PARSE_BYTES,
-    parse_each,
     PieceParser,
-    PREFETCH_PIECES,
-    prefetched,
     read_column_types,
-    unparsed,
 )
 from resources.postgres.replication import ReplicationConnection
 from resources.snapshot_layout import existing_layout, table_layout
@@ -152,11 +148,9 @@ def copy_key_range(
         counted = {"rows": 0, "bytes": 0}
 
         def pieces() -> Iterator[pa.RecordBatch]:
-            source = copy_pieces(conn.pgconn, query, unparsed, min(chunk_bytes, PARSE_BYTES), chunk_rows)
-            parsed = prefetched(
-                parse_each(prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{table}"), PieceParser(columns, schema, point)),
-                PREFETCH_PIECES, f"pgcdc-parse-{table}",
-            )  # fmt: skip
+            parsed = copied_batches(
+                conn.pgconn, query, PieceParser(columns, schema, point), min(chunk_bytes, PARSE_BYTES), chunk_rows, str(table)
+            )
             try:
                 for batch, nbytes in parsed:
                     counted["rows"] += batch.num_rows

@@ -61,18 +61,14 @@ from resources.postgres.catalog import read_table, table_oid, TableName
 from resources.postgres.connections import connect
 from resources.postgres.copy import (
     block_ranges,
-    copy_pieces,
+    copied_batches,
     DEFAULT_CHUNK_ROWS,
     export_snapshot,
     heap_blocks,
     parallel_copy,
     PARSE_BYTES,
-    parse_each,
     PieceParser,
-    PREFETCH_PIECES,
-    prefetched,
     read_column_types,
-    unparsed,
 )
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
@@ -295,10 +291,9 @@ def _snapshot_table(
                     lambda: PieceParser(columns, schema, snapshot_lsn), workers, piece_bytes, chunk_rows,
                     f"pgcdc-copy-{table}", on_query_done=lambda: chunks_done.append(1),
                 )  # fmt: skip
-            source = copy_pieces(conn.pgconn, info.copy_query(), unparsed, piece_bytes, chunk_rows)
-            copied_pieces = prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{table}")
-            parse = PieceParser(columns, schema, snapshot_lsn)
-            return prefetched(parse_each(copied_pieces, parse), PREFETCH_PIECES, f"pgcdc-parse-{table}")
+            return copied_batches(
+                conn.pgconn, info.copy_query(), PieceParser(columns, schema, snapshot_lsn), piece_bytes, chunk_rows, str(table)
+            )
 
         def pieces() -> Iterator[pa.RecordBatch]:
             source = read()

@@ -305,6 +305,15 @@ BlockRange = tuple[int, int | None]
 """Heap blocks first .. end - 1 of a table (end None: to the end of the heap)."""
 
 
+def copied_batches(
+    pgconn: pq.abc.PGconn, query: str, parse: PieceParser, piece_bytes: int, chunk_rows: int, name: str
+) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """One COPY as parsed (batch, CSV bytes) pairs: read in one thread, parsed in another, each
+    :data:`PREFETCH_PIECES` ahead, so reading, parsing and writing overlap in bounded memory."""
+    source = copy_pieces(pgconn, query, unparsed, piece_bytes, chunk_rows)
+    return prefetched(parse_each(prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{name}"), parse), PREFETCH_PIECES, f"pgcdc-parse-{name}")
+
+
 def heap_blocks(conn: psycopg.Connection, oid: int) -> tuple[int, int]:
     """(blocks, block size in bytes) of the table's heap now; for a partitioned root, of its largest leaf.
 
