@@ -8,6 +8,14 @@ it, so slots and publications never leak between tests.
 from __future__ import annotations
 
 import os
+
+# The suite starts engine servers with subprocess.Popen(preexec_fn=...) from this process, which
+# talks gRPC (Spark Connect). With gRPC's fork support on (grpcio's default), its fork handler
+# restarts the event engine's poller in the child, which then meets the epoll descriptor
+# close_fds closed and aborts before exec (grpc/grpc#43055): a Spark Connect server that dies
+# at start with status -6, now and then. Read when gRPC initializes, so set before any channel.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
