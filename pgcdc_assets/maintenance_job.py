@@ -42,9 +42,9 @@ from resources.delta.maintenance import (
     describe,
     is_delta_table,
     maintain_table,
-    STATE_DIRECTORY,
     TableMaintenance,
 )
+from resources.delta.state_table import PGCDC_TABLES_DIRECTORY
 from resources.names import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, PipelineNames, slot_pool
 
 
@@ -90,7 +90,7 @@ def build_maintenance(
             lake = open_lake(settings.delta.root, settings.delta.storage)
             paths: Sequence[str] = [
                 *table_keys,
-                *delta_tables_under(lake, join_location(settings.delta.root, STATE_DIRECTORY)),
+                *delta_tables_under(lake, join_location(settings.delta.root, PGCDC_TABLES_DIRECTORY)),
             ]
             # The embedded engine (Sail) has no maintenance commands: delta-rs does the work, and no
             # engine needs to start. Any other engine is asked (resources/delta/capabilities.py).

@@ -50,8 +50,6 @@ from resources.delta.lake_storage import is_object_store, join_location, LakeSto
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
 
 DELTA_LOG = "_delta_log"
-STATE_DIRECTORY = "_pgcdc"
-"""``<delta.root>/_pgcdc/``: pgcdc's own Delta tables (its state), maintained with the replicated ones."""
 DELTA_DEFAULT_RETENTION_HOURS = 168
 """Delta's ``deletedFileRetentionDuration`` default, below which both engines want an explicit override."""
 DELTA_DEFAULT_LOG_RETENTION_HOURS = 30 * 24

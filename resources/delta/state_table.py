@@ -42,8 +42,12 @@ from resources.delta.layout import TableLayout
 from resources.delta.table_log import table_exists
 from resources.lsn import LSN
 
-STATE_DIRECTORY = ("_pgcdc", "state")
-"""Under delta.root; no PostgreSQL schema name maps there in practice (``_pgcdc.state`` would)."""
+PGCDC_TABLES_DIRECTORY = "_pgcdc"
+"""``<delta.root>/_pgcdc/``: pgcdc's own Delta tables (its state), maintained with the replicated ones;
+no PostgreSQL schema name maps there in practice (``_pgcdc.state`` would)."""
+
+STATE_TABLES_DIRECTORY = (PGCDC_TABLES_DIRECTORY, "state")
+"""``<delta.root>/_pgcdc/state/``: one state table per slot below it."""
 
 STATE_SCHEMA = pa.schema([
     pa.field("table", pa.string()),
@@ -71,7 +75,7 @@ class StateRow:
 
 
 def state_path(root: str, slot: str) -> str:
-    return join_location(root, *STATE_DIRECTORY, slot)
+    return join_location(root, *STATE_TABLES_DIRECTORY, slot)
 
 
 def known_log(state: dict[str, StateRow], table: str, path: str) -> TableLog | None:
