@@ -50,7 +50,6 @@ from resources.cdc.transactions import TransactionAssembler
 from resources.cdc.writer import HEARTBEAT_SECONDS
 from resources.config import PgcdcConfig
 from resources.delta.destination import Destination, TableLog
-from resources.delta.key_ranges import KeyRanges
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
@@ -241,11 +240,13 @@ def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:
         future.result()
 
 
-def _recopy_range(config: PgcdcConfig, spark: SparkSession, table: TableName, path: str, ranges: KeyRanges, k: int) -> None:
-    """The drain's re-copy of one key range (``ChangeApplier``): inside this run, so under the slot."""
+def _recopy_range(config: PgcdcConfig, spark: SparkSession, table: TableName, path: str, log: TableLog, k: int) -> None:
+    """The drain's re-copy of one key range (``ChangeApplier``): inside this run, so under the slot;
+    ``log`` is the table's log as the drain knows it (its ranges and layout: no read of its own)."""
+    assert log.chunks is not None, "only a table snapshotted in key ranges is copied again"
     copy_key_range(
-        config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k, first=False,
-        buckets=config.delta.buckets,
+        config.postgres.dsn, config.publication, config.slot, table, spark, path, log.chunks, k, first=False,
+        log=log, buckets=config.delta.buckets,
     )  # fmt: skip
 
 

@@ -15,8 +15,6 @@ when the range becomes done.
 from __future__ import annotations
 
 import math
-import secrets
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psycopg
@@ -24,24 +22,16 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, SnapshotSettings
+from resources.consistent_copy import consistent_copy, Pieces
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
-from resources.delta.key_ranges import KeyRanges
 from resources.delta.destination import TableLog
+from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
-from resources.delta.markers import LSN_COLUMN, snapshot_marker
-from resources.delta.snapshot_writes import write_snapshot
+from resources.delta.markers import snapshot_marker
 from resources.errors import SnapshotError
 from resources.lsn import LSN
-from resources.pgtypes import arrow_schema, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import key_range, primary_key_columns, read_table, TableInfo, table_oid, TableName
-from resources.postgres.copy import (
-    copied_batches,
-    DEFAULT_CHUNK_ROWS,
-    PARSE_BYTES,
-    PieceParser,
-    read_column_types,
-)
-from resources.postgres.replication import ReplicationConnection
+from resources.postgres.catalog import key_range, primary_key_columns, TableInfo, TableName
+from resources.postgres.copy import copied_batches, DEFAULT_CHUNK_ROWS, PARSE_BYTES
 from resources.snapshot_layout import existing_layout, table_layout
 from resources.testing.faults import fault_point
 
@@ -114,7 +104,7 @@ def copy_key_range(
     k: int,
     *,
     first: bool,
-    known: TableLog | None = None,
+    log: TableLog,
     buckets: BucketSettings | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
@@ -122,56 +112,35 @@ def copy_key_range(
     """Copy range k of ``table`` at a new consistent point into the Delta table at ``path``.
 
     ``first``: the walk's first range, whose commit replaces the whole table (a new snapshot, bucketed
-    by the layout chosen now); any other commit replaces only the range's rows, keeping the layout the
-    table's log records (read from where ``known``, the pgcdc state's row, left it: it still names
-    the layout once log cleanup removed the snapshot commit). The caller holds the permanent slot
-    ``slot`` (module docstring).
+    by the layout chosen now); any other commit replaces only the range's rows, keeping the layout
+    ``log`` records. ``log`` is the table's log as the caller read it just now (with the pgcdc state's
+    row as ``known``: it still names the layout once log cleanup removed the snapshot commit); the
+    caller holds the permanent slot ``slot`` (module docstring), so nothing else writes the table
+    meanwhile.
     """
-    with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
-        temp_slot = f"pgcdc_sync_{table_oid(conn.connection, table)}_{secrets.token_hex(6)}"
-        conn.begin_snapshot_transaction()
-        point = conn.create_slot(temp_slot, temporary=True, snapshot="use").consistent_point
-        fault_point("after_range_slot")
-        info = read_table(conn.connection, publication, table)
-        columns = read_column_types(conn, info)
-        schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        existing = existing_layout(table, path, known)
+    with consistent_copy(dsn, publication, table, after_slot="after_range_slot") as copy:
+        existing = existing_layout(table, path, log)
         if first:
-            layout = table_layout(conn.connection, info, schema, buckets or BucketSettings(), existing)
+            layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets or BucketSettings(), existing)
         else:
             layout = existing
-            _check_columns(spark, path, table, schema)
-        done = ranges.with_point(k, point)
+            _check_columns(spark, path, table, copy.schema)
+        done = ranges.with_point(k, copy.point)
         marker = snapshot_marker(done.snapshot_lsn, slot, str(table), layout, done, k)
         low, high = ranges.limits(k)
-        query = info.copy_query(keys=(ranges.key, low, high))
-        counted = {"rows": 0, "bytes": 0}
+        query = copy.info.copy_query(keys=(ranges.key, low, high))
 
-        def pieces() -> Iterator[pa.RecordBatch]:
-            parsed = copied_batches(
-                conn.pgconn, query, PieceParser(columns, schema, point), min(chunk_bytes, PARSE_BYTES), chunk_rows, str(table)
+        def read() -> Pieces:
+            return copied_batches(
+                copy.conn.pgconn, query, copy.parser(), min(chunk_bytes, PARSE_BYTES), chunk_rows, str(table)
             )
-            try:
-                for batch, nbytes in parsed:
-                    counted["rows"] += batch.num_rows
-                    counted["bytes"] += nbytes
-                    yield batch
-            finally:
-                parsed.close()
-            conn.commit()  # the COPY is complete: end the short transaction before Delta finishes
-            conn.drop_slot(temp_slot)
 
-        stream = pieces()
-        try:
-            version = write_snapshot(
-                spark, stream, schema, path, marker, chunk_bytes=chunk_bytes, layout=layout,
-                replace_where=None if first else _range_predicate(ranges.key, low, high),
-            )  # fmt: skip
-        finally:
-            stream.close()
+        version = copy.write(
+            spark, read, path, marker, layout=layout, chunk_bytes=chunk_bytes,
+            replace_where=None if first else _range_predicate(ranges.key, low, high),
+        )  # fmt: skip
     fault_point("after_range_commit")
-    described = [(col.column, col.type_name, spark_ddl_type(col)) for col in columns]
-    return RangeCopy(done, k, point, counted["rows"], counted["bytes"], version, layout, described)
+    return RangeCopy(done, k, copy.point, copy.rows, copy.bytes, version, layout, copy.described)
 
 
 def _check_columns(spark: SparkSession, path: str, table: TableName, schema: pa.Schema) -> None:

@@ -29,35 +29,33 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import psycopg
-import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
+from resources.consistent_copy import consistent_copy, Pieces
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.key_ranges import KeyRanges
-from resources.delta.layout import TableLayout
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
-from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.delta.destination import TableLog
-from resources.delta.snapshot_writes import enable_deletion_vectors, write_snapshot
+from resources.delta.key_ranges import KeyRanges
+from resources.delta.lake_storage import open_lake
+from resources.delta.layout import TableLayout
+from resources.delta.markers import snapshot_marker
+from resources.delta.snapshot_writes import enable_deletion_vectors
+from resources.delta.spark_connect import reports_dead_engine
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.delta.table_log import read_table_log, read_table_metadata
 from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
 from resources.incremental import run_incremental
 from resources.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
-from resources.snapshot_layout import existing_layout, table_layout
-from resources.delta.lake_storage import open_lake
-from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
-from resources.pgtypes import arrow_schema, PgValueError, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import read_table, table_oid, TableName
+from resources.pgtypes import PgValueError, SESSION_SETTINGS
+from resources.postgres.catalog import read_table, TableName
 from resources.postgres.connections import connect
 from resources.postgres.copy import (
     block_ranges,
@@ -67,13 +65,11 @@ from resources.postgres.copy import (
     heap_blocks,
     parallel_copy,
     PARSE_BYTES,
-    PieceParser,
-    read_column_types,
 )
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
-from resources.postgres.replication import ReplicationConnection
 from resources.postgres.sql import quote_ident
+from resources.snapshot_layout import existing_layout, table_layout
 
 __all__ = [
     "SnapshotProgress",
@@ -250,23 +246,14 @@ def _snapshot_table(
     known: TableLog | None,
 ) -> SnapshotResult:
     chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
-    existing = existing_layout(table, path, known)
-    with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
-        # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
-        # first command: look it up before BEGIN.
-        temp_slot = f"pgcdc_sync_{table_oid(conn.connection, table)}_{secrets.token_hex(6)}"
-        conn.begin_snapshot_transaction()
-        created = conn.create_slot(temp_slot, temporary=True, snapshot="use")
-        snapshot_lsn = created.consistent_point
-        info = read_table(conn.connection, publication, table)
-        columns = read_column_types(conn, info)
-        schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        layout = table_layout(conn.connection, info, schema, buckets, existing)
-        marker = snapshot_marker(snapshot_lsn, slot, str(table), layout)
-        blocks, block_size = heap_blocks(conn.connection, info.oid)
+    existing = existing_layout(table, path, read_table_log(path, known))
+    with consistent_copy(dsn, publication, table) as copy:
+        layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets, existing)
+        marker = snapshot_marker(copy.point, slot, str(table), layout)
+        blocks, block_size = heap_blocks(copy.conn.connection, copy.info.oid)
         ranges = block_ranges(blocks, max(1, reading.range_bytes // block_size))
         workers = min(reading.workers, len(ranges))
-        snapshot_name = export_snapshot(conn) if workers > 1 else ""
+        snapshot_name = export_snapshot(copy.conn) if workers > 1 else ""
         if workers > 1:
             logger.info(
                 "snapshot %s: %.0f MB heap in %d ctid chunks on %d sessions under one snapshot",
@@ -275,59 +262,38 @@ def _snapshot_table(
         else:
             ranges = [(0, None)]
             logger.info("snapshot %s: %.0f MB heap in one COPY", table, blocks * block_size / 1e6)
-        counted = {"rows": 0, "bytes": 0}
         chunks_done: list[int] = []  # one entry per finished range; list.append is atomic across threads
 
-        def copied() -> None:
-            """The COPY is complete: end the transaction and free the slot before Spark finishes."""
-            conn.commit()
-            conn.drop_slot(temp_slot)
-
-        def read() -> Generator[tuple[pa.RecordBatch, int], None, None]:
+        def read() -> Pieces:
             piece_bytes = min(chunk_bytes, PARSE_BYTES)
             if workers > 1:
                 return parallel_copy(
-                    dsn, snapshot_name, [info.copy_query(block_range) for block_range in ranges],
-                    lambda: PieceParser(columns, schema, snapshot_lsn), workers, piece_bytes, chunk_rows,
+                    dsn, snapshot_name, [copy.info.copy_query(block_range) for block_range in ranges],
+                    copy.parser, workers, piece_bytes, chunk_rows,
                     f"pgcdc-copy-{table}", on_query_done=lambda: chunks_done.append(1),
                 )  # fmt: skip
-            return copied_batches(
-                conn.pgconn, info.copy_query(), PieceParser(columns, schema, snapshot_lsn), piece_bytes, chunk_rows, str(table)
-            )
+            return copied_batches(copy.conn.pgconn, copy.info.copy_query(), copy.parser(), piece_bytes, chunk_rows, str(table))
 
-        def pieces() -> Iterator[pa.RecordBatch]:
-            source = read()
-            try:
-                for batch, nbytes in source:
-                    counted["rows"] += batch.num_rows
-                    counted["bytes"] += nbytes
-                    if on_progress is not None:
-                        elapsed = time.monotonic() - started
-                        progress = SnapshotProgress(
-                            table, counted["rows"], counted["bytes"], elapsed, len(chunks_done), len(ranges)
-                        )
-                        on_progress(progress)
-                    yield batch
-            finally:
-                source.close()  # stops the reader threads before the connection closes
-            copied()
+        def progress() -> None:
+            assert on_progress is not None
+            elapsed = time.monotonic() - started
+            on_progress(SnapshotProgress(table, copy.rows, copy.bytes, elapsed, len(chunks_done), len(ranges)))
 
-        stream = pieces()
-        try:
-            version = write_snapshot(spark, stream, schema, path, marker, chunk_bytes=chunk_bytes, layout=layout)
-        finally:
-            stream.close()
+        version = copy.write(
+            spark, read, path, marker, layout=layout, chunk_bytes=chunk_bytes,
+            on_piece=progress if on_progress is not None else None,
+        )  # fmt: skip
         if deletion_vectors:
             enable_deletion_vectors(spark, path)
         written = read_table_metadata(path)
     return SnapshotResult(
         table=table,
-        snapshot_lsn=snapshot_lsn,
-        rows=counted["rows"],
+        snapshot_lsn=copy.point,
+        rows=copy.rows,
         path=path,
         delta_version=version,
         duration_s=time.monotonic() - started,
-        columns=[(col.column, col.type_name, spark_ddl_type(col)) for col in columns],
+        columns=copy.described,
         chunks=len(ranges),
         workers=workers,
         layout=layout,
@@ -535,14 +501,15 @@ def snapshot_in_key_ranges(
     copies: list[RangeCopy] = []
     rows = nbytes = 0
 
-    def copy_range(ranges: KeyRanges, k: int, first: bool) -> None:
+    def copy_range(ranges: KeyRanges, k: int, first: bool, log: TableLog) -> None:
         copies.append(copy_key_range(
             config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k,
-            first=first, known=known, buckets=config.delta.buckets,
+            first=first, log=log, buckets=config.delta.buckets,
         ))  # fmt: skip
 
     def copy_next() -> None:
-        ranges = plan if plan is not None and not copies else read_table_log(path).chunks
+        log = read_table_log(path, known)  # once per range: its ranges (but the plan's first) and its layout
+        ranges = plan if plan is not None and not copies else log.chunks
         if ranges is None:
             raise SnapshotError(f"{table}: its snapshot in key ranges is gone from its Delta log", "snapshot the table again")
         k = ranges.next_range()
@@ -550,11 +517,11 @@ def snapshot_in_key_ranges(
             return
         new_snapshot = ranges is plan and not plan.redo
         try:
-            copy_range(ranges, k, new_snapshot)
+            copy_range(ranges, k, new_snapshot, log)
         except ColumnsChanged as changed:
             fresh = _plan(config, table)[0] or KeyRanges(ranges.key, (), (None,))  # else one range: the whole table
             logger.info("snapshot %s: %s; starting over in %d key ranges", table, changed, fresh.count)
-            copy_range(fresh, 0, True)
+            copy_range(fresh, 0, True, log)  # nothing was written: the log is as read
 
     while True:
         copied = len(copies)

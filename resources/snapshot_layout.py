@@ -15,17 +15,18 @@ import pyarrow as pa
 from resources.config import BucketSettings
 from resources.delta.destination import TableLog
 from resources.delta.layout import BUCKET_COLUMN, choose_layout, is_range_key, LayoutError, TableLayout, TableSize
-from resources.delta.table_log import read_table_log, read_table_metadata
+from resources.delta.table_log import read_table_metadata
 from resources.errors import ConfigurationError
 from resources.postgres.catalog import key_range, primary_key_columns, size_estimate, TableInfo, TableName
 
 
-def existing_layout(table: TableName, path: str, known: TableLog | None) -> TableLayout | None:
-    """The layout of the Delta table at ``path`` if it is bucketed (None: no table, or unbucketed), read
-    as a drain reads it (the snapshot marker, else :func:`~resources.delta.table_log.expired_layout`);
-    a bucketed table whose layout no record names any more is refused: re-bucketing it in place
-    could contradict a layout recorded for it elsewhere."""
-    layout = read_table_log(path, known).layout
+def existing_layout(table: TableName, path: str, log: TableLog) -> TableLayout | None:
+    """The layout of the Delta table at ``path`` if it is bucketed (None: no table, or unbucketed), as
+    its ``log`` says (read as a drain reads it, with the pgcdc state's row as ``known``: the snapshot
+    marker, else :func:`~resources.delta.table_log.expired_layout`); a bucketed table whose layout no
+    record names any more is refused: re-bucketing it in place could contradict a layout recorded for
+    it elsewhere."""
+    layout = log.layout
     if layout is None:
         metadata = read_table_metadata(path)
         if metadata is not None and metadata.bucketed:

@@ -22,6 +22,7 @@ import pyarrow as pa
 from resources.cdc.applier import ChangeApplier
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import TransactionAssembler
+from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.lsn import LSN
@@ -95,9 +96,10 @@ class World:
         marker = snapshot_marker(done.snapshot_lsn, "slot", str(TABLE), None, done, k)
         self.lake.replace_where(PATH, inside, pa.Table.from_pylist(copied, schema=SCHEMA), marker)
 
-    def recopy(self, table: TableName, path: str, ranges: KeyRanges, k: int) -> None:
+    def recopy(self, table: TableName, path: str, log: TableLog, k: int) -> None:
         self.recopies += 1
-        self.copy_range(self.ranges() or ranges, k)
+        assert log.chunks is not None
+        self.copy_range(self.ranges() or log.chunks, k)
 
     def drain(self, crash: bool) -> None:
         """Apply the WAL after the confirmed position; a crash stops part-way and confirms nothing."""

@@ -55,8 +55,7 @@ from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaChangeE
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
-from resources.delta.destination import Destination
-from resources.delta.key_ranges import KeyRanges
+from resources.delta.destination import Destination, TableLog
 from resources.delta.layout import BUCKET_COLUMN, bucket_values
 from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
@@ -105,13 +104,14 @@ class ChangeApplier:
         heartbeat: Callable[[], None] | None = None,
         max_merge_rows: int = DEFAULT_MERGE_ROWS,
         max_replace_values: int = DEFAULT_REPLACE_VALUES,
-        recopy_range: Callable[[TableName, str, KeyRanges, int], None] | None = None,
+        recopy_range: Callable[[TableName, str, TableLog, int], None] | None = None,
     ) -> None:
         """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out).
 
-        ``recopy_range(table, path, ranges, k)`` copies range k of a table snapshotted in key ranges
-        again, at a new consistent point, in one commit carrying its marker (see :meth:`_key_range_pieces`
+        ``recopy_range(table, path, log, k)`` copies range k of a table snapshotted in key ranges
+        (``log``: its log as this drain knows it, ranges and layout) again, at a new consistent point,
+        in one commit carrying its marker (see :meth:`_key_range_pieces`
         for when); without it such a table's drain stops there with an error."""
         self._destination = destination
         self._types = types
@@ -411,7 +411,7 @@ class ChangeApplier:
                 "run the table's snapshot (pgcdc_snapshot) to continue its snapshot in key ranges",
             )
         self._log(f"{target.table}: copying key range {k + 1} of {target.log.chunks.count} again: {why}")
-        self._writer.call(self._recopy_range, target.table, target.path, target.log.chunks, k)
+        self._writer.call(self._recopy_range, target.table, target.path, target.log, k)
         target.log = self._writer.call(self._destination.read_table_log, target.path, target.log)  # type: ignore[assignment]
         chunks = target.log.chunks if target.log is not None else None
         point = chunks.points[k] if chunks is not None else None
