@@ -24,6 +24,7 @@ runs on which engine: docs/testing.md.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -45,8 +46,8 @@ from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.snapshot import snapshot_tables
-from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property
-from resources.delta.table_log import read_table_log
+from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc_marker
+from resources.delta.table_log import read_table_log, read_table_metadata
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
@@ -55,6 +56,7 @@ pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # 
 from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.s3_fixtures import S3Server
 from tests.test_bucket_layout import clean_log
+from tests.test_key_range_snapshot import Writer
 from tests.test_object_storage import lifecycle as object_storage_lifecycle
 from tests.test_randomized import Replay
 from tests.workload import generate
@@ -87,7 +89,11 @@ LIFECYCLE_DDL = """
 timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
 #: Tests that run on the managed Spark engine only: its JVM is up anyway, and the other engines
 #: add nothing to them that the lifecycle walk does not cover.
-SPARK_LOCAL_ONLY = {"test_randomized_workload_on_spark_matches_postgres", "test_lifecycle_on_s3_with_apache_spark_and_delta"}
+SPARK_LOCAL_ONLY = {
+    "test_randomized_workload_on_spark_matches_postgres",
+    "test_lifecycle_on_s3_with_apache_spark_and_delta",
+    "test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres",
+}
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
 CRASH_POINT = {"spark-local": "after_delta_commit", "spark-cluster": "before_merge", "sail-server": "after_confirm"}
@@ -124,7 +130,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def engine_config(
-    pg: PgDatabase, tmp_path: Path, engine: EngineUnderTest, buckets: dict[str, object] | None = None, **spark: object
+    pg: PgDatabase,
+    tmp_path: Path,
+    engine: EngineUnderTest,
+    buckets: dict[str, object] | None = None,
+    snapshot: dict[str, object] | None = None,
+    **spark: object,
 ) -> PgcdcConfig:
     """pgcdc configured as a user would for this engine: ``spark.remote`` is its URL."""
     return parse_config({
@@ -132,6 +143,7 @@ def engine_config(
         "publication": "pub",
         "slot": SLOT,
         "delta": {"root": str(tmp_path / "lake"), "buckets": buckets or {}},
+        "snapshot": snapshot or {},
         "spark": {"remote": engine.url, **spark},
     })  # fmt: skip
 
@@ -288,6 +300,68 @@ def test_randomized_workload_on_spark_matches_postgres(engine: EngineUnderTest, 
     replay.execute(steps)
     assert replay.most_duplicates > 0, "dup_t never held identical rows"
     print(f"{engine.name}: seed {seed}, {len(steps)} steps, runs {' '.join(replay.run_times)}")
+
+
+KEY_RANGES_DDL = """
+    CREATE TABLE big (id int PRIMARY KEY, v int, body text);
+    ALTER TABLE big ALTER COLUMN body SET STORAGE EXTERNAL;
+    INSERT INTO big SELECT g, g, CASE WHEN g % 50 = 0 THEN repeat(md5(g::text), 100) ELSE 'b' || g END
+      FROM generate_series(1, 3000) g WHERE g <= 1000 OR g > 2000;
+    CREATE TABLE flat (n int, s text);
+    CREATE PUBLICATION pub FOR TABLE big;
+"""
+"""Keys 1-1,000 and 2,001-3,000: three ranges of equal width, the middle one (1,001-2,000) empty.
+``flat`` takes the writer's inserts, unpublished: on a JVM every Delta write costs seconds."""
+
+
+def test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
+    """A snapshot in key ranges on Delta on Spark (docs/contracts.md, "Chunked snapshots in primary-key
+    ranges") while another connection writes: three ranges of ``big``'s key, the middle one empty,
+    whose replaceWhere commit adds and removes nothing yet must land with its marker (else the walk
+    could not go on); every range commit keeps the layout the first one chose, which on Spark only
+    the marker records (no table property). Then a drain: Delta equals PostgreSQL value for value."""
+    spark = engine.spark
+    assert spark is not None and engine_capabilities(spark).delta_commands
+    pg.execute(KEY_RANGES_DDL)
+    heap_mb = pg.execute("SELECT pg_catalog.pg_relation_size('big')")[0][0] / 2**20
+    config = engine_config(
+        pg, tmp_path, engine, {"tables": {"public.big": {"width": 1000}}},
+        {"chunked_above_mb": heap_mb / 2, "key_chunk_mb": heap_mb / 2.5},  # three ranges, with room for the writer's growth
+    )  # fmt: skip
+    path = config.table_path("public", "big")
+    started = time.monotonic()
+    # Keys 1 and 3,000 stay (the ranges' bounds are fixed); none of the writer's keys is in the middle range.
+    with Writer(pg, seed=pg.major, keys=[*range(2, 1001), *range(2001, 3000)], pause=0.2) as writer:
+        [result] = snapshot_tables(config, spark)
+    walked = time.monotonic() - started
+    assert writer.transactions > 10
+    assert result.key_ranges and result.chunks == 3
+    log = read_table_log(path)
+    assert log.chunks is not None and log.chunks.next_range() is None and log.snapshot_lsn is not None
+    assert log.chunks.limits(1) == (1001, 2001), log.chunks
+    commits = range_commits(path)
+    assert sorted(commits) == [0, 1, 2] and commits[1] == 0, commits  # the empty range's marker landed, no rows
+    assert log.layout is not None and log.layout.key == ("id",)
+    assert read_table_metadata(path).layout_property is None  # type: ignore[union-attr]  # Spark: the marker only
+    assert assert_buckets_right(path) == log.layout
+    run_incremental(config, spark)
+    assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > 1000
+    print(f"{engine.name} (PostgreSQL {pg.major}): walk of {log.chunks.count} key ranges {walked:.1f} s, "
+          f"{writer.transactions} concurrent transactions")  # fmt: skip
+
+
+def range_commits(path: str) -> dict[int, int]:
+    """Per key range, the rows its newest commit added (from the local log: Delta's add statistics)."""
+    added: dict[int, int] = {}
+    for commit in sorted((Path(path) / "_delta_log").glob("*.json")):
+        actions = [json.loads(line) for line in commit.read_text(encoding="utf-8").splitlines()]
+        markers = [pgcdc_marker(a["commitInfo"].get("userMetadata")) for a in actions if "commitInfo" in a]
+        copied = [m["chunks"]["range"] for m in markers if m is not None and "chunks" in m]
+        if copied:
+            added[copied[0]] = sum(json.loads(a["add"]["stats"])["numRecords"] for a in actions if "add" in a)
+    return added
 
 
 def test_lifecycle_on_s3_with_apache_spark_and_delta(

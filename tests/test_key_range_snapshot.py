@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import deltalake
@@ -51,23 +52,25 @@ DDL = f"""
 
 class Writer(threading.Thread):
     """pgbench-style traffic on ``big`` until stopped: inserts, updates (some keeping the TOASTed
-    body), deletes and key moves across the whole key span, a few per transaction, and an insert
-    into the keyless ``flat`` in each (so every drain has something to write)."""
+    body), deletes and key moves across ``keys`` (default: the whole key span and beyond), a few per
+    transaction, and an insert into the keyless ``flat`` in each (so every drain has something to write)."""
 
-    def __init__(self, pg: PgDatabase, seed: int) -> None:
+    def __init__(self, pg: PgDatabase, seed: int, keys: Sequence[int] = range(1, ROWS + 401), pause: float = 0.004) -> None:
         super().__init__(daemon=True)
         self.pg, self.rng, self.stop = pg, random.Random(seed), threading.Event()
+        self.keys = keys  # the keys it inserts, updates, deletes and moves between
+        self.pause = pause  # seconds between two transactions
         self.transactions = 0
 
     def run(self) -> None:
         rng = self.rng
         with self.pg.connect() as conn:
-            while not self.stop.wait(0.004):
+            while not self.stop.wait(self.pause):
                 try:
                     with conn.transaction():
                         conn.execute("INSERT INTO flat VALUES (%s, 'w')", (self.transactions,))  # every drain writes
                         for _ in range(rng.randint(1, 3)):
-                            key, other = rng.randint(1, ROWS + 400), rng.randint(1, ROWS + 400)
+                            key, other = rng.choice(self.keys), rng.choice(self.keys)
                             action = rng.random()
                             if action < 0.25:
                                 conn.execute("INSERT INTO big VALUES (%s, 0, 'new') ON CONFLICT (id) DO NOTHING", (key,))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -140,7 +141,7 @@ def _overwrite(
         writer = writer.option("replaceWhere", replace_where)
     if replace_where is None or not delta_commands:
         # Sail skips the commit of a write that adds and removes nothing unless the schema is
-        # (re)written, which keeps the same schema here; Delta on Spark commits it anyway.
+        # (re)written, which keeps the same schema here; Delta on Spark, see below.
         writer = writer.option("overwriteSchema", "true")
     if layout is not None:
         writer = writer.partitionBy(BUCKET_COLUMN)
@@ -149,7 +150,32 @@ def _overwrite(
         # Sail records delta.* writer options as table properties; Delta on Spark refuses
         # property names it does not know, so there the layout lives in the marker only.
         writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))
-    writer.save(path)
+    if replace_where is not None and delta_commands:
+        # Delta on Spark skips the commit of a write that adds and removes nothing unless told not
+        # to (a session setting: the session's writes are serialised while a range is replaced).
+        with _session_setting(frame.sparkSession, RECORD_EMPTY_COMMITS):
+            writer.save(path)
+    else:
+        writer.save(path)
+
+
+RECORD_EMPTY_COMMITS = ("spark.databricks.delta.skipRecordingEmptyCommits", "false")
+"""Delta on Spark's setting that makes it record a commit without actions (an empty key range's)."""
+
+
+@contextmanager
+def _session_setting(spark: SparkSession, setting: tuple[str, str]) -> Iterator[None]:
+    """``setting`` (key, value) on the session while the block runs, then what it was."""
+    key, value = setting
+    before = spark.conf.get(key, None)
+    spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        if before is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, before)
 
 
 def enable_deletion_vectors(spark: SparkSession, path: str) -> None:
