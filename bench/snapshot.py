@@ -15,6 +15,11 @@ Both take the best of ``--runs``, after one warm-up each (page cache, Sail's fir
 For the best run the CPU seconds of each process are reported too (``/proc``): pgcdc's own
 process, the engine's server, PostgreSQL (the postmaster's children, ended ones included) and,
 for the baseline, psql: on a machine with few cores, the sum is what bounds the wall time.
+With ``--chunked-ranges N`` it measures the snapshot in primary-key ranges instead (each table in
+about N ranges, one short transaction and one drain run of the slot each: ``snapshot_tables`` with
+``snapshot.key_chunk_mb`` chosen from the table's heap, a fresh lake directory per walk), against
+the same baseline, with ranges/s and the memory figures of that mode alone.
+
 A final pgcdc run with tracemalloc on gives the Python heap's peak; it is not timed,
 because tracemalloc slows every allocation. For a big table's memory, run e.g.
 ``--narrow-rows 10000000 --wide-rows 1000 --runs 1 --workers 2``: the RSS figures are the
@@ -24,6 +29,7 @@ process's and the Sail server's high-water marks.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import resource
 import shutil
@@ -39,10 +45,11 @@ import psycopg
 import pyarrow as pa
 
 from bench.lakes import add_arguments, bench_lake, open_engine
+from resources.config import parse_config
 from resources.delta.lake_storage import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
-from resources.snapshot import SnapshotResult, snapshot_table
+from resources.snapshot import SnapshotResult, snapshot_table, snapshot_tables
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 
 PUBLICATION = "bench_pub"
@@ -202,11 +209,23 @@ def main() -> None:
         help="heap megabytes per ctid range (snapshot.chunk_mb, default 64): 16 splits the default tables into"
         " 5 (narrow) and 4 (wide) ranges, so that 2 and 4 workers have work to share",
     )
+    parser.add_argument(
+        "--chunked-ranges", type=int, default=0,
+        help="measure the snapshot in key ranges instead, each table in about this many ranges (0: one snapshot)",
+    )
     add_arguments(parser)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-lake-"))
     server = start_local_postgres(18)
+    if args.chunked_ranges > 0:
+        try:
+            with bench_lake(args.lake, work) as (root, storage):
+                report_chunked(*run_chunked(server, args, root, storage))
+        finally:
+            server.destroy()
+            shutil.rmtree(work, ignore_errors=True)
+        return
     try:
         with bench_lake(args.lake, work) as (root, storage):
             measurements, rss_mib, server_peak_mib, arrow_peak_mib, heap_peak = run(server, args, root, storage)
@@ -286,6 +305,90 @@ def report(
     print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
     print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")
     print(f"peak Python heap during a narrow snapshot (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
+
+
+@dataclass
+class ChunkedMeasurement:
+    """One table's snapshot in key ranges (the best walk) against its raw COPY."""
+
+    table: str
+    rows: int
+    ranges: int
+    copy_s: float
+    walk_s: float
+    walk_cpu: Cpu
+
+    @property
+    def ratio(self) -> float:
+        return self.copy_s / self.walk_s
+
+    @property
+    def ranges_per_second(self) -> float:
+        return self.ranges / self.walk_s
+
+
+def run_chunked(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dict) -> tuple:
+    """The snapshot in key ranges of each table (about ``--chunked-ranges`` ranges), and the memory figures."""
+    print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
+    load_tables(server, args.narrow_rows, args.wide_rows)
+    ensure_slot(server.dsn(), SLOT)
+    postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+    walks = itertools.count()
+    with open_engine(args.engine, root, storage) as engine:
+        cpu = lambda: cpu_now(postmaster, engine.server_pid)  # noqa: E731
+        measurements = []
+        results: dict[str, SnapshotResult] = {}
+
+        def walk(table: str) -> float:
+            """One snapshot of ``table`` in key ranges into a fresh lake directory; its seconds."""
+            with psycopg.connect(server.dsn()) as conn:
+                (heap,) = conn.execute(f"SELECT pg_catalog.pg_relation_size('{table}')").fetchone() or (0,)
+            config = parse_config({
+                "postgres": {"dsn": server.dsn()}, "publication": PUBLICATION, "slot": SLOT,
+                "tables": [f"public.{table}"],
+                "delta": {"root": join_location(root, f"chunked-{next(walks)}"), "storage": storage},
+                # ceil(heap / key_chunk_mb) = N ranges
+                "snapshot": {"chunked_above_mb": 0, "key_chunk_mb": heap / 2**20 / (args.chunked_ranges - 0.5)},
+            })  # fmt: skip
+            started = time.perf_counter()
+            [results[table]] = snapshot_tables(config, engine.spark)
+            return time.perf_counter() - started
+
+        for table in ("narrow", "wide"):
+            copy_s, _ = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table), cpu)
+            walk_s, walk_cpu = best_of(args.runs, lambda table=table: walk(table), cpu)
+            result = results[table]
+            assert result.key_ranges, f"{table} was not copied in key ranges"
+            measurements.append(ChunkedMeasurement(table, result.rows, result.chunks, copy_s, walk_s, walk_cpu))
+            print(f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)")
+        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        _, server_peak_mib = engine.server_memory_mib()
+        arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
+        tracemalloc.start()
+        walk("narrow")
+        _, heap_peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return measurements, rss_mib, server_peak_mib, arrow_peak_mib, heap_peak
+
+
+def report_chunked(
+    measurements: list[ChunkedMeasurement], rss_mib: float, server_peak_mib: float, arrow_peak_mib: float, heap_peak: float
+) -> None:
+    print()
+    print(f"{'table':8} {'rows':>10} {'ranges':>6} {'COPY s':>8} {'walk s':>8} {'rows/s':>10} {'ranges/s':>8} {'ratio':>6}")
+    for m in measurements:
+        print(
+            f"{m.table:8} {m.rows:>10,} {m.ranges:>6} {m.copy_s:>8.3f} {m.walk_s:>8.3f} {m.rows / m.walk_s:>10,.0f}"
+            f" {m.ranges_per_second:>8.2f} {m.ratio:>6.0%}"
+        )
+    print()
+    print("CPU seconds of the best walks, per process:")
+    for m in measurements:
+        print(f"  {m.table:8} {m.walk_cpu.describe()}")
+    print()
+    print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
+    print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")
+    print(f"peak Python heap during a narrow walk (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
 
 
 if __name__ == "__main__":
