@@ -5,6 +5,7 @@ Definitions are built from a real configuration file, as ``dagster dev`` builds 
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import deltalake
 import psycopg
@@ -22,9 +24,12 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+import resources.snapshot as snapshot_module
 from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.delta.markers import read_snapshot_lsn
-from resources.errors import ConnectionFailure
+from resources.delta.table_log import read_table_log
+from resources.errors import ConnectionFailure, SnapshotError
+from resources.key_range_copy import copy_key_range, RangeCopy
 from resources.lsn import LSN
 from resources.testing.verify import assert_buckets_right
 from tests.conftest import PgDatabase
@@ -345,6 +350,44 @@ def invalidate_slot(pg: PgDatabase, slot: str) -> None:
 
 
 # --------------------------------------------------------------------------- command line
+
+
+def test_a_stopped_snapshot_in_key_ranges_resumes_in_the_next_run(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run of the snapshot job stopped at a range boundary (its step fails right after the second
+    range's commit, where a run terminated there leaves the table), changes meanwhile, and the next
+    run, which goes on at the third range: Delta equals PostgreSQL, the materialization records the mode."""
+    (heap,) = shop.execute("SELECT pg_catalog.pg_relation_size('orders')")[0]
+    chunked = {"parallel_tables": 2, "chunked_above_mb": 0, "key_chunk_mb": heap / 2**20 / 3.5}  # four ranges
+    defs = build_definitions(write_config(tmp_path, shop, snapshot=chunked))
+    copied: list[int] = []
+
+    def stopped_after_two_ranges(*args: Any, **kwargs: Any) -> RangeCopy:
+        done = copy_key_range(*args, **kwargs)
+        copied.append(done.range)
+        if len(copied) == 2:
+            raise SnapshotError("the run was stopped", "run the snapshot again")
+        return done
+
+    with monkeypatch.context() as patched:
+        patched.setattr(snapshot_module, "copy_key_range", stopped_after_two_ranges)
+        stopped = defs.resolve_job_def("pgcdc_snapshot").execute_in_process(instance=instance, raise_on_error=False)
+    assert not stopped.success and copied == [0, 1]
+    path = str(tmp_path / "lake" / "public" / "orders")
+    part_way = read_table_log(path).chunks
+    assert part_way is not None and (part_way.done, part_way.count) == (2, 4)
+    shop.execute("UPDATE orders SET customer = 'later' WHERE id % 100 = 0")
+    shop.execute("DELETE FROM orders WHERE id = 7")
+    shop.execute("INSERT INTO orders VALUES (900, 'new', 1.00, NULL, NULL)")
+
+    with caplog.at_level(logging.INFO, logger="resources.snapshot"):
+        resumed = run_snapshot(defs, instance)
+    assert "resuming its snapshot in key ranges of id: 2 of 4 done" in caplog.text
+    assert materializations(resumed)[ORDERS_KEY]["pgcdc/mode"] == "4 primary-key ranges, one short transaction each"
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+    assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
 
 
 def test_dagster_cli_runs_the_snapshot_job(shop: PgDatabase, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ Points (see ``resources/incremental.py``):
 * ``after_confirm``: the slot has been told the chunk's end position.
 * ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
   (``resources/delta/state_table.py``) not yet written, the last chunk not confirmed.
-* ``after_range_slot``: a snapshot in key ranges (``resources/key_range_snapshot.py``) created the
+* ``after_range_slot``: a snapshot in key ranges (``resources/key_range_copy.py``) created the
   temporary slot of its next range, nothing of the range is in Delta yet.
 * ``after_range_commit``: the range's Delta commit (with its marker) is durable, the drain that
   follows it has not started.
