@@ -46,6 +46,7 @@ import pyarrow as pa
 
 from bench.lakes import add_arguments, bench_lake, open_engine
 from resources.config import parse_config
+from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
@@ -168,6 +169,14 @@ class Measurement:
         return self.rows / self.pgcdc_s
 
 
+def prepare(server: LocalPostgres, args: argparse.Namespace) -> int:
+    """Load the tables and create the slot; the postmaster's pid (the CPU figures count its children)."""
+    print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
+    load_tables(server, args.narrow_rows, args.wide_rows)
+    ensure_slot(server.dsn(), SLOT)
+    return int((server.data_dir / "postmaster.pid").read_text().split()[0])
+
+
 def load_tables(server: LocalPostgres, narrow_rows: int, wide_rows: int) -> None:
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         conn.execute(NARROW_DDL)
@@ -237,10 +246,7 @@ def main() -> None:
 
 def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dict) -> tuple:
     """The measurements on the lake at ``root``, and the memory figures."""
-    print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
-    load_tables(server, args.narrow_rows, args.wide_rows)
-    ensure_slot(server.dsn(), SLOT)
-    postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+    postmaster = prepare(server, args)
     with open_engine(args.engine, root, storage) as engine:
         cpu = lambda: cpu_now(postmaster, engine.server_pid)  # noqa: E731
         measurements = []
@@ -271,17 +277,11 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
                     )
                 )  # fmt: skip
 
-        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        _, server_peak_mib = engine.server_memory_mib()
-        arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
-        tracemalloc.start()
-        snapshot_table(
+        memory = memory_peaks(engine, lambda: snapshot_table(
             server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, join_location(root, "narrow"),
             slot=SLOT, workers=max(worker_counts), chunk_mb=args.chunk_mb,
-        )
-        _, heap_peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    return measurements, rss_mib, server_peak_mib, arrow_peak_mib, heap_peak
+        ))  # fmt: skip
+    return measurements, *memory
 
 
 def report(
@@ -301,10 +301,30 @@ def report(
     print("CPU seconds of the best runs, per process:")
     for m in measurements:
         print(f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s): {m.pgcdc_cpu.describe()}")
+    report_memory(rss_mib, server_peak_mib, arrow_peak_mib, heap_peak, "a narrow snapshot")
+
+
+def memory_peaks(engine: SparkEngine, last_run: Callable[[], object]) -> tuple[float, float, float, float]:
+    """Peak RSS of this process and of the engine's server, peak of the Arrow pool (MiB, so far),
+    and the Python heap's peak (bytes) during ``last_run`` under tracemalloc (untimed: it slows
+    every allocation)."""
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    _, server_peak_mib = engine.server_memory_mib()
+    arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
+    tracemalloc.start()
+    try:
+        last_run()
+        _, heap_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return rss_mib, server_peak_mib, arrow_peak_mib, heap_peak
+
+
+def report_memory(rss_mib: float, server_peak_mib: float, arrow_peak_mib: float, heap_peak: float, during: str) -> None:
     print()
     print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
     print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")
-    print(f"peak Python heap during a narrow snapshot (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
+    print(f"peak Python heap during {during} (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
 
 
 @dataclass
@@ -329,10 +349,7 @@ class ChunkedMeasurement:
 
 def run_chunked(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dict) -> tuple:
     """The snapshot in key ranges of each table (about ``--chunked-ranges`` ranges), and the memory figures."""
-    print(f"PostgreSQL 18 on port {server.port}; loading {args.narrow_rows:,} narrow and {args.wide_rows:,} wide rows")
-    load_tables(server, args.narrow_rows, args.wide_rows)
-    ensure_slot(server.dsn(), SLOT)
-    postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+    postmaster = prepare(server, args)
     walks = itertools.count()
     with open_engine(args.engine, root, storage) as engine:
         cpu = lambda: cpu_now(postmaster, engine.server_pid)  # noqa: E731
@@ -361,14 +378,8 @@ def run_chunked(server: LocalPostgres, args: argparse.Namespace, root: str, stor
             assert result.key_ranges, f"{table} was not copied in key ranges"
             measurements.append(ChunkedMeasurement(table, result.rows, result.chunks, copy_s, walk_s, walk_cpu))
             print(f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)")
-        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        _, server_peak_mib = engine.server_memory_mib()
-        arrow_peak_mib = pa.default_memory_pool().max_memory() / 2**20
-        tracemalloc.start()
-        walk("narrow")
-        _, heap_peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    return measurements, rss_mib, server_peak_mib, arrow_peak_mib, heap_peak
+        memory = memory_peaks(engine, lambda: walk("narrow"))
+    return measurements, *memory
 
 
 def report_chunked(
@@ -385,10 +396,7 @@ def report_chunked(
     print("CPU seconds of the best walks, per process:")
     for m in measurements:
         print(f"  {m.table:8} {m.walk_cpu.describe()}")
-    print()
-    print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
-    print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")
-    print(f"peak Python heap during a narrow walk (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
+    report_memory(rss_mib, server_peak_mib, arrow_peak_mib, heap_peak, "a narrow walk")
 
 
 if __name__ == "__main__":

@@ -39,13 +39,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pyspark.sql import SparkSession
 
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.dataframes import session_settings
 from resources.delta.lake_storage import is_object_store, join_location, LakeStorage, parse_object_location
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
 
@@ -288,7 +287,7 @@ class _SparkMaintenance:
         settings = {"spark.databricks.delta.optimize.maxFileSize": str(target_file_bytes)}
         if retention_hours < DELTA_DEFAULT_RETENTION_HOURS:  # configured on purpose: lift Delta's guard
             settings["spark.databricks.delta.retentionDurationCheck.enabled"] = "false"
-        with _session_settings(self.spark, settings):
+        with session_settings(self.spark, settings):
             metrics = self.spark.sql(f"OPTIMIZE {self.table}").select("metrics.*").first()
             assert metrics is not None
             self.spark.sql(f"VACUUM {self.table} RETAIN {int(retention_hours)} HOURS").collect()
@@ -302,22 +301,6 @@ class _SparkMaintenance:
             files_compacted=int(metrics["numFilesRemoved"]),
             files_written=int(metrics["numFilesAdded"]),
         )
-
-
-@contextmanager
-def _session_settings(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
-    """Session settings for the commands inside, restored afterwards."""
-    previous = {key: spark.conf.get(key, None) for key in settings}
-    for key, value in settings.items():
-        spark.conf.set(key, value)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                spark.conf.unset(key)
-            else:
-                spark.conf.set(key, value)
 
 
 MAINTENANCE_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})

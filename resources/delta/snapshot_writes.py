@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,7 +11,7 @@ from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from resources.delta.lake_storage import is_object_store, remove_tree, storage_client
-from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes
+from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property
@@ -153,29 +152,14 @@ def _overwrite(
     if replace_where is not None and delta_commands:
         # Delta on Spark skips the commit of a write that adds and removes nothing unless told not
         # to (a session setting: the session's writes are serialised while a range is replaced).
-        with _session_setting(frame.sparkSession, RECORD_EMPTY_COMMITS):
+        with session_settings(frame.sparkSession, RECORD_EMPTY_COMMITS):
             writer.save(path)
     else:
         writer.save(path)
 
 
-RECORD_EMPTY_COMMITS = ("spark.databricks.delta.skipRecordingEmptyCommits", "false")
+RECORD_EMPTY_COMMITS = {"spark.databricks.delta.skipRecordingEmptyCommits": "false"}
 """Delta on Spark's setting that makes it record a commit without actions (an empty key range's)."""
-
-
-@contextmanager
-def _session_setting(spark: SparkSession, setting: tuple[str, str]) -> Iterator[None]:
-    """``setting`` (key, value) on the session while the block runs, then what it was."""
-    key, value = setting
-    before = spark.conf.get(key, None)
-    spark.conf.set(key, value)
-    try:
-        yield
-    finally:
-        if before is None:
-            spark.conf.unset(key)
-        else:
-            spark.conf.set(key, before)
 
 
 def enable_deletion_vectors(spark: SparkSession, path: str) -> None:
