@@ -1,5 +1,5 @@
-"""Snapshot, a drain, table maintenance with Delta's own commands and another drain on an
-in-process classic Spark session with Delta's jars (Dagster's ``classic`` mode).
+"""Snapshot, table maintenance with Delta's own commands, and a drain on an in-process classic
+Spark session with Delta's jars (Dagster's ``classic`` mode).
 
 Usage: python -m tests.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH RETENTION_HOURS
 
@@ -34,13 +34,10 @@ def main() -> None:
         print(f"delta commands: {engine_capabilities(spark).delta_commands}", flush=True)
         snapshot_tables(config, spark)
         print("snapshot done", flush=True)
-        sys.stdin.readline()  # the parent writes changes, then asks for the drain
-        result = run_incremental(config, spark)
-        print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
         sys.stdin.readline()
         done = maintain_table(sys.argv[2], config.delta.lake(), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark)
         print(f"maintained {json.dumps({'method': done.method, 'properties_set': done.properties_set})}", flush=True)
-        sys.stdin.readline()
+        sys.stdin.readline()  # the parent writes changes, then asks for the drain
         result = run_incremental(config, spark)
     print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
 
