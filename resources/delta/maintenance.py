@@ -28,7 +28,7 @@ per-tombstone costs). docs/contracts.md ("Table maintenance") argues why both eq
 retention is exactly right.
 
 Which engine does the work (the capability seam, ``capabilities.py``): Delta on Spark runs
-its own ``OPTIMIZE`` and ``VACUUM ... RETAIN n HOURS``, and writes checkpoints and cleans its log
+its own ``OPTIMIZE`` and ``VACUUM`` (at the table's file retention, set just before), and writes checkpoints and cleans its log
 itself on every tenth commit. An engine without these commands (embedded Sail 0.7.2) gets them
 from delta-rs (``deltalake``) in pgcdc's own process, on local paths and on ``s3://`` lakes
 alike (``LakeStorage.object_store_options``). delta-rs commits keep the table's protocol
