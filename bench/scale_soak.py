@@ -14,10 +14,13 @@ drain), as the job does.
 
 Reported, as the ratio of the end to the start (the goal is flat): the median drain time of
 the first and the last ``--window`` drains, the data files of the table's newest version,
-the data files on storage, and the log (files and bytes). Storage and log are only bounded
-once the retention (a week by default) and Delta's log retention (30 days) have passed, so in
-a soak of minutes they grow with every drain by design; the table's files and the drain time
-are what maintenance keeps flat. The oracle compares Delta with PostgreSQL at the end.
+the data files on storage, the log (files and bytes) and the tombstones in its newest
+checkpoint; and per quarter of the soak the median drain time and the median and largest of
+those figures (sampled every ``--sample-every`` drains). Storage, log and tombstones are
+bounded once the retention has passed (maintenance sets both Delta retention properties to
+it), so a soak shows them level off only when the retention is a fraction of its length:
+``--retention-hours`` takes fractions (0.1 is six minutes) to compress a week into the run.
+The oracle compares Delta with PostgreSQL at the end.
 
 The first and last drains run minutes apart, on a machine whose load may change meanwhile, so
 the soak ends with a same-run baseline: a second slot and lake (``fresh``) snapshot the table
@@ -52,18 +55,43 @@ SLOT = "scale_soak"
 FRESH_SLOT = "scale_soak_fresh"
 
 
+FIGURES = ("table_files", "storage_files", "log_files", "log_bytes", "tombstones")
+QUARTERS = 4
+
+
 def table_figures(path: str) -> dict[str, int]:
-    """Data files of the newest version, data files on storage, log files and log bytes."""
+    """Data files of the newest version, data files on storage, log files and log bytes, and the
+    tombstones (``remove`` actions) in the newest checkpoint: what each engine operation reads."""
     import deltalake
+    import pyarrow.parquet as pq
 
     log = Path(path) / "_delta_log"
     log_entries = [entry for entry in log.iterdir() if entry.is_file()]
+    checkpoints = sorted(log.glob("*.checkpoint.parquet"))
+    tombstones = pq.read_table(checkpoints[-1], columns=["remove"]).column("remove").drop_null() if checkpoints else []
     return {
         "table_files": deltalake.DeltaTable(path).get_add_actions(flatten=True).num_rows,
         "storage_files": sum(1 for entry in Path(path).rglob("*.parquet") if "_delta_log" not in entry.parts),
         "log_files": len(log_entries),
         "log_bytes": sum(entry.stat().st_size for entry in log_entries),
+        "tombstones": len(tombstones),
     }
+
+
+def quarter_report(durations: list[float], samples: list[tuple[int, dict[str, int]]]) -> list[str]:
+    """Per quarter of the soak: the median drain time and the median (and largest) of each figure
+    sampled in it; flat when the last quarters match. ``samples`` are (drain number, figures)."""
+    size = len(durations) // QUARTERS
+    lines = [f"{'quarter':<14}{'median drain s':>15}" + "".join(f"{name:>24}" for name in FIGURES)]
+    for quarter in range(QUARTERS):
+        first, last = quarter * size + 1, len(durations) if quarter == QUARTERS - 1 else (quarter + 1) * size
+        inside = [figures for drain, figures in samples if first <= drain <= last]
+        cells = "".join(
+            f"{statistics.median(f[name] for f in inside):,.0f} ({max(f[name] for f in inside):,})".rjust(24)
+            for name in FIGURES
+        )
+        lines.append(f"{first:>5}-{last:<8}{statistics.median(durations[first - 1 : last]):>15.3f}{cells}")
+    return lines
 
 
 def write_changes(conn: psycopg.Connection, rows: int, changes: int, next_key: int) -> int:
@@ -87,18 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drains", type=int, default=2000, help="drains in the soak (default 2000)")
     parser.add_argument("--maintain-every", type=int, default=50, help="maintenance every N drains (default 50)")
-    parser.add_argument("--retention-hours", type=int, default=168, help="maintenance.retention_hours (default 168)")
+    parser.add_argument("--retention-hours", type=float, default=168,
+                        help="maintenance.retention_hours (default 168; fractional compresses time: 0.1 is six minutes)")  # fmt: skip
     parser.add_argument("--rows", type=int, default=100_000, help="rows of the busy table (default 100,000)")
     parser.add_argument("--changes", type=int, default=100, help="random updates per drain (default 100)")
     parser.add_argument("--engine-runs", type=int, default=100, help="drains per engine start (default 100)")
     parser.add_argument("--window", type=int, default=50, help="drains per start / end median (default 50)")
+    parser.add_argument("--sample-every", type=int, default=10, help="figures sampled every N drains (default 10)")
     parser.add_argument("--baseline-drains", type=int, default=50,
                         help="rounds of soaked-lake against fresh-lake drains at the end (default 50)")  # fmt: skip
     parser.add_argument("--major", type=int, default=18, help="PostgreSQL major version (15 or 18)")
     parser.add_argument("--keep", action="store_true", help="keep the lake and the server's directory")
     args = parser.parse_args(argv)
-    if args.drains < 2 * args.window:
-        parser.error("--drains must be at least twice --window")
+    if args.drains < 2 * args.window or args.drains < QUARTERS * args.sample_every:
+        parser.error("--drains must be at least twice --window and four times --sample-every")
+    if not args.retention_hours > 0:
+        parser.error("--retention-hours must be more than 0")
 
     work = Path(tempfile.mkdtemp(prefix="pgcdc-scale-soak-"))
     server = start_local_postgres(args.major, {"max_wal_size": "1GB"}, base_dir=work / "pg")
@@ -123,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
               f" + {max(1, args.changes // 10)} inserts + 3 deletes; maintenance every {args.maintain_every}"
               f" (retention {args.retention_hours} h); start: {start}", flush=True)  # fmt: skip
         durations: list[float] = []
+        samples: list[tuple[int, dict[str, int]]] = []
         maintenance: list[float] = []
         peak_table_files = start["table_files"]
         next_key = args.rows + 1
@@ -135,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine = SparkEngine.embedded()
                 result = run_incremental(config, engine.spark)
                 durations.append(result.duration_s)
+                if drain % args.sample_every == 0:
+                    samples.append((drain, table_figures(path)))
                 if drain % args.maintain_every == 0:
                     peak_table_files = max(peak_table_files, table_figures(path)["table_files"])
                     maintenance.append(sum(
@@ -162,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         first, last = statistics.median(durations[: args.window]), statistics.median(durations[-args.window :])
         print(f"\n{args.drains} drains in {time.monotonic() - began:.0f} s; oracle: {rows:,} rows equal")
         print(f"median drain s: first {args.window} {first:.3f}, last {args.window} {last:.3f}, ratio {last / first:.2f}")
-        for name in ("table_files", "storage_files", "log_files", "log_bytes"):
+        for name in FIGURES:
             print(f"{name}: start {start[name]:,}, end {end[name]:,}")
+        print(f"per quarter (figures sampled every {args.sample_every} drains, median and largest):")
+        print("\n".join(quarter_report(durations, samples)))
         print(f"state table at the end: {state_end}")
         if soaked_s:
             ratios = [old / new for old, new in zip(soaked_s, fresh_s, strict=True)]

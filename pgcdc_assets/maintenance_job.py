@@ -9,6 +9,9 @@ Decisions:
 * **The slot's pool.** The op runs in ``pgcdc_slot_<slot>``, the pool of the drain step, so it
   never runs while a drain of the same slot writes the same tables (with the pool's limit
   of 1; see README).
+* **pgcdc owns the retention properties.** Each run sets ``delta.logRetentionDuration`` and
+  ``delta.deletedFileRetentionDuration`` to ``maintenance.retention_hours`` where they differ
+  (a hand-set value is overwritten), logs it and records it as ``pgcdc/retention_properties_set``.
 * **Stopped by default**, like the drain schedule: a team turns it on once it has chosen the
   retention.
 * **Every table of the pipeline, plus pgcdc's own tables under ``<delta.root>/_pgcdc/``.** A table
@@ -66,6 +69,8 @@ def maintenance_metadata(result: TableMaintenance) -> dict[str, object]:
         "pgcdc/log_files": MetadataValue.int(result.log_files_after),
         "pgcdc/delta_version": MetadataValue.int(result.version_after),
         "pgcdc/maintenance_method": MetadataValue.text(result.method),
+        # pgcdc owns the table's delta.logRetentionDuration / delta.deletedFileRetentionDuration
+        "pgcdc/retention_properties_set": MetadataValue.text("; ".join(result.properties_set) or "none"),
         "pgcdc/duration_s": MetadataValue.float(round(result.duration_s, 3)),
     }
 
@@ -112,8 +117,6 @@ def build_maintenance(
                     context.log.error(f"{path}: maintenance failed: {' '.join(str(error).split())[:500]}")
                     failed.append(path)
                     continue
-                for warning in result.warnings:
-                    context.log.warning(warning)
                 context.log.info(describe(result))
                 if path in table_keys:
                     yield AssetObservation(asset_key=table_keys[path], metadata=maintenance_metadata(result))

@@ -170,7 +170,8 @@ class MaintenanceSettings(_Section):
         default=168,
         ge=1,
         description="data files a newer version no longer references are deleted this long after their removal; "
-        "time travel to any version of this window keeps working",
+        "time travel to any version of this window keeps working; maintenance sets each table's "
+        "delta.logRetentionDuration and delta.deletedFileRetentionDuration to it (a hand-set value is overwritten)",
     )
     target_file_bytes: int = Field(
         default=128 * 1024 * 1024, ge=1024 * 1024, description="compaction writes files of about this size"

@@ -1,6 +1,10 @@
-"""Snapshot and one drain on an in-process classic Spark session with Delta's jars (Dagster's ``classic`` mode).
+"""Snapshot, table maintenance with Delta's own commands, and a drain on an in-process classic
+Spark session with Delta's jars (Dagster's ``classic`` mode).
 
-Usage: python -m tests.classic_child CONFIG.yaml
+Usage: python -m tests.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH RETENTION_HOURS
+
+Each step after the snapshot waits for a line on stdin, so the parent can write changes and
+look at the lake in between.
 
 Its own process: PySpark cannot build a classic session in a process that has had a Spark
 Connect session (``CONNECT_URL_NOT_SET``), and every other test session is Spark Connect.
@@ -8,6 +12,7 @@ Connect session (``CONNECT_URL_NOT_SET``), and every other test session is Spark
 
 from __future__ import annotations
 
+import json
 import sys
 
 from dagster import build_init_resource_context
@@ -15,6 +20,7 @@ from dagster import build_init_resource_context
 from resources.config import load_config
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.maintenance import maintain_table
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables
 
@@ -28,6 +34,9 @@ def main() -> None:
         print(f"delta commands: {engine_capabilities(spark).delta_commands}", flush=True)
         snapshot_tables(config, spark)
         print("snapshot done", flush=True)
+        sys.stdin.readline()
+        done = maintain_table(sys.argv[2], config.delta.lake(), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark)
+        print(f"maintained {json.dumps({'method': done.method, 'properties_set': done.properties_set})}", flush=True)
         sys.stdin.readline()  # the parent writes changes, then asks for the drain
         result = run_incremental(config, spark)
     print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)

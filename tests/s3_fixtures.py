@@ -1,5 +1,8 @@
-"""A local S3 for the suite: moto's server mode in a thread of the test process, on a free port.
+"""A local S3 for the suite: moto's server in a process of its own, on a free port.
 
+Not in a thread of the test process: a delta-rs call that keeps Python's GIL while it waits for
+the store (``DeltaTable.alter.set_table_properties`` in deltalake 1.6.6) would wait for a server
+that cannot run, until the store client gives up; a real store is never in pgcdc's process.
 One server for the whole session (start and stop take about a second); each test gets a lake
 of its own under a fresh prefix of one bucket. The test credentials reach pgcdc the way a
 user's would: through environment variables that ``delta.storage`` names as ``${...}``
@@ -9,9 +12,11 @@ which is what the bad-input tests check.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +24,6 @@ from typing import Any
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 from pyspark.sql import SparkSession
 
 from resources.delta.engine import SparkEngine
@@ -68,15 +72,30 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _wait_for_port(port: int, server: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """Until the server accepts connections; a server that exits or never listens fails the session."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"moto's server exited with {server.returncode}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"moto's server did not listen on port {port} within {timeout_s:.0f} s")
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto logs every request otherwise
     saved = {name: os.environ.get(name) for name in (KEY_VARIABLE, SECRET_VARIABLE)}
     os.environ[KEY_VARIABLE], os.environ[SECRET_VARIABLE] = TEST_KEY, TEST_SECRET
     port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # moto logs every request
+    )  # fmt: skip
     try:
+        _wait_for_port(port, server)
         s3 = S3Server(f"http://127.0.0.1:{port}")
         boto3.client(
             "s3", endpoint_url=s3.endpoint, aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET,
@@ -84,7 +103,8 @@ def s3_server() -> Iterator[S3Server]:
         ).create_bucket(Bucket=BUCKET)  # fmt: skip
         yield s3
     finally:
-        server.stop()
+        server.terminate()
+        server.wait(timeout=30)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

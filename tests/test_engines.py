@@ -42,6 +42,7 @@ import yaml
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.maintenance import MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
@@ -388,13 +389,18 @@ def next_line(stream: TextIO, prefix: str) -> str:
     raise AssertionError(f"the child ended without a line starting with {prefix!r}")
 
 
-def test_classic_in_process_session_snapshots_and_drains(pg: PgDatabase, tmp_path: Path) -> None:
-    """Dagster's ``classic`` mode (an in-process JVM session with Delta's jars) in a child process."""
+def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabase, tmp_path: Path) -> None:
+    """Dagster's ``classic`` mode (an in-process JVM session with Delta's jars) in a child process;
+    between the snapshot and the drain its JVM also runs the maintenance of Delta on Spark
+    (``OPTIMIZE``, ``VACUUM``, and the retention properties by ``ALTER TABLE ... SET
+    TBLPROPERTIES``) on acct, with a retention below Delta's default of a week, which its VACUUM
+    accepts once the table property says so; the drain after it stays exact."""
     pg.execute(LIFECYCLE_DDL)
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
                            "delta": {"root": str(tmp_path / "lake")}})  # fmt: skip
+    acct = config.table_path("public", "acct")
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path))],
+        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path)), acct, "2"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
         # This process has had Spark Connect sessions, which mark the environment as Connect mode
         # (SPARK_CONNECT_MODE_ENABLED); a child inheriting that cannot build a classic session.
@@ -404,6 +410,21 @@ def test_classic_in_process_session_snapshots_and_drains(pg: PgDatabase, tmp_pat
         assert child.stdout is not None and child.stdin is not None
         assert next_line(child.stdout, "delta commands:") == "delta commands: True"
         assert next_line(child.stdout, "snapshot") == "snapshot done"
+        assert_lake_exact(pg, config, 300)
+        snapshotted = deltalake.DeltaTable(acct).version()
+        at_snapshot = deltalake.DeltaTable(acct, version=snapshotted).to_pyarrow_table().sort_by("id")
+        child.stdin.write("maintain\n")
+        child.stdin.flush()
+        maintained = json.loads(next_line(child.stdout, "maintained ").removeprefix("maintained "))
+        assert maintained["method"] == "spark"
+        assert maintained["properties_set"] == [f"{name}: (unset) -> interval 2 hours" for name in RETENTION_PROPERTIES]
+        configuration = deltalake.DeltaTable(acct).metadata().configuration
+        assert {name: configuration.get(name) for name in RETENTION_PROPERTIES} == dict.fromkeys(RETENTION_PROPERTIES, "interval 2 hours")
+        # Spark names its property commit as delta-rs does: maintenance, not a writer (log clean-up's horizon).
+        commit = (Path(acct) / "_delta_log" / f"{snapshotted + 1:020d}.json").read_text()
+        assert json.loads(commit.splitlines()[0])["commitInfo"]["operation"] == "SET TBLPROPERTIES"
+        assert "SET TBLPROPERTIES" in MAINTENANCE_OPERATIONS
+        assert deltalake.DeltaTable(acct, version=snapshotted).to_pyarrow_table().sort_by("id").equals(at_snapshot)
         assert_lake_exact(pg, config, 300)
         writes(pg, 10, 100)
         child.stdin.write("drain\n")

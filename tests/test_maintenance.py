@@ -1,9 +1,10 @@
 """Table maintenance (``pgcdc_maintenance``) against real PostgreSQL 15 and 18, embedded Sail and delta-rs.
 
 One scenario per version walks what a long-running pipeline meets: many small drains, the
-Dagster maintenance job (compaction, vacuum after the retention, log clean-up), time travel
-inside the retention, more drains, and a drain that crashes after its Delta commit and is
-replayed; Delta equals PostgreSQL value for value after every step.
+Dagster maintenance job (the retention properties, compaction, vacuum after the retention, log
+clean-up after the retention), time travel inside the retention, more drains, and a drain that
+crashes after its Delta commit and is replayed; Delta equals PostgreSQL value for value after
+every step.
 
 The retention is a week, so its passing is simulated the one way a Delta table records it:
 the commits a drain made "long ago" get their removal timestamps (and the removed files their
@@ -27,7 +28,7 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.builder import build_definitions
 from resources.config import PgcdcConfig
 from resources.delta.lake_storage import open_lake
-from resources.delta.maintenance import delta_tables_under, maintain_table
+from resources.delta.maintenance import delta_tables_under, maintain_table, properties_to_set, RETENTION_PROPERTIES
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_snapshot_lsn
 from resources.delta.table_log import read_table_log
 from resources.incremental import run_incremental
@@ -53,6 +54,7 @@ DDL = """
 """
 TABLES = {"acct": ("id",), "dup": (), "journal": ()}
 RETENTION_HOURS = 168
+RETENTION = {name: "interval 168 hours" for name in RETENTION_PROPERTIES}
 DAY_MS = 24 * 3600 * 1000
 
 
@@ -112,7 +114,7 @@ def age_commits(path: str, versions: range, days: float) -> set[str]:
 
 
 def age_log(path: str, days: float) -> None:
-    """Every log file ``days`` older (what Delta's log clean-up compares with its cutoff)."""
+    """Every log file so far ``days`` older (what Delta's log clean-up compares with its cutoff)."""
     then = time.time() - days * 24 * 3600
     for entry in (Path(path) / "_delta_log").iterdir():
         os.utime(entry, (then, then))
@@ -125,6 +127,11 @@ def observations(result: object, key: AssetKey) -> list[dict[str, object]]:
         if event.event_type_value == "ASSET_OBSERVATION"
         and event.asset_observation_data.asset_observation.asset_key == key
     ]
+
+
+def retention_properties(path: str) -> dict[str, str]:
+    configuration = deltalake.DeltaTable(path).metadata().configuration
+    return {name: configuration[name] for name in RETENTION_PROPERTIES if name in configuration}
 
 
 def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
@@ -186,6 +193,9 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
             assert meta["pgcdc/files_before"] == len(files_before[table])
             assert meta["pgcdc/files_after"] == len(after)
             assert meta["pgcdc/maintenance_method"] == "delta-rs"
+            # pgcdc owns both retention properties: set to the retention, recorded.
+            assert retention_properties(path) == RETENTION, table
+            assert "delta.logRetentionDuration: (unset) -> interval 168 hours" in meta["pgcdc/retention_properties_set"]
             if table != "dup":
                 assert len(after) < len(files_before[table]), table  # compacted
             # Vacuum: files removed before the cutoff are gone, later removals stay for time travel.
@@ -197,6 +207,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
             # delta-rs commits keep the protocol the engine wrote, and the engine reads them.
             assert deltalake.DeltaTable(path).protocol() == protocol[table]
             assert spark.read.format("delta").load(path).count() == deltalake.DeltaTable(path).to_pyarrow_table().num_rows
+        assert retention_properties(state) == RETENTION
         assert_exact(pg, config)
         # Markers: maintenance commits are none, so the readers find the same ones.
         assert read_snapshot_lsn(spark, acct) == snapshot_lsn
@@ -207,15 +218,36 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         with pytest.raises(Exception, match=r"(?i)not found|no such file"):
             rows_at(acct, 1)
 
-        # A month later: the log's expired entries go, up to the newest commit a drain wrote.
+        # Eight days later (beyond the retention, well inside Delta's default log retention of 30
+        # days): everything written so far has expired, then two drains. The log is cleaned as far
+        # as the retention allows (from the newest expired checkpoint on: the first job's), by
+        # maintenance or by Sail's own clean-up at its checkpoints (every ten commits: journal's
+        # tenth is a drain's); both drains' versions, inside the retention, travel back exactly.
+        checkpointed = {table: deltalake.DeltaTable(path).version() for table, path in paths.items()}
+        at_checkpointed = {table: rows_at(path, checkpointed[table]) for table, path in paths.items()}
         for path in paths.values():
-            age_log(path, days=31)
+            age_log(path, days=8)
+        drain_work(pg, drains)
+        run_incremental(config, spark)
+        recent = {table: deltalake.DeltaTable(path).version() for table, path in paths.items()}
+        at_recent = {table: rows_at(path, recent[table]) for table, path in paths.items()}
+        drain_work(pg, drains + 1)
+        run_incremental(config, spark)
+        applied = read_table_log(journal).applied_marker
+        assert applied is not None
         second = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(instance=instance)
         assert second.success
-        meta = observations(second, AssetKey(["pgcdc", "public", "acct"]))[0]
-        assert meta["pgcdc/log_files_removed"] > 0
-        assert min(int(p.name[:20]) for p in (Path(acct) / "_delta_log").glob("*.json")) == newest
-        assert not [p for p in (Path(acct) / "_delta_log").glob("*.crc") if int(p.name[:20]) < newest]
+        for table, path in paths.items():
+            meta = observations(second, AssetKey(["pgcdc", "public", table]))[0]
+            assert meta["pgcdc/retention_properties_set"] == "none"  # they hold the retention since the first run
+            log = Path(path) / "_delta_log"
+            assert min(int(p.name[:20]) for p in log.glob("*.json")) == checkpointed[table], table
+            assert not [p for p in log.glob("*.crc") if int(p.name[:20]) < checkpointed[table]], table
+            assert rows_at(path, recent[table]) == at_recent[table], table
+            assert rows_at(path, checkpointed[table]) == at_checkpointed[table], table
+        with pytest.raises(Exception, match=r"(?i)no files in log segment"):  # older versions are gone
+            rows_at(acct, checkpointed["acct"] - 1)
+        assert observations(second, AssetKey(["pgcdc", "public", "acct"]))[0]["pgcdc/log_files_removed"] > 0
         assert read_snapshot_lsn(spark, acct) == EXPIRED_SNAPSHOT_LSN  # its snapshot commit expired
         assert read_table_log(journal).applied_marker == applied  # the newest append commit stays
         # The drains' log read: the layout now comes from the table property in delta-rs's checkpoint.
@@ -226,12 +258,12 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     # A drain on the maintained tables; then (on one version: the crash is Delta's, not
     # PostgreSQL's, and a child process with its own engine is costly) one that crashes after
     # its Delta commit and is replayed.
-    drain_work(pg, drains)
+    drain_work(pg, drains + 2)
     run_incremental(config, spark)
     assert_exact(pg, config)
     if pg.major != POSTGRES_VERSIONS[-1]:
         return
-    for i in range(drains + 1, drains + 4):
+    for i in range(drains + 3, drains + 6):
         drain_work(pg, i)
     position = confirmed(pg)
     child = Child(config_file, chunk=100, env={FAULT_POINT_ENV: "after_delta_commit"})
@@ -257,9 +289,10 @@ def test_maintenance_of_an_object_store_lake_through_delta_rs(s3_server: S3Serve
     assert delta_tables_under(lake, f"{s3_root}/_pgcdc") == [path]
     done = maintain_table(path, lake, retention_hours=RETENTION_HOURS, target_file_bytes=1 << 27)
     assert (done.method, done.table_before.files, done.table_after.files) == ("delta-rs", 4, 1)
-    assert done.storage_after.files == 5 and done.log_files_after == 6  # 5 commits and a checkpoint
+    assert done.storage_after.files == 5 and done.log_files_after == 7  # 6 commits (one setting the retention) and a checkpoint
     table = deltalake.DeltaTable(path, storage_options=lake.object_store_options())
     assert sorted(table.to_pyarrow_table().column("version").to_pylist()) == [0, 1, 2, 3]
+    assert {name: table.metadata().configuration.get(name) for name in RETENTION_PROPERTIES} == RETENTION
 
 
 def test_vacuum_deletes_files_whose_tombstones_a_checkpoint_already_dropped(tmp_path: Path) -> None:
@@ -283,3 +316,26 @@ def test_vacuum_deletes_files_whose_tombstones_a_checkpoint_already_dropped(tmp_
     assert done.files_vacuumed == 4, done
     assert [p.name for p in Path(path).glob("*.parquet")] == [Path(f).name for f in deltalake.DeltaTable(path).file_uris()]
     assert deltalake.DeltaTable(path).to_pyarrow_table().sort_by("id").equals(rows)
+
+
+def test_retention_properties_follow_the_retention_whatever_was_set_by_hand(tmp_path: Path) -> None:
+    """Both properties are set to the retention (whole hours in hours, a fraction in seconds);
+    a hand-set other value is overwritten, an equal one written otherwise kept; a retention
+    below one second is refused before anything is written."""
+    assert properties_to_set({}, 168 * 3600) == RETENTION
+    assert properties_to_set({name: "interval 7 days" for name in RETENTION_PROPERTIES}, 168 * 3600) == {}
+    assert properties_to_set({"delta.logRetentionDuration": "interval 30 days", "delta.deletedFileRetentionDuration": "interval 1 week"}, 168 * 3600) == {
+        "delta.logRetentionDuration": "interval 168 hours"
+    }  # fmt: skip
+    assert properties_to_set({}, 180) == {name: "interval 180 seconds" for name in RETENTION_PROPERTIES}
+    path = str(tmp_path / "t")
+    deltalake.write_deltalake(path, pa.table({"id": [1]}), configuration={"delta.logRetentionDuration": "interval 30 days"})
+    with pytest.raises(ValueError, match="at least one second"):
+        maintain_table(path, open_lake(path), retention_hours=0.0001, target_file_bytes=1 << 20)
+    assert deltalake.DeltaTable(path).version() == 0
+    done = maintain_table(path, open_lake(path), retention_hours=0.05, target_file_bytes=1 << 20)
+    assert retention_properties(path) == {name: "interval 180 seconds" for name in RETENTION_PROPERTIES}
+    assert done.properties_set == (
+        "delta.logRetentionDuration: interval 30 days -> interval 180 seconds",
+        "delta.deletedFileRetentionDuration: (unset) -> interval 180 seconds",
+    )

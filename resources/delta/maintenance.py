@@ -14,21 +14,28 @@ engine reads every file of the target). One call of :func:`maintain_table` per D
    t < now - retention). Time travel to any version of the window keeps reading; older
    versions may not. Only files that still exist are deleted, and nothing is committed when
    there are none.
-3. **log**: a checkpoint at the newest version, then the commits older than the table's
-   ``delta.logRetentionDuration`` (Delta's default: 30 days) that the checkpoint covers are
-   deleted, with the ``.crc`` files left of them. A table whose log retention is shorter than
-   ``retention_hours`` keeps its log whole (a warning says so): cleaning it would break time
-   travel inside the retention.
+3. **log**: a checkpoint at the newest version, then the commits older than the retention that
+   the checkpoint covers are deleted, with the ``.crc`` files left of them.
+
+First of all, pgcdc owns the two retention properties of every table it maintains: both
+``delta.logRetentionDuration`` and ``delta.deletedFileRetentionDuration`` are set to the
+retention (one ``SET TBLPROPERTIES`` commit when either differs; a hand-set value is
+overwritten). Every engine's own log clean-up then keeps exactly the window time travel needs,
+and every checkpoint (Sail writes one every ten commits) drops the tombstones of files removed
+before the window, so neither the log nor the checkpoint grows with a table's age: each
+operation's cost stays flat over months (docs/engine-notes.md has the measured per-file and
+per-tombstone costs). docs/contracts.md ("Table maintenance") argues why both equal to the
+retention is exactly right.
 
 Which engine does the work (the capability seam, ``capabilities.py``): Delta on Spark runs
-its own ``OPTIMIZE`` and ``VACUUM ... RETAIN n HOURS``, and writes checkpoints and cleans its log
+its own ``OPTIMIZE`` and ``VACUUM`` (at the table's file retention, set just before), and writes checkpoints and cleans its log
 itself on every tenth commit. An engine without these commands (embedded Sail 0.7.2) gets them
 from delta-rs (``deltalake``) in pgcdc's own process, on local paths and on ``s3://`` lakes
 alike (``LakeStorage.object_store_options``). delta-rs commits keep the table's protocol
 (it adds no table feature) and Sail and Spark read them; docs/engine-notes.md has the checks.
 
-pgcdc's commit markers are untouched: the maintenance commits (``OPTIMIZE``, ``VACUUM START``,
-``VACUUM END``) carry no ``userMetadata``, so the marker readers in ``markers.py`` pass over them,
+pgcdc's commit markers are untouched: the maintenance commits (``SET TBLPROPERTIES``, ``OPTIMIZE``,
+``VACUUM START``, ``VACUUM END``) carry no ``userMetadata``, so the marker readers in ``markers.py`` pass over them,
 and a snapshot commit removed by log cleanup is what ``EXPIRED_SNAPSHOT_LSN`` already covers.
 
 Never run this while a drain writes the same table: the Dagster job runs in the slot's pool.
@@ -49,12 +56,11 @@ from resources.delta.lake_storage import is_object_store, join_location, LakeSto
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
 
 DELTA_LOG = "_delta_log"
-DELTA_DEFAULT_RETENTION_HOURS = 168
-"""Delta's ``deletedFileRetentionDuration`` default, below which both engines want an explicit override."""
-DELTA_DEFAULT_LOG_RETENTION_HOURS = 30 * 24
+RETENTION_PROPERTIES = ("delta.logRetentionDuration", "delta.deletedFileRetentionDuration")
+"""The table properties pgcdc sets to the retention on every table it maintains."""
 _COMMIT_FILE = re.compile(r"^(\d{20})\.(?:json|crc|checkpoint(?:\.\d+\.\d+)?\.parquet)$")
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(second|minute|hour|day|week)s?\s*$", re.IGNORECASE)
-_INTERVAL_HOURS = {"second": 1 / 3600, "minute": 1 / 60, "hour": 1.0, "day": 24.0, "week": 168.0}
+_INTERVAL_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 24 * 3600, "week": 7 * 24 * 3600}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,32 +95,36 @@ class TableMaintenance:
     log_files_removed: int
     log_files_after: int
     duration_s: float
-    warnings: tuple[str, ...] = ()
+    #: The retention properties this run changed, each as "name: old -> new" (none: they held the retention).
+    properties_set: tuple[str, ...] = ()
 
 
 def maintain_table(
     path: str,
     lake: LakeStorage,
     *,
-    retention_hours: int,
+    retention_hours: float,
     target_file_bytes: int,
     spark: SparkSession | None = None,
 ) -> TableMaintenance:
-    """Compact, vacuum and clean the log of the Delta table at ``path`` (see the module docstring).
+    """Set the retention properties, compact, vacuum and clean the log of the Delta table at
+    ``path`` (see the module docstring).
 
-    ``spark`` is the session when one is running; its engine's own commands are used when it
-    has them (Delta on Spark), delta-rs otherwise, and without a session (embedded Sail needs
-    none for this).
+    ``retention_hours`` may be fractional (the soak benchmark compresses a week into minutes;
+    users configure whole hours). ``spark`` is the session when one is running; its engine's own
+    commands are used when it has them (Delta on Spark), delta-rs otherwise, and without a
+    session (embedded Sail needs none for this).
     """
-    if retention_hours < 1:
-        raise ValueError("retention_hours must be at least 1")
+    retention_s = round(retention_hours * 3600)
+    if retention_s < 1:
+        raise ValueError(f"retention_hours must be at least one second (got {retention_hours!r})")
     started = time.monotonic()
     storage_before = _storage_files(lake, path)
     log_before = _log_files(lake, path)
     if spark is not None and engine_capabilities(spark).delta_commands:
-        done = _SparkMaintenance(spark, path).run(retention_hours, target_file_bytes)
+        done = _SparkMaintenance(spark, path).run(retention_s, target_file_bytes)
     else:
-        done = _DeltaRsMaintenance(path, lake).run(retention_hours, target_file_bytes)
+        done = _DeltaRsMaintenance(path, lake).run(retention_s, target_file_bytes)
     storage_after = _storage_files(lake, path)
     log_after = _log_files(lake, path)
     return TableMaintenance(
@@ -132,8 +142,25 @@ def maintain_table(
         log_files_removed=len(log_before - log_after),
         log_files_after=len(log_after),
         duration_s=time.monotonic() - started,
-        warnings=done.warnings,
+        properties_set=done.properties_set,
     )
+
+
+def retention_interval(retention_s: int) -> str:
+    """The retention as a Delta interval property value: whole hours in hours, else in seconds."""
+    return f"interval {retention_s // 3600} hours" if retention_s % 3600 == 0 else f"interval {retention_s} seconds"
+
+
+def properties_to_set(configuration: dict[str, str], retention_s: int) -> dict[str, str]:
+    """The retention properties whose value differs from the retention (unset ones included), each
+    mapped to it; an equal duration written otherwise ("interval 7 days") stays as it is."""
+    interval = retention_interval(retention_s)
+    return {name: interval for name in RETENTION_PROPERTIES if _interval_seconds(configuration.get(name, "")) != retention_s}
+
+
+def _property_changes(configuration: dict[str, str], changed: dict[str, str]) -> tuple[str, ...]:
+    """What :func:`properties_to_set` changed, for the job's log and metadata."""
+    return tuple(f"{name}: {configuration.get(name, '(unset)')} -> {value}" for name, value in changed.items())
 
 
 def delta_tables_under(lake: LakeStorage, location: str) -> list[str]:
@@ -165,7 +192,7 @@ class _Done:
     table_after: FileStats
     files_compacted: int
     files_written: int
-    warnings: tuple[str, ...] = ()
+    properties_set: tuple[str, ...]
 
 
 def _no_hooks() -> object:
@@ -193,9 +220,14 @@ class _DeltaRsMaintenance:
 
         return DeltaTable(self.path, version=version, storage_options=self.lake.object_store_options() or None)
 
-    def run(self, retention_hours: int, target_file_bytes: int) -> _Done:
+    def run(self, retention_s: int, target_file_bytes: int) -> _Done:
         table = self._open()
         version_before, table_before = table.version(), _add_stats(table)
+        configuration = table.metadata().configuration
+        changed = properties_to_set(configuration, retention_s)
+        if changed:
+            table.alter.set_table_properties(changed, post_commithook_properties=_no_hooks())
+            table = self._open()
         compacted = table.optimize.compact(target_size=target_file_bytes, post_commithook_properties=_no_hooks())
         table = self._open()
         # A full vacuum lists the table's files (as Delta on Spark's VACUUM does) instead of trusting
@@ -203,28 +235,14 @@ class _DeltaRsMaintenance:
         # deletedFileRetentionDuration (Sail writes one every ten commits), so a vacuum working
         # from tombstones misses every file whose tombstone expired between two maintenance runs
         # and leaves it on storage for good. A real run (two commits) only when there is a file to delete.
-        candidates = table.vacuum(
-            retention_hours=retention_hours, enforce_retention_duration=False, dry_run=True, full=True
-        )
+        # No retention argument: the table's deletedFileRetentionDuration, the retention since the
+        # property commit above (delta-rs's argument takes whole hours only; the property takes seconds).
+        candidates = table.vacuum(dry_run=True, full=True)
         if set(candidates) & _storage_files(self.lake, self.path).keys():
-            table.vacuum(
-                retention_hours=retention_hours,
-                enforce_retention_duration=False,
-                dry_run=False,
-                full=True,
-                post_commithook_properties=_no_hooks(),
-            )
+            table.vacuum(dry_run=False, full=True, post_commithook_properties=_no_hooks())
             table = self._open()
-        warnings = []
         version = table.version()
-        log_hours = _log_retention_hours(table.metadata().configuration)
-        if log_hours >= retention_hours:
-            self._clean_log(_newest_writer_commit(self.lake, self.path), log_hours)
-        else:
-            warnings.append(
-                f"{self.path}: delta.logRetentionDuration ({log_hours:g} h) is shorter than maintenance.retention_hours"
-                f" ({retention_hours} h), so its log is not cleaned: raise the table property or lower the retention"
-            )
+        self._clean_log(_newest_writer_commit(self.lake, self.path), retention_s)
         self._checkpoint(version)
         return _Done(
             method="delta-rs",
@@ -234,7 +252,7 @@ class _DeltaRsMaintenance:
             table_after=_add_stats(table),
             files_compacted=int(compacted["numFilesRemoved"]),
             files_written=int(compacted["numFilesAdded"]),
-            warnings=tuple(warnings),
+            properties_set=_property_changes(configuration, changed),
         )
 
     def _checkpoint(self, version: int) -> None:
@@ -242,11 +260,12 @@ class _DeltaRsMaintenance:
         if f"{version:020d}.checkpoint.parquet" not in _log_files(self.lake, self.path):
             self._open_at(version).create_checkpoint()
 
-    def _clean_log(self, keep_from: int, log_hours: float) -> None:
-        """Delete the expired log entries older than version ``keep_from``: a checkpoint there,
-        then Delta's clean-up of what it covers, then the orphaned ``.crc`` files. Nothing (no
-        checkpoint either) while no file below ``keep_from`` has expired."""
-        cutoff = time.time() - log_hours * 3600
+    def _clean_log(self, keep_from: int, log_retention_s: int) -> None:
+        """Delete the log entries older than version ``keep_from`` and ``log_retention_s`` (the table's
+        logRetentionDuration, which delta-rs's clean-up reads): a checkpoint there, then Delta's
+        clean-up of what it covers, then the orphaned ``.crc`` files. Nothing (no checkpoint
+        either) while no file below ``keep_from`` has expired."""
+        cutoff = time.time() - log_retention_s
         if not any(int(name[:20]) < keep_from and mtime < cutoff for name, mtime in _log_entries(self.lake, self.path).items()):
             return
         self._checkpoint(keep_from)
@@ -275,23 +294,27 @@ class _SparkMaintenance:
         self.spark = spark
         self.table = "delta.`" + path.replace("`", "``") + "`"
 
-    def _detail(self) -> tuple[int, FileStats]:
-        row = self.spark.sql(f"DESCRIBE DETAIL {self.table}").select("numFiles", "sizeInBytes").first()
+    def _detail(self) -> tuple[int, FileStats, dict[str, str]]:
+        """Newest version, the data files of the newest version, the table properties."""
+        row = self.spark.sql(f"DESCRIBE DETAIL {self.table}").select("numFiles", "sizeInBytes", "properties").first()
         assert row is not None
         newest = self.spark.sql(f"DESCRIBE HISTORY {self.table} LIMIT 1").select("version").first()
         assert newest is not None
-        return int(newest["version"]), FileStats(int(row["numFiles"]), int(row["sizeInBytes"]))
+        return int(newest["version"]), FileStats(int(row["numFiles"]), int(row["sizeInBytes"])), dict(row["properties"] or {})
 
-    def run(self, retention_hours: int, target_file_bytes: int) -> _Done:
-        version_before, table_before = self._detail()
-        settings = {"spark.databricks.delta.optimize.maxFileSize": str(target_file_bytes)}
-        if retention_hours < DELTA_DEFAULT_RETENTION_HOURS:  # configured on purpose: lift Delta's guard
-            settings["spark.databricks.delta.retentionDurationCheck.enabled"] = "false"
-        with session_settings(self.spark, settings):
+    def run(self, retention_s: int, target_file_bytes: int) -> _Done:
+        version_before, table_before, configuration = self._detail()
+        changed = properties_to_set(configuration, retention_s)
+        if changed:
+            assignments = ", ".join(f"'{name}' = '{value}'" for name, value in changed.items())
+            self.spark.sql(f"ALTER TABLE {self.table} SET TBLPROPERTIES ({assignments})").collect()
+        with session_settings(self.spark, {"spark.databricks.delta.optimize.maxFileSize": str(target_file_bytes)}):
             metrics = self.spark.sql(f"OPTIMIZE {self.table}").select("metrics.*").first()
             assert metrics is not None
-            self.spark.sql(f"VACUUM {self.table} RETAIN {int(retention_hours)} HOURS").collect()
-        version_after, table_after = self._detail()
+            # No RETAIN: the table's deletedFileRetentionDuration, the retention since the
+            # property commit above (so Delta's retention-duration guard holds as well).
+            self.spark.sql(f"VACUUM {self.table}").collect()
+        version_after, table_after, _ = self._detail()
         return _Done(
             method="spark",
             version_before=version_before,
@@ -300,11 +323,14 @@ class _SparkMaintenance:
             table_after=table_after,
             files_compacted=int(metrics["numFilesRemoved"]),
             files_written=int(metrics["numFilesAdded"]),
+            properties_set=_property_changes(configuration, changed),
         )
 
 
-MAINTENANCE_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
-"""The commits maintenance writes (delta-rs and Delta on Spark name them alike)."""
+MAINTENANCE_OPERATIONS = frozenset({"SET TBLPROPERTIES", "OPTIMIZE", "VACUUM START", "VACUUM END"})
+"""The commits maintenance writes (delta-rs and Delta on Spark name them alike). A property commit
+is one: were it a writer's, every maintenance run that sets a property would pin the log's
+clean-up horizon to itself, and an idle table's log would never be cleaned."""
 
 
 def _newest_writer_commit(lake: LakeStorage, path: str) -> int:
@@ -331,12 +357,12 @@ def _add_stats(table: object) -> FileStats:
     return FileStats(actions.num_rows, sum(actions.column("size_bytes").to_pylist()))
 
 
-def _log_retention_hours(configuration: dict[str, str]) -> float:
-    """``delta.logRetentionDuration`` in hours (Delta's default when unset or unreadable)."""
-    match = _INTERVAL.match(configuration.get("delta.logRetentionDuration", ""))
+def _interval_seconds(value: str) -> int | None:
+    """A Delta interval property value in seconds; None when unset or not of the form ``interval N unit``."""
+    match = _INTERVAL.match(value)
     if match is None:
-        return float(DELTA_DEFAULT_LOG_RETENTION_HOURS)
-    return int(match.group(1)) * _INTERVAL_HOURS[match.group(2).lower()]
+        return None
+    return int(match.group(1)) * _INTERVAL_SECONDS[match.group(2).lower()]
 
 
 def _filesystem_path(lake: LakeStorage, location: str) -> tuple[object, str]:
@@ -395,5 +421,6 @@ def describe(result: TableMaintenance) -> str:
         f" storage {result.storage_before.files} -> {result.storage_after.files} files"
         f" ({result.files_vacuumed} vacuumed); log files removed {result.log_files_removed};"
         f" version {result.version_before} -> {result.version_after}; {result.duration_s:.2f} s"
+        + (f"; set {', '.join(result.properties_set)}" if result.properties_set else "")
     )
 
