@@ -9,9 +9,12 @@ throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measure
 * pgcdc: ``snapshot_table`` into a fresh Delta table through the embedded Sail engine,
   the whole path: temporary slot, COPY, CSV -> typed Arrow, Spark write, atomic commit;
   once per ``--workers`` count (sessions reading ctid ranges of ``--chunk-mb`` under one
-  snapshot; 1 = one COPY).
+  snapshot; 1 = one COPY) and per ``--writers`` entry: ``delta-rs`` (pgcdc streams the rows into
+  delta-rs in its own process, the default on an engine without Delta's commands) or ``engine``
+  (staged Parquet, then the engine's overwrite: Delta on Spark's way).
 
-Both take the best of ``--runs``, after one warm-up each (page cache, Sail's first write).
+Each takes the best of ``--runs``, after one warm-up each (page cache, Sail's first write); the
+rounds interleave the baseline and every pgcdc variant, so a busy machine slows them alike.
 For the best run the CPU seconds of each process are reported too (``/proc``): pgcdc's own
 process, the engine's server, PostgreSQL (the postmaster's children, ended ones included) and,
 for the baseline, psql: on a machine with few cores, the sum is what bounds the wall time.
@@ -39,6 +42,7 @@ import psycopg
 import pyarrow as pa
 
 from bench.lakes import add_arguments, bench_lake, open_engine
+from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.delta.lake_storage import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
@@ -148,6 +152,7 @@ class Measurement:
     copy_s: float
     copy_cpu: Cpu
     workers: int
+    writer: str
     chunks: int
     pgcdc_s: float
     pgcdc_cpu: Cpu
@@ -180,15 +185,18 @@ def psql_copy_seconds(server: LocalPostgres, table: str) -> float:
         return time.perf_counter() - started
 
 
-def best_of(runs: int, action: Callable[[], float], cpu: Callable[[], Cpu]) -> tuple[float, Cpu]:
-    """The shortest of ``runs`` timed runs after a warm-up, with the CPU each process spent in it."""
-    action()  # warm-up
-    samples = []
+def best_of_each(runs: int, actions: dict[str, Callable[[], float]], cpu: Callable[[], Cpu]) -> dict[str, tuple[float, Cpu]]:
+    """Per action, the shortest of ``runs`` timed runs after a warm-up, with the CPU each process
+    spent in it; the actions take turns in every round."""
+    for action in actions.values():
+        action()  # warm-up
+    samples: dict[str, list[tuple[float, Cpu]]] = {name: [] for name in actions}
     for _ in range(runs):
-        before = cpu()
-        seconds = action()
-        samples.append((seconds, cpu() - before))
-    return min(samples, key=lambda sample: sample[0])
+        for name, action in actions.items():
+            before = cpu()
+            seconds = action()
+            samples[name].append((seconds, cpu() - before))
+    return {name: min(taken, key=lambda sample: sample[0]) for name, taken in samples.items()}
 
 
 def main() -> None:
@@ -197,6 +205,9 @@ def main() -> None:
     parser.add_argument("--wide-rows", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", default="1,2,4", help="comma-separated session counts to measure")
+    parser.add_argument(
+        "--writers", default="delta-rs", help="comma-separated snapshot writers to measure: delta-rs, engine"
+    )
     parser.add_argument(
         "--chunk-mb", type=int, default=16,
         help="heap megabytes per ctid range (snapshot.chunk_mb, default 64): 16 splits the default tables into"
@@ -225,32 +236,44 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     with open_engine(args.engine, root, storage) as engine:
         cpu = lambda: cpu_now(postmaster, engine.server_pid)  # noqa: E731
         measurements = []
-        results: dict[str, SnapshotResult] = {}
 
         worker_counts = [int(w) for w in args.workers.split(",")]
-        for table in ("narrow", "wide"):
-            def pgcdc_seconds(table: str, workers: int) -> float:
-                started = time.perf_counter()
-                results[table] = snapshot_table(
-                    server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
-                    join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
-                )
-                return time.perf_counter() - started
+        writers = args.writers.split(",")
+        detected = engine_capabilities(engine.spark)
+        results: dict[tuple[str, int], SnapshotResult] = {}
 
-            copy_s, copy_cpu = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table), cpu)
+        def pgcdc_seconds(table: str, workers: int, writer: str) -> float:
+            set_engine_capabilities(engine.spark, EngineCapabilities(detected.delta_commands, writer == "delta-rs"))
+            started = time.perf_counter()
+            results[table, workers] = snapshot_table(
+                server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
+                join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
+            )
+            return time.perf_counter() - started
+
+        for table in ("narrow", "wide"):
+            actions: dict[str, Callable[[], float]] = {"COPY": lambda table=table: psql_copy_seconds(server, table)}
+            for workers in worker_counts:
+                for writer in writers:
+                    actions[f"{workers} {writer}"] = lambda table=table, workers=workers, writer=writer: pgcdc_seconds(
+                        table, workers, writer
+                    )
+            best = best_of_each(args.runs, actions, cpu)
+            print(f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)")
             with psycopg.connect(server.dsn()) as conn:
                 (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
+            copy_s, copy_cpu = best["COPY"]
             for workers in worker_counts:
-                pgcdc_s, pgcdc_cpu = best_of(
-                    args.runs, lambda table=table, workers=workers: pgcdc_seconds(table, workers), cpu
-                )
-                result = results[table]
-                measurements.append(
-                    Measurement(
-                        table, result.rows, len(result.columns), int(csv_bytes), copy_s, copy_cpu,
-                        result.workers, result.chunks, pgcdc_s, pgcdc_cpu,
-                    )
-                )  # fmt: skip
+                result = results[table, workers]
+                for writer in writers:
+                    pgcdc_s, pgcdc_cpu = best[f"{workers} {writer}"]
+                    measurements.append(
+                        Measurement(
+                            table, result.rows, len(result.columns), int(csv_bytes), copy_s, copy_cpu,
+                            result.workers, writer, result.chunks, pgcdc_s, pgcdc_cpu,
+                        )
+                    )  # fmt: skip
+        set_engine_capabilities(engine.spark, detected)
 
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         _, server_peak_mib = engine.server_memory_mib()
@@ -270,18 +293,18 @@ def report(
 ) -> None:
     print()
     print(
-        f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'workers':>7} {'chunks':>6}"
+        f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'workers':>7} {'writer':>8} {'chunks':>6}"
         f" {'pgcdc s':>8} {'pgcdc rows/s':>13} {'ratio':>6}"
     )
     for m in measurements:
         print(
-            f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f} {m.workers:>7} {m.chunks:>6}"
+            f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f} {m.workers:>7} {m.writer:>8} {m.chunks:>6}"
             f" {m.pgcdc_s:>8.3f} {m.pgcdc_rate:>13,.0f} {m.pgcdc_rate / m.copy_rate:>6.0%}"
         )
     print()
     print("CPU seconds of the best runs, per process:")
     for m in measurements:
-        print(f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s): {m.pgcdc_cpu.describe()}")
+        print(f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s), {m.writer}: {m.pgcdc_cpu.describe()}")
     print()
     print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
     print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")

@@ -29,6 +29,9 @@ from pyspark.sql import SparkSession
 class EngineCapabilities:
     #: Delta Lake's SQL commands (DESCRIBE HISTORY, ALTER TABLE ADD COLUMNS, OPTIMIZE, VACUUM, ...).
     delta_commands: bool
+    #: Whether a snapshot's overwrite is written by delta-rs in pgcdc's process (streamed from the
+    #: COPY) instead of by the engine (docs/engine-notes.md, "Snapshots written by delta-rs").
+    delta_rs_snapshots: bool
 
 
 _DETECTED: weakref.WeakKeyDictionary[SparkSession, EngineCapabilities] = weakref.WeakKeyDictionary()
@@ -43,9 +46,16 @@ def engine_capabilities(spark: SparkSession) -> EngineCapabilities:
     """
     known = _DETECTED.get(spark)
     if known is None:
-        known = EngineCapabilities(delta_commands=_has_describe_history(spark))
+        delta_commands = _has_describe_history(spark)
+        known = EngineCapabilities(delta_commands=delta_commands, delta_rs_snapshots=not delta_commands)
         _DETECTED[spark] = known
     return known
+
+
+def set_engine_capabilities(spark: SparkSession, capabilities: EngineCapabilities) -> None:
+    """Use ``capabilities`` for ``spark`` instead of detecting them: ``bench.snapshot`` measures both
+    snapshot writers on one engine this way."""
+    _DETECTED[spark] = capabilities
 
 
 def _has_describe_history(spark: SparkSession) -> bool:

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from resources.delta.lake_storage import is_object_store, remove_tree, storage_client
+from resources.delta.lake_storage import is_object_store, object_store_options, remove_tree, storage_client
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property
-from resources.delta.table_log import version_with_metadata
+from resources.delta.table_log import has_commit, table_exists, version_with_metadata
 
 
 STAGING_DIRECTORY = "_pgcdc_staging"
@@ -29,6 +29,13 @@ file each."""
 
 
 STAGE_FILE_MIN_BYTES = 4 * 1024 * 1024
+
+
+DICTIONARY_PAGE_BYTES = 64 * 1024
+"""delta-rs's Parquet writer gives up dictionary encoding for a column chunk once its dictionary
+outgrows this (1 MiB by default): measured with 200k rows × 33 columns, 64 KiB cut the write's CPU
+from 0.72-0.85 s to 0.31 s and the files from 24.0 to 20.2 MB (1M narrow rows: 0.32-0.40 → 0.23 s,
+18.3 → 19.3 MB); columns with few distinct values keep their dictionaries."""
 
 
 STAGE_COMPRESSION = "snappy"
@@ -83,6 +90,9 @@ def write_snapshot(
         batches = data.to_batches() if isinstance(data, pa.Table) else data
         data = (with_buckets(layout, batch) for batch in batches)
         schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
+    if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
+        _write_with_delta_rs(data, schema, path, user_metadata, layout)
+        return version_with_metadata(path, user_metadata)
     staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
     try:
         _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
@@ -90,6 +100,59 @@ def write_snapshot(
     finally:
         remove_tree(staging)
     return version_with_metadata(path, user_metadata)
+
+
+def _write_with_delta_rs(
+    data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str, layout: TableLayout | None
+) -> None:
+    """Overwrite the table at ``path`` with ``data`` in one delta-rs commit carrying ``user_metadata``.
+
+    The batches stream from the COPY straight into delta-rs's Parquet writer (in Rust, outside the
+    GIL), so encoding overlaps the copy and nothing is staged or read again.
+
+    A new table is created first, empty (version 0), with :data:`LAYOUT_PROPERTY`: delta-rs 1.6
+    refuses table properties it does not know in a write, but takes them in a create. So the
+    snapshot commit of a new table is version 1. When the write fails, the created table is removed
+    again; a crash in between leaves it, a table without a snapshot marker, which pgcdc treats as
+    not snapshotted and the next snapshot overwrites (keeping the layout the property names). An
+    existing table keeps its properties, as with the engine.
+    """
+    from deltalake import CommitProperties, DeltaTable, write_deltalake, WriterProperties
+
+    target = nullable_schema(schema)
+    failures: list[BaseException] = []
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        """``data`` as ``target`` batches, keeping what the source raised: delta-rs reports it as
+        a DeltaError naming it, and callers tell a refused value from a lost connection by type."""
+        try:
+            for batch in data.to_batches() if isinstance(data, pa.Table) else data:
+                yield pa.RecordBatch.from_arrays(batch.columns, schema=target)
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    reader = pa.RecordBatchReader.from_batches(target, batches())
+    storage_options = object_store_options(path) or None
+    partition_by = [BUCKET_COLUMN] if layout is not None else []  # [], not None: None keeps old partitioning
+    created = not table_exists(path)
+    if created:
+        DeltaTable.create(
+            path, target, partition_by=partition_by, configuration={LAYOUT_PROPERTY: layout_property(layout)},
+            storage_options=storage_options, raise_if_key_not_exists=False,
+        )  # fmt: skip
+    try:
+        write_deltalake(
+            path, reader, mode="overwrite", schema_mode="overwrite", partition_by=partition_by,
+            storage_options=storage_options, commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
+            writer_properties=WriterProperties(compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES),
+        )  # fmt: skip
+    except BaseException:
+        if created and not has_commit(path, 1):  # only the empty table created above: leave nothing
+            remove_tree(path)
+        if failures:
+            raise failures[0]
+        raise
 
 
 def _stage(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int) -> None:
