@@ -74,7 +74,7 @@ def test_second_engine_is_independent_and_stops_cleanly(spark: SparkSession) -> 
 def test_snapshot_round_trips_exact_values_and_records_metadata(spark: SparkSession, tmp_path: Path) -> None:
     path = tmp_path / "t"
     version = write_snapshot(spark, rows([1, 2, 3]), SCHEMA, str(path), '{"snapshot_lsn": "0/16B3748"}')
-    assert version == 0
+    assert version == 1  # version 0: delta-rs creates the new table, empty, with its layout property
     table = read_back(path)
     assert table.schema == nullable_schema(SCHEMA)
     assert table.equals(expected([1, 2, 3]))
@@ -87,13 +87,13 @@ def test_chunked_snapshot_lands_in_one_commit(spark: SparkSession, tmp_path: Pat
     write_snapshot(spark, rows([9]), SCHEMA, str(path), "old")
     batches = (batch for part in range(5) for batch in rows(list(range(part * 100, part * 100 + 100))).to_batches())
     version = write_snapshot(spark, batches, SCHEMA, str(path), "new", chunk_bytes=1)
-    assert version == 1
+    assert version == 2
     assert read_back(path).equals(expected(list(range(500))))
-    assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path))] == [(1, "new"), (0, "old")]
+    assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path))] == [(2, "new"), (1, "old"), (0, None)]
     assert not (path / STAGING_DIRECTORY).exists()
     one_big_batch = rows(list(range(300)))
     version = write_snapshot(spark, one_big_batch, SCHEMA, str(path), "sliced", chunk_bytes=one_big_batch.nbytes // 3)
-    assert version == 2 and read_back(path).equals(expected(list(range(300))))
+    assert version == 3 and read_back(path).equals(expected(list(range(300))))
 
 
 def test_empty_snapshot_keeps_schema(spark: SparkSession, tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_replace_rows_rewrites_the_rows_equal_to_the_probe_in_one_commit_with_it
     replace_rows(spark, str(path), rows([1]).select(["id", "name", "tags", "at"]), keep_one, "marker")
     assert seen[0].num_rows >= 3 and seen[0].column("id").to_pylist().count(1) == 3  # every copy (and collisions)
     assert read_back(path).equals(expected([1, 2, 3]))
-    assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path), limit=1)] == [(1, "marker")]
+    assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path), limit=1)] == [(2, "marker")]
 
     replace_rows(spark, str(path), rows([2]), lambda current: current.filter(pc.not_equal(current["id"], 2)), "gone")
     assert read_back(path).equals(expected([1, 3]))
@@ -181,7 +181,7 @@ def test_delete_all_rows_keeps_schema_and_history(spark: SparkSession, tmp_path:
     table = read_back(path)
     assert table.num_rows == 0 and table.schema.names == SCHEMA.names
     latest = read_commit_metadata(spark, str(path), limit=1)
-    assert [(c.version, c.operation) for c in latest] == [(1, "DELETE")]
+    assert [(c.version, c.operation) for c in latest] == [(2, "DELETE")]
 
 
 def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_path: Path) -> None:

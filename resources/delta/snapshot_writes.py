@@ -1,4 +1,6 @@
-"""Writing a snapshot into Delta as one atomic commit: pieces staged as Parquet files while COPY still runs, then one overwrite."""
+"""Writing a snapshot into Delta as one atomic commit: streamed into delta-rs while COPY still runs (an
+engine without Delta's commands, e.g. embedded Sail), or staged as Parquet files, then one engine overwrite
+(Delta on Spark, and every key range of a snapshot in key ranges)."""
 
 from __future__ import annotations
 
@@ -59,28 +61,32 @@ def write_snapshot(
 
     With a ``layout``, every row gets its :data:`~resources.delta.layout.BUCKET_COLUMN` value
     (computed here, on the batches, by the same function a drain uses) and the table is
-    partitioned by it, one file per bucket sorted by key: the bucket bounds the file's size
-    (Sail 0.7.2 ignores ``maxRecordsPerFile``), and the sort clusters neighbouring keys.
-    ``user_metadata`` must then be the marker recording that layout; the table property
-    :data:`~resources.delta.markers.LAYOUT_PROPERTY` records it too (it outlives the marker).
+    partitioned by it: the bucket bounds the file's size. ``user_metadata`` must then be the
+    marker recording that layout; the table property :data:`~resources.delta.markers.LAYOUT_PROPERTY`
+    records it too when the write creates the table (it outlives the marker), where the engine
+    takes it.
 
-    Readers see the old table or the whole new one, never a prefix. This process writes the
-    batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
-    each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
-    staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
-    the engine reads the staged files and overwrites the table in a single commit that carries
-    ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without the data;
-    the staging directory is removed afterwards (a crash leaves only staging debris).
+    Readers see the old table or the whole new one, never a prefix, and the commit carries
+    ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without the data.
+    Which writer, the capability seam says (``delta_rs_snapshots``):
 
-    Measured against shipping each piece as a Spark Connect temporary view (the previous
-    design; docs/engine-notes.md, "Staged Parquet and a bounded engine pool"): about 0.2
-    CPU-seconds less per million narrow rows (the client's Arrow IPC and protobuf copies under
-    the GIL and the server's decoding go; pyarrow's staging write costs about 0.15 s outside the
-    GIL), one engine operation per snapshot instead of two per piece, and the engine no longer
-    holds the pieces in flight nor a staging Delta table's worth of views.
-    The staged files name their columns by position (``c0``, ``c1``, ...), so no column name
-    can trip a Parquet reader, and are cast back to exactly the types :func:`spark_dataframe`
-    would give.
+    * **delta-rs** (an engine without Delta's commands, e.g. embedded Sail; not for
+      ``replace_where``): the batches stream into delta-rs's writer in this process as they
+      arrive (:func:`_write_with_delta_rs`), rows in arrival order within a bucket (COPY's heap
+      order): about 2x the engine path's speed on 2 cores (docs/engine-notes.md, "Snapshots
+      written by delta-rs").
+    * **the engine** (Delta on Spark; key ranges): one file per bucket, sorted by key (the sort
+      clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
+      the batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
+      each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
+      staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
+      the engine reads the staged files and overwrites the table in the one commit; the staging
+      directory is removed afterwards (a crash leaves only staging debris). Against shipping each
+      piece as a Spark Connect temporary view (docs/engine-notes.md, "Staged Parquet and a bounded
+      engine pool"): about 0.2 CPU-seconds less per million narrow rows and one engine operation
+      per snapshot. The staged files name their columns by position (``c0``, ``c1``, ...), so no
+      column name can trip a Parquet reader, and are cast back to exactly the types
+      :func:`spark_dataframe` would give.
 
     ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
     range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
@@ -117,7 +123,7 @@ def _write_with_delta_rs(
     not snapshotted and the next snapshot overwrites (keeping the layout the property names). An
     existing table keeps its properties, as with the engine.
     """
-    from deltalake import CommitProperties, DeltaTable, write_deltalake, WriterProperties
+    from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, write_deltalake, WriterProperties
 
     target = nullable_schema(schema)
     failures: list[BaseException] = []
@@ -146,6 +152,8 @@ def _write_with_delta_rs(
             path, reader, mode="overwrite", schema_mode="overwrite", partition_by=partition_by,
             storage_options=storage_options, commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
             writer_properties=WriterProperties(compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES),
+            # no checkpoint or log cleanup of delta-rs's choosing: the engine and maintenance.py decide those
+            post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
         )  # fmt: skip
     except BaseException:
         if created and not has_commit(path, 1):  # only the empty table created above: leave nothing
