@@ -7,7 +7,7 @@ throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measure
 * the baseline: ``psql -c "COPY t TO STDOUT" > /dev/null`` with the server's own psql, the
   fastest a client can take the rows out (text format, no parsing);
 * pgcdc: ``snapshot_table`` into a fresh Delta table through the embedded Sail engine,
-  the whole path: temporary slot, COPY, CSV -> typed Arrow, Spark write, atomic commit;
+  the whole path: temporary slot, COPY, CSV -> typed Arrow, Delta write, atomic commit;
   once per ``--workers`` count (sessions reading ctid ranges of ``--chunk-mb`` under one
   snapshot; 1 = one COPY) and per ``--writers`` entry: ``delta-rs`` (pgcdc streams the rows into
   delta-rs in its own process, the default on an engine without Delta's commands) or ``engine``

@@ -13,7 +13,7 @@ Delta writers ask this module, and only there (docs/engine-notes.md):
 And one the other way round: an engine without Delta's commands (embedded Sail 0.7.2) has its
 snapshots' overwrites written by delta-rs in pgcdc's process, streamed from the COPY, instead of
 reading staged Parquet and rewriting it (``delta_rs_snapshots``; ``snapshot_writes.py``): the same
-Delta schema and marker, at about twice the speed on 2 cores (docs/engine-notes.md, "Snapshots
+Delta schema and marker, at 1.6-2x the speed on 2 cores (docs/engine-notes.md, "Snapshots
 written by delta-rs"). Delta on Spark keeps its own write; a key range of a snapshot in key ranges
 (``replaceWhere``) is the engine's everywhere.
 

@@ -79,7 +79,7 @@ def write_snapshot(
     * **delta-rs** (an engine without Delta's commands, e.g. embedded Sail; not for
       ``replace_where``): the batches stream into delta-rs's writer in this process as they
       arrive (:func:`_write_with_delta_rs`), rows in arrival order within a bucket (COPY's heap
-      order): about 2x the engine path's speed on 2 cores (docs/engine-notes.md, "Snapshots
+      order): 1.6-2x the engine path's speed on 2 cores (docs/engine-notes.md, "Snapshots
       written by delta-rs").
     * **the engine** (Delta on Spark; key ranges): one file per bucket, sorted by key (the sort
       clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
