@@ -190,7 +190,7 @@ def snapshot_table(
     (:func:`ensure_slot`). ``chunk_bytes`` bounds each parsed piece (and each staged Parquet file,
     where the engine writes the table), ``chunk_rows`` each parsed piece. A heap bigger than ``chunk_mb`` is read as ctid ranges
     of about that size by ``workers`` sessions under the one snapshot. ``on_progress`` runs
-    on the calling thread.
+    on the thread that feeds the Delta writer: the calling thread, or delta-rs's when it writes.
     """
     started = time.monotonic()
     reading = _Reading(max(1, workers), max(1, chunk_mb) * 2**20, max(1, chunk_rows), max(1, chunk_bytes))
