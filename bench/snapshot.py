@@ -7,11 +7,14 @@ throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measure
 * the baseline: ``psql -c "COPY t TO STDOUT" > /dev/null`` with the server's own psql, the
   fastest a client can take the rows out (text format, no parsing);
 * pgcdc: ``snapshot_table`` into a fresh Delta table through the embedded Sail engine,
-  the whole path: temporary slot, COPY, CSV -> typed Arrow, Spark write, atomic commit;
+  the whole path: temporary slot, COPY, CSV -> typed Arrow, Delta write, atomic commit;
   once per ``--workers`` count (sessions reading ctid ranges of ``--chunk-mb`` under one
-  snapshot; 1 = one COPY).
+  snapshot; 1 = one COPY) and per ``--writers`` entry: ``delta-rs`` (pgcdc streams the rows into
+  delta-rs in its own process, the default on an engine without Delta's commands) or ``engine``
+  (staged Parquet, then the engine's overwrite: Delta on Spark's way).
 
-Both take the best of ``--runs``, after one warm-up each (page cache, Sail's first write).
+Each takes the best of ``--runs``, after one warm-up each (page cache, Sail's first write); the
+rounds interleave the baseline and every pgcdc variant, so a busy machine slows them alike.
 For the best run the CPU seconds of each process are reported too (``/proc``): pgcdc's own
 process, the engine's server, PostgreSQL (the postmaster's children, ended ones included) and,
 for the baseline, psql: on a machine with few cores, the sum is what bounds the wall time.
@@ -47,6 +50,7 @@ import pyarrow as pa
 from bench.lakes import add_arguments, bench_lake, open_engine
 from resources.config import parse_config
 from resources.delta.engine import SparkEngine
+from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.delta.lake_storage import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
@@ -156,6 +160,7 @@ class Measurement:
     copy_s: float
     copy_cpu: Cpu
     workers: int
+    writer: str
     chunks: int
     pgcdc_s: float
     pgcdc_cpu: Cpu
@@ -196,15 +201,18 @@ def psql_copy_seconds(server: LocalPostgres, table: str) -> float:
         return time.perf_counter() - started
 
 
-def best_of(runs: int, action: Callable[[], float], cpu: Callable[[], Cpu]) -> tuple[float, Cpu]:
-    """The shortest of ``runs`` timed runs after a warm-up, with the CPU each process spent in it."""
-    action()  # warm-up
-    samples = []
+def best_of_each(runs: int, actions: dict[str, Callable[[], float]], cpu: Callable[[], Cpu]) -> dict[str, tuple[float, Cpu]]:
+    """Per action, the shortest of ``runs`` timed runs after a warm-up, with the CPU each process
+    spent in it; the actions take turns in every round."""
+    for action in actions.values():
+        action()  # warm-up
+    samples: dict[str, list[tuple[float, Cpu]]] = {name: [] for name in actions}
     for _ in range(runs):
-        before = cpu()
-        seconds = action()
-        samples.append((seconds, cpu() - before))
-    return min(samples, key=lambda sample: sample[0])
+        for name, action in actions.items():
+            before = cpu()
+            seconds = action()
+            samples[name].append((seconds, cpu() - before))
+    return {name: min(taken, key=lambda sample: sample[0]) for name, taken in samples.items()}
 
 
 def main() -> None:
@@ -213,6 +221,9 @@ def main() -> None:
     parser.add_argument("--wide-rows", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", default="1,2,4", help="comma-separated session counts to measure")
+    parser.add_argument(
+        "--writers", default="delta-rs", help="comma-separated snapshot writers to measure: delta-rs, engine"
+    )
     parser.add_argument(
         "--chunk-mb", type=int, default=16,
         help="heap megabytes per ctid range (snapshot.chunk_mb, default 64): 16 splits the default tables into"
@@ -250,32 +261,44 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     with open_engine(args.engine, root, storage) as engine:
         cpu = lambda: cpu_now(postmaster, engine.server_pid)  # noqa: E731
         measurements = []
-        results: dict[str, SnapshotResult] = {}
 
         worker_counts = [int(w) for w in args.workers.split(",")]
-        for table in ("narrow", "wide"):
-            def pgcdc_seconds(table: str, workers: int) -> float:
-                started = time.perf_counter()
-                results[table] = snapshot_table(
-                    server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
-                    join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
-                )
-                return time.perf_counter() - started
+        writers = args.writers.split(",")
+        detected = engine_capabilities(engine.spark)
+        results: dict[tuple[str, int], SnapshotResult] = {}
 
-            copy_s, copy_cpu = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table), cpu)
+        def pgcdc_seconds(table: str, workers: int, writer: str) -> float:
+            set_engine_capabilities(engine.spark, EngineCapabilities(detected.delta_commands, writer == "delta-rs"))
+            started = time.perf_counter()
+            results[table, workers] = snapshot_table(
+                server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
+                join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
+            )
+            return time.perf_counter() - started
+
+        for table in ("narrow", "wide"):
+            actions: dict[str, Callable[[], float]] = {"COPY": lambda table=table: psql_copy_seconds(server, table)}
+            for workers in worker_counts:
+                for writer in writers:
+                    actions[f"{workers} {writer}"] = lambda table=table, workers=workers, writer=writer: pgcdc_seconds(
+                        table, workers, writer
+                    )
+            best = best_of_each(args.runs, actions, cpu)
+            print(f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)")
             with psycopg.connect(server.dsn()) as conn:
                 (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
+            copy_s, copy_cpu = best["COPY"]
             for workers in worker_counts:
-                pgcdc_s, pgcdc_cpu = best_of(
-                    args.runs, lambda table=table, workers=workers: pgcdc_seconds(table, workers), cpu
-                )
-                result = results[table]
-                measurements.append(
-                    Measurement(
-                        table, result.rows, len(result.columns), int(csv_bytes), copy_s, copy_cpu,
-                        result.workers, result.chunks, pgcdc_s, pgcdc_cpu,
-                    )
-                )  # fmt: skip
+                result = results[table, workers]
+                for writer in writers:
+                    pgcdc_s, pgcdc_cpu = best[f"{workers} {writer}"]
+                    measurements.append(
+                        Measurement(
+                            table, result.rows, len(result.columns), int(csv_bytes), copy_s, copy_cpu,
+                            result.workers, writer, result.chunks, pgcdc_s, pgcdc_cpu,
+                        )
+                    )  # fmt: skip
+        set_engine_capabilities(engine.spark, detected)
 
         memory = memory_peaks(engine, lambda: snapshot_table(
             server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, join_location(root, "narrow"),
@@ -289,18 +312,18 @@ def report(
 ) -> None:
     print()
     print(
-        f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'workers':>7} {'chunks':>6}"
+        f"{'table':8} {'rows':>10} {'cols':>5} {'COPY s':>8} {'COPY rows/s':>12} {'workers':>7} {'writer':>8} {'chunks':>6}"
         f" {'pgcdc s':>8} {'pgcdc rows/s':>13} {'ratio':>6}"
     )
     for m in measurements:
         print(
-            f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f} {m.workers:>7} {m.chunks:>6}"
+            f"{m.table:8} {m.rows:>10,} {m.columns:>5} {m.copy_s:>8.3f} {m.copy_rate:>12,.0f} {m.workers:>7} {m.writer:>8} {m.chunks:>6}"
             f" {m.pgcdc_s:>8.3f} {m.pgcdc_rate:>13,.0f} {m.pgcdc_rate / m.copy_rate:>6.0%}"
         )
     print()
     print("CPU seconds of the best runs, per process:")
     for m in measurements:
-        print(f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s): {m.pgcdc_cpu.describe()}")
+        print(f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s), {m.writer}: {m.pgcdc_cpu.describe()}")
     report_memory(rss_mib, server_peak_mib, arrow_peak_mib, heap_peak, "a narrow snapshot")
 
 
@@ -372,8 +395,10 @@ def run_chunked(server: LocalPostgres, args: argparse.Namespace, root: str, stor
             return time.perf_counter() - started
 
         for table in ("narrow", "wide"):
-            copy_s, _ = best_of(args.runs, lambda table=table: psql_copy_seconds(server, table), cpu)
-            walk_s, walk_cpu = best_of(args.runs, lambda table=table: walk(table), cpu)
+            best = best_of_each(
+                args.runs, {"COPY": lambda table=table: psql_copy_seconds(server, table), "walk": lambda table=table: walk(table)}, cpu
+            )
+            (copy_s, _), (walk_s, walk_cpu) = best["COPY"], best["walk"]
             result = results[table]
             assert result.key_ranges, f"{table} was not copied in key ranges"
             measurements.append(ChunkedMeasurement(table, result.rows, result.chunks, copy_s, walk_s, walk_cpu))

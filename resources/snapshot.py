@@ -14,8 +14,10 @@ committed after a table's snapshot can fall into a gap between the copy and the 
 Memory stays bounded whatever the table size: COPY rows are gathered into pieces of at most
 ``chunk_bytes`` / ``chunk_rows`` on a reader thread, parsed on a second thread by Arrow's C++ CSV
 reader (typed directly where it can, otherwise converted column-wise by ``resources.pgtypes``),
-and shipped to Spark on the caller's thread while the next pieces are read and parsed (queues of
-:data:`PREFETCH_PIECES` pieces decouple the three).
+and handed to the Delta writer on the caller's thread while the next pieces are read and parsed
+(queues of :data:`PREFETCH_PIECES` pieces decouple the three): delta-rs in this process on an engine
+without Delta's commands, staged Parquet for the engine's overwrite otherwise
+(``resources/delta/snapshot_writes.py``).
 
 A table bigger than one chunk (``snapshot.chunk_mb`` of heap) is read in parallel when
 ``snapshot.workers`` > 1: the snapshot transaction exports its snapshot
@@ -181,10 +183,10 @@ def snapshot_table(
 
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
-    (:func:`ensure_slot`). ``chunk_bytes`` bounds each staged Parquet file and each parsed piece,
-    ``chunk_rows`` each parsed piece. A heap bigger than ``chunk_mb`` is read as ctid ranges
+    (:func:`ensure_slot`). ``chunk_bytes`` bounds each parsed piece (and each staged Parquet file,
+    where the engine writes the table), ``chunk_rows`` each parsed piece. A heap bigger than ``chunk_mb`` is read as ctid ranges
     of about that size by ``workers`` sessions under the one snapshot. ``on_progress`` runs
-    on the calling thread.
+    on the thread that feeds the Delta writer: the calling thread, or delta-rs's when it writes.
     """
     started = time.monotonic()
     reading = _Reading(max(1, workers), max(1, chunk_mb) * 2**20, max(1, chunk_rows), max(1, chunk_bytes))

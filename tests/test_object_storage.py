@@ -189,8 +189,14 @@ def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
     schema = pa.schema([("id", pa.int64())])
     batches = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(4))
     path = f"{s3_root}/public/t"
-    assert write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800) == 0  # a chunk per batch
-    table = deltalake.DeltaTable(path, storage_options=s3_server.lake(s3_root).object_store_options())
+    options = s3_server.lake(s3_root).object_store_options()
+    assert write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800) == 1  # version 0: delta-rs's create
+    assert sorted(deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table().column("id").to_pylist()) == list(range(400))
+    assert removed == []  # streamed into the table by delta-rs, nothing staged
+    # A key range of a snapshot in key ranges goes through the engine, staged: a chunk per batch.
+    again = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(2, 4))
+    assert write_snapshot(s3_spark, again, schema, path, "r", chunk_bytes=800, replace_where="id >= 200") == 2
+    table = deltalake.DeltaTable(path, storage_options=options)
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert [location.startswith(f"{path}/{STAGING_DIRECTORY}/") for location in removed] == [True]
     assert staged_objects(s3_server, s3_root.removeprefix(f"s3://{BUCKET}/")) == []

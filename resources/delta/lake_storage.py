@@ -419,8 +419,22 @@ def storage_client(location: str) -> tuple[object, str]:
     return fs.LocalFileSystem(), location.removeprefix("file://")
 
 
+def object_store_options(location: str) -> dict[str, str]:
+    """The ``object_store`` settings (delta-rs ``storage_options``) of the opened lake holding
+    ``location``; empty for a local path. Holds secrets: pass on, never print."""
+    for root, lake in _OPEN_LAKES.items():
+        if location == root or location.startswith(root + "/"):
+            return lake.object_store_options()
+    if is_object_store(location):
+        raise ConfigurationError(
+            f"{location} is on an object store pgcdc has not opened", "open the lake first (open_lake(delta.root, delta.storage))"
+        )
+    return {}
+
+
 def remove_tree(location: str) -> None:
-    """Delete pgcdc's staging data at ``location``, on whatever store holds it: a local directory
+    """Delete pgcdc's own data at ``location`` (staging data, or a table it created and could not
+    fill), on whatever store holds it: a local directory
     directly, an object-store location through the client of the opened lake containing it (one
     not opened by this process is left to the store's lifecycle rules)."""
     for root, lake in _OPEN_LAKES.items():

@@ -142,7 +142,8 @@ def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, Ta
 
 LAYOUT_PROPERTY = "delta.pgcdc.layout"
 """The table property the snapshot that creates a table records its layout in (``none``: created
-unbucketed), on engines that accept it (Sail; Delta on Spark refuses unknown ``delta.*`` names).
+unbucketed), where the writer takes it (Sail, and delta-rs's create of a new table; Delta on Spark
+refuses unknown ``delta.*`` names, delta-rs's writes refuse unknown names).
 Table properties live in the table's metadata, which every checkpoint repeats, so the layout
 outlives the snapshot commit's marker when log cleanup removes it. Engines set it only when the
 table is created (writer options do not change an existing table's properties), so a table that

@@ -1,21 +1,23 @@
-"""Writing a snapshot into Delta as one atomic commit: pieces staged as Parquet files while COPY still runs, then one overwrite."""
+"""Writing a snapshot into Delta as one atomic commit: streamed into delta-rs while COPY still runs (an
+engine without Delta's commands, e.g. embedded Sail), or staged as Parquet files, then one engine overwrite
+(Delta on Spark, and every key range of a snapshot in key ranges)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from resources.delta.lake_storage import is_object_store, remove_tree, storage_client
+from resources.delta.lake_storage import is_object_store, object_store_options, remove_tree, storage_client
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property
-from resources.delta.table_log import version_with_metadata
+from resources.delta.table_log import has_commit, table_exists, version_with_metadata
 
 
 STAGING_DIRECTORY = "_pgcdc_staging"
@@ -29,6 +31,19 @@ file each."""
 
 
 STAGE_FILE_MIN_BYTES = 4 * 1024 * 1024
+
+
+DICTIONARY_PAGE_BYTES = 64 * 1024
+"""delta-rs's Parquet writer gives up dictionary encoding for a column chunk once its dictionary
+outgrows this (1 MiB by default): measured with 200k rows × 33 columns, 64 KiB cut the write's CPU
+from 0.72-0.85 s to 0.31 s and the files from 24.0 to 20.2 MB (1M narrow rows: 0.32-0.40 → 0.23 s,
+18.3 → 19.3 MB); columns with few distinct values keep their dictionaries."""
+
+
+ROW_GROUP_ROWS = 128 * 1024
+"""Most rows per Parquet row group delta-rs writes (its default: about 1M), which it buffers, encoded,
+per open file: a streamed 10M-row narrow snapshot (10 range buckets) peaked at 655 MiB RSS with
+the default, 358 MiB with this."""
 
 
 STAGE_COMPRESSION = "snappy"
@@ -52,28 +67,32 @@ def write_snapshot(
 
     With a ``layout``, every row gets its :data:`~resources.delta.layout.BUCKET_COLUMN` value
     (computed here, on the batches, by the same function a drain uses) and the table is
-    partitioned by it, one file per bucket sorted by key: the bucket bounds the file's size
-    (Sail 0.7.2 ignores ``maxRecordsPerFile``), and the sort clusters neighbouring keys.
-    ``user_metadata`` must then be the marker recording that layout; the table property
-    :data:`~resources.delta.markers.LAYOUT_PROPERTY` records it too (it outlives the marker).
+    partitioned by it: the bucket bounds the file's size. ``user_metadata`` must then be the
+    marker recording that layout; the table property :data:`~resources.delta.markers.LAYOUT_PROPERTY`
+    records it too when the write creates the table (it outlives the marker), where the engine
+    takes it.
 
-    Readers see the old table or the whole new one, never a prefix. This process writes the
-    batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
-    each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
-    staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
-    the engine reads the staged files and overwrites the table in a single commit that carries
-    ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without the data;
-    the staging directory is removed afterwards (a crash leaves only staging debris).
+    Readers see the old table or the whole new one, never a prefix, and the commit carries
+    ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without the data.
+    Which writer, the capability seam says (``delta_rs_snapshots``):
 
-    Measured against shipping each piece as a Spark Connect temporary view (the previous
-    design; docs/engine-notes.md, "Staged Parquet and a bounded engine pool"): about 0.2
-    CPU-seconds less per million narrow rows (the client's Arrow IPC and protobuf copies under
-    the GIL and the server's decoding go; pyarrow's staging write costs about 0.15 s outside the
-    GIL), one engine operation per snapshot instead of two per piece, and the engine no longer
-    holds the pieces in flight nor a staging Delta table's worth of views.
-    The staged files name their columns by position (``c0``, ``c1``, ...), so no column name
-    can trip a Parquet reader, and are cast back to exactly the types :func:`spark_dataframe`
-    would give.
+    * **delta-rs** (an engine without Delta's commands, e.g. embedded Sail; not for
+      ``replace_where``): the batches stream into delta-rs's writer in this process as they
+      arrive (:func:`_write_with_delta_rs`), rows in arrival order within a bucket (COPY's heap
+      order): 1.6-2x the engine path's speed on 2 cores (docs/engine-notes.md, "Snapshots
+      written by delta-rs").
+    * **the engine** (Delta on Spark; key ranges): one file per bucket, sorted by key (the sort
+      clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
+      the batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
+      each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
+      staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
+      the engine reads the staged files and overwrites the table in the one commit; the staging
+      directory is removed afterwards (a crash leaves only staging debris). Against shipping each
+      piece as a Spark Connect temporary view (docs/engine-notes.md, "Staged Parquet and a bounded
+      engine pool"): about 0.2 CPU-seconds less per million narrow rows and one engine operation
+      per snapshot. The staged files name their columns by position (``c0``, ``c1``, ...), so no
+      column name can trip a Parquet reader, and are cast back to exactly the types
+      :func:`spark_dataframe` would give.
 
     ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
     range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
@@ -83,6 +102,9 @@ def write_snapshot(
         batches = data.to_batches() if isinstance(data, pa.Table) else data
         data = (with_buckets(layout, batch) for batch in batches)
         schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
+    if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
+        _write_with_delta_rs(data, schema, path, user_metadata, layout)
+        return version_with_metadata(path, user_metadata)
     staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
     try:
         _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
@@ -90,6 +112,63 @@ def write_snapshot(
     finally:
         remove_tree(staging)
     return version_with_metadata(path, user_metadata)
+
+
+def _write_with_delta_rs(
+    data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str, layout: TableLayout | None
+) -> None:
+    """Overwrite the table at ``path`` with ``data`` in one delta-rs commit carrying ``user_metadata``.
+
+    The batches stream from the COPY straight into delta-rs's Parquet writer (in Rust, outside the
+    GIL), so encoding overlaps the copy and nothing is staged or read again.
+
+    A new table is created first, empty (version 0), with :data:`LAYOUT_PROPERTY`: delta-rs 1.6
+    refuses table properties it does not know in a write, but takes them in a create. So the
+    snapshot commit of a new table is version 1. When the write fails, the created table is removed
+    again; a crash in between leaves it, a table without a snapshot marker, which pgcdc treats as
+    not snapshotted and the next snapshot overwrites (keeping the layout the property names). An
+    existing table keeps its properties, as with the engine.
+    """
+    from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, write_deltalake, WriterProperties
+
+    target = nullable_schema(schema)
+    failures: list[BaseException] = []
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        """``data`` as ``target`` batches, keeping what the source raised: delta-rs reports it as
+        a DeltaError naming it, and callers tell a refused value from a lost connection by type."""
+        try:
+            for batch in data.to_batches() if isinstance(data, pa.Table) else data:
+                yield pa.RecordBatch.from_arrays(batch.columns, schema=target)
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    reader = pa.RecordBatchReader.from_batches(target, batches())
+    storage_options = object_store_options(path) or None
+    partition_by = [BUCKET_COLUMN] if layout is not None else []  # [], not None: None keeps old partitioning
+    created = not table_exists(path)
+    if created:
+        DeltaTable.create(
+            path, target, partition_by=partition_by, configuration={LAYOUT_PROPERTY: layout_property(layout)},
+            storage_options=storage_options, raise_if_key_not_exists=False,
+        )  # fmt: skip
+    try:
+        write_deltalake(
+            path, reader, mode="overwrite", schema_mode="overwrite", partition_by=partition_by,
+            storage_options=storage_options, commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
+            writer_properties=WriterProperties(
+                compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES, max_row_group_size=ROW_GROUP_ROWS
+            ),
+            # no checkpoint or log cleanup of delta-rs's choosing: the engine and maintenance.py decide those
+            post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
+        )  # fmt: skip
+    except BaseException:
+        if created and not has_commit(path, 1):  # only the empty table created above: leave nothing
+            remove_tree(path)
+        if failures:
+            raise failures[0]
+        raise
 
 
 def _stage(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int) -> None:
@@ -148,6 +227,7 @@ def _overwrite(
     if not delta_commands:
         # Sail records delta.* writer options as table properties; Delta on Spark refuses
         # property names it does not know, so there the layout lives in the marker only.
+        # (Sail creates tables through here only when told to: bench.snapshot --writers engine.)
         writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))
     if replace_where is not None and delta_commands:
         # Delta on Spark skips the commit of a write that adds and removes nothing unless told not

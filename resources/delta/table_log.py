@@ -125,6 +125,11 @@ def table_exists(path: str) -> bool:
     return log.commit(0) is not None or log.read(LAST_CHECKPOINT) is not None
 
 
+def has_commit(path: str, version: int) -> bool:
+    """Whether the commit file of ``version`` is in the log of the table at ``path`` (one read)."""
+    return _Log(path).commit(version) is not None
+
+
 class _Log:
     """One table's ``_delta_log`` on its store."""
 
