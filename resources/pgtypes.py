@@ -373,7 +373,7 @@ def _numeric_to_arrow(text: pa.Array, col: PgColumnType, target: pa.DataType) ->
 
 def _bool_to_arrow(text: pa.Array, col: PgColumnType) -> pa.Array:
     known = pc.or_kleene(pc.equal(text, "t"), pc.equal(text, "f"))
-    if not pc.all(pc.or_kleene(known, pc.is_null(text))).as_py():
+    if not pc.all(pc.or_kleene(known, pc.is_null(text)), min_count=0).as_py():  # an empty input (every bool[] empty or NULL) is fine
         bad = _first_failure(text, lambda v: v in ("t", "f"))
         raise PgValueError(f"column {col.column!r} (boolean) holds {bad!r}, not t or f")
     return pc.equal(text, "t")

@@ -216,6 +216,9 @@ def test_arrays_convert_elements_with_scalar_rules() -> None:
     assert micros(stamps.flatten()) == [1704067200000000, TIMESTAMP_POSITIVE_INFINITY, None]
     blobs = convert(['{"\\\\x0102",NULL}'], column("bytea", element="bytea"))
     assert blobs.to_pylist() == [[b"\x01\x02", None]]
+    # Every element array empty or NULL: the element conversion sees no value at all.
+    bools = convert(["{}", None], column("bool", element="bool"))
+    assert bools.to_pylist() == [[], None]
 
 
 def test_multidimensional_arrays_refused() -> None:
