@@ -148,6 +148,11 @@ def _write_with_delta_rs(
     storage_options = object_store_options(path) or None
     partition_by = [BUCKET_COLUMN] if layout is not None else []  # [], not None: None keeps old partitioning
     created = not table_exists(path)
+    if created and not is_object_store(path):
+        # Through the lake's storage client, as staging does: a path it cannot create fails with the
+        # OSError naming the cause (delta-rs says only "Could not create local directory").
+        filesystem, directory = storage_client(path)
+        filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
     if created:
         DeltaTable.create(
             path, target, partition_by=partition_by, configuration={LAYOUT_PROPERTY: layout_property(layout)},
