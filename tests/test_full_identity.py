@@ -225,4 +225,4 @@ def test_a_full_table_with_a_primary_key_is_merged_per_key(pg: PgDatabase, tmp_p
     drain(config, spark)
     assert same(pg, config, "public.docs") == 5
     operations = [entry["operation"] for entry in deltalake.DeltaTable(config.table_path("public", "docs")).history()]
-    assert operations[0] == "MERGE" and "WRITE" not in operations[:-1]
+    assert operations[0] == "MERGE" and operations.count("WRITE") == 1  # the snapshot's, and no rewrite after it
