@@ -241,10 +241,15 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
             meta = observations(second, AssetKey(["pgcdc", "public", table]))[0]
             assert meta["pgcdc/retention_properties_set"] == "none"  # they hold the retention since the first run
             log = Path(path) / "_delta_log"
-            assert min(int(p.name[:20]) for p in log.glob("*.json")) == checkpointed[table], table
-            assert not [p for p in log.glob("*.crc") if int(p.name[:20]) < checkpointed[table]], table
+            # The log starts at the first job's checkpoint, or at a later checkpoint of Sail's own
+            # (which of the two depends on where Sail's every-tenth commit falls), never later than
+            # the drains inside the retention.
+            oldest = min(int(p.name[:20]) for p in log.glob("*.json"))
+            assert checkpointed[table] <= oldest <= recent[table], table
+            assert not [p for p in log.glob("*.crc") if int(p.name[:20]) < oldest], table
             assert rows_at(path, recent[table]) == at_recent[table], table
-            assert rows_at(path, checkpointed[table]) == at_checkpointed[table], table
+            if oldest == checkpointed[table]:
+                assert rows_at(path, checkpointed[table]) == at_checkpointed[table], table
         with pytest.raises(Exception, match=r"(?i)no files in log segment"):  # older versions are gone
             rows_at(acct, checkpointed["acct"] - 1)
         assert observations(second, AssetKey(["pgcdc", "public", "acct"]))[0]["pgcdc/log_files_removed"] > 0
