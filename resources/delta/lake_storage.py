@@ -409,27 +409,30 @@ def storage_client(location: str) -> tuple[object, str]:
     Delta logs with it (``resources/delta/table_log.py``) without a round trip through the engine."""
     from pyarrow import fs
 
-    for root, lake in _OPEN_LAKES.items():
-        if location == root or location.startswith(root + "/"):
-            return lake.filesystem(), parse_object_location(location).store_path
-    if is_object_store(location):
-        raise ConfigurationError(
-            f"{location} is on an object store pgcdc has not opened", "open the lake first (open_lake(delta.root, delta.storage))"
-        )
+    lake = _opened_object_store(location)
+    if lake is not None:
+        return lake.filesystem(), parse_object_location(location).store_path
     return fs.LocalFileSystem(), location.removeprefix("file://")
 
 
 def object_store_options(location: str) -> dict[str, str]:
     """The ``object_store`` settings (delta-rs ``storage_options``) of the opened lake holding
     ``location``; empty for a local path. Holds secrets: pass on, never print."""
+    lake = _opened_object_store(location)
+    return {} if lake is None else lake.object_store_options()
+
+
+def _opened_object_store(location: str) -> LakeStorage | None:
+    """The opened object-store lake holding ``location``; None for a local path. An object-store
+    location of a lake this process has not opened (checked, with its credentials) is refused."""
     for root, lake in _OPEN_LAKES.items():
         if location == root or location.startswith(root + "/"):
-            return lake.object_store_options()
+            return lake
     if is_object_store(location):
         raise ConfigurationError(
             f"{location} is on an object store pgcdc has not opened", "open the lake first (open_lake(delta.root, delta.storage))"
         )
-    return {}
+    return None
 
 
 def remove_tree(location: str) -> None:

@@ -104,13 +104,13 @@ def write_snapshot(
         schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
     if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
         _write_with_delta_rs(data, schema, path, user_metadata, layout)
-        return version_with_metadata(path, user_metadata)
-    staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
-    try:
-        _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
-        _overwrite(_staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where)
-    finally:
-        remove_tree(staging)
+    else:
+        staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
+        try:
+            _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
+            _overwrite(_staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where)
+        finally:
+            remove_tree(staging)
     return version_with_metadata(path, user_metadata)
 
 
