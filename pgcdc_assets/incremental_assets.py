@@ -68,6 +68,8 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
         metadata["pgcdc/applied_lsn"] = MetadataValue.text(str(stats.applied_lsn))
     if stats.last_applied_lsn is not None:  # this run's or, from the pgcdc state, an earlier run's
         metadata["pgcdc/last_applied_lsn"] = MetadataValue.text(str(stats.last_applied_lsn))
+    if stats.unpruned is not None:  # a bucketed table whose MERGEs read every bucket, and what restores it
+        metadata["pgcdc/bucket_pruning_lost"] = MetadataValue.text(stats.unpruned)
     return metadata
 
 

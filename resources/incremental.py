@@ -90,6 +90,8 @@ class TableResult:
     last_applied_lsn: LSN | None = None
     #: Its schema check is due: a Relation message changed it in this run, or it was snapshotted since the previous drain.
     schema_changed: bool = False
+    #: Why the run's MERGEs of this bucketed table read every bucket, and what restores the pruning (None: they did not).
+    unpruned: str | None = None
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,7 @@ def _table_results(targets: dict[TableName, TableTarget], state: dict[str, State
             row.log.version if has_snapshot else None,  # type: ignore[union-attr]
             row.applied_lsn if has_snapshot else None,  # type: ignore[union-attr]
             stats.schema_changed,
+            stats.unpruned,
         )
     return results
 

@@ -46,19 +46,15 @@ def table_layout(
     read inside the snapshot's transaction.
 
     A bucketed table keeps its layout (``existing``, from :func:`existing_layout`), whatever the
-    configuration says now (module docstring); a table whose key changed since is refused.
+    configuration or the table's key says now (module docstring): a row's bucket depends on the
+    layout's columns alone, so the layout stays true under any key, and rows whose layout columns
+    are gone go to the NULL bucket. Drains prune by it while their key holds the layout's key.
     """
+    if existing is not None:
+        return existing
     key = primary_key_columns(conn, info.oid) if info.replica_identity == "f" else info.key_columns
     published = {column.name for column in info.columns}
     usable = bool(key) and all(name in published for name in key)
-    if existing is not None:
-        if not usable or tuple(key) != existing.key:
-            raise ConfigurationError(
-                f"the Delta table of {info.table} is bucketed by ({', '.join(existing.key)}), which is no "
-                "longer the table's key",
-                "remove the table's Delta directory, then snapshot the table again",
-            )
-        return existing
     if not usable:
         return None  # no usable key: merged by row value or appended, not by key
     key_types = [schema.field(name).type for name in key]

@@ -21,7 +21,6 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
-from resources.cdc.schema import SchemaChangeError
 from pgcdc_assets.checks import table_log_reader
 from resources.delta.state_table import state_path
 from resources.errors import ConfigurationError
@@ -137,12 +136,17 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     pg.execute("TRUNCATE acct; INSERT INTO acct VALUES (3, 3, 'after truncate', 1), (95, 95, 'x', 2)")
     drain_and_compare(pg, new, spark, {"acct": acct_layout})
 
-    # with the state gone as well, nothing names acct's layout: the drain and a re-snapshot refuse in one line
+    # with the state gone as well, nothing names acct's layout: the drain goes on without a bucket
+    # predicate (a changed row moves to the NULL bucket) and says so; a re-snapshot refuses in one line
     shutil.rmtree(state_path(str(lake), new.slot))
-    pg.execute("UPDATE acct SET v = 2 WHERE id = 3")
-    with pytest.raises(SchemaChangeError, match="no record of its layout is left") as refused:
-        run_incremental(new, spark)
-    assert "remove the table's Delta directory" in str(refused.value) and "\n" not in str(refused.value)
+    pg.execute("UPDATE acct SET v = 2 WHERE id = 3; INSERT INTO acct VALUES (96, 96, 'unbucketed', 3)")
+    result = run_incremental(new, spark)
+    unpruned = result.tables["public.acct"].unpruned
+    assert unpruned is not None and "no record of its layout is left" in unpruned and "\n" not in unpruned
+    assert BUCKET_COLUMN not in newest_merge_predicate(path)
+    assert_delta_equals_postgres(pg.dsn, "public.acct", path)
+    assert {row[BUCKET_COLUMN] for row in deltalake.DeltaTable(path).to_pyarrow_table(
+        filters=[("id", "in", [3, 96])]).to_pylist()} == {None}
     with pytest.raises(ConfigurationError, match="bucketed .* but no record of its layout is left"):
         snapshot_tables(new, spark, [TableName("public", "acct")])
     shutil.rmtree(path)

@@ -7,12 +7,82 @@ re-bucketing that would let a MERGE miss rows written under the old function.
 
 from __future__ import annotations
 
+import datetime as dt
+from decimal import Decimal
+
 import pyarrow as pa
 import pytest
 
 from resources.delta.layout import (
-    bucket_values, BucketOverride, choose_layout, HASH, LayoutError, RANGE, TableLayout, TableSize,
+    bucket_values, BucketOverride, choose_layout, HASH, LayoutError, RANGE, row_buckets, TableLayout, TableSize,
+    TEXT_CAST_HASH, TYPED_HASH,
 )
+
+#: A bucket count of 2**62 shows (almost) the whole 64-bit hash, so a pinned value below pins the hash.
+WIDE = TableLayout(HASH, ("k",), 1 << 62)
+
+#: One array per Arrow type a key column can map to (docs/type-mapping.md), with the hash of each value.
+PINNED_HASHES: dict[str, tuple[pa.Array, list[int | None]]] = {
+    "int2": (pa.array([1, -1, 0], pa.int16()), [2770960580306348394, 3323409836838439917, 563888032053572990]),
+    "bool": (pa.array([True, False, None]), [2770960580306348394, 563888032053572990, None]),
+    "float8": (pa.array([1.5, -0.0, float("nan")]), [3755652956343903825, 4316602814459793740, 65842886521940996]),
+    "numeric(10,3)": (
+        pa.array([Decimal("12.50"), Decimal("7.00"), Decimal("-0.001")], pa.decimal128(10, 3)),
+        [1749718557397900421, 3814280522175847482, 3119792864049157524],
+    ),
+    "text": (pa.array(["a", "ü", ""]), [3401661538641115406, 1606376167466908901, 0]),
+    "bytea": (pa.array([b"\x00\xff", b"", b"a"]), [3994892993917608428, 0, 3401661538641115406]),
+    "date": (
+        pa.array([dt.date(2024, 2, 29), dt.date(1, 1, 1), dt.date(9999, 12, 31)]),
+        [3893224813947743261, 854712364791941966, 2531433425427162217],
+    ),
+    "timestamp": (pa.array([dt.datetime(2024, 2, 29, 12, 0, 0, 5)], pa.timestamp("us")), [3434959477481468527]),
+    "int4[]": (
+        pa.array([[1, 2], [], None, [None, 3]], pa.list_(pa.int32())),
+        [3885826527689141256, 0, None, 342070044650985715],
+    ),
+    "text[]": (pa.array([["a", "b"], ["ab"]], pa.list_(pa.string())), [4054653020707897291, 779332380866558157]),
+}
+
+
+@pytest.mark.parametrize("type_name", PINNED_HASHES)
+def test_the_typed_hash_is_pinned_for_every_key_type(type_name: str) -> None:
+    values, hashes = PINNED_HASHES[type_name]
+    assert bucket_values(WIDE, [values]).to_pylist() == hashes
+
+
+def test_the_typed_hash_follows_the_value_not_its_type() -> None:
+    """Equal values in the types Delta widens between, or that PostgreSQL stores alike, hash alike."""
+    def hashes(array: pa.Array) -> list[int | None]:
+        return bucket_values(WIDE, [array]).to_pylist()
+
+    assert hashes(pa.array([1.5, 0.0], pa.float32())) == hashes(pa.array([1.5, -0.0], pa.float64()))
+    assert hashes(pa.array([Decimal("12"), Decimal("-3")], pa.decimal128(20, 0))) == hashes(pa.array([12, -3], pa.int64()))
+    assert hashes(pa.array([Decimal("1.50")], pa.decimal128(6, 2))) == hashes(pa.array([Decimal("1.5000")], pa.decimal128(12, 4)))
+    moment = dt.datetime(2024, 2, 29, 12, 0, 0, 5)
+    assert hashes(pa.array([moment], pa.timestamp("us", "UTC"))) == hashes(pa.array([moment], pa.timestamp("us")))
+    assert hashes(pa.array([[1, 2]], pa.list_(pa.int64()))) == hashes(pa.array([[1, 2]], pa.list_(pa.int16())))
+    assert hashes(pa.array([[1, 2]], pa.list_(pa.int64()))) != hashes(pa.array([[2, 1]], pa.list_(pa.int64())))
+    lists = pa.array([[1], [2, 3], [4, None]], pa.list_(pa.int32()))
+    assert hashes(lists.slice(1)) == hashes(lists)[1:]
+
+
+def test_layouts_recorded_before_the_typed_hash_keep_theirs() -> None:
+    """A record without a ``hash`` entry was written with the text-cast hash, which differs from
+    the typed one only for types other than integers, text and binary."""
+    old = TableLayout.from_json({"bucket_column": "_pgcdc_bucket", "kind": "hash", "key": ["k"], "size": 1 << 62})
+    assert old.hash == TEXT_CAST_HASH and old.to_json()["hash"] == TEXT_CAST_HASH
+    assert bucket_values(old, [pa.array(["a", "ü"])]) == bucket_values(WIDE, [pa.array(["a", "ü"])])
+    assert bucket_values(old, [pa.array([True])]) != bucket_values(WIDE, [pa.array([True])])
+    assert not old.can_bucket([pa.list_(pa.int32())]) and WIDE.can_bucket([pa.list_(pa.int32())])
+    assert TableLayout.from_json(WIDE.to_json()) == WIDE and WIDE.hash == TYPED_HASH
+
+
+def test_rows_whose_layout_columns_are_gone_or_retyped_get_no_bucket() -> None:
+    ranges = TableLayout(RANGE, ("id",), 10)
+    assert row_buckets(ranges, {"id": pa.array([15, 3], pa.int64())}, 2).to_pylist() == [1, 0]
+    assert row_buckets(ranges, {"other": pa.array([15, 3])}, 2).to_pylist() == [None, None]
+    assert row_buckets(ranges, {"id": pa.array(["15", "3"])}, 2).to_pylist() == [None, None]
 
 
 def test_bucket_values_are_pinned() -> None:

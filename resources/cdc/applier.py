@@ -56,7 +56,7 @@ from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination, TableLog
-from resources.delta.layout import BUCKET_COLUMN, bucket_values
+from resources.delta.layout import BUCKET_COLUMN, row_buckets
 from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
 from resources.errors import PgcdcError
@@ -64,7 +64,7 @@ from resources.lsn import LSN
 from resources.pgoutput.messages import Relation, UNCHANGED_TOAST
 from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 from resources.pgoutput.tuples import row_values, tuple_columns_at
-from resources.pgtypes import PgColumnType, PgValueError, to_arrow
+from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
 from resources.postgres.catalog import TableName
 from resources.postgres.column_types import ColumnTypes
 from resources.testing.faults import fault_point
@@ -275,35 +275,52 @@ class ChangeApplier:
             target.stats.schema_changed = True
         target.relation = relation
         target.columns = columns
-        self._check_layout(target)
+        self._choose_bucket_pruning(target)
 
-    @staticmethod
-    def _check_layout(target: TableTarget) -> None:
-        """Refuse to write a bucketed table whose bucket cannot be computed for every change: a
-        bucket predicate must never skip a row, so an unknown or stale layout stops the run."""
+    def _choose_bucket_pruning(self, target: TableTarget) -> None:
+        """Decide how a bucketed table's MERGEs find their rows under this relation.
+
+        A row's bucket is a function of the layout's key columns alone (``resources/delta/layout.py``),
+        whatever the replica identity says, and a row whose bucket cannot be computed is written to the
+        NULL bucket, which every bucket predicate includes. A MERGE names its batch's buckets only when
+        they locate every row it can touch: the changes are matched by a key that contains the layout's
+        key, whose columns the layout still buckets. Otherwise (replica identity FULL without a primary
+        key, an index without the layout's columns, a layout column dropped or retyped, a layout no
+        record names any more) the MERGE reads every bucket: exact, as PostgreSQL's subscriber is under
+        any identity, and said in the run's metadata with what restores the pruning.
+        """
         bucketed = target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names
         layout = target.layout
+        target.prune_buckets = False
         if layout is None and not bucketed:
             return
-        if layout is None:
-            raise SchemaChangeError(
-                f"{target.table} is bucketed ({BUCKET_COLUMN}) but no record of its layout is left: its snapshot "
-                "commit left the Delta log (log cleanup) and the pgcdc state has no layout for this table",
-                "remove the table's Delta directory, then re-snapshot the table",
-            )
         if not bucketed:
             raise SchemaChangeError(
-                f"the snapshot of {target.table} recorded {layout.describe()} but its Delta table has no {BUCKET_COLUMN} "
+                f"the snapshot of {target.table} recorded {layout.describe()} but its Delta table has no {BUCKET_COLUMN} "  # type: ignore[union-attr]
                 "column (rewritten by another writer?)",
                 RESNAPSHOT_FIX,
             )
-        key = {target.columns[i].column for i in target.key_index}
-        if target.mode != KEYED or key != set(layout.key):
-            raise SchemaChangeError(
-                f"the replica identity of {target.table} changed since its snapshot, which bucketed it by "
-                f"({', '.join(layout.key)})",
-                RESNAPSHOT_FIX,
-            )
+        types = {column.column: arrow_type(column) for column in target.columns}
+        matched = [target.columns[i].column for i in target.key_index] if target.mode == KEYED else []
+        if layout is None:
+            why = "no record of its layout is left (its snapshot commit left the Delta log and the pgcdc state has none)"
+            restore = "remove the table's Delta directory and snapshot the table again"
+        elif any(name not in types for name in layout.key):
+            why = f"its layout column(s) ({', '.join(layout.key)}) are no longer published"
+            restore = "publish them again, or remove the table's Delta directory and snapshot the table again"
+        elif not layout.can_bucket([types[name] for name in layout.key]):
+            why = f"its layout column(s) ({', '.join(layout.key)}) changed type"
+            restore = "remove the table's Delta directory and snapshot the table again"
+        elif not set(layout.key) <= set(matched):
+            identity = f"({', '.join(matched)})" if matched else "whole rows (REPLICA IDENTITY FULL)"
+            why = f"its changes are matched by {identity}, which does not hold its layout's key ({', '.join(layout.key)})"
+            restore = f"a replica identity that includes ({', '.join(layout.key)}) again"
+        else:
+            target.prune_buckets = True
+            target.stats.unpruned = None
+            return
+        target.stats.unpruned = f"{why}: its MERGEs read every bucket until {restore}"
+        self._log(f"{target.table}: {target.stats.unpruned}")
 
     def _warn_keyless(self, target: TableTarget, op: str) -> None:
         self.changes_skipped += 1
@@ -431,15 +448,15 @@ class ChangeApplier:
         """
         limit = self._max_merge_rows
         if batch.num_rows <= limit:
-            self._writer.write(self._destination.merge_batch, target.path, batch, key_columns)
+            self._writer.write(self._destination.merge_batch, target.path, batch, key_columns, target.prune_buckets)
             return
         batch = batch.take(pc.sort_indices(pc.equal(batch.column(OP_COLUMN), "D")))  # stable: deletes last
         for start in range(0, batch.num_rows, limit):
             piece = batch.slice(start, limit)
             if start == 0:
-                self._writer.write(self._destination.merge_batch, target.path, piece, key_columns)
+                self._writer.write(self._destination.merge_batch, target.path, piece, key_columns, target.prune_buckets)
             else:
-                self._writer.write_behind(self._destination.merge_batch, target.path, piece, key_columns)
+                self._writer.write_behind(self._destination.merge_batch, target.path, piece, key_columns, target.prune_buckets)
 
     def _append(self, target: TableTarget, rows: PendingRows) -> None:
         columns, _ = tuple_columns_at(rows.data, rows.new, len(target.columns))
@@ -490,7 +507,8 @@ class ChangeApplier:
         columns = [pa.array([row[i] for row in values], pa.binary()) for i in range(len(target.columns))]
         lsns = pa.array([delta.lsn for delta in changed.values()], pa.int64())
         table = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
-        table = table.select([column.column for column in target.columns] + [LSN_COLUMN])
+        bucket = [BUCKET_COLUMN] if BUCKET_COLUMN in table.column_names else []  # new copies land in their own bucket
+        table = table.select([column.column for column in target.columns] + bucket + [LSN_COLUMN])
         return table.append_column(NET_COLUMN, pa.array([delta.net for delta in changed.values()], pa.int64()))
 
     def _warn_missing_rows(self, target: TableTarget, missing: int) -> None:
@@ -619,9 +637,12 @@ class ChangeApplier:
             arrays = [array.take(index) for array in arrays]
         names = [column.column for column in target.columns]
         layout = target.layout
-        if layout is not None:
-            by_name = dict(zip(names, arrays))
-            arrays.append(bucket_values(layout, [by_name[name] for name in layout.key]))
+        bucketed = target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names
+        if bucketed:
+            buckets = pa.nulls(len(lsns), pa.int64())
+            if layout is not None:
+                buckets = row_buckets(layout, dict(zip(names, arrays)), len(lsns))
+            arrays.append(buckets)
             names.append(BUCKET_COLUMN)
         if old_keys is not None and any(flag is not None for flag in flags):
             old_by_name: dict[str, pa.Array] = {}
@@ -629,9 +650,12 @@ class ChangeApplier:
                 old_by_name[target.columns[i].column] = self._convert(target, values, target.columns[i])
                 arrays.append(old_by_name[target.columns[i].column])
                 names.append(OLD_KEY_PREFIX + target.columns[i].column)
-            if layout is not None:
+            if bucketed:
                 # The row under the old key (which holds the kept TOAST values) lives in the old key's bucket.
-                arrays.append(bucket_values(layout, [old_by_name[name] for name in layout.key]))
+                old_buckets = pa.nulls(len(lsns), pa.int64())
+                if layout is not None:
+                    old_buckets = row_buckets(layout, old_by_name, len(lsns))
+                arrays.append(old_buckets)
                 names.append(OLD_KEY_PREFIX + BUCKET_COLUMN)
         for flag, column in zip(flags, target.columns):
             if flag is not None:

@@ -32,6 +32,9 @@ class TableStats:
     #: A Relation message in this run changed the table's columns (or Delta holds columns PostgreSQL
     #: dropped), or it was snapshotted since the previous drain: its schema check is due.
     schema_changed: bool = False
+    #: Why this run's MERGEs of a bucketed table read every bucket, and what restores the pruning
+    #: (None: they read only their batches' buckets, or the table is not bucketed).
+    unpruned: str | None = None
 
 
 @dataclass(eq=False)
@@ -52,6 +55,8 @@ class TableTarget:
     #: Delta columns the relation no longer has: written NULL from now on.
     dropped: list[pa.Field] = field(default_factory=list)
     delta_schema: pa.Schema | None = None
+    #: Whether a MERGE may name its batch's buckets as its partition predicate (decided per relation).
+    prune_buckets: bool = False
     #: (commit end LSN, position) of the last change in Delta, for keyless and FULL tables (from ``log``, then this run's).
     applied_marker: tuple[int, int] | None = None
     #: (row batch, indexes of this table's rows in it, commit end LSN, position of the batch's first change)

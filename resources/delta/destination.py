@@ -65,8 +65,9 @@ class Destination(Protocol):
     def write_snapshot(self, data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str) -> int:
         """Replace the table at ``path`` with ``data`` in one commit; return that commit's version."""
 
-    def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str]) -> None:
-        """Apply a folded batch, at most one change per key (keyed tables)."""
+    def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
+        """Apply a folded batch, at most one change per key (keyed tables); with ``prune_buckets``, only
+        the batch's buckets (and the NULL bucket) hold rows it can touch."""
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
         """Append rows in one commit carrying ``user_metadata`` (keyless tables)."""

@@ -40,6 +40,7 @@ def merge_batch(
     path: str,
     source: pa.Table,
     key_columns: Sequence[str],
+    prune_buckets: bool = True,
 ) -> None:
     """Apply one batch of changes, at most one per key, with a single MERGE.
 
@@ -51,11 +52,14 @@ def merge_batch(
     The MERGE rejects two changes for one key, so callers fold a batch per key first.
 
     A bucketed table's batch carries each row's :data:`~resources.delta.layout.BUCKET_COLUMN`
-    (and ``_pgcdc_oldkey__pgcdc_bucket`` beside the old key): the MERGE then matches on bucket
-    and key and names the batch's buckets as a partition predicate on the target, so the
-    engine reads and rewrites only those partitions. Every row the batch can touch is in one
-    of them: a delete or the old row of a moved key carries its own (old) key's bucket, and the
-    row under an old key that supplies kept values is read from the old keys' buckets.
+    (and ``_pgcdc_oldkey__pgcdc_bucket`` beside the old key), written with the row. With
+    ``prune_buckets`` (the caller's promise that the buckets locate every row the batch can
+    touch: the key it matches by holds the layout's key), the MERGE names the batch's buckets
+    and the NULL bucket as a partition predicate on the target, so the engine reads and rewrites
+    only those partitions: a delete or the old row of a moved key carries its own (old) key's
+    bucket, and the row under an old key that supplies kept values is read from the old keys'
+    buckets. Rows are matched on the key alone, so a row found in the NULL bucket (written while
+    its bucket could not be computed) moves to its own.
 
     The source is staged as Parquet (:func:`_merge_source`) rather than shipped as a view:
     the engine builds its join's hash table from the side that looks smaller, and it sizes
@@ -73,8 +77,8 @@ def merge_batch(
     ]
     flags = {name for name in source.column_names if name.startswith(UNCHANGED_PREFIX)}
     old_keys = [name for name in source.column_names if name.startswith(OLD_KEY_PREFIX)]
-    bucketed = BUCKET_COLUMN in value_columns
-    matched_on = [*key_columns, BUCKET_COLUMN] if bucketed else list(key_columns)
+    pruned = prune_buckets and BUCKET_COLUMN in value_columns
+    matched_on = list(key_columns)
     staged = _merge_source(path)
     spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
     staged_source = f"parquet.{quote_column(staged)}"
@@ -82,18 +86,22 @@ def merge_batch(
     kept = [name for name in value_columns if unchanged_flag_column(name) in flags]
     if old_keys and kept:
         # A key-changing update that kept TOAST values: the row under the old key holds them.
-        join = " AND ".join(f"o.{quote_column(name.removeprefix(OLD_KEY_PREFIX))} = s.{quote_column(name)}" for name in old_keys)
+        join = " AND ".join(
+            f"o.{quote_column(name.removeprefix(OLD_KEY_PREFIX))} = s.{quote_column(name)}"
+            for name in old_keys
+            if name != OLD_KEY_PREFIX + BUCKET_COLUMN  # the key finds the row, wherever it is
+        )
         carried = ", ".join(f"o.{quote_column(name)} AS {quote_column(_carried(name))}" for name in kept)
         found_on = quote_column(old_keys[0].removeprefix(OLD_KEY_PREFIX))
         carried += f", o.{found_on} IS NOT NULL AS {OLD_ROW_FOUND}"
         old_rows = target
-        if bucketed:
+        if pruned:
             old_rows = f"(SELECT * FROM {target} WHERE {_in_buckets(source, OLD_KEY_PREFIX + BUCKET_COLUMN, '')})"
         using = f"(SELECT s.*, {carried} FROM {staged_source} s LEFT JOIN {old_rows} o ON {join})"
     else:
         using = staged_source
     on = " AND ".join(f"t.{quote_column(key)} = s.{quote_column(key)}" for key in matched_on)
-    if bucketed:
+    if pruned:
         on += f" AND {_in_buckets(source, BUCKET_COLUMN, 't.')}"
     moved_flag = next((name for name in old_keys if name != OLD_KEY_PREFIX + BUCKET_COLUMN), None)
     moved = f"s.{quote_column(moved_flag)} IS NOT NULL" if moved_flag else "false"
@@ -138,12 +146,13 @@ def _merge_source(path: str) -> str:
 
 
 def _in_buckets(source: pa.Table, column: str, qualifier: str) -> str:
-    """``<qualifier><bucket column> IN (the buckets in source's column)``, the partition predicate
-    (``false`` for none: a piece of a batch without moved rows)."""
+    """``(<qualifier><bucket column> IN (the buckets in source's column) OR ... IS NULL)``, the partition
+    predicate: the NULL bucket holds the rows written while their bucket could not be computed
+    (``resources/delta/layout.py``: ``row_buckets``); Sail prunes on the whole disjunction."""
+    column_name = f"{qualifier}{quote_column(BUCKET_COLUMN)}"
     buckets = sorted(value for value in pc.unique(source.column(column)).to_pylist() if value is not None)
-    if not buckets:
-        return "false"
-    return f"{qualifier}{quote_column(BUCKET_COLUMN)} IN ({', '.join(str(int(bucket)) for bucket in buckets)})"
+    listed = f"{column_name} IN ({', '.join(str(int(bucket)) for bucket in buckets)}) OR " if buckets else ""
+    return f"({listed}{column_name} IS NULL)"
 
 
 OLD_ROW_FOUND = "_pgcdc_old_row_found"

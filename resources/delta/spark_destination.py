@@ -20,8 +20,8 @@ class SparkDeltaDestination:
     def write_snapshot(self, data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str) -> int:
         return snapshot_writes.write_snapshot(self.spark, data, schema, path, user_metadata)
 
-    def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str]) -> None:
-        merge.merge_batch(self.spark, path, source, key_columns)
+    def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
+        merge.merge_batch(self.spark, path, source, key_columns, prune_buckets)
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
         merge.append_rows(self.spark, path, rows, user_metadata)

@@ -213,7 +213,7 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
     rows = cursor.execute(
         "SELECT a.attname, a.attnum::pg_catalog.int4, a.atttypid::pg_catalog.int8, a.atttypmod,"
         " pg_catalog.format_type(a.atttypid, a.atttypmod), a.attnotnull,"
-        " coalesce(a.attnum OPERATOR(pg_catalog.=) ANY (i.indkey), false)"
+        " coalesce(a.attnum OPERATOR(pg_catalog.=) ANY ((i.indkey::pg_catalog.int2[])[0:i.indnkeyatts OPERATOR(pg_catalog.-) 1]), false)"
         " FROM pg_catalog.pg_attribute a LEFT JOIN pg_catalog.pg_index i ON i.indexrelid OPERATOR(pg_catalog.=)"
         " pg_catalog.pg_get_replica_identity_index(%s::pg_catalog.oid::pg_catalog.regclass)::pg_catalog.oid"
         " WHERE a.attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.oid AND a.attnum OPERATOR(pg_catalog.>) 0"
@@ -229,14 +229,16 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
 
 
 def primary_key_columns(conn: psycopg.Connection, oid: int) -> tuple[str, ...]:
-    """The table's primary-key columns in the key's order; empty without one. (Client-side
+    """The table's primary-key columns in the key's order (its first ``indnkeyatts`` index columns:
+    ``INCLUDE`` columns are payload, not key); empty without one. (Client-side
     parameters, as every query here: a replication connection has no extended protocol.)"""
     rows = client_cursor(conn).execute(
         "SELECT a.attname FROM pg_catalog.pg_index i"
         " CROSS JOIN LATERAL pg_catalog.unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k(attnum, position)"
         " JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) i.indrelid"
         " AND a.attnum OPERATOR(pg_catalog.=) k.attnum"
-        " WHERE i.indrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND i.indisprimary ORDER BY k.position",
+        " WHERE i.indrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND i.indisprimary"
+        " AND k.position OPERATOR(pg_catalog.<=) i.indnkeyatts ORDER BY k.position",
         {"oid": oid},
     ).fetchall()
     return tuple(name for (name,) in rows)

@@ -74,10 +74,10 @@ class InMemoryDestination:
         table = data if isinstance(data, pa.Table) else pa.Table.from_batches(list(data), schema=schema)
         return self._commit(path, table, user_metadata)
 
-    def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str]) -> None:
-        """As the Delta MERGE, partition pruning included: a bucketed batch sees only the target rows
-        in its buckets (matched on key and bucket), so a wrong bucket shows as a duplicate or a
-        row left behind, as it would in Delta."""
+    def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
+        """As the Delta MERGE, partition pruning included: a pruned bucketed batch sees only the target
+        rows in its buckets and the NULL bucket, so a wrong bucket shows as a duplicate or a row left
+        behind, as it would in Delta."""
         target = self.tables[path]
         names = source.column_names
         value_columns = [n for n in names if n != OP_COLUMN and not n.startswith((UNCHANGED_PREFIX, OLD_KEY_PREFIX))]
@@ -85,17 +85,17 @@ class InMemoryDestination:
         moved_flag = next((n for n in old_keys if n != OLD_KEY_PREFIX + BUCKET_COLUMN), None)
         before = target.to_pylist()
         pruned: list[dict] = []
-        if BUCKET_COLUMN in value_columns:
-            key_columns = [*key_columns, BUCKET_COLUMN]
-            buckets = set(source.column(BUCKET_COLUMN).to_pylist())
-            old_buckets = set(source.column(OLD_KEY_PREFIX + BUCKET_COLUMN).to_pylist()) if moved_flag else set()
+        if prune_buckets and BUCKET_COLUMN in value_columns:
+            buckets = set(source.column(BUCKET_COLUMN).to_pylist()) | {None}
+            old_buckets = set(source.column(OLD_KEY_PREFIX + BUCKET_COLUMN).to_pylist()) | {None} if moved_flag else set()
             pruned = [row for row in before if row[BUCKET_COLUMN] not in buckets]
             old_rows = [row for row in before if row[BUCKET_COLUMN] in old_buckets]
             before = [row for row in before if row[BUCKET_COLUMN] in buckets]
         else:
             old_rows = before
         by_key = {tuple(row[k] for k in key_columns): row for row in before}
-        by_old_key = {tuple(row[n.removeprefix(OLD_KEY_PREFIX)] for n in old_keys): row for row in old_rows}
+        old_key_columns = [n for n in old_keys if n != OLD_KEY_PREFIX + BUCKET_COLUMN]
+        by_old_key = {tuple(row[n.removeprefix(OLD_KEY_PREFIX)] for n in old_key_columns): row for row in old_rows}
         rows = {key: dict(row) for key, row in by_key.items()}
         seen: set[tuple] = set()
         for change in source.to_pylist():
@@ -105,7 +105,7 @@ class InMemoryDestination:
             seen.add(key)
             kept = {n for n in value_columns if change.get(unchanged_flag_column(n)) is True}
             moved = moved_flag is not None and change[moved_flag] is not None
-            old = by_old_key.get(tuple(change[n] for n in old_keys)) if moved else None
+            old = by_old_key.get(tuple(change[n] for n in old_key_columns)) if moved else None
             if key in rows and None not in key:
                 if change[OP_COLUMN] == "D":
                     del rows[key]
