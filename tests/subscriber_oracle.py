@@ -248,7 +248,7 @@ class Subscriber:
                     column
                     for (column,) in conn.execute(
                         "SELECT a.attname FROM pg_index i JOIN pg_attribute a"
-                        " ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)"
+                        " ON a.attrelid = i.indrelid AND a.attnum = ANY((i.indkey::int2[])[0:i.indnkeyatts - 1])"
                         " WHERE i.indrelid = %s::regclass AND i.indisprimary ORDER BY a.attnum",
                         (f"{quote_ident(schema)}.{quote_ident(table)}",),
                     ).fetchall()

@@ -57,6 +57,9 @@ pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # 
 from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.s3_fixtures import S3Server
 from tests.test_bucket_layout import clean_log
+from tests.test_key_shapes import (
+    IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, PublisherOracle, run_key_shapes, SHAPES,
+)
 from tests.test_key_range_snapshot import Writer
 from tests.test_object_storage import lifecycle as object_storage_lifecycle
 from tests.test_randomized import Replay
@@ -94,6 +97,7 @@ SPARK_LOCAL_ONLY = {
     "test_randomized_workload_on_spark_matches_postgres",
     "test_lifecycle_on_s3_with_apache_spark_and_delta",
     "test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres",
+    "test_key_shapes_and_a_replica_identity_change_on_spark_match_postgres",
 }
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
@@ -301,6 +305,24 @@ def test_randomized_workload_on_spark_matches_postgres(engine: EngineUnderTest, 
     replay.execute(steps)
     assert replay.most_duplicates > 0, "dup_t never held identical rows"
     print(f"{engine.name}: seed {seed}, {len(steps)} steps, runs {' '.join(replay.run_times)}")
+
+
+#: The key shapes the engine's own MERGE and hash pruning are checked on: an array, a composite, a
+#: mixed multi-column key, a primary key with INCLUDE columns, and a uuid key whose table gets
+#: another replica identity index and then its primary key back.
+SPARK_KEY_SHAPES = ("array", "composite", "mixed", "include", "uuid")
+
+
+def test_key_shapes_and_a_replica_identity_change_on_spark_match_postgres(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
+    """tests/test_key_shapes.py's matrix, a subset (every Delta statement costs seconds on a JVM):
+    MERGEs pruned by hash and range buckets, and one without a bucket predicate, exact against PostgreSQL."""
+    shapes = [shape for shape in SHAPES if shape.name in SPARK_KEY_SHAPES]
+    pg.execute(key_shapes_ddl(shapes))
+    changes = [[change for change in round_ if change.table == "k_uuid"] for round_ in IDENTITY_CHANGES]
+    config = key_shapes_config(pg, tmp_path / "lake", chunked=False, remote=engine.url)
+    run_key_shapes(pg, config, engine.spark, PublisherOracle(pg, shapes), shapes, changes, 30, ("k_array", "k_include"))
 
 
 KEY_RANGES_DDL = """

@@ -300,6 +300,8 @@ class ChangeApplier:
                 "column (rewritten by another writer?)",
                 RESNAPSHOT_FIX,
             )
+        if target.mode == APPEND:
+            return  # appends read nothing
         types = {column.column: arrow_type(column) for column in target.columns}
         matched = [target.columns[i].column for i in target.key_index] if target.mode == KEYED else []
         if layout is None:
