@@ -59,6 +59,8 @@ def test_the_typed_hash_follows_the_value_not_its_type() -> None:
     assert hashes(pa.array([1.5, 0.0], pa.float32())) == hashes(pa.array([1.5, -0.0], pa.float64()))
     assert hashes(pa.array([Decimal("12"), Decimal("-3")], pa.decimal128(20, 0))) == hashes(pa.array([12, -3], pa.int64()))
     assert hashes(pa.array([Decimal("1.50")], pa.decimal128(6, 2))) == hashes(pa.array([Decimal("1.5000")], pa.decimal128(12, 4)))
+    huge = pa.array([Decimal("99999999999999999999"), Decimal("5")], pa.decimal128(21, 1))  # beyond int64, then integral
+    assert hashes(huge)[1:] == hashes(pa.array([5], pa.int64())) and hashes(huge)[0] == 647731516526726446
     moment = dt.datetime(2024, 2, 29, 12, 0, 0, 5)
     assert hashes(pa.array([moment], pa.timestamp("us", "UTC"))) == hashes(pa.array([moment], pa.timestamp("us")))
     assert hashes(pa.array([[1, 2]], pa.list_(pa.int64()))) == hashes(pa.array([[1, 2]], pa.list_(pa.int16())))

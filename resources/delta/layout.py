@@ -288,17 +288,23 @@ def _typed_hashes(array: pa.Array) -> np.ndarray:
 
 
 def _decimal_hashes(array: pa.Array) -> np.ndarray:
-    """Integral values within int64 as that integer, others by their normalized text."""
-    values = array.to_pylist()
-    integral = np.zeros(len(values), dtype=bool)
-    as_integer = np.zeros(len(values), dtype=np.int64)
-    texts: list[str] = []
-    for i, value in enumerate(values):
-        if value is not None and value == value.to_integral_value() and -(2**63) <= value < 2**63:
-            integral[i], as_integer[i] = True, int(value)
-            texts.append("")
-        else:
-            texts.append("" if value is None else format(value.normalize(), "f"))
+    """Integral values within int64 as that integer (vectorized), others by their normalized text
+    (per value, only for those: a fractional or huge numeric key)."""
+    whole = pc.floor(array)
+    integral = np.asarray(pc.fill_null(pc.equal(array, whole), True), dtype=bool)
+    try:
+        as_integer = np.asarray(pc.cast(pc.if_else(integral, whole, 0), pa.int64()).fill_null(0), dtype=np.int64)
+    except pa.ArrowInvalid:  # an integral value beyond int64: those go by their text too
+        as_integer = np.zeros(len(array), dtype=np.int64)
+        for i, value in enumerate(whole.to_pylist()):
+            if value is not None and integral[i] and -(2**63) <= value < 2**63:
+                as_integer[i] = int(value)
+            else:
+                integral[i] = False
+    texts = [""] * len(array)
+    for i in np.flatnonzero(~integral).tolist():
+        value = array[i].as_py()
+        texts[i] = "" if value is None else format(value.normalize(), "f")
     text_hashes = _text_hashes(pa.array(texts, pa.string())) ^ _DECIMAL_TEXT_TAG
     return np.where(integral, _integer_hashes(as_integer), text_hashes)
 
