@@ -12,6 +12,7 @@ create is refused and left as it is (docs/contracts.md, "Snapshot crash points")
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ from resources.delta.state_table import read_state, state_path
 from resources.delta.table_log import read_table_log, table_exists, unfinished_create
 from resources.errors import ConfigurationError
 from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
 from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
@@ -163,3 +165,128 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
             run_incremental(config, spark)
             assert_exact(pg, config)
         pg.execute(f"SELECT pg_drop_replication_slot('kill_{number}')")
+
+
+def ranges_left(path: str) -> str:
+    """:func:`state_left`, with the key ranges done once the walk committed one."""
+    chunks = read_table_log(path).chunks if table_exists(path) else None
+    return state_left(path) if chunks is None else f"{chunks.done} range{'s' * (chunks.done != 1)} done"
+
+
+#: One walk of a new table in key ranges, killed again and again, each run resuming (or starting
+#: over, while no range is committed) where the previous one died: (writer, point, what is left).
+RANGE_KILLS = {
+    "delta-rs": (  # the first range is written by delta-rs (a new table), the others by the engine
+        ("delta-rs", "after_range_slot", "nothing"),
+        ("delta-rs", "before_snapshot_create", "directory"),
+        ("delta-rs", "after_snapshot_create", "unfinished create"),
+        ("delta-rs", "during_snapshot_write", "unfinished create"),
+        ("delta-rs", "after_snapshot_commit", "1 range done"),
+        ("delta-rs", "after_range_commit", "2 ranges done"),
+        ("delta-rs", "during_snapshot_write", "2 ranges done"),
+        ("delta-rs", "after_snapshot_staged", "2 ranges done"),
+        ("delta-rs", "before_merge", "3 ranges done"),
+    ),
+    "engine": (  # begun by delta-rs, whose created table the engine's writer takes over
+        ("delta-rs", "after_snapshot_create", "unfinished create"),
+        ("engine", "after_range_slot", "unfinished create"),
+        ("engine", "during_snapshot_write", "directory"),  # the created table taken away, staging begun
+        ("engine", "after_snapshot_staged", "staged files"),
+        ("engine", "after_snapshot_commit", "1 range done"),
+        ("engine", "after_range_commit", "2 ranges done"),
+    ),
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_snapshot_in_key_ranges_killed_at_each_phase_resumes(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path, writer: str
+) -> None:
+    """A new table's snapshot in key ranges under writes, SIGKILLed at every phase of its first
+    ranges in turn: each run goes on from what the previous one left, the last one completes, and
+    after the next drain Delta equals PostgreSQL."""
+    pg.execute(DDL)
+    (heap,) = pg.execute("SELECT pg_catalog.pg_relation_size('big')")[0]
+    config = kill_config(pg, tmp_path / "lake", "pgcdc_slot", chunked_above_mb=0, key_chunk_mb=heap / 2**20 / 4.5)
+    big = config.table_path("public", "big")
+    snapshot_tables(config, spark, [TableName("public", "flat")])
+    left = []
+    with Writer(pg, seed=pg.major + (writer == "engine")) as traffic:
+        for number, (child_writer, point, _) in enumerate(RANGE_KILLS[writer]):
+            killed_child(config, tmp_path / f"{number}.yaml", point, child_writer, "snapshot:public.big")
+            left.append(ranges_left(big))
+            if number == 0:  # a drain meanwhile: the table counts as not snapshotted, skipped and left as it is
+                run_incremental(config, spark)
+                assert ranges_left(big) == left[0]
+        with snapshot_writer(spark, writer):
+            (result,) = snapshot_tables(config, spark, [TableName("public", "big")])
+    assert left == [expected for _, _, expected in RANGE_KILLS[writer]]
+    assert traffic.transactions > 0 and result.key_ranges and result.chunks >= 4
+    run_incremental(config, spark)
+    assert_exact(pg, config)
+
+
+def files_under(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def foreign_tables(path: Path) -> Iterator[str]:
+    """Tables at ``path`` that pgcdc did not create, each partitioned by the bucket column and without
+    any record of a layout; yields what each one is, leaving it in place meanwhile."""
+    bucketed = pa.table({"id": pa.array([1, 2], pa.int32()), BUCKET_COLUMN: pa.array([0, 0], pa.int64())})
+    deltalake.write_deltalake(str(path), bucketed, partition_by=[BUCKET_COLUMN])
+    yield "another writer's table with rows"
+    shutil.rmtree(path / "_delta_log")
+    deltalake.DeltaTable.create(str(path), bucketed.schema, partition_by=[BUCKET_COLUMN])
+    yield "another writer's empty table"
+    shutil.rmtree(path / "_delta_log")
+    # pgcdc's layout property, but a commit after the create: something was committed to it
+    deltalake.DeltaTable.create(
+        str(path), bucketed.schema, partition_by=[BUCKET_COLUMN], configuration={LAYOUT_PROPERTY: "none"},
+        raise_if_key_not_exists=False,
+    )
+    deltalake.write_deltalake(str(path), bucketed, mode="append")
+    yield "a created table with a commit after its creation"
+
+
+def test_a_table_pgcdc_did_not_create_is_refused_and_left_as_it_is(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
+    """A bucketed Delta table without a record of its layout that is not pgcdc's unfinished create:
+    the snapshot still refuses it (one line naming the fix) and deletes nothing of it, on either writer."""
+    pg.execute(DDL)
+    config = kill_config(pg, tmp_path / "lake", "pgcdc_slot")
+    path = Path(config.table_path("public", "big"))
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("not pgcdc's")
+    for what in foreign_tables(path):
+        assert not unfinished_create(str(path)), what
+        before = files_under(path)
+        for writer in WRITERS:
+            with snapshot_writer(spark, writer), pytest.raises(ConfigurationError) as refused:
+                snapshot_tables(config, spark, [TableName("public", "big")])
+            assert "no record of its layout is left" in str(refused.value), what
+            assert "remove the table's Delta directory" in str(refused.value), what
+            assert files_under(path) == before, (what, writer)
+
+
+def test_a_failed_write_takes_away_only_what_it_created(spark: SparkSession, tmp_path: Path) -> None:
+    """A delta-rs snapshot write that fails after creating the table: a directory it made goes whole;
+    in a directory that was there before, only the created table's log goes, never other files."""
+    schema = pa.schema([("id", pa.int64())])
+
+    def failing() -> Iterator[pa.RecordBatch]:
+        yield pa.record_batch([pa.array([1, 2], pa.int64())], schema=schema)
+        raise RuntimeError("the source failed")
+
+    with snapshot_writer(spark, "delta-rs"):
+        made = tmp_path / "lake" / "made"
+        with pytest.raises(RuntimeError, match="the source failed"):
+            write_snapshot(spark, failing(), schema, str(made), json.dumps({"pgcdc": {"kind": "snapshot"}}))
+        assert not made.exists() and made.parent.is_dir()
+
+        there = tmp_path / "there"
+        there.mkdir()
+        (there / "notes.txt").write_text("not pgcdc's")
+        with pytest.raises(RuntimeError, match="the source failed"):
+            write_snapshot(spark, failing(), schema, str(there), json.dumps({"pgcdc": {"kind": "snapshot"}}))
+        assert (there / "notes.txt").read_text() == "not pgcdc's"
+        assert not table_exists(str(there)) and not (there / "_delta_log").exists()

@@ -209,7 +209,7 @@ def _write_with_delta_rs(
     except BaseException:
         if created and not has_commit(path, 1):  # only the empty table created above: take it away again
             if new_directory:
-                remove_tree(path)  # the directory was made here: all of it is this write's
+                remove_tree(path, keep_parent=True)  # the directory was made here: all of it is this write's
             else:
                 discard_unfinished_create(path)  # a directory that was there before keeps everything else
         if failures:
