@@ -12,7 +12,9 @@ create is refused and left as it is (docs/contracts.md, "Snapshot crash points")
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,9 +23,10 @@ import deltalake
 import pyarrow as pa
 import pytest
 import yaml
+from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 from pyspark.sql import SparkSession
 
-from resources.config import parse_config, PgcdcConfig
+from resources.config import CONFIG_ENV_VAR, load_config, parse_config, PgcdcConfig
 from resources.delta.capabilities import engine_capabilities, set_engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LAYOUT_PROPERTY
@@ -38,6 +41,7 @@ from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 from tests.fault_child import SNAPSHOT_WRITER_ENV, use_snapshot_writer
+from tests.test_dagster_snapshot import create_shop, DAGSTER, delta_rows, pg_notes, pg_orders, REPO, write_config
 from tests.test_faults import Child
 from tests.test_key_range_snapshot import DDL, ROWS, Writer
 
@@ -290,3 +294,68 @@ def test_a_failed_write_takes_away_only_what_it_created(spark: SparkSession, tmp
             write_snapshot(spark, failing(), schema, str(there), json.dumps({"pgcdc": {"kind": "snapshot"}}))
         assert (there / "notes.txt").read_text() == "not pgcdc's"
         assert not table_exists(str(there)) and not (there / "_delta_log").exists()
+
+
+def run_dagster(home: Path, config_file: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``dagster job execute`` in a subprocess on the instance at ``home``; ``fault``: the point where the
+    process running the snapshot step (the job's in-process executor: the run's process) SIGKILLs itself."""
+    env = {key: value for key, value in os.environ.items() if key != FAULT_POINT_ENV}
+    env.update({CONFIG_ENV_VAR: str(config_file), "DAGSTER_HOME": str(home), **({FAULT_POINT_ENV: fault} if fault else {})})
+    try:
+        return subprocess.run(
+            [DAGSTER, "job", "execute", "-m", "pgcdc_assets.definitions", *args],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=240, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as stuck:
+        raise AssertionError(f"{args} {fault}: {stuck.stdout!s}\n{stuck.stderr!s}"[-6000:]) from None
+
+
+def end_killed_runs(home: Path) -> int:
+    """What Dagster does for a run whose process was killed outright, which stays STARTED and keeps its
+    claim on the slot's pool: mark it failed (run monitoring, where the run launcher checks its
+    workers; else Terminate, then force termination, in the UI) and free its pool slots (the daemon's
+    ``run_monitoring.free_slots_after_run_end_seconds``, or the UI). Returns how many runs it ended."""
+    with DagsterInstance.from_config(str(home)) as instance:
+        records = instance.get_run_records(RunsFilter(statuses=[DagsterRunStatus.STARTED]))
+        for record in records:
+            instance.report_run_failed(record.dagster_run, "its run process was killed")
+            instance.event_log_storage.free_concurrency_slots_for_run(record.dagster_run.run_id)
+        return len(records)
+
+
+def test_a_killed_dagster_snapshot_run_is_followed_by_a_run_that_succeeds(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path
+) -> None:
+    """``pgcdc_snapshot`` through Dagster's CLI, its process SIGKILLed between a table's creation and its
+    snapshot commit, the dead run ended as Dagster ends it (:func:`end_killed_runs`), then a new run of
+    the job (the slot's pool limited to 1, as deployed): it succeeds, as does a ``pgcdc_resnapshot`` run
+    after one killed mid-write, and after a drain Delta equals PostgreSQL."""
+    create_shop(pg)
+    config_file = write_config(tmp_path, pg)
+    config = load_config(str(config_file))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("concurrency:\n  pools:\n    default_limit: 1\n", encoding="utf-8")
+    lake = tmp_path / "lake"
+
+    killed = run_dagster(home, config_file, "-j", "pgcdc_snapshot", fault="after_snapshot_create")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert end_killed_runs(home) == 1
+    assert any(unfinished_create(str(lake / "public" / table)) for table in ("orders", "notes"))
+    pg.execute("UPDATE orders SET customer = 'during' WHERE id % 50 = 0")
+    pg.execute("INSERT INTO notes VALUES ('during')")
+    done = run_dagster(home, config_file, "-j", "pgcdc_snapshot")
+    assert done.returncode == 0 and "RUN_SUCCESS" in done.stdout + done.stderr, done.stderr[-3000:]
+
+    run_config = tmp_path / "resnapshot.yaml"
+    run_config.write_text(yaml.safe_dump({"ops": {"snapshot_tables": {"config": {"tables": ["public.orders"]}}}}))
+    pg.execute("DELETE FROM orders WHERE id = 7")
+    killed = run_dagster(home, config_file, "-j", "pgcdc_resnapshot", "-c", str(run_config), fault="during_snapshot_write")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert end_killed_runs(home) == 1
+    pg.execute("INSERT INTO orders VALUES (900, 'new', 1.00, NULL, NULL)")
+    done = run_dagster(home, config_file, "-j", "pgcdc_resnapshot", "-c", str(run_config))
+    assert done.returncode == 0 and "RUN_SUCCESS" in done.stdout + done.stderr, done.stderr[-3000:]
+    run_incremental(config, spark)
+    assert delta_rows(lake, "orders") == pg_orders(pg)
+    assert delta_rows(lake, "notes") == pg_notes(pg)
