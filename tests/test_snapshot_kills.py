@@ -164,8 +164,8 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
             "public.big": read_table_log(big).version, "public.flat": read_table_log(flat).version,
         }, point
 
-        # The same phase again, now that the tables have their snapshots (a re-snapshot): the table is
-        # as it was, or has its new snapshot, and a drain keeps it exact meanwhile.
+        # The same phase again, now that the tables have their snapshots (a re-snapshot): the table keeps
+        # a snapshot (the old one, or the new one), a drain meanwhile goes on, and the next snapshot succeeds.
         if point not in ("before_snapshot_create", "after_snapshot_create"):  # only a new table is created
             with Writer(pg, seed=pg.major * 100 + number + 50):
                 killed_child(config, tmp_path / f"{point}-again.yaml", point, writer)
