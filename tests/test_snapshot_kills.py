@@ -44,6 +44,8 @@ from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
+
+pytest.register_assert_rewrite("tests.s3_fixtures")  # imported below (through the Dagster tests) before pytest loads it as a plugin
 from tests.fault_child import SNAPSHOT_WRITER_ENV, use_snapshot_writer
 from tests.test_dagster_snapshot import create_shop, DAGSTER, delta_rows, pg_notes, pg_orders, REPO, write_config
 from tests.test_faults import Child
@@ -393,3 +395,20 @@ def test_an_unfinished_create_on_s3_is_created_again(s3_server: S3Server, s3_roo
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert read_table_log(path).layout == layout and not unfinished_create(path)
     assert deltalake.DeltaTable(other, storage_options=options).version() == 0
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_log_directory_without_commits_is_no_table(spark: SparkSession, tmp_path: Path, writer: str) -> None:
+    """What a kill in the middle of taking an unfinished create away leaves (its commit 0 deleted, the
+    rest of ``_delta_log`` not yet): no table, and a snapshot writes one there, on either writer."""
+    schema = pa.schema([("id", pa.int64())])
+    path = tmp_path / "t"
+    (path / "_delta_log").mkdir(parents=True)
+    (path / "_delta_log" / "_commit_0123.json.tmp").write_text("{}")
+    assert not table_exists(str(path)) and not unfinished_create(str(path))
+    layout = TableLayout("range", ("id",), 10)
+    marker = snapshot_marker(LSN(1), "s", "public.t", layout)
+    with snapshot_writer(spark, writer):
+        write_snapshot(spark, pa.table({"id": pa.array(range(30), pa.int64())}), schema, str(path), marker, layout=layout)
+    assert read_table_log(str(path)).layout == layout
+    assert sorted(deltalake.DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()) == list(range(30))
