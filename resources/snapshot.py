@@ -72,6 +72,7 @@ from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.sql import quote_ident
 from resources.snapshot_layout import existing_layout, table_layout
+from resources.testing.faults import fault_point
 
 __all__ = [
     "SnapshotProgress",
@@ -249,7 +250,7 @@ def _snapshot_table(
 ) -> SnapshotResult:
     chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
     existing = existing_layout(table, path, read_table_log(path, known))
-    with consistent_copy(dsn, publication, table) as copy:
+    with consistent_copy(dsn, publication, table, after_slot="after_snapshot_slot") as copy:
         layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets, existing)
         marker = snapshot_marker(copy.point, slot, str(table), layout)
         blocks, block_size = heap_blocks(copy.conn.connection, copy.info.oid)
@@ -425,6 +426,7 @@ def snapshot_each(
         finished.append(result)
         yield table, result
     if finished:
+        fault_point("before_snapshot_state_write")
         write_state(spark, state, read_state(spark, state), [
             StateRow(
                 str(done.table), done.path,

@@ -3,6 +3,9 @@
 Usage: python -m tests.fault_child CONFIG.yaml MAX_CHUNK_CHANGES
        python -m tests.fault_child CONFIG.yaml snapshot[:schema.table]   (snapshot_tables instead, of that table only)
 
+``FAULT_CHILD_SNAPSHOT_WRITER`` = ``engine`` | ``delta-rs`` picks the snapshot writer instead of the
+engine's capabilities (``engine``: the staged write of Delta on Spark, here on Sail).
+
 Like ``tests.incremental_child``, but a ``PgcdcError`` ends the process the way a user
 would see it: one line ``pgcdc: <ErrorClass>: <cause>: <fix>`` on stderr and exit status 2
 (any other exception keeps its traceback and exits 1). Progress lines go to stdout
@@ -11,9 +14,13 @@ unbuffered so the parent can tell when the drain is under way.
 
 from __future__ import annotations
 
+import os
 import sys
 
+from pyspark.sql import SparkSession
+
 from resources.config import load_config
+from resources.delta.capabilities import EngineCapabilities, engine_capabilities, set_engine_capabilities
 from resources.delta.engine import SparkEngine
 from resources.errors import PgcdcError
 from resources.incremental import run_incremental
@@ -21,12 +28,21 @@ from resources.postgres.catalog import TableName
 from resources.snapshot import snapshot_tables
 
 EXIT_PGCDC_ERROR = 2
+SNAPSHOT_WRITER_ENV = "FAULT_CHILD_SNAPSHOT_WRITER"
+
+
+def use_snapshot_writer(spark: SparkSession, writer: str | None) -> None:
+    """Write snapshots with ``writer`` (``engine`` or ``delta-rs``; None: as detected) on ``spark``."""
+    if writer is not None:
+        detected = engine_capabilities(spark)
+        set_engine_capabilities(spark, EngineCapabilities(detected.delta_commands, writer == "delta-rs"))
 
 
 def main() -> int:
     config = load_config(sys.argv[1])
     with SparkEngine.from_config(config.spark) as engine:
         print(f"engine up {engine.server_pid}", flush=True)  # the engine process pgcdc started, if any
+        use_snapshot_writer(engine.spark, os.environ.get(SNAPSHOT_WRITER_ENV))
         try:
             if sys.argv[2].startswith("snapshot"):
                 only = [TableName.parse(sys.argv[2].split(":", 1)[1])] if ":" in sys.argv[2] else None

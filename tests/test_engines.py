@@ -48,7 +48,7 @@ from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.snapshot import snapshot_tables, SnapshotProgress
 from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc_marker
-from resources.delta.table_log import read_table_log, read_table_metadata
+from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
@@ -56,6 +56,7 @@ from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # imported here before pytest loads them as plugins
 from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.s3_fixtures import S3Server
+from tests.fault_child import SNAPSHOT_WRITER_ENV
 from tests.test_bucket_layout import clean_log
 from tests.test_key_shapes import (
     IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, PublisherOracle, run_key_shapes, SHAPES,
@@ -98,6 +99,7 @@ SPARK_LOCAL_ONLY = {
     "test_lifecycle_on_s3_with_apache_spark_and_delta",
     "test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres",
     "test_key_shapes_and_a_replica_identity_change_on_spark_match_postgres",
+    "test_a_snapshot_killed_on_spark_recovers_on_the_next_run",
 }
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
@@ -381,6 +383,36 @@ def test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres(
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > 1000
     print(f"{engine.name} (PostgreSQL {pg.major}): walk of {log.chunks.count} key ranges {walked:.1f} s, "
           f"{writer.transactions} concurrent transactions")  # fmt: skip
+
+
+def test_a_snapshot_killed_on_spark_recovers_on_the_next_run(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+    """Snapshot processes on Delta on Spark (connected to the engine, which outlives them) SIGKILLed
+    under writes (docs/contracts.md, "Snapshot crash points"): first by delta-rs between its create and
+    its commit (a lake moved from the embedded engine), then by the engine's writer while staging and
+    right after its commit. Each next run goes on; the table delta-rs created is created again by
+    Spark (its layout property, which Spark does not write, is gone); after a drain Delta equals
+    PostgreSQL."""
+    spark = engine.spark
+    assert spark is not None and engine_capabilities(spark).delta_commands
+    pg.execute(KEY_RANGES_DDL)
+    config = engine_config(pg, tmp_path, engine, {"tables": {"public.big": {"width": 1000}}})
+    config_file = write_config(config, tmp_path)
+    path = config.table_path("public", "big")
+    left = []
+    with Writer(pg, seed=pg.major, pause=0.05) as writer:
+        for point, snapshot_writer in (
+            ("after_snapshot_create", "delta-rs"), ("during_snapshot_write", "engine"), ("after_snapshot_commit", "engine"),
+        ):
+            child = Child(config_file, "snapshot", env={FAULT_POINT_ENV: point, SNAPSHOT_WRITER_ENV: snapshot_writer})
+            assert child.wait(300) == -9, (point, child.output())
+            left.append((unfinished_create(path), read_table_log(path).snapshot_lsn is not None))
+    assert writer.transactions > 0
+    assert left == [(True, False), (False, False), (False, True)]
+    assert read_table_metadata(path).layout_property is None  # type: ignore[union-attr]  # created again, by Spark
+    snapshot_tables(config, spark)
+    run_incremental(config, spark)
+    assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > 1000
+    assert assert_buckets_right(path) is not None
 
 
 def range_commits(path: str) -> dict[int, int]:

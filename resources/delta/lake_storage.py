@@ -314,11 +314,12 @@ class LakeStorage:
         except OSError as error:
             raise _explain_store_error(error, self.root, endpoint) from None
 
-    def remove_tree(self, location: str) -> None:
+    def remove_tree(self, location: str, keep_parent: bool = False) -> None:
         """Delete everything at ``location`` (inside this lake) and, locally, its parent directory
-        when it is left empty. Missing is fine: this is clean-up of pgcdc's own staging data."""
+        when it is left empty (unless ``keep_parent``). Missing is fine: this is clean-up of pgcdc's
+        own data."""
         if self.location is None or not is_object_store(location):
-            _remove_local_tree(location)
+            _remove_local_tree(location, keep_parent)
             return
         try:
             # Arrow's client then leaves an empty marker object for the emptied parent (the
@@ -361,11 +362,13 @@ def s3a_jars() -> list[Path]:
     return paths
 
 
-def _remove_local_tree(location: str) -> None:
+def _remove_local_tree(location: str, keep_parent: bool = False) -> None:
     local = location.removeprefix("file://")
     if "://" in local:
         return  # a store pgcdc has no client for: left to the store's lifecycle rules
     shutil.rmtree(local, ignore_errors=True)
+    if keep_parent:
+        return
     try:
         Path(local).parent.rmdir()  # the staging directory, unless another write uses it
     except OSError:
@@ -435,14 +438,15 @@ def _opened_object_store(location: str) -> LakeStorage | None:
     return None
 
 
-def remove_tree(location: str) -> None:
+def remove_tree(location: str, keep_parent: bool = False) -> None:
     """Delete pgcdc's own data at ``location`` (staging data, or a table it created and could not
     fill), on whatever store holds it: a local directory
     directly, an object-store location through the client of the opened lake containing it (one
-    not opened by this process is left to the store's lifecycle rules)."""
+    not opened by this process is left to the store's lifecycle rules). A local parent directory
+    left empty goes too (a staging directory), unless ``keep_parent``."""
     for root, lake in _OPEN_LAKES.items():
         if location.startswith(root + "/"):
-            lake.remove_tree(location)
+            lake.remove_tree(location, keep_parent)
             return
-    _remove_local_tree(location)
+    _remove_local_tree(location, keep_parent)
 

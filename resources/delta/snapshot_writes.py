@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyarrow.fs import FileType
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -17,7 +18,8 @@ from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_sch
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property
-from resources.delta.table_log import has_commit, table_exists, version_with_metadata
+from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
+from resources.testing.faults import fault_point
 
 
 STAGING_DIRECTORY = "_pgcdc_staging"
@@ -98,20 +100,52 @@ def write_snapshot(
     range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
     removed or added (an empty range), so its marker is never lost.
     """
+    data = _watched(data)
     if layout is not None:
-        batches = data.to_batches() if isinstance(data, pa.Table) else data
-        data = (with_buckets(layout, batch) for batch in batches)
+        data = (with_buckets(layout, batch) for batch in data)
         schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
+    if replace_where is None and unfinished_create(path):
+        discard_unfinished_create(path)
     if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
         _write_with_delta_rs(data, schema, path, user_metadata, layout)
     else:
         staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
         try:
             _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
+            fault_point("after_snapshot_staged")
             _overwrite(_staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where)
         finally:
             remove_tree(staging)
+    fault_point("after_snapshot_commit")
     return version_with_metadata(path, user_metadata)
+
+
+def _watched(data: pa.Table | Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``data``'s batches, with the fault point ``during_snapshot_write`` once the writer holds the
+    first one and asks for more (``resources/testing/faults.py``)."""
+    for number, batch in enumerate(data.to_batches() if isinstance(data, pa.Table) else data):
+        yield batch
+        if number == 0:
+            fault_point("during_snapshot_write")
+
+
+def discard_unfinished_create(path: str) -> None:
+    """Take away the table at ``path`` that :func:`~resources.delta.table_log.unfinished_create`
+    recognises (the empty table a killed snapshot created and never committed to), so the path
+    holds no table and the snapshot creates it as new, with the layout it chooses now (its layout
+    property is set at creation only, so the one left behind could be stale).
+
+    Only the log goes: its commit 0 first (from then on there is no table), then the rest of
+    ``_delta_log`` (a killed writer's temporary files). Nothing else in the directory is touched: it
+    may be a directory pgcdc did not create; Parquet files a killed write left are referenced by no
+    commit, and the maintenance job's full vacuum deletes them once older than the retention."""
+    filesystem, directory = storage_client(path)
+    log = f"{directory.rstrip('/')}/{LOG_DIRECTORY}"
+    filesystem.delete_file(f"{log}/{0:020d}.json")  # type: ignore[attr-defined]
+    try:
+        filesystem.delete_dir(log)  # type: ignore[attr-defined]
+    except FileNotFoundError:  # an object store: no directory object once its last file is gone
+        pass
 
 
 def _write_with_delta_rs(
@@ -124,10 +158,11 @@ def _write_with_delta_rs(
 
     A new table is created first, empty (version 0), with :data:`LAYOUT_PROPERTY`: delta-rs 1.6
     refuses table properties it does not know in a write, but takes them in a create. So the
-    snapshot commit of a new table is version 1. When the write fails, the created table is removed
-    again; a crash in between leaves it, a table without a snapshot marker, which pgcdc treats as
-    not snapshotted and the next snapshot overwrites (keeping the layout the property names). An
-    existing table keeps its properties, as with the engine.
+    snapshot commit of a new table is version 1. When the write fails, the created table is taken
+    away again (the whole directory when this write made it, else only the log); a process killed in
+    between leaves it, which :func:`~resources.delta.table_log.unfinished_create` recognises: the
+    table counts as not snapshotted and the next snapshot creates it again
+    (:func:`discard_unfinished_create`). An existing table keeps its properties, as with the engine.
     """
     from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, write_deltalake, WriterProperties
 
@@ -148,16 +183,19 @@ def _write_with_delta_rs(
     storage_options = object_store_options(path) or None
     partition_by = [BUCKET_COLUMN] if layout is not None else []  # [], not None: None keeps old partitioning
     created = not table_exists(path)
+    filesystem, directory = storage_client(path)
+    new_directory = created and filesystem.get_file_info(directory).type == FileType.NotFound  # type: ignore[attr-defined]
     if created and not is_object_store(path):
         # Through the lake's storage client, as staging does: a path it cannot create fails with the
         # OSError naming the cause (delta-rs says only "Could not create local directory").
-        filesystem, directory = storage_client(path)
         filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
     if created:
+        fault_point("before_snapshot_create")
         DeltaTable.create(
             path, target, partition_by=partition_by, configuration={LAYOUT_PROPERTY: layout_property(layout)},
             storage_options=storage_options, raise_if_key_not_exists=False,
         )  # fmt: skip
+        fault_point("after_snapshot_create")
     try:
         write_deltalake(
             path, reader, mode="overwrite", schema_mode="overwrite", partition_by=partition_by,
@@ -169,8 +207,11 @@ def _write_with_delta_rs(
             post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
         )  # fmt: skip
     except BaseException:
-        if created and not has_commit(path, 1):  # only the empty table created above: leave nothing
-            remove_tree(path)
+        if created and not has_commit(path, 1):  # only the empty table created above: take it away again
+            if new_directory:
+                remove_tree(path, keep_parent=True)  # the directory was made here: all of it is this write's
+            else:
+                discard_unfinished_create(path)  # a directory that was there before keeps everything else
         if failures:
             raise failures[0]
         raise

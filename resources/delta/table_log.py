@@ -125,6 +125,35 @@ def table_exists(path: str) -> bool:
     return log.commit(0) is not None or log.read(LAST_CHECKPOINT) is not None
 
 
+def unfinished_create(path: str) -> bool:
+    """Whether the table at ``path`` is nothing but the empty table pgcdc's delta-rs snapshot writer
+    creates right before its snapshot commit (``snapshot_writes.py``), left so by a process killed in
+    between: then it counts as not snapshotted and the next snapshot creates it again.
+
+    What proves it, from the log alone: the log is exactly commit 0 (no later commit, no checkpoint:
+    nothing was ever committed after it); that commit adds and removes no data file and carries no
+    pgcdc marker (it is a create, not a snapshot); and its ``metaData`` carries
+    :data:`~resources.delta.markers.LAYOUT_PROPERTY`, which only pgcdc writes and which pgcdc writes
+    into a data-less commit only in that create. A table any other writer made, or one that ever
+    held a commit after its creation, is not one (two reads for almost every table: commit 1, and
+    commit 0 when commit 1 is missing; a listing only for a data-less create with the property)."""
+    log = _Log(path)
+    if log.commit(1) is not None:
+        return False
+    text = log.read(f"{0:020d}.json")
+    if text is None:
+        return False
+    actions = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if any("add" in action or "remove" in action for action in actions):
+        return False
+    if any(pgcdc_marker(action["commitInfo"].get("userMetadata")) is not None for action in actions if "commitInfo" in action):
+        return False
+    if not any(LAYOUT_PROPERTY in (action["metaData"].get("configuration") or {}) for action in actions if "metaData" in action):
+        return False
+    versions, checkpoint = log.versions()
+    return versions == [0] and checkpoint is None and log.read(LAST_CHECKPOINT) is None
+
+
 def has_commit(path: str, version: int) -> bool:
     """Whether the commit file of ``version`` is in the log of the table at ``path`` (one read)."""
     return _Log(path).commit(version) is not None

@@ -17,6 +17,21 @@ Points (see ``resources/incremental.py``):
   temporary slot of its next range, nothing of the range is in Delta yet.
 * ``after_range_commit``: the range's Delta commit (with its marker) is durable, the drain that
   follows it has not started.
+
+Snapshot points (``resources/snapshot.py``, ``resources/delta/snapshot_writes.py``; docs/contracts.md,
+"Snapshot crash points", says what each leaves and how the next run recovers):
+
+* ``after_snapshot_slot``: a snapshot's temporary slot and transaction exist, nothing is in Delta.
+* ``before_snapshot_create``: delta-rs's writer made the table's directory, not yet the table.
+* ``after_snapshot_create``: delta-rs's writer created the empty table (commit 0), no snapshot commit.
+* ``during_snapshot_write``: the writer holds the first piece of the rows (either writer, also a key
+  range's), nothing of them is committed.
+* ``after_snapshot_staged``: the engine's writer staged every piece as Parquet, the engine has not
+  written the table.
+* ``after_snapshot_commit``: the snapshot commit (or a key range's) is durable; the pgcdc state is not
+  written, a staging directory is removed.
+* ``before_snapshot_state_write``: every table of the snapshot run is committed, the pgcdc state is not
+  written.
 """
 
 from __future__ import annotations
@@ -27,6 +42,8 @@ import signal
 FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
 FAULT_POINTS = (
     "before_merge", "after_delta_commit", "after_confirm", "before_state_write", "after_range_slot", "after_range_commit",
+    "after_snapshot_slot", "before_snapshot_create", "after_snapshot_create", "during_snapshot_write",
+    "after_snapshot_staged", "after_snapshot_commit", "before_snapshot_state_write",
 )
 
 
