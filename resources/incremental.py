@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import psycopg
 from pyspark.sql import SparkSession
@@ -63,10 +64,11 @@ from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
 from resources.postgres.column_types import TypeResolver
 from resources.postgres.connections import connect
-from resources.postgres.preflight import check_server, check_slot
+from resources.postgres.failover import failover_problems
+from resources.postgres.preflight import check_server, check_slot, ensure_failover, idle_timeout_risk
 from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.slots import read_slot
+from resources.postgres.slots import read_slot, SlotState
 from resources.postgres.stream import ReplicationStream
 from resources.testing.faults import fault_point
 
@@ -129,6 +131,8 @@ def run_incremental(
     spill_dir: str | None = None,
     end_lsn: LSN | None = None,
     hold: Callable[[], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+    schedule_gap: timedelta | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
 
@@ -145,8 +149,14 @@ def run_incremental(
     ``hold`` runs first, while the run holds the slot (streaming started, so no other reader can
     take it; status updates keep it), before the tables' logs are read and the end position is
     taken: a snapshot in key ranges copies its next range there (docs/contracts.md).
+
+    ``warn`` (default: ``log``) hears what would lose the slot later without stopping this
+    run: a failover slot no standby has synchronized yet (``slot_failover``), and an
+    ``idle_replication_slot_timeout`` shorter than ``schedule_gap``, the longest gap between
+    scheduled drains, allows.
     """
     say = log or (lambda message: None)
+    caution = warn or (lambda message: say(f"warning: {message}"))
     started = time.monotonic()
     dsn = config.postgres.dsn
     conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
@@ -155,8 +165,11 @@ def run_incremental(
     ) as rc:
         check_server(rc)
         check_publications(rc, [config.publication])
-        start_lsn = check_slot(rc, config.slot).confirmed_flush_lsn
+        slot_state = check_slot(rc, config.slot)
+        start_lsn = slot_state.confirmed_flush_lsn
         assert start_lsn is not None  # check_slot refuses a slot without one
+        for warning in _slot_risks(config, conn, rc, slot_state, schedule_gap):
+            caution(warning)
         open_lake(config.delta.root, config.delta.storage)
         try:
             tables = resolve_tables(conn, config.publication, config.tables)
@@ -354,6 +367,25 @@ def _read_log(destination: Destination, path: str, config: PgcdcConfig, known: T
             f"cannot read the Delta table at {path} ({first_line})",
             f"check delta.root ({config.delta.root}) and delta.storage: it must be a writable location holding the snapshots",
         ) from None
+
+
+def _slot_risks(
+    config: PgcdcConfig,
+    conn: psycopg.Connection,
+    rc: ReplicationConnection,
+    state: SlotState,
+    schedule_gap: timedelta | None,
+) -> list[str]:
+    """What could lose the slot after this run; turns failover on first when ``slot_failover`` asks for it."""
+    risks: list[str] = []
+    if config.slot_failover:
+        state = ensure_failover(rc, state)
+        risks.extend(str(problem) for problem in failover_problems(conn, state, config.postgres.standby_dsn))
+    if schedule_gap is not None:
+        idle = idle_timeout_risk(conn, config.slot, schedule_gap)
+        if idle is not None:
+            risks.append(str(idle))
+    return risks
 
 
 def _confirmed_flush(dsn: str, slot: str) -> LSN:
