@@ -100,10 +100,10 @@ def invalidated_slot(state: SlotState, fix: str) -> SlotError:
     reason = state.invalidation_reason
     cause, prevention = INVALIDATION_CAUSES.get(reason or "", (None, None))
     why = f", {reason}" if reason else ""
-    told = f": {cause}" if cause else ""
+    because = f" because {cause}" if cause else ""
     then = f"; then {prevention}" if prevention else ""
     return SlotError(
-        f'replication slot "{state.slot_name}" is invalidated (wal_status {state.wal_status}{why}){told},'
+        f'replication slot "{state.slot_name}" is invalidated (wal_status {state.wal_status}{why}){because};'
         " the changes it held are gone",
         f"{fix}{then}",
     )

@@ -1,0 +1,266 @@
+"""Failover slots on real PostgreSQL: refused before 17, created and turned on with 17+, and a real failover.
+
+The failover tests run a PostgreSQL 18 primary with a physical slot and a streaming standby
+made with pg_basebackup (``sync_replication_slots``, ``hot_standby_feedback``,
+``primary_slot_name``, a ``dbname`` in ``primary_conninfo``), the primary's
+``synchronized_standby_slots`` naming the standby's slot. pgcdc is configured once, with a
+multi-host DSN and ``target_session_attrs=read-write``: it follows the promotion without a
+configuration change. Snapshot and drains run under a concurrent workload, the primary is
+killed (immediate stop), the standby promoted, and the drains continue from the synchronized
+slot: Delta equals the new primary value for value, keyless rows exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from pyspark.sql import SparkSession
+
+from resources.config import parse_config, PgcdcConfig
+from resources.errors import ConfigurationError, PgcdcError
+from resources.incremental import run_incremental
+from resources.postgres.connections import connect
+from resources.postgres.failover import failover_problems
+from resources.postgres.preflight import ensure_slot
+from resources.postgres.slots import read_slot
+from resources.snapshot import snapshot_tables
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.verify import assert_delta_equals_postgres
+from tests.conftest import PgDatabase, TEST_SERVER_SETTINGS
+from tests.test_faults import assert_one_line_failure, Child, confirmed, wait_mid_drain, write_config
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+SLOT = "pgcdc_slot"
+STANDBY_SLOT = "pgcdc_standby"
+DATABASE = "ha"
+ACCOUNTS = 200
+
+DDL = f"""
+    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
+    CREATE TABLE journal (entry int, note text);
+    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, {ACCOUNTS}) g;
+    CREATE PUBLICATION pub FOR TABLE acct, journal;
+"""
+
+
+# --------------------------------------------------------------------------- PostgreSQL < 17 and 17+
+
+
+def test_failover_slot_is_refused_before_17_and_created_or_turned_on_from_17(pg: PgDatabase) -> None:
+    if pg.major < 17:
+        with pytest.raises(ConfigurationError) as refused:
+            ensure_slot(pg.dsn, SLOT, failover=True)
+        assert str(refused.value) == (
+            f"slot_failover needs PostgreSQL 17 or newer, the source runs PostgreSQL {pg.major}:"
+            " set slot_failover: false, or upgrade the source to PostgreSQL 17+"
+        )
+        assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)) == [(0,)]
+        return
+    ensure_slot(pg.dsn, SLOT, failover=True)  # created with FAILOVER
+    assert pg.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)) == [(True,)]
+
+    ensure_slot(pg.dsn, "plain_slot")  # an existing slot without failover ...
+    assert pg.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = 'plain_slot'") == [(False,)]
+    ensure_slot(pg.dsn, "plain_slot", failover=True)  # ... is turned into one (ALTER_REPLICATION_SLOT)
+    assert pg.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = 'plain_slot'") == [(True,)]
+
+    # No standby: the primary's side says what is missing, one line each.
+    with connect(pg.dsn, application_name="test") as conn:
+        state = read_slot(conn, SLOT)
+        assert state is not None
+        problems = [str(problem) for problem in failover_problems(conn, state, None)]
+    assert problems == [
+        "synchronized_standby_slots is empty on the primary: a drain can confirm changes no standby has received,"
+        " and a promoted standby would lack changes Delta already holds: set it to the standby's physical slot"
+        " (ALTER SYSTEM SET synchronized_standby_slots = '<slot>'; SELECT pg_reload_conf())"
+    ]
+
+
+def test_standby_dsn_needs_slot_failover_and_is_masked() -> None:
+    base = {"postgres": {"dsn": "postgresql://u:secret@h/db"}, "publication": "pub"}
+    with pytest.raises(ConfigurationError) as refused:
+        parse_config({**base, "postgres": {**base["postgres"], "standby_dsn": "postgresql://u:secret@s/db"}})
+    assert "postgres.standby_dsn is only used to check a failover slot: set slot_failover: true or remove it" in str(
+        refused.value
+    )
+    config = parse_config(
+        {**base, "slot_failover": True, "postgres": {**base["postgres"], "standby_dsn": "postgresql://u:secret@s/db"}}
+    )
+    assert repr(config.postgres) == "PostgresSettings(dsn='u@h:5432/db', standby_dsn='u@s:5432/db')"
+
+
+# --------------------------------------------------------------------------- a real failover
+
+
+class Pair:
+    """A PostgreSQL 18 primary and its streaming standby, ready for failover slots."""
+
+    def __init__(self) -> None:
+        self.primary = start_local_postgres(18, TEST_SERVER_SETTINGS)
+        self.standby: LocalPostgres | None = None
+        try:
+            self.standby = self.primary.start_standby(STANDBY_SLOT)
+            with psycopg.connect(self.primary.dsn(), autocommit=True) as admin:
+                admin.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
+                admin.execute("SELECT pg_reload_conf()")
+                admin.execute(f'CREATE DATABASE "{DATABASE}"')
+        except BaseException:
+            self.destroy()
+            raise
+
+    def destroy(self) -> None:
+        if self.standby is not None:
+            self.standby.destroy()
+        self.primary.destroy()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    servers = Pair()
+    try:
+        yield servers
+    finally:
+        servers.destroy()
+
+
+class Workload:
+    """Small transactions on one server in a thread, until stopped or the server goes away."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.committed = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                while not self._stop.is_set():
+                    transact(conn, self.committed)
+                    self.committed += 1
+        except psycopg.OperationalError as error:  # the primary was killed
+            self.error = error
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive()
+        return self.committed
+
+
+def transact(conn: psycopg.Connection, i: int) -> None:
+    """One transaction touching both tables; now and then a key is deleted and re-inserted."""
+    with conn.transaction():
+        conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id %% 20 = %s", (f"t{i}", i % 20))
+        conn.execute("INSERT INTO journal SELECT %s, 'e' || g FROM generate_series(1, 5) g", (i,))
+        if i % 25 == 24:
+            conn.execute("DELETE FROM acct WHERE id = %s", (i % ACCOUNTS + 1,))
+            conn.execute("INSERT INTO acct VALUES (%s, -1, 'reborn')", (i % ACCOUNTS + 1,))
+
+
+def assert_exact(dsn: str, config: PgcdcConfig) -> None:
+    root = Path(config.delta.root)
+    assert assert_delta_equals_postgres(dsn, "public.acct", str(root / "public" / "acct"), key=("id",)) == ACCOUNTS
+    assert_delta_equals_postgres(dsn, "public.journal", str(root / "public" / "journal"))
+
+
+def wait_until_failover_ready(config: PgcdcConfig, spark: SparkSession, timeout: float = 240) -> None:
+    """Drain until the standby holds a persistent synchronized copy of the slot.
+
+    The standby's copy stays temporary until the primary's slot has moved past where the
+    copy started, so drains (which move it) alternate with the check.
+    """
+    deadline = time.monotonic() + timeout
+    problems: list[PgcdcError] = []
+    while time.monotonic() < deadline:
+        run_incremental(config, spark, warn=lambda line: None)
+        with connect(config.postgres.dsn, application_name="test") as conn:
+            state = read_slot(conn, SLOT)
+            assert state is not None and state.failover
+            problems = list(failover_problems(conn, state, config.postgres.standby_dsn))
+        if not problems:
+            return
+        time.sleep(2)
+    raise AssertionError(f"the slot was not synchronized within {timeout} s: {problems}")
+
+
+@pytest.mark.parametrize("kill", ["between_drains", "mid_drain"])
+def test_failover_to_the_standby_loses_and_doubles_nothing(
+    pair: Pair, kill: str, tmp_path: Path, spark: SparkSession
+) -> None:
+    primary, standby = pair.primary, pair.standby
+    assert standby is not None
+    primary_db = PgDatabase(primary, DATABASE)
+    primary_db.execute(DDL)
+    config = parse_config({
+        "postgres": {
+            "dsn": f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/{DATABASE}"
+            "?target_session_attrs=read-write",
+            "standby_dsn": standby.dsn(DATABASE),
+        },
+        "publication": "pub",
+        "slot": SLOT,
+        "slot_failover": True,
+        "delta": {"root": str(tmp_path / "lake")},
+    })  # fmt: skip
+
+    workload = Workload(primary.dsn(DATABASE))
+    snapshot_tables(config, spark)
+    assert primary_db.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)) == [(True,)]
+    warnings: list[str] = []
+    run_incremental(config, spark, warn=warnings.append)
+    wait_until_failover_ready(config, spark)
+
+    if kill == "between_drains":
+        run_incremental(config, spark)
+        time.sleep(0.5)  # the workload goes on past the last drain
+        primary.stop("immediate")
+    else:
+        workload.stop()
+        with psycopg.connect(primary.dsn(DATABASE), autocommit=True) as conn:
+            for i in range(400):  # a backlog of many small chunks
+                transact(conn, 10_000 + i)
+        workload = Workload(primary.dsn(DATABASE))
+        start = confirmed(primary_db)
+        child = Child(write_config(config, tmp_path))
+        try:
+            wait_mid_drain(primary_db, child, start)
+            primary.stop("immediate")
+            assert_one_line_failure(child, "ConnectionFailure")
+        finally:
+            child.kill()
+    committed = workload.stop()
+    assert committed > 0 and workload.error is not None  # killed in the middle of the workload
+
+    standby.promote()
+    with psycopg.connect(standby.dsn(DATABASE), autocommit=True) as conn:
+        for i in range(30):  # writes on the new primary
+            transact(conn, 20_000 + i)
+
+    warnings.clear()
+    result = run_incremental(config, spark, warn=warnings.append)  # the same configuration
+    assert result.confirmed_flush_lsn > result.start_lsn
+    assert_exact(standby.dsn(DATABASE), config)
+    # The new primary has no standby yet: the run says the slot is no longer protected.
+    assert warnings == [
+        "synchronized_standby_slots is empty on the primary: a drain can confirm changes no standby has received,"
+        " and a promoted standby would lack changes Delta already holds: set it to the standby's physical slot"
+        " (ALTER SYSTEM SET synchronized_standby_slots = '<slot>'; SELECT pg_reload_conf())",
+        f"postgres.standby_dsn (postgres@127.0.0.1:{standby.port}/{DATABASE}) is not a standby: it was promoted"
+        " or is another primary: point postgres.standby_dsn at the current standby",
+    ]
+
+    with psycopg.connect(standby.dsn(DATABASE), autocommit=True) as conn:
+        for i in range(30):
+            transact(conn, 30_000 + i)
+    run_incremental(config, spark, warn=warnings.append)
+    assert_exact(standby.dsn(DATABASE), config)
+
