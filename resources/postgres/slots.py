@@ -137,8 +137,8 @@ def slot_state(rows: Sequence[tuple]) -> SlotState | None:
     """The :class:`SlotState` in the rows of :func:`slot_state_query`; None when there are none."""
     if not rows:
         return None
-    (slot_name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, tp, why,
-     safe, failover, synced, since), = rows
+    (slot_name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, tp, safe,
+     why, failover, synced, since), = rows
     return SlotState(
         slot_name, plugin, slot_type, database, temporary, active, pid,
         lsn_or_none(restart), lsn_or_none(confirmed), wal_status, tp, why,
