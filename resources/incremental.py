@@ -68,7 +68,7 @@ from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import check_server, check_slot, ensure_failover, idle_timeout_risk
 from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.slots import read_slot, SlotState
+from resources.postgres.slots import read_slot, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
 from resources.testing.faults import fault_point
 
@@ -186,7 +186,7 @@ def run_incremental(
             start_streaming(stream, config.slot, options)
             _holding(stream, hold)
             if end_lsn is None:
-                end_lsn = _flush_lsn(conn)
+                end_lsn = wal_position(conn)
         state = read_state(spark, state_path(config.delta.root, config.slot))
         destination = SparkDeltaDestination(spark)
         targets = _targets(config, destination, tables, state, say)
@@ -214,7 +214,7 @@ def run_incremental(
             drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
-        flush_now = _flush_lsn(conn)
+        flush_now = wal_position(conn)
     duration = time.monotonic() - started
     result = IncrementalResult(
         start_lsn=start_lsn,
@@ -235,11 +235,6 @@ def run_incremental(
         f"({result.changes_per_second:,.0f}/s), {result.changes_skipped} skipped, slot confirmed at {confirmed}"
     )
     return result
-
-
-def _flush_lsn(conn: psycopg.Connection) -> LSN:
-    """The WAL flush position (what IDENTIFY_SYSTEM reports), from a normal session."""
-    return LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
 
 
 def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:

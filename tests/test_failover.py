@@ -132,8 +132,9 @@ def pair() -> Iterator[Pair]:
 class Workload:
     """Small transactions on one server in a thread, until stopped or the server goes away."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, *, log_standby_snapshots: bool = False) -> None:
         self.dsn = dsn
+        self.log_standby_snapshots = log_standby_snapshots
         self.committed = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -146,6 +147,10 @@ class Workload:
                 while not self._stop.is_set():
                     transact(conn, self.committed)
                     self.committed += 1
+                    if self.log_standby_snapshots and self.committed % 20 == 0:
+                        # What a standby needs to create a logical slot: PostgreSQL logs it every
+                        # 15 s on its own, this only saves the wait.
+                        conn.execute("SELECT pg_log_standby_snapshot()")
         except psycopg.OperationalError as error:  # the primary was killed
             self.error = error
 
@@ -264,3 +269,59 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
     run_incremental(config, spark, warn=warnings.append)
     assert_exact(standby.dsn(DATABASE), config)
 
+
+
+# --------------------------------------------------------------------------- a standby as the source
+
+
+def wait_replayed(primary: LocalPostgres, standby: LocalPostgres, timeout: float = 60) -> None:
+    """Until the standby has replayed all WAL the primary has flushed."""
+    with psycopg.connect(primary.dsn(), autocommit=True) as conn:
+        ((target,),) = conn.execute("SELECT pg_current_wal_flush_lsn()").fetchall()
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(standby.dsn(), autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            ((behind,),) = conn.execute("SELECT pg_wal_lsn_diff(%s, pg_last_wal_replay_lsn()) > 0", (target,)).fetchall()
+            if not behind:
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"the standby did not replay up to {target} within {timeout} s")
+
+
+def test_snapshot_and_drains_from_a_standby_are_exact_against_the_primary(
+    pair: Pair, tmp_path: Path, spark: SparkSession
+) -> None:
+    """PostgreSQL 16+ decodes on a hot standby: the slot and the snapshot live there, the primary only writes."""
+    primary, standby = pair.primary, pair.standby
+    assert standby is not None
+    PgDatabase(primary, DATABASE).execute(DDL)
+    wait_replayed(primary, standby)
+    config = parse_config({
+        "postgres": {"dsn": standby.dsn(DATABASE)},
+        "publication": "pub",
+        "slot": SLOT,
+        "delta": {"root": str(tmp_path / "lake")},
+    })  # fmt: skip
+
+    workload = Workload(primary.dsn(DATABASE), log_standby_snapshots=True)
+    snapshot_tables(config, spark)  # the slot and the tables' snapshots, on the standby
+    run_incremental(config, spark)
+    time.sleep(0.5)
+    run_incremental(config, spark)
+    assert workload.stop() > 0 and workload.error is None
+    wait_replayed(primary, standby)
+    result = run_incremental(config, spark)
+    assert result.changes > 0
+    assert_exact(primary.dsn(DATABASE), config)
+    on_primary = PgDatabase(primary, DATABASE).execute("SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'")
+    on_standby = PgDatabase(standby, DATABASE).execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'logical'")
+    assert on_primary == [(0,)] and on_standby == [(SLOT,)]
+
+    # A failover slot belongs on the primary: asking for one on the standby is refused in one line.
+    with pytest.raises(ConfigurationError) as refused:
+        ensure_slot(standby.dsn(DATABASE), "another_slot", failover=True)
+    assert str(refused.value) == (
+        "slot_failover is set but postgres.dsn points at a standby: only a primary's slot can fail over:"
+        " point postgres.dsn at the primary (a multi-host DSN with target_session_attrs=read-write),"
+        " or set slot_failover: false to decode on the standby"
+    )

@@ -89,6 +89,13 @@ def ensure_slot(dsn: str, slot: str, *, failover: bool = False) -> CreatedSlot |
     with ReplicationConnection(dsn, application_name="pgcdc") as conn:
         if failover:
             require_failover_slots(conn.server_version_num)
+            (in_recovery,), = conn.execute("SELECT pg_catalog.pg_is_in_recovery()")
+            if in_recovery:
+                raise ConfigurationError(
+                    "slot_failover is set but postgres.dsn points at a standby: only a primary's slot can fail over",
+                    "point postgres.dsn at the primary (a multi-host DSN with target_session_attrs=read-write),"
+                    " or set slot_failover: false to decode on the standby",
+                )
         state = conn.read_slot(slot)
         if state is None:
             return conn.create_slot(slot, snapshot="nothing", failover=failover)

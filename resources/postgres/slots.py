@@ -109,6 +109,21 @@ def invalidated_slot(state: SlotState, fix: str) -> SlotError:
     )
 
 
+#: Where WAL stands for a slot's reader: the primary's flushed WAL, or on a standby (which can decode
+#: logically from PostgreSQL 16 on) the WAL it has replayed, which is all its walsenders decode.
+WAL_POSITION_SQL = (
+    "SELECT (CASE WHEN pg_catalog.pg_is_in_recovery() THEN pg_catalog.pg_last_wal_replay_lsn()"
+    " ELSE pg_catalog.pg_current_wal_flush_lsn() END)::pg_catalog.text"
+)
+
+
+def wal_position(conn: psycopg.Connection) -> LSN:
+    """The WAL position of :data:`WAL_POSITION_SQL`, over a normal connection."""
+    row = conn.execute(WAL_POSITION_SQL).fetchone()
+    assert row is not None and row[0] is not None
+    return LSN.parse(row[0])
+
+
 def lsn_or_none(text: str | None) -> LSN | None:
     return None if text is None else LSN.parse(text)
 
