@@ -53,9 +53,10 @@ from resources.config import PgcdcConfig
 from resources.delta.destination import Destination, TableLog
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
-from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
+from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
 from resources.key_range_copy import copy_key_range
 from resources.delta.lake_storage import open_lake
+from resources.delta.markers import read_snapshot_lsn
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB
@@ -165,6 +166,8 @@ def run_incremental(
     ) as rc:
         check_server(rc)
         check_publications(rc, [config.publication])
+        if rc.read_slot(config.slot) is None:
+            _refuse_lost_slot(config, spark, conn)
         slot_state = check_slot(rc, config.slot)
         start_lsn = slot_state.confirmed_flush_lsn
         assert start_lsn is not None  # check_slot refuses a slot without one
@@ -362,6 +365,28 @@ def _read_log(destination: Destination, path: str, config: PgcdcConfig, known: T
             f"cannot read the Delta table at {path} ({first_line})",
             f"check delta.root ({config.delta.root}) and delta.storage: it must be a writable location holding the snapshots",
         ) from None
+
+
+def _refuse_lost_slot(config: PgcdcConfig, spark: SparkSession, conn: psycopg.Connection) -> None:
+    """A missing slot whose lake holds snapshots was lost (a failover without a synchronized failover
+    slot, or a drop): the changes since its position are gone, so only a re-snapshot of every table helps.
+
+    Returns when the lake holds nothing of this pipeline: the slot was never created.
+    """
+    open_lake(config.delta.root, config.delta.storage)
+    drained = read_state(spark, state_path(config.delta.root, config.slot))
+    if not drained:
+        try:
+            tables = resolve_tables(conn, config.publication, config.tables)
+        except psycopg.Error as exc:
+            raise explain(exc, config.postgres.dsn) from None
+        if all(read_snapshot_lsn(spark, config.table_path(t.schema, t.name)) is None for t in tables):
+            return
+    raise SlotError(
+        f'replication slot "{config.slot}" does not exist on {mask_dsn(config.postgres.dsn)}, but the lake holds'
+        " tables copied for it: it was dropped, or lost in a failover (only a synchronized failover slot survives one)",
+        f"run the {RESNAPSHOT_JOB} job with no table list: it recreates the slot and re-snapshots every table",
+    )
 
 
 def _slot_risks(

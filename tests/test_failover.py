@@ -19,10 +19,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from dagster import DagsterInstance
 from pyspark.sql import SparkSession
 
+from pgcdc_assets.builder import build_definitions
 from resources.config import parse_config, PgcdcConfig
-from resources.errors import ConfigurationError, PgcdcError
+from resources.errors import ConfigurationError, PgcdcError, SlotError
 from resources.incremental import run_incremental
 from resources.postgres.connections import connect
 from resources.postgres.failover import failover_problems
@@ -99,20 +101,30 @@ def test_standby_dsn_needs_slot_failover_and_is_masked() -> None:
 
 
 class Pair:
-    """A PostgreSQL 18 primary and its streaming standby, ready for failover slots."""
+    """A primary and its streaming standby; from PostgreSQL 17 on, ready for failover slots."""
 
-    def __init__(self) -> None:
-        self.primary = start_local_postgres(18, TEST_SERVER_SETTINGS)
+    def __init__(self, major: int = 18) -> None:
+        self.primary = start_local_postgres(major, TEST_SERVER_SETTINGS)
         self.standby: LocalPostgres | None = None
         try:
             self.standby = self.primary.start_standby(STANDBY_SLOT)
             with psycopg.connect(self.primary.dsn(), autocommit=True) as admin:
-                admin.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
-                admin.execute("SELECT pg_reload_conf()")
+                if major >= 17:
+                    admin.execute(f"ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'")
+                    admin.execute("SELECT pg_reload_conf()")
                 admin.execute(f'CREATE DATABASE "{DATABASE}"')
         except BaseException:
             self.destroy()
             raise
+
+    @property
+    def multi_host_dsn(self) -> str:
+        """Both servers, whichever accepts writes: pgcdc follows a promotion without a configuration change."""
+        assert self.standby is not None
+        return (
+            f"postgresql://postgres@127.0.0.1:{self.primary.port},127.0.0.1:{self.standby.port}/{DATABASE}"
+            "?target_session_attrs=read-write"
+        )
 
     def destroy(self) -> None:
         if self.standby is not None:
@@ -206,11 +218,7 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
     primary_db = PgDatabase(primary, DATABASE)
     primary_db.execute(DDL)
     config = parse_config({
-        "postgres": {
-            "dsn": f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/{DATABASE}"
-            "?target_session_attrs=read-write",
-            "standby_dsn": standby.dsn(DATABASE),
-        },
+        "postgres": {"dsn": pair.multi_host_dsn, "standby_dsn": standby.dsn(DATABASE)},
         "publication": "pub",
         "slot": SLOT,
         "slot_failover": True,
@@ -270,6 +278,51 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
     assert_exact(standby.dsn(DATABASE), config)
 
 
+
+
+@pytest.mark.parametrize("major", [15, 18])
+def test_without_failover_slots_a_failover_names_the_resnapshot_which_restores_an_exact_lake(
+    major: int, tmp_path: Path, spark: SparkSession
+) -> None:
+    """PostgreSQL 15, or 18 with slot_failover off: the slot stays behind on the old primary."""
+    servers = Pair(major)
+    try:
+        primary, standby = servers.primary, servers.standby
+        assert standby is not None
+        PgDatabase(primary, DATABASE).execute(DDL)
+        config = parse_config({
+            "postgres": {"dsn": servers.multi_host_dsn},
+            "publication": "pub",
+            "slot": SLOT,
+            "delta": {"root": str(tmp_path / "lake")},
+        })  # fmt: skip
+        workload = Workload(primary.dsn(DATABASE))
+        snapshot_tables(config, spark)
+        run_incremental(config, spark)
+        primary.stop("immediate")
+        assert workload.stop() > 0 and workload.error is not None
+        standby.promote()
+
+        with pytest.raises(SlotError) as lost:
+            run_incremental(config, spark)
+        assert str(lost.value) == (
+            f'replication slot "{SLOT}" does not exist on postgres@127.0.0.1,127.0.0.1:{primary.port},{standby.port}/'
+            f"{DATABASE}, but the lake holds tables copied for it: it was dropped, or lost in a failover (only a"
+            " synchronized failover slot survives one): run the pgcdc_resnapshot job with no table list: it recreates"
+            " the slot and re-snapshots every table"
+        )
+
+        config_file = write_config(config, tmp_path)
+        with DagsterInstance.ephemeral() as instance:
+            resnapshot = build_definitions(config_file).resolve_job_def("pgcdc_resnapshot")
+            assert resnapshot.execute_in_process(instance=instance).success
+        with psycopg.connect(standby.dsn(DATABASE), autocommit=True) as conn:
+            for i in range(30):
+                transact(conn, 40_000 + i)
+        run_incremental(config, spark)
+        assert_exact(standby.dsn(DATABASE), config)
+    finally:
+        servers.destroy()
 
 # --------------------------------------------------------------------------- a standby as the source
 
