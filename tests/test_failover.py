@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import DagsterInstance
+from dagster import DagsterInstance, SkipReason
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
@@ -34,6 +34,7 @@ from resources.snapshot import snapshot_tables
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import PgDatabase, TEST_SERVER_SETTINGS
+from tests.test_dagster_incremental import evaluate
 from tests.test_faults import assert_one_line_failure, Child, confirmed, wait_mid_drain, write_config
 
 pytest_plugins = ["tests.spark_fixtures"]
@@ -225,12 +226,17 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
         "delta": {"root": str(tmp_path / "lake")},
     })  # fmt: skip
 
+    config_file = write_config(config, tmp_path)
+    defs = build_definitions(config_file)
     workload = Workload(primary.dsn(DATABASE))
     snapshot_tables(config, spark)
     assert primary_db.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)) == [(True,)]
     warnings: list[str] = []
     run_incremental(config, spark, warn=warnings.append)
     wait_until_failover_ready(config, spark)
+    with DagsterInstance.ephemeral() as instance:
+        healthy = evaluate(defs, "pgcdc_slot_health_sensor", instance, config_file)
+    assert isinstance(healthy, SkipReason) and healthy.skip_message.startswith(f'slot "{SLOT}" is healthy'), healthy
 
     if kill == "between_drains":
         run_incremental(config, spark)
@@ -243,7 +249,7 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
                 transact(conn, 10_000 + i)
         workload = Workload(primary.dsn(DATABASE))
         start = confirmed(primary_db)
-        child = Child(write_config(config, tmp_path))
+        child = Child(config_file)
         try:
             wait_mid_drain(primary_db, child, start)
             primary.stop("immediate")
@@ -270,6 +276,10 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
         f"postgres.standby_dsn (postgres@127.0.0.1:{standby.port}/{DATABASE}) is not a standby: it was promoted"
         " or is another primary: point postgres.standby_dsn at the current standby",
     ]
+
+    with DagsterInstance.ephemeral() as instance, pytest.raises(SlotError) as unprotected:
+        evaluate(defs, "pgcdc_slot_health_sensor", instance, config_file)
+    assert str(unprotected.value) == warnings[0]  # the first problem fails the tick
 
     with psycopg.connect(standby.dsn(DATABASE), autocommit=True) as conn:
         for i in range(30):

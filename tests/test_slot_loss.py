@@ -9,6 +9,7 @@ re-snapshot job the fix names restores an exact lake.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -133,3 +134,33 @@ def test_idle_timeout_is_warned_before_and_named_with_its_fix_after(
     root = tmp_path / "lake"
     assert assert_delta_equals_postgres(pg.dsn, "public.orders", str(root / "public" / "orders"), key=("id",)) == 500
     assert_delta_equals_postgres(pg.dsn, "public.notes", str(root / "public" / "notes"))
+
+
+def test_an_unreserved_slot_fails_the_health_sensor_before_it_is_lost(server: LocalPostgres, tmp_path: Path) -> None:
+    """Past max_slot_wal_keep_size the slot is 'unreserved': still valid, but the next checkpoint can invalidate it."""
+    with psycopg.connect(server.dsn(), autocommit=True) as admin:
+        admin.execute('CREATE DATABASE "unreserved"')
+        admin.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
+        admin.execute("ALTER SYSTEM SET wal_keep_size = 0")
+        admin.execute("SELECT pg_reload_conf()")
+    pg = PgDatabase(server, "unreserved")
+    create_shop(pg)
+    config_file = write_config(tmp_path, pg)
+    ensure_slot(pg.dsn, SLOT)
+    pg.execute("CREATE TABLE filler (x text)")  # unpublished: only makes WAL
+    for _ in range(10):  # no CHECKPOINT: the WAL stays, the slot's reservation is exceeded
+        pg.execute("INSERT INTO filler SELECT repeat('x', 100) FROM generate_series(1, 5000)")
+        pg.execute("SELECT pg_switch_wal()")
+        if pg.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)) == [("unreserved",)]:
+            break
+    ((status, safe),) = pg.execute("SELECT wal_status, safe_wal_size FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+    assert status == "unreserved" and safe <= 0, (status, safe)
+    with DagsterInstance.ephemeral() as instance, pytest.raises(SlotError) as at_risk:
+        evaluate(build_definitions(config_file), "pgcdc_slot_health_sensor", instance, config_file)
+    message = str(at_risk.value)
+    told = re.fullmatch(
+        f'replication slot "{SLOT}" is unreserved \\(safe_wal_size (-?[0-9]+) bytes\\): the next checkpoint can'
+        " invalidate it: run the pgcdc_incremental job now, then raise max_slot_wal_keep_size or drain more often",
+        message,
+    )
+    assert told is not None and int(told.group(1)) <= 0, message
