@@ -27,6 +27,7 @@ from dagster import (
 )
 
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.translator import schedule_interval
 from resources.errors import SlotError
 from resources.names import (
     INCREMENTAL_JOB,
@@ -37,7 +38,6 @@ from resources.names import (
     SLOT_HEALTH_SENSOR,
     SNAPSHOT_JOB,
 )
-from pgcdc_assets.translator import schedule_interval
 from resources.postgres.catalog import TableName
 from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import idle_timeout_risk

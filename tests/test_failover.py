@@ -31,7 +31,7 @@ from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.slots import read_slot
 from resources.snapshot import snapshot_tables
-from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.local_postgres import free_port, LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import PgDatabase, TEST_SERVER_SETTINGS
 from tests.test_dagster_incremental import evaluate
@@ -78,6 +78,12 @@ def test_failover_slot_is_refused_before_17_and_created_or_turned_on_from_17(pg:
         state = read_slot(conn, SLOT)
         assert state is not None
         problems = [str(problem) for problem in failover_problems(conn, state, None)]
+        unreachable = failover_problems(conn, state, f"postgresql://postgres@127.0.0.1:{free_port()}/{pg.name}")
+    # A standby that cannot be reached is one more problem, never a failed drain.
+    assert [str(problem) for problem in unreachable[:-1]] == problems
+    assert str(unreachable[-1]).startswith(
+        "cannot check the slot's copy on the standby postgres@127.0.0.1:"
+    ) and str(unreachable[-1]).endswith("; or fix postgres.standby_dsn"), unreachable
     assert problems == [
         "synchronized_standby_slots is empty on the primary: a drain can confirm changes no standby has received,"
         " and a promoted standby would lack changes Delta already holds: set it to the standby's physical slot"

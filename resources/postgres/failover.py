@@ -7,7 +7,7 @@ loses the slot and every table must be re-snapshotted. The primary's
 named physical slots have received the WAL they send: without it a drain can confirm
 changes no standby has yet, and a promoted standby would lack changes Delta already holds.
 
-Nothing here fails a drain: the slot works without a standby. The incremental run logs these
+Nothing here fails a drain, not even an unreachable standby: the slot works without one. The incremental run logs these
 problems as warnings and the slot-health sensor fails its tick with them.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import psycopg
 
-from resources.errors import explain, mask_dsn, SlotError
+from resources.errors import explain, mask_dsn, PgcdcError, SlotError
 from resources.postgres.connections import connect
 from resources.postgres.slots import read_slot, SlotState
 
@@ -91,11 +91,17 @@ def _standby_problems(standby_dsn: str, slot: str) -> list[SlotError]:
     where = mask_dsn(standby_dsn)
     try:
         with connect(standby_dsn, application_name="pgcdc-failover-check") as standby:
-            (in_recovery,) = standby.execute("SELECT pg_catalog.pg_is_in_recovery()").fetchone() or (None,)
+            ((in_recovery,),) = standby.execute("SELECT pg_catalog.pg_is_in_recovery()").fetchall()
             sync = _setting(standby, "sync_replication_slots")
             copy = read_slot(standby, slot)
-    except psycopg.Error as error:
-        raise explain(error, standby_dsn) from None
+    except (psycopg.Error, PgcdcError) as error:  # a standby that is down must not fail a drain
+        reason = explain(error, standby_dsn)
+        return [
+            SlotError(
+                f"cannot check the slot's copy on the standby {where} ({reason.cause})",
+                f"{reason.fix}; or fix postgres.standby_dsn",
+            )
+        ]
     if not in_recovery:
         return [
             SlotError(
