@@ -28,7 +28,7 @@ from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
 from resources.postgres.publication import published_tables
-from resources.postgres.slots import read_slot, SlotState
+from resources.postgres.slots import read_slot, SlotState, wal_position
 
 SparkMode = Literal["embedded", "spark", "remote", "classic"]
 
@@ -172,11 +172,9 @@ class PostgresResource(ConfigurableResource):
             return read_slot(conn, self.config.slot)
 
     def wal_lsn(self) -> LSN:
-        """The server's current WAL write position, which a slot's lag is measured against."""
+        """Where WAL stands on the source (a standby: its replayed WAL), which a slot's lag is measured against."""
         with self.connect() as conn:
-            row = conn.execute("SELECT pg_catalog.pg_current_wal_lsn()::pg_catalog.text").fetchone()
-        assert row is not None
-        return LSN.parse(row[0])
+            return wal_position(conn)
 
     def slot_lag_bytes(self, state: SlotState) -> int:
         """WAL bytes the slot has not confirmed yet: what the next drain has to read."""

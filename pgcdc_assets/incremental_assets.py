@@ -36,7 +36,7 @@ from dagster import (
 from pgcdc_assets.checks import evaluate_table_checks, table_check_specs, table_log_reader
 from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
+from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator, schedule_interval
 from resources.config import PgcdcConfig
 from resources.incremental import IncrementalResult, run_incremental
 from resources.names import PipelineNames, slot_pool, SNAPSHOT_JOB
@@ -106,7 +106,10 @@ def build_incremental_assets(
             session = spark.spark_session
             result: IncrementalResult | None = None
             if selected:
-                result = run_incremental(postgres.config, session, log=context.log.info)
+                result = run_incremental(
+                    postgres.config, session, log=context.log.info, warn=context.log.warning,
+                    schedule_gap=schedule_interval(postgres.config.schedule.cron),
+                )  # fmt: skip
                 for table in selected:
                     reason = _skip_reason(result, table, names)
                     if reason:

@@ -128,7 +128,7 @@ def _recover_lost_slot(
     with a fresh copy of all of them; a narrower run must not touch it.
     """
     state = postgres.read_slot()
-    if state is None or state.wal_status != "lost":
+    if state is None or not state.invalidated:
         return False
     if set(to_copy) != set(defined):
         raise SlotError(
@@ -180,7 +180,7 @@ def build_snapshot_assets(
                     f" re-snapshotting all {len(to_copy)} tables"
                 )
             ensure_publication(settings)
-            ensure_slot(settings.postgres.dsn, settings.slot)
+            ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
         yield from _copy_all(context, settings, spark, to_copy, key_of)
 
     return snapshot_tables

@@ -32,9 +32,14 @@ class _Section(BaseModel):
 
 class PostgresSettings(_Section):
     dsn: str = Field(description="libpq DSN or postgresql:// URL; secrets may come from PG* environment variables")
+    standby_dsn: str | None = Field(
+        default=None,
+        description="a standby of the source, read only to check that the failover slot is synchronized to it",
+    )
 
     def __repr__(self) -> str:
-        return f"PostgresSettings(dsn={mask_dsn(self.dsn)!r})"
+        standby = "" if self.standby_dsn is None else f", standby_dsn={mask_dsn(self.standby_dsn)!r}"
+        return f"PostgresSettings(dsn={mask_dsn(self.dsn)!r}{standby})"
 
     __str__ = __repr__
 
@@ -183,6 +188,10 @@ class PgcdcConfig(_Section):
     publication: str = Field(min_length=1)
     create_publication: bool = False
     slot: str = "pgcdc_slot"
+    slot_failover: bool = Field(
+        default=False,
+        description="PostgreSQL 17+: the slot is a failover slot, kept on standbys that run sync_replication_slots",
+    )
     tables: list[str] = Field(default_factory=list, description="schema.table names; empty = the whole publication")
     delta: DeltaSettings = Field(default_factory=DeltaSettings)
     spark: SparkSettings = Field(default_factory=SparkSettings)
@@ -206,6 +215,14 @@ class PgcdcConfig(_Section):
             if not _TABLE_NAME.match(name):
                 raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
         return value
+
+    @model_validator(mode="after")
+    def _standby_for_failover(self) -> PgcdcConfig:
+        if self.postgres.standby_dsn is not None and not self.slot_failover:
+            raise ValueError(
+                "postgres.standby_dsn is only used to check a failover slot: set slot_failover: true or remove it"
+            )
+        return self
 
     def table_path(self, schema: str, table: str) -> str:
         """Where the Delta table of ``schema.table`` lives: ``<root>/<schema>/<table>``.

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import psycopg
 from pyspark.sql import SparkSession
@@ -52,9 +53,10 @@ from resources.config import PgcdcConfig
 from resources.delta.destination import Destination, TableLog
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
-from resources.errors import ConfigurationError, explain, PgcdcError, SlotError
+from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
 from resources.key_range_copy import copy_key_range
 from resources.delta.lake_storage import open_lake
+from resources.delta.markers import read_snapshot_lsn
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB
@@ -63,10 +65,11 @@ from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
 from resources.postgres.column_types import TypeResolver
 from resources.postgres.connections import connect
-from resources.postgres.preflight import check_server, check_slot
+from resources.postgres.failover import failover_problems
+from resources.postgres.preflight import check_server, check_slot, ensure_failover, idle_timeout_risk
 from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.slots import read_slot
+from resources.postgres.slots import read_slot, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
 from resources.testing.faults import fault_point
 
@@ -131,6 +134,8 @@ def run_incremental(
     spill_dir: str | None = None,
     end_lsn: LSN | None = None,
     hold: Callable[[], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+    schedule_gap: timedelta | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
 
@@ -147,8 +152,14 @@ def run_incremental(
     ``hold`` runs first, while the run holds the slot (streaming started, so no other reader can
     take it; status updates keep it), before the tables' logs are read and the end position is
     taken: a snapshot in key ranges copies its next range there (docs/contracts.md).
+
+    ``warn`` (default: ``log``) hears what would lose the slot later without stopping this
+    run: a failover slot no standby has synchronized yet (``slot_failover``), and an
+    ``idle_replication_slot_timeout`` shorter than ``schedule_gap``, the longest gap between
+    scheduled drains, allows.
     """
     say = log or (lambda message: None)
+    caution = warn or (lambda message: say(f"warning: {message}"))
     started = time.monotonic()
     dsn = config.postgres.dsn
     conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
@@ -157,8 +168,13 @@ def run_incremental(
     ) as rc:
         check_server(rc)
         check_publications(rc, [config.publication])
-        start_lsn = check_slot(rc, config.slot).confirmed_flush_lsn
+        if rc.read_slot(config.slot) is None:
+            _refuse_lost_slot(config, spark, conn)
+        slot_state = check_slot(rc, config.slot)
+        start_lsn = slot_state.confirmed_flush_lsn
         assert start_lsn is not None  # check_slot refuses a slot without one
+        for warning in _slot_risks(config, conn, rc, slot_state, schedule_gap):
+            caution(warning)
         open_lake(config.delta.root, config.delta.storage)
         try:
             tables = resolve_tables(conn, config.publication, config.tables)
@@ -175,7 +191,7 @@ def run_incremental(
             start_streaming(stream, config.slot, options)
             _holding(stream, hold)
             if end_lsn is None:
-                end_lsn = _flush_lsn(conn)
+                end_lsn = wal_position(conn)
         state = read_state(spark, state_path(config.delta.root, config.slot))
         destination = SparkDeltaDestination(spark)
         targets = _targets(config, destination, tables, state, say)
@@ -203,7 +219,7 @@ def run_incremental(
             drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
-        flush_now = _flush_lsn(conn)
+        flush_now = wal_position(conn)
     duration = time.monotonic() - started
     result = IncrementalResult(
         start_lsn=start_lsn,
@@ -224,11 +240,6 @@ def run_incremental(
         f"({result.changes_per_second:,.0f}/s), {result.changes_skipped} skipped, slot confirmed at {confirmed}"
     )
     return result
-
-
-def _flush_lsn(conn: psycopg.Connection) -> LSN:
-    """The WAL flush position (what IDENTIFY_SYSTEM reports), from a normal session."""
-    return LSN.parse(conn.execute("SELECT pg_catalog.pg_current_wal_flush_lsn()::pg_catalog.text").fetchone()[0])  # type: ignore[index]
 
 
 def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:
@@ -357,6 +368,47 @@ def _read_log(destination: Destination, path: str, config: PgcdcConfig, known: T
             f"cannot read the Delta table at {path} ({first_line})",
             f"check delta.root ({config.delta.root}) and delta.storage: it must be a writable location holding the snapshots",
         ) from None
+
+
+def _refuse_lost_slot(config: PgcdcConfig, spark: SparkSession, conn: psycopg.Connection) -> None:
+    """A missing slot whose lake holds snapshots was lost (a failover without a synchronized failover
+    slot, or a drop): the changes since its position are gone, so only a re-snapshot of every table helps.
+
+    Returns when the lake holds nothing of this pipeline: the slot was never created.
+    """
+    open_lake(config.delta.root, config.delta.storage)
+    drained = read_state(spark, state_path(config.delta.root, config.slot))
+    if not drained:
+        try:
+            tables = resolve_tables(conn, config.publication, config.tables)
+        except psycopg.Error as exc:
+            raise explain(exc, config.postgres.dsn) from None
+        if all(read_snapshot_lsn(spark, config.table_path(t.schema, t.name)) is None for t in tables):
+            return
+    raise SlotError(
+        f'replication slot "{config.slot}" does not exist on {mask_dsn(config.postgres.dsn)}, but the lake holds'
+        " tables copied for it: it was dropped, or lost in a failover (only a synchronized failover slot survives one)",
+        f"run the {RESNAPSHOT_JOB} job with no table list: it recreates the slot and re-snapshots every table",
+    )
+
+
+def _slot_risks(
+    config: PgcdcConfig,
+    conn: psycopg.Connection,
+    rc: ReplicationConnection,
+    state: SlotState,
+    schedule_gap: timedelta | None,
+) -> list[str]:
+    """What could lose the slot after this run; turns failover on first when ``slot_failover`` asks for it."""
+    risks: list[str] = []
+    if config.slot_failover:
+        state = ensure_failover(rc, state)
+        risks.extend(str(problem) for problem in failover_problems(conn, state, config.postgres.standby_dsn))
+    if schedule_gap is not None:
+        idle = idle_timeout_risk(conn, config.slot, schedule_gap)
+        if idle is not None:
+            risks.append(str(idle))
+    return risks
 
 
 def _confirmed_flush(dsn: str, slot: str) -> LSN:

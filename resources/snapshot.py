@@ -340,7 +340,7 @@ def snapshot_tables(
             f"{', '.join(str(t) for t in unknown)} not published by \"{config.publication}\" (or not in 'tables')",
             f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only replicated tables",
         )
-    ensure_slot(config.postgres.dsn, config.slot)
+    ensure_slot(config.postgres.dsn, config.slot, failover=config.slot_failover)
     results: list[SnapshotResult] = []
     failures: list[BaseException] = []
     for _, outcome in snapshot_each(config, spark, selected, on_progress):

@@ -27,6 +27,7 @@ from dagster import (
 )
 
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.translator import schedule_interval
 from resources.errors import SlotError
 from resources.names import (
     INCREMENTAL_JOB,
@@ -38,6 +39,9 @@ from resources.names import (
     SNAPSHOT_JOB,
 )
 from resources.postgres.catalog import TableName
+from resources.postgres.failover import failover_problems
+from resources.postgres.preflight import idle_timeout_risk
+from resources.postgres.slots import invalidated_slot
 
 
 def _pending_runs(context: SensorEvaluationContext, job_names: Sequence[str]) -> list[str]:
@@ -153,20 +157,25 @@ def build_new_tables_sensor(
 
 
 def build_slot_health_sensor(names: PipelineNames, minimum_interval_seconds: int = 60) -> SensorDefinition:
-    """Fail the tick, with the one-line cause and fix, when the slot is missing or lost.
+    """Fail the tick, with the one-line cause and fix, when the slot is missing, lost, or at risk.
 
-    A failed tick is red on the sensor's page and in the overview, where a skipped tick's
-    message is easy to miss; nothing is requested, because recovering a lost slot means
-    re-snapshotting every table, which an operator should start (pgcdc_resnapshot).
+    At risk: ``wal_status`` unreserved (the next checkpoint can invalidate it), an
+    ``idle_replication_slot_timeout`` (PostgreSQL 18) the schedule's gaps can outlast, or,
+    with ``slot_failover``, a slot that would not survive a failover yet
+    (``resources.postgres.failover``). A failed tick is red on the sensor's page and in the
+    overview, where a skipped tick's message is easy to miss; nothing is requested, because
+    recovering a lost slot means re-snapshotting every table, which an operator should start
+    (pgcdc_resnapshot).
     """
     snapshot_job, resnapshot_job = names.scoped(SNAPSHOT_JOB), names.scoped(RESNAPSHOT_JOB)
+    incremental_job = names.scoped(INCREMENTAL_JOB)
 
     @sensor(
         name=names.scoped(SLOT_HEALTH_SENSOR),
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=DefaultSensorStatus.STOPPED,
         required_resource_keys={names.postgres_key},
-        description="Fails with the fix when the replication slot is missing or lost (wal_status='lost').",
+        description="Fails with the fix when the replication slot is missing, lost (wal_status='lost') or at risk.",
     )
     def pgcdc_slot_health_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> SkipReason:
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
@@ -177,11 +186,25 @@ def build_slot_health_sensor(names: PipelineNames, minimum_interval_seconds: int
                 f'replication slot "{config.slot}" does not exist on {postgres.masked_dsn}',
                 f"run the {snapshot_job} job (it creates the slot and snapshots every table), or fix 'slot'",
             )
-        if state.wal_status == "lost":
-            raise SlotError(
-                f'replication slot "{config.slot}" was invalidated (wal_status lost): the WAL it needed is gone',
-                f"run the {resnapshot_job} job with no table list: it recreates the slot and re-snapshots every table",
+        if state.invalidated:
+            raise invalidated_slot(
+                state, f"run the {resnapshot_job} job with no table list: it recreates the slot and re-snapshots every table"
             )
+        if state.wal_status == "unreserved":
+            raise SlotError(
+                f'replication slot "{config.slot}" is unreserved (safe_wal_size {state.safe_wal_size} bytes):'
+                " the next checkpoint can invalidate it",
+                f"run the {incremental_job} job now, then raise max_slot_wal_keep_size or drain more often",
+            )
+        with postgres.connect() as conn:
+            idle = idle_timeout_risk(conn, config.slot, schedule_interval(config.schedule.cron))
+            problems = failover_problems(conn, state, config.postgres.standby_dsn) if config.slot_failover else []
+        if idle is not None:
+            raise idle
+        if problems:
+            for later in problems[1:]:
+                context.log.warning(str(later))
+            raise problems[0]
         lag = postgres.slot_lag_bytes(state)
         return SkipReason(f'slot "{config.slot}" is healthy: wal_status {state.wal_status}, lag {lag} bytes')
 

@@ -238,9 +238,16 @@ def test_health_sensor_reports_a_missing_slot_with_the_fix(
     invalidate_slot(shop, "pgcdc_slot")
     with pytest.raises(SlotError) as lost:
         evaluate(defs, "pgcdc_slot_health_sensor", instance, config)
+    # PostgreSQL 17+ names why (invalidation_reason), and so what keeps it from happening again.
+    because = (
+        ", wal_removed) because the WAL it needed was removed (it fell more than max_slot_wal_keep_size behind)"
+        if shop.major >= 17
+        else ")"
+    )
+    prevention = "; then drain more often or raise max_slot_wal_keep_size" if shop.major >= 17 else ""
     assert str(lost.value) == (
-        'replication slot "pgcdc_slot" was invalidated (wal_status lost): the WAL it needed is gone: run the'
-        " pgcdc_resnapshot job with no table list: it recreates the slot and re-snapshots every table"
+        f'replication slot "pgcdc_slot" is invalidated (wal_status lost{because}; the changes it held are gone:'
+        f" run the pgcdc_resnapshot job with no table list: it recreates the slot and re-snapshots every table{prevention}"
     )
 
     shop.execute("SELECT pg_drop_replication_slot('pgcdc_slot')")

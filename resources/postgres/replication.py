@@ -35,7 +35,13 @@ from psycopg import pq
 from resources.errors import ConfigurationError
 from resources.lsn import LSN
 from resources.postgres.connections import connect, from_psycopg
-from resources.postgres.slots import slot_state, slot_state_query, SlotState, validate_slot_name
+from resources.postgres.slots import (
+    require_failover_slots,
+    slot_state,
+    slot_state_query,
+    SlotState,
+    validate_slot_name,
+)
 from resources.postgres.sql import quote_ident, quote_literal
 
 __all__ = [
@@ -150,11 +156,14 @@ class ReplicationConnection:
         plugin: str = "pgoutput",
         snapshot: SnapshotAction = "nothing",
         two_phase: bool = False,
+        failover: bool = False,
     ) -> CreatedSlot:
         """CREATE_REPLICATION_SLOT ... LOGICAL; ``snapshot='use'`` needs begin_snapshot_transaction() first.
 
         With ``snapshot='export'`` the snapshot stays importable until this
-        connection runs its next command or closes.
+        connection runs its next command or closes. ``failover`` (PostgreSQL 17+) lets
+        standbys running ``sync_replication_slots`` keep a copy of the slot, so it survives
+        a promotion.
         """
         validate_slot_name(name)
         if snapshot not in ("export", "use", "nothing"):
@@ -169,6 +178,8 @@ class ReplicationConnection:
         version = self.server_version_num
         if version < 140000:
             raise ConfigurationError(f"PostgreSQL {version // 10000} is too old", "use PostgreSQL 14 or newer")
+        if failover:
+            require_failover_slots(version)
         words = [f"CREATE_REPLICATION_SLOT {quote_ident(name)}"]
         if temporary:
             words.append("TEMPORARY")
@@ -177,6 +188,8 @@ class ReplicationConnection:
             opts = [f"SNAPSHOT {quote_literal(snapshot)}"]
             if two_phase:
                 opts.append("TWO_PHASE")
+            if failover:
+                opts.append("FAILOVER")
             words.append("(" + ", ".join(opts) + ")")
         else:
             words.append({"export": "EXPORT_SNAPSHOT", "use": "USE_SNAPSHOT", "nothing": "NOEXPORT_SNAPSHOT"}[snapshot])
@@ -189,6 +202,15 @@ class ReplicationConnection:
         """DROP_REPLICATION_SLOT; with ``wait`` it waits for an active slot to be released."""
         validate_slot_name(name)
         self.execute(f"DROP_REPLICATION_SLOT {quote_ident(name)}{' WAIT' if wait else ''}", slot=name)
+
+    def set_slot_failover(self, name: str, failover: bool = True) -> None:
+        """ALTER_REPLICATION_SLOT name (FAILOVER ...): turn synchronization to standbys on or off (17+).
+
+        The slot must be free: PostgreSQL acquires it to change it.
+        """
+        validate_slot_name(name)
+        require_failover_slots(self.server_version_num)
+        self.execute(f"ALTER_REPLICATION_SLOT {quote_ident(name)} (FAILOVER {str(failover).lower()})", slot=name)
 
     def begin_snapshot_transaction(self) -> None:
         """BEGIN READ ONLY ISOLATION LEVEL REPEATABLE READ (then create_slot(snapshot='use'))."""

@@ -186,6 +186,49 @@ class LocalPostgres:
         self.stop()
         self.start()
 
+    def promote(self) -> None:
+        """Promote this standby to a primary and wait until it accepts writes."""
+        self._run(self.binary("pg_ctl"), "-D", self.data_dir, "-w", "-t", "60", "promote")
+
+    def start_standby(self, physical_slot: str, settings: dict[str, str] | None = None) -> LocalPostgres:
+        """A streaming standby of this running server, made with pg_basebackup and started.
+
+        It streams through ``physical_slot`` (created here when missing) and gets the settings
+        a standby needs to keep failover slots synchronized: ``hot_standby_feedback``,
+        ``sync_replication_slots`` (PostgreSQL 17+) and a ``dbname`` in ``primary_conninfo``;
+        ``settings`` add to them. The primary's ``synchronized_standby_slots`` is the caller's choice.
+        """
+        import psycopg
+
+        with psycopg.connect(self.dsn(), autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_create_physical_replication_slot(%s, true) WHERE NOT EXISTS"
+                " (SELECT FROM pg_replication_slots WHERE slot_name = %s)",
+                (physical_slot, physical_slot),
+            )
+        standby = LocalPostgres(major=self.major, base_dir=Path(tempfile.mkdtemp(prefix=f"pgcdc-pg{self.major}-standby-")))
+        user = _server_user()
+        if user is not None:
+            os.chown(standby.base_dir, user.pw_uid, user.pw_gid)
+        standby._run(
+            self.binary("pg_basebackup"), "-D", standby.data_dir, "-d", self.dsn(),
+            "--wal-method=stream", "--checkpoint=fast", "--no-sync", "-S", physical_slot,
+        )  # fmt: skip
+        conninfo = f"host=127.0.0.1 port={self.port} user={self.superuser} dbname=postgres application_name=standby"
+        standby_settings = {
+            "port": str(standby.port),
+            "primary_conninfo": f"'{conninfo}'",
+            "primary_slot_name": f"'{physical_slot}'",
+            "hot_standby_feedback": "on",
+        }
+        if self.major >= 17:  # slot synchronization is new in PostgreSQL 17
+            standby_settings["sync_replication_slots"] = "on"
+        standby.set_settings({**standby_settings, **(settings or {})})
+        (standby.data_dir / "standby.signal").touch()
+        if user is not None:
+            os.chown(standby.data_dir / "standby.signal", user.pw_uid, user.pw_gid)
+        return standby.start()
+
     def destroy(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.base_dir, ignore_errors=True)
