@@ -492,10 +492,17 @@ def run_child(
 CRASH_DDL = """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
     CREATE TABLE journal (entry int, note text);
+    CREATE TABLE ledger (entry int, note text);
+    CREATE TABLE tally (k int, note text);
+    ALTER TABLE tally REPLICA IDENTITY FULL;
     INSERT INTO journal VALUES (-1, 'seed');
+    INSERT INTO tally VALUES (0, 'seed'), (0, 'seed');
     INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 20) g;
-    CREATE PUBLICATION pub FOR TABLE acct, journal;
+    CREATE PUBLICATION pub FOR TABLE acct, journal, ledger, tally;
 """
+"""``journal`` is truncated halfway through the workload; ``ledger`` (keyless) and ``tally``
+(REPLICA IDENTITY FULL, identical rows) never are, so a change inside the crash window that is
+applied twice stays visible to the oracle instead of being wiped by a later TRUNCATE."""
 
 
 def crash_workload(pg: PgDatabase) -> None:
@@ -504,11 +511,24 @@ def crash_workload(pg: PgDatabase) -> None:
             with conn.transaction():
                 conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id = %s", (f"t{i}", i % 20 + 1))
                 conn.execute("INSERT INTO journal VALUES (%s, 'credit'), (%s, 'debit')", (i, i))
+                conn.execute("INSERT INTO ledger VALUES (%s, 'same'), (%s, 'same')", (i % 4, i % 4))
+                tally_changes(conn, i)
                 if i % 10 == 9:
                     conn.execute("DELETE FROM acct WHERE id = %s", (i,))
                     conn.execute("INSERT INTO acct VALUES (%s, 100, 'reborn')", (100 + i,))
             if i == 14:
                 conn.execute("TRUNCATE journal")
+
+
+def tally_changes(conn: psycopg.Connection, i: int) -> None:
+    """Transaction ``i``'s changes to ``tally``: an identical copy added, then (alternately) one copy
+    changed or one deleted, so every transaction holds a change whose replay would show."""
+    conn.execute("INSERT INTO tally VALUES (%s, 'same')", (i % 3,))
+    one_copy = "ctid = (SELECT min(ctid) FROM tally WHERE k = %s AND note = 'same')"
+    if i % 2:
+        conn.execute(f"UPDATE tally SET note = 'changed' WHERE {one_copy}", (i % 3,))
+    elif i % 4 == 2:
+        conn.execute(f"DELETE FROM tally WHERE {one_copy}", (i % 3,))
 
 
 @pytest.mark.parametrize("fault", ["after_delta_commit", "before_merge", "after_confirm"])
@@ -534,9 +554,11 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     assert LSN.parse(before_rerun) <= slot_confirmed(pg) <= LSN.parse(after_rerun)
     assert same(pg, config, "public.acct") == 21
     assert same(pg, config, "public.journal", key=()) == 30  # keyless: exactly once across the crash
+    assert same(pg, config, "public.ledger", key=()) == 60  # keyless, never truncated: a replay would show
+    assert same(pg, config, "public.tally", key=()) == 2 + 30 - 7  # FULL identity, identical rows
     state = read_state(spark, state_path(config.delta.root, SLOT))  # the rerun recorded what Delta holds
     assert {table: row.log.version for table, row in state.items()} == {
-        table: delta_version(config, table) for table in ("public.acct", "public.journal")
+        table: delta_version(config, table) for table in ("public.acct", "public.journal", "public.ledger", "public.tally")
     }
 
 
