@@ -64,7 +64,9 @@ from tests.workload import generate
 from tests.test_faults import (
     REPO,
     SLOT,
+    NEVER_TRUNCATED_DDL,
     Child,
+    assert_never_truncated_exact,
     assert_one_line_failure,
     backlog,
     confirmed,
@@ -74,7 +76,7 @@ from tests.test_faults import (
 
 pytest_plugins = ["tests.engine_fixtures", "tests.s3_fixtures"]
 
-LIFECYCLE_DDL = """
+LIFECYCLE_DDL = NEVER_TRUNCATED_DDL + """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text, seen timestamptz);
     CREATE TABLE dup (k int, v text);
     ALTER TABLE dup REPLICA IDENTITY FULL;
@@ -84,7 +86,7 @@ LIFECYCLE_DDL = """
       FROM generate_series(1, 300) g;
     INSERT INTO dup VALUES (1, 'a'), (1, 'a'), (1, 'a'), (2, 'b'), (2, 'b'), (3, NULL), (3, NULL);
     INSERT INTO journal VALUES (-1, 'seed', 'infinity');
-    CREATE PUBLICATION pub FOR TABLE acct, dup, journal;
+    CREATE PUBLICATION pub FOR TABLE acct, dup, journal, ledger, tally;
 """
 """``infinity`` (stored at the int64 microsecond limits) is the regression test of Spark's INT96
 timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
@@ -160,6 +162,7 @@ def assert_lake_exact(pg: PgDatabase, config: PgcdcConfig, acct_rows: int | None
     assert acct_rows is None or acct == acct_rows
     assert_delta_equals_postgres(pg.dsn, "public.dup", config.table_path("public", "dup"))
     assert_delta_equals_postgres(pg.dsn, "public.journal", config.table_path("public", "journal"))
+    assert_never_truncated_exact(pg, config)
 
 
 def writes(pg: PgDatabase, transactions: int, offset: int) -> None:

@@ -46,12 +46,23 @@ SLOT = "pgcdc_slot"
 #: Changes per chunk while a drain is interrupted: many chunks, so there is a "middle".
 SMALL_CHUNK = 200
 
-DDL = """
+NEVER_TRUNCATED_DDL = """
+    CREATE TABLE ledger (entry int, note text);
+    CREATE TABLE tally (k int, note text);
+    ALTER TABLE tally REPLICA IDENTITY FULL;
+    INSERT INTO tally VALUES (0, 'same'), (0, 'same');
+"""
+"""Tables :func:`backlog` writes in every transaction and never truncates (``journal`` is truncated
+halfway): a keyless one and a REPLICA IDENTITY FULL one with identical rows, so a change inside a
+crash window that is applied twice stays visible to the oracle. Also in tests/test_engines.py."""
+NEVER_TRUNCATED = ("ledger", "tally")
+
+DDL = NEVER_TRUNCATED_DDL + """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
     CREATE TABLE journal (entry int, note text);
     INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 400) g;
     INSERT INTO journal VALUES (-1, 'seed');
-    CREATE PUBLICATION pub FOR TABLE acct, journal;
+    CREATE PUBLICATION pub FOR TABLE acct, journal, ledger, tally;
 """
 
 
@@ -92,12 +103,20 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None =
 
 
 def backlog(pg: PgDatabase, transactions: int = 150) -> None:
-    """Small transactions touching both tables, one large (streamed) transaction, a truncate."""
+    """Small transactions touching every table, one large (streamed) transaction, a truncate of
+    ``journal``; ``ledger`` and ``tally`` change in every transaction and are never truncated."""
+    one_tally_copy = "ctid = (SELECT min(ctid) FROM tally WHERE k = %s AND note = 'same')"
     with pg.connect() as conn:
         for i in range(transactions):
             with conn.transaction():
                 conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id %% 20 = %s", (f"t{i}", i % 20))
                 conn.execute("INSERT INTO journal SELECT %s, 'e' || g FROM generate_series(1, 10) g", (i,))
+                conn.execute("INSERT INTO ledger VALUES (%s, 'same'), (%s, 'same')", (i % 4, i % 4))
+                conn.execute("INSERT INTO tally VALUES (%s, 'same')", (i % 3,))
+                if i % 2:  # one of several identical copies changes, or goes
+                    conn.execute(f"UPDATE tally SET note = 'changed' WHERE {one_tally_copy}", (i % 3,))
+                elif i % 4 == 2:
+                    conn.execute(f"DELETE FROM tally WHERE {one_tally_copy}", (i % 3,))
                 if i % 50 == 49:
                     conn.execute("DELETE FROM acct WHERE id = %s", (i,))
                     conn.execute("INSERT INTO acct VALUES (%s, 7, 'reborn')", (1000 + i,))
@@ -122,12 +141,19 @@ def slot_active_pid(pg: PgDatabase) -> int | None:
     return rows[0][0] if rows else None
 
 
+def assert_never_truncated_exact(pg: PgDatabase, config: PgcdcConfig) -> None:
+    """The oracle on ``ledger`` and ``tally``: a change applied twice anywhere in a backlog shows here."""
+    for table in NEVER_TRUNCATED:
+        assert_delta_equals_postgres(pg.dsn, f"public.{table}", config.table_path("public", table))
+
+
 def assert_exact(pg: PgDatabase, config: PgcdcConfig) -> None:
-    """The oracle on both tables (acct has 400 rows throughout; journal is keyless)."""
+    """The oracle on every table (acct has 400 rows throughout; journal, ledger are keyless, tally FULL)."""
     root = Path(config.delta.root)
     assert assert_delta_equals_postgres(pg.dsn, "public.acct", str(root / "public" / "acct"), key=("id",)) == 400
     assert assert_buckets_right(str(root / "public" / "acct")) is not None
     assert_delta_equals_postgres(pg.dsn, "public.journal", str(root / "public" / "journal"))
+    assert_never_truncated_exact(pg, config)
 
 
 def rerun_converges(
