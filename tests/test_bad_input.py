@@ -301,9 +301,9 @@ def replica_server_slots(server: LocalPostgres) -> list[tuple]:
 
 
 def test_server_version_check_against_a_real_server(pg: PgDatabase) -> None:
-    """No PostgreSQL older than 14 is available here, so the refusal itself cannot be exercised for
+    """No PostgreSQL older than 15 is available here, so the refusal itself cannot be exercised for
     real; this checks the bound and that a real supported server passes the check."""
-    assert MIN_SERVER_VERSION_NUM == 140000
+    assert MIN_SERVER_VERSION_NUM == 150000
     with ReplicationConnection(pg.dsn) as conn:
         assert conn.server_version_num >= MIN_SERVER_VERSION_NUM
         assert conn.server_version_num // 10000 == pg.major
