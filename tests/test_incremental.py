@@ -606,3 +606,24 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     assert held[80_000] < DRAIN_PEAK_MIB, held
     assert held[80_000] - held[20_000] < DRAIN_GROWTH_MIB, held
     assert same(pg, config, "public.wide") == written + 1
+
+
+
+def test_float4_widened_to_float8_keeps_every_value(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """float4 -> float8 is a documented widening: Delta's column becomes double, the rows written as
+    float keep their values (1.5, NaN, -0.1 as float4's nearest value), later rows carry float8's."""
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE r (id int PRIMARY KEY, f float4);
+        INSERT INTO r VALUES (1, 1.5), (2, -0.1), (3, 'NaN'), (4, '-Infinity');
+        CREATE PUBLICATION pub FOR TABLE r;
+    """)
+    with pg.connect() as conn:
+        conn.execute("INSERT INTO r VALUES (5, 3.25)")
+        conn.execute("ALTER TABLE r ALTER COLUMN f TYPE float8")
+        conn.execute("UPDATE r SET f = 0.1 WHERE id = 5")
+        conn.execute("INSERT INTO r VALUES (6, 1e300)")
+    drain(config, spark)
+    assert same(pg, config, "public.r") == 6  # the oracle also checks the column is double now
+    table = deltalake.DeltaTable(path_of(config, "public.r")).to_pyarrow_table().sort_by("id")
+    assert str(table.schema.field("f").type) == "double"
+    assert table.column("f").to_pylist()[4:] == [0.1, 1e300]
