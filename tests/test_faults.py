@@ -513,3 +513,30 @@ def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path:
     stored = deltalake.DeltaTable(config.table_path("public", "padded")).to_pyarrow_table().sort_by("id")
     assert stored.column("code").to_pylist() == ["a    ", None]  # PostgreSQL's output for char(5)
     assert assert_delta_equals_postgres(pg.dsn, "public.padded", config.table_path("public", "padded")) == 2
+
+
+# --------------------------------------------------------------------------- the embedded engine dies
+
+
+def test_embedded_sail_killed_mid_drain_fails_with_one_line_and_rerun_is_exact(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """The default engine (Sail in a child process of the drain, ``resources/delta/sail_server.py``)
+    SIGKILLed while the drain applies chunks: the drain fails with one line naming the engine, the
+    slot stays where the last durable chunk put it, and a re-run (with a new engine) is exact."""
+    config = setup(pg, tmp_path, spark)
+    start = confirmed(pg)
+    backlog(pg)
+    child = Child(write_config(config, tmp_path))
+    try:
+        wait_mid_drain(pg, child, start)
+        engine_pid = int(child.out.read_text().split("engine up ", 1)[1].split()[0])
+        os.kill(engine_pid, signal.SIGKILL)
+        assert_one_line_failure(child, "EngineUnavailable", "stopped answering (")
+    finally:
+        child.kill()
+    wait_until_inactive(pg)
+    after_failure = confirmed(pg)
+    assert after_failure > start
+    result = rerun_converges(pg, config, spark)
+    assert result.start_lsn == after_failure
