@@ -13,7 +13,8 @@ So the memory tests run the work here and read the operating system's account of
 
 Usage: python -m tests.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
        python -m tests.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES
-Prints one JSON line with the figures above and ``rows`` (snapshot) or ``changes`` (drain).
+Prints one JSON line with the figures above and what the work did: ``rows``, ``chunks``, ``workers``,
+``mode`` and the progress reports (snapshot), or ``changes`` (drain).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import deltalake  # noqa: F401 - imported before the baseline: the work must not count module loading
 import pyarrow as pa
@@ -30,13 +32,13 @@ from resources.config import load_config
 from resources.delta.engine import process_memory_mib, SparkEngine
 from resources.incremental import run_incremental
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_table
+from resources.snapshot import snapshot_table, SnapshotProgress
 
 RESET_PEAK = "5"
 """Written to /proc/self/clear_refs: resets VmHWM to the current resident memory (Linux 4.0+)."""
 
 
-def measured(*arguments: str) -> dict[str, float]:
+def measured(*arguments: str) -> dict[str, Any]:
     """Run this module with ``arguments`` in a child process; its report (see the module docstring)."""
     done = subprocess.run(
         [sys.executable, "-m", "tests.memory_child", *arguments],
@@ -56,11 +58,19 @@ def main() -> None:
             clear.write(RESET_PEAK)
         if mode == "snapshot":
             dsn, publication, table, path, slot, chunk_bytes, workers, chunk_mb = sys.argv[2:10]
+            progress: list[SnapshotProgress] = []
             result = snapshot_table(
                 dsn, publication, TableName.parse(table), engine.spark, path,
                 slot=slot, chunk_bytes=int(chunk_bytes), workers=int(workers), chunk_mb=int(chunk_mb),
+                on_progress=progress.append,
             )  # fmt: skip
-            done = {"rows": result.rows, "chunks": result.chunks}
+            done = {
+                "rows": result.rows, "chunks": result.chunks, "workers": result.workers, "mode": result.mode,
+                "progress_chunks": [p.chunks for p in progress],
+                "last_chunks_done": progress[-1].chunks_done if progress else None,
+                "last_eta_s": progress[-1].eta_s if progress else None,
+                "last_progress": progress[-1].describe() if progress else None,
+            }  # fmt: skip
         else:
             drained = run_incremental(load_config(sys.argv[2]), engine.spark, max_chunk_changes=int(sys.argv[3]))
             done = {"changes": drained.changes}

@@ -394,48 +394,69 @@ def next_line(stream: TextIO, prefix: str) -> str:
 
 
 def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabase, tmp_path: Path) -> None:
-    """Dagster's ``classic`` mode (an in-process JVM session with Delta's jars) in a child process;
-    between the snapshot and the drain its JVM also runs the maintenance of Delta on Spark
-    (``OPTIMIZE``, ``VACUUM``, and the retention properties by ``ALTER TABLE ... SET
-    TBLPROPERTIES``) on acct, with a retention below Delta's default of a week, which its VACUUM
-    accepts once the table property says so; the drain after it stays exact."""
+    """Dagster's ``classic`` mode (an in-process JVM session with Delta's jars) in a child process:
+    snapshot, two drains (whose MERGEs rewrite acct's files), then the maintenance of Delta on Spark
+    (``ALTER TABLE ... SET TBLPROPERTIES``, ``OPTIMIZE``, ``VACUUM``) on acct at a one-second
+    retention, which its VACUUM accepts once the table property says so: it compacts the drains'
+    files and deletes every file the drains replaced; a drain after it stays exact."""
     pg.execute(LIFECYCLE_DDL)
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
                            "delta": {"root": str(tmp_path / "lake")}})  # fmt: skip
     acct = config.table_path("public", "acct")
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path)), acct, "2"],
+        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path)), acct, str(1 / 3600)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
         # This process has had Spark Connect sessions, which mark the environment as Connect mode
         # (SPARK_CONNECT_MODE_ENABLED); a child inheriting that cannot build a classic session.
         env={name: value for name, value in os.environ.items() if name != "SPARK_CONNECT_MODE_ENABLED"},
     )  # fmt: skip
+
+    def command(line: str, answer: str) -> str:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(f"{line}\n")
+        child.stdin.flush()
+        return next_line(child.stdout, answer)
+
     try:
         assert child.stdout is not None and child.stdin is not None
         assert next_line(child.stdout, "delta commands:") == "delta commands: True"
         assert next_line(child.stdout, "snapshot") == "snapshot done"
         assert_lake_exact(pg, config, 300)
-        snapshotted = deltalake.DeltaTable(acct).version()
-        at_snapshot = deltalake.DeltaTable(acct, version=snapshotted).to_pyarrow_table().sort_by("id")
-        child.stdin.write("maintain\n")
-        child.stdin.flush()
-        maintained = json.loads(next_line(child.stdout, "maintained ").removeprefix("maintained "))
+        for drain in range(2):
+            writes(pg, 10, 100 * (drain + 1))
+            command("drain", "confirmed ")
+            assert_lake_exact(pg, config, 300)
+        drained = deltalake.DeltaTable(acct)
+        at_drained = drained.to_pyarrow_table().sort_by("id")
+        # The files the drains replaced are older than the retention once a second has passed since the last commit.
+        last_commit_s = drained.history(1)[0]["timestamp"] / 1000
+        time.sleep(max(0.0, last_commit_s + 1.5 - time.time()))
+        maintained = json.loads(command("maintain", "maintained ").removeprefix("maintained "))
+        print(f"maintained after drains: {maintained}")
         assert maintained["method"] == "spark"
-        assert maintained["properties_set"] == [f"{name}: (unset) -> interval 2 hours" for name in RETENTION_PROPERTIES]
+        assert maintained["properties_set"] == [f"{name}: (unset) -> interval 1 seconds" for name in RETENTION_PROPERTIES]
         configuration = deltalake.DeltaTable(acct).metadata().configuration
-        assert {name: configuration.get(name) for name in RETENTION_PROPERTIES} == dict.fromkeys(RETENTION_PROPERTIES, "interval 2 hours")
+        assert {name: configuration.get(name) for name in RETENTION_PROPERTIES} == dict.fromkeys(RETENTION_PROPERTIES, "interval 1 seconds")
         # Spark names its property commit as delta-rs does: maintenance, not a writer (log clean-up's horizon).
-        commit = (Path(acct) / "_delta_log" / f"{snapshotted + 1:020d}.json").read_text()
+        commit = (Path(acct) / "_delta_log" / f"{drained.version() + 1:020d}.json").read_text()
         assert json.loads(commit.splitlines()[0])["commitInfo"]["operation"] == "SET TBLPROPERTIES"
         assert "SET TBLPROPERTIES" in MAINTENANCE_OPERATIONS
-        assert deltalake.DeltaTable(acct, version=snapshotted).to_pyarrow_table().sort_by("id").equals(at_snapshot)
+        replaced_by_drains = maintained["storage_before"]["files"] - maintained["table_before"]["files"]
+        assert replaced_by_drains > 0 and maintained["table_before"]["files"] > 1, maintained
+        assert maintained["files_compacted"] == maintained["table_before"]["files"], maintained
+        assert maintained["table_after"]["files"] == maintained["files_written"] >= 1, maintained
+        # Every file the drains replaced is gone; what compaction replaced may still be in its retention.
+        assert replaced_by_drains <= maintained["files_vacuumed"] <= replaced_by_drains + maintained["files_compacted"], maintained
+        on_storage = {p.relative_to(acct).as_posix() for p in Path(acct).rglob("*.parquet") if "_delta_log" not in p.parts}
+        assert set(deltalake.DeltaTable(acct).get_add_actions(flatten=True).column("path").to_pylist()) <= on_storage
+        assert deltalake.DeltaTable(acct).to_pyarrow_table().sort_by("id").equals(at_drained)
         assert_lake_exact(pg, config, 300)
-        writes(pg, 10, 100)
-        child.stdin.write("drain\n")
+        writes(pg, 10, 400)
+        command("drain", "confirmed ")
+        child.stdin.write("quit\n")
         child.stdin.flush()
         output, errors = child.communicate(timeout=600)
         assert child.returncode == 0, errors[-3000:]
-        assert "\nconfirmed " in f"\n{output}", output
     finally:
         if child.poll() is None:
             child.kill()

@@ -113,8 +113,9 @@ def _documented_type(conn: psycopg.Connection, type_oid: int, typmod: int) -> pa
     """The Arrow type docs/type-mapping.md gives PostgreSQL type ``type_oid`` with ``typmod``, read from
     the catalog: domains as their base type with the domain's typmod, arrays as lists of their element."""
     (name, namespace, kind, base, base_typmod, element, category, length), = conn.execute(
-        "SELECT t.typname::text, n.nspname::text, t.typtype::text, t.typbasetype::int8, t.typtypmod, t.typelem::int8,"
-        " t.typcategory::text, t.typlen FROM pg_catalog.pg_type t"
+        "SELECT t.typname::pg_catalog.text, n.nspname::pg_catalog.text, t.typtype::pg_catalog.text,"
+        " t.typbasetype::pg_catalog.int8, t.typtypmod, t.typelem::pg_catalog.int8, t.typcategory::pg_catalog.text,"
+        " t.typlen FROM pg_catalog.pg_type t"
         " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) t.typnamespace"
         " WHERE t.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid",
         (type_oid,),
@@ -134,7 +135,7 @@ def expected_types(conn: psycopg.Connection, schema_name: str, table_name: str) 
     """Each column of the PostgreSQL table: its type as PostgreSQL names it, and the Arrow type Delta
     must hold it in by the documented mapping (independent of the writer's ``resources/pgtypes.py``)."""
     rows = conn.execute(
-        "SELECT attname::text, atttypid::int8, atttypmod, pg_catalog.format_type(atttypid, atttypmod)"
+        "SELECT attname::pg_catalog.text, atttypid::pg_catalog.int8, atttypmod, pg_catalog.format_type(atttypid, atttypmod)"
         " FROM pg_catalog.pg_attribute WHERE attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.regclass"
         " AND attnum OPERATOR(pg_catalog.>) 0 AND NOT attisdropped ORDER BY attnum",
         (f"{quote_ident(schema_name)}.{quote_ident(table_name)}",),
