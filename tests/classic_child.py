@@ -1,10 +1,10 @@
 """Snapshot, drains and table maintenance with Delta's own commands on an in-process classic
 Spark session with Delta's jars (Dagster's ``classic`` mode).
 
-Usage: python -m tests.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH RETENTION_HOURS
+Usage: python -m tests.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH[,PATH...] RETENTION_HOURS
 
 After the snapshot it reads commands from stdin, one a line, so the parent can write changes and
-look at the lake in between: ``drain`` (an incremental run), ``maintain`` (the maintained table),
+look at the lake in between: ``drain`` (an incremental run), ``maintain`` (the maintained tables, one JSON list),
 ``quit``. Each answers with one line on stdout.
 
 Its own process: PySpark cannot build a classic session in a process that has had a Spark
@@ -41,10 +41,13 @@ def main() -> None:
                 result = run_incremental(config, spark)
                 print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
             elif command.strip() == "maintain":
-                done = maintain_table(
-                    sys.argv[2], config.delta.lake(), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark
-                )
-                print(f"maintained {json.dumps(dataclasses.asdict(done))}", flush=True)
+                done = [
+                    dataclasses.asdict(maintain_table(
+                        path, config.delta.lake(), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark
+                    ))  # fmt: skip
+                    for path in sys.argv[2].split(",")
+                ]
+                print(f"maintained {json.dumps(done)}", flush=True)
             else:
                 return
 

@@ -50,7 +50,7 @@ from resources.snapshot import snapshot_tables, SnapshotProgress
 from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc_marker
 from resources.delta.table_log import read_table_log, read_table_metadata
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
-from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, delta_rows
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # imported here before pytest loads them as plugins
@@ -395,16 +395,16 @@ def next_line(stream: TextIO, prefix: str) -> str:
 
 def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabase, tmp_path: Path) -> None:
     """Dagster's ``classic`` mode (an in-process JVM session with Delta's jars) in a child process:
-    snapshot, two drains (whose MERGEs rewrite acct's files), then the maintenance of Delta on Spark
-    (``ALTER TABLE ... SET TBLPROPERTIES``, ``OPTIMIZE``, ``VACUUM``) on acct at a one-second
-    retention, which its VACUUM accepts once the table property says so: it compacts the drains'
-    files and deletes every file the drains replaced; a drain after it stays exact."""
+    snapshot, two drains, then the maintenance of Delta on Spark (``ALTER TABLE ... SET TBLPROPERTIES``,
+    ``OPTIMIZE``, ``VACUUM``) at a one-second retention, which its VACUUM accepts once the table
+    property says so: on acct it deletes exactly the files the drains' MERGEs replaced, on the keyless
+    journal it compacts the snapshot's file and the drains' appends into one; a drain after it stays exact."""
     pg.execute(LIFECYCLE_DDL)
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
                            "delta": {"root": str(tmp_path / "lake")}})  # fmt: skip
-    acct = config.table_path("public", "acct")
+    acct, journal = config.table_path("public", "acct"), config.table_path("public", "journal")
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path)), acct, str(1 / 3600)],
+        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path)), f"{acct},{journal}", str(1 / 3600)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
         # This process has had Spark Connect sessions, which mark the environment as Connect mode
         # (SPARK_CONNECT_MODE_ENABLED); a child inheriting that cannot build a classic session.
@@ -427,29 +427,34 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
             command("drain", "confirmed ")
             assert_lake_exact(pg, config, 300)
         drained = deltalake.DeltaTable(acct)
-        at_drained = drained.to_pyarrow_table().sort_by("id")
+        at_drained = {path: sorted(map(repr, delta_rows(path)[1])) for path in (acct, journal)}
         # The files the drains replaced are older than the retention once a second has passed since the last commit.
-        last_commit_s = drained.history(1)[0]["timestamp"] / 1000
+        last_commit_s = max(deltalake.DeltaTable(path).history(1)[0]["timestamp"] for path in (acct, journal)) / 1000
         time.sleep(max(0.0, last_commit_s + 1.5 - time.time()))
-        maintained = json.loads(command("maintain", "maintained ").removeprefix("maintained "))
-        print(f"maintained after drains: {maintained}")
-        assert maintained["method"] == "spark"
-        assert maintained["properties_set"] == [f"{name}: (unset) -> interval 1 seconds" for name in RETENTION_PROPERTIES]
+        done = json.loads(command("maintain", "maintained ").removeprefix("maintained "))
+        print(f"maintained after drains: {done}")
+        assert [m["method"] for m in done] == ["spark", "spark"]
+        for maintained in done:
+            assert maintained["properties_set"] == [f"{name}: (unset) -> interval 1 seconds" for name in RETENTION_PROPERTIES]
         configuration = deltalake.DeltaTable(acct).metadata().configuration
         assert {name: configuration.get(name) for name in RETENTION_PROPERTIES} == dict.fromkeys(RETENTION_PROPERTIES, "interval 1 seconds")
         # Spark names its property commit as delta-rs does: maintenance, not a writer (log clean-up's horizon).
         commit = (Path(acct) / "_delta_log" / f"{drained.version() + 1:020d}.json").read_text()
         assert json.loads(commit.splitlines()[0])["commitInfo"]["operation"] == "SET TBLPROPERTIES"
         assert "SET TBLPROPERTIES" in MAINTENANCE_OPERATIONS
-        replaced_by_drains = maintained["storage_before"]["files"] - maintained["table_before"]["files"]
-        assert replaced_by_drains > 0 and maintained["table_before"]["files"] > 1, maintained
-        assert maintained["files_compacted"] == maintained["table_before"]["files"], maintained
-        assert maintained["table_after"]["files"] == maintained["files_written"] >= 1, maintained
-        # Every file the drains replaced is gone; what compaction replaced may still be in its retention.
-        assert replaced_by_drains <= maintained["files_vacuumed"] <= replaced_by_drains + maintained["files_compacted"], maintained
-        on_storage = {p.relative_to(acct).as_posix() for p in Path(acct).rglob("*.parquet") if "_delta_log" not in p.parts}
-        assert set(deltalake.DeltaTable(acct).get_add_actions(flatten=True).column("path").to_pylist()) <= on_storage
-        assert deltalake.DeltaTable(acct).to_pyarrow_table().sort_by("id").equals(at_drained)
+        on_acct, on_journal = done
+        # acct: each drain's MERGE replaced its one file; VACUUM deleted exactly those.
+        assert on_acct["table_before"]["files"] == on_acct["table_after"]["files"] == 1, on_acct
+        assert on_acct["storage_before"]["files"] == 3 and on_acct["files_vacuumed"] == 2, on_acct
+        assert on_acct["storage_after"] == on_acct["table_after"], on_acct
+        # journal: the snapshot's file and one append per drain, compacted into one.
+        assert on_journal["table_before"]["files"] == on_journal["files_compacted"] == 3, on_journal
+        assert on_journal["table_after"]["files"] == on_journal["files_written"] == 1, on_journal
+        for path in (acct, journal):
+            table = deltalake.DeltaTable(path)
+            on_storage = {p.relative_to(path).as_posix() for p in Path(path).rglob("*.parquet") if "_delta_log" not in p.parts}
+            assert set(table.get_add_actions(flatten=True).column("path").to_pylist()) <= on_storage
+            assert sorted(map(repr, delta_rows(path)[1])) == at_drained[path]  # the same rows, fewer files
         assert_lake_exact(pg, config, 300)
         writes(pg, 10, 400)
         command("drain", "confirmed ")
