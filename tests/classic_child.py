@@ -1,10 +1,11 @@
-"""Snapshot, table maintenance with Delta's own commands, and a drain on an in-process classic
+"""Snapshot, drains and table maintenance with Delta's own commands on an in-process classic
 Spark session with Delta's jars (Dagster's ``classic`` mode).
 
-Usage: python -m tests.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH RETENTION_HOURS
+Usage: python -m tests.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH[,PATH...] RETENTION_HOURS
 
-Each step after the snapshot waits for a line on stdin, so the parent can write changes and
-look at the lake in between.
+After the snapshot it reads commands from stdin, one a line, so the parent can write changes and
+look at the lake in between: ``drain`` (an incremental run), ``maintain`` (the maintained tables, one JSON list),
+``quit``. Each answers with one line on stdout.
 
 Its own process: PySpark cannot build a classic session in a process that has had a Spark
 Connect session (``CONNECT_URL_NOT_SET``), and every other test session is Spark Connect.
@@ -12,6 +13,7 @@ Connect session (``CONNECT_URL_NOT_SET``), and every other test session is Spark
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -34,12 +36,20 @@ def main() -> None:
         print(f"delta commands: {engine_capabilities(spark).delta_commands}", flush=True)
         snapshot_tables(config, spark)
         print("snapshot done", flush=True)
-        sys.stdin.readline()
-        done = maintain_table(sys.argv[2], config.delta.lake(), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark)
-        print(f"maintained {json.dumps({'method': done.method, 'properties_set': done.properties_set})}", flush=True)
-        sys.stdin.readline()  # the parent writes changes, then asks for the drain
-        result = run_incremental(config, spark)
-    print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
+        for command in sys.stdin:
+            if command.strip() == "drain":
+                result = run_incremental(config, spark)
+                print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
+            elif command.strip() == "maintain":
+                done = [
+                    dataclasses.asdict(maintain_table(
+                        path, config.delta.lake(), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark
+                    ))  # fmt: skip
+                    for path in sys.argv[2].split(",")
+                ]
+                print(f"maintained {json.dumps(done)}", flush=True)
+            else:
+                return
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ class TcpProxy:
         self._closed = False
         self.accepted = 0
         self.dropped = 0
+        self._refuse = 0
+        self.refused = 0
         self._thread = threading.Thread(target=self._accept_loop, name="tcp-proxy-accept", daemon=True)
         self._thread.start()
 
@@ -58,6 +60,12 @@ class TcpProxy:
         self.dropped += len(pairs)
         return len(pairs)
 
+    def refuse_next(self, connections: int) -> None:
+        """Close the next ``connections`` accepted connections at once, unforwarded (PostgreSQL down
+        for that long, as a client sees it); later ones are forwarded again."""
+        with self._lock:
+            self._refuse = connections
+
     def freeze(self) -> None:
         """Stop forwarding bytes in both directions without closing anything."""
         self._frozen.set()
@@ -84,6 +92,14 @@ class TcpProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            with self._lock:
+                refuse = self._refuse > 0
+                if refuse:
+                    self._refuse -= 1
+                    self.refused += 1
+            if refuse:
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=10)
                 server.settimeout(None)

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -26,12 +27,14 @@ from dagster import (
     Definitions,
     ExecuteInProcessResult,
     FreshnessPolicy,
+    build_sensor_context,
     instance_for_test,
     load_from_defs_folder,
 )
 from dagster.components.resolved.errors import ResolutionException
 
 from resources.delta.engine import EMBEDDED_ENVIRONMENT
+from resources.errors import SlotError
 from resources.names import ROW_COUNT_CHECK, ROWS_MATCH_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
 from resources.testing.local_postgres import LocalPostgres
 from resources.testing.verify import assert_delta_equals_postgres
@@ -84,6 +87,13 @@ def pipeline(
         "delta": {"root": str(lake)},
         **overrides,
     }
+
+
+def evaluate_sensor(defs: Definitions, name: str, instance: DagsterInstance) -> Any:
+    """One tick of sensor ``name`` with the code location's own resources."""
+    sensor = defs.resolve_sensor_def(name)
+    with build_sensor_context(instance=instance, resources=defs.resources, sensor_name=name) as context:
+        return sensor(context)
 
 
 def defs_folder(project: Path) -> Path:
@@ -284,6 +294,22 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     events = [event for record in instance.get_runs() for event in instance.all_logs(record.run_id)]
     assert len(events) > 20
     assert PASSWORD not in repr(defs.resources) + repr(events)
+
+    # Each pipeline's schedules and sensors target its own jobs and watch its own slot: with billing's
+    # slot gone, billing's sensors say so, naming its own jobs, and shop's still see shop's healthy slot.
+    for name in pipelines:
+        assert defs.resolve_schedule_def(f"pgcdc_{name}_incremental_schedule").job_name == f"pgcdc_{name}_incremental"
+        assert defs.resolve_schedule_def(f"pgcdc_{name}_maintenance_schedule").job_name == f"pgcdc_{name}_maintenance"
+        assert defs.resolve_sensor_def(f"pgcdc_{name}_slot_lag_sensor").job_name == f"pgcdc_{name}_incremental"
+        assert defs.resolve_sensor_def(f"pgcdc_{name}_new_tables_sensor").job_name == f"pgcdc_{name}_snapshot"
+    billing.execute("SELECT pg_drop_replication_slot('billing_slot')")
+    healthy = evaluate_sensor(defs, "pgcdc_shop_slot_health_sensor", instance)
+    assert healthy.skip_message.startswith('slot "shop_slot" is healthy: wal_status reserved'), healthy
+    assert "shop_slot" in evaluate_sensor(defs, "pgcdc_shop_slot_lag_sensor", instance).skip_message
+    missing = evaluate_sensor(defs, "pgcdc_billing_slot_lag_sensor", instance)
+    assert missing.skip_message == 'replication slot "billing_slot" does not exist: run the pgcdc_billing_snapshot job'
+    with pytest.raises(SlotError, match='replication slot "billing_slot" does not exist on .*run the pgcdc_billing_snapshot job'):
+        evaluate_sensor(defs, "pgcdc_billing_slot_health_sensor", instance)
 
     # A pipeline added to the YAML appears once the code location reloads; the others stay as they were.
     pipelines["audit"] = pipeline("PGCDC_TEST_SHOP_DSN", "audit_slot", ["public.notes"], tmp_path / "lake" / "audit")

@@ -30,6 +30,7 @@ from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import SlotError
 from resources.lsn import LSN
 from tests.conftest import PgDatabase
+from tests.tcp_proxy import TcpProxy
 from tests.test_dagster_snapshot import (
     NOTES_KEY,
     ORDERS_KEY,
@@ -158,6 +159,34 @@ def test_missing_slot_fails_once_with_the_fix(shop: PgDatabase, tmp_path: Path, 
         'replication slot "pgcdc_slot" does not exist: create it (run the pgcdc_snapshot job,'
         " or pgcdc changes --create-slot) or fix the slot name"
     )
+
+
+def test_a_connection_failure_is_retried_and_the_retry_drains_exactly(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    """PostgreSQL unreachable when the drain step connects (the proxy refuses that one connection):
+    the step fails with ConnectionFailure, Dagster's retry policy runs it again, and the retry, which
+    reaches PostgreSQL, applies every change exactly once."""
+    with TcpProxy("127.0.0.1", shop.server.port) as proxy:
+        config = write_config(tmp_path, shop, postgres={"dsn": proxy.dsn_for(shop.dsn)})
+        defs = build_definitions(config)
+        run_job(defs, instance, "pgcdc_snapshot")
+        start = slot_position(shop)
+        make_changes(shop)
+        proxy.refuse_next(1)
+        result = run_job(defs, instance, "pgcdc_incremental")
+        assert proxy.refused == 1
+    kinds = [event.event_type_value for event in result.all_events]
+    assert kinds.count("STEP_UP_FOR_RETRY") == 1 and kinds.count("STEP_RESTARTED") == 1, kinds
+    (retried,) = [event for event in result.all_events if event.event_type_value == "STEP_UP_FOR_RETRY"]
+    assert "ConnectionFailure" in str(retried.event_specific_data.error)
+    lake = tmp_path / "lake"
+    assert delta_rows(lake, "orders") == pg_orders(shop)
+    assert delta_rows(lake, "notes") == pg_notes(shop)
+    meta = materializations(result)
+    assert meta[ORDERS]["pgcdc/start_lsn"] == str(start)
+    assert meta[ORDERS]["pgcdc/changes_applied"] == 8
+    assert meta[ORDERS]["pgcdc/confirmed_flush_lsn"] == str(slot_position(shop))
 
 
 def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tracemalloc
 from pathlib import Path
 
 import deltalake
@@ -34,6 +33,7 @@ from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
+from tests.memory_child import measured
 
 pytest_plugins = ["tests.spark_fixtures"]
 
@@ -492,10 +492,17 @@ def run_child(
 CRASH_DDL = """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
     CREATE TABLE journal (entry int, note text);
+    CREATE TABLE ledger (entry int, note text);
+    CREATE TABLE tally (k int, note text);
+    ALTER TABLE tally REPLICA IDENTITY FULL;
     INSERT INTO journal VALUES (-1, 'seed');
+    INSERT INTO tally VALUES (0, 'seed'), (0, 'seed');
     INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 20) g;
-    CREATE PUBLICATION pub FOR TABLE acct, journal;
+    CREATE PUBLICATION pub FOR TABLE acct, journal, ledger, tally;
 """
+"""``journal`` is truncated halfway through the workload; ``ledger`` (keyless) and ``tally``
+(REPLICA IDENTITY FULL, identical rows) never are, so a change inside the crash window that is
+applied twice stays visible to the oracle instead of being wiped by a later TRUNCATE."""
 
 
 def crash_workload(pg: PgDatabase) -> None:
@@ -504,11 +511,24 @@ def crash_workload(pg: PgDatabase) -> None:
             with conn.transaction():
                 conn.execute("UPDATE acct SET balance = balance + 1, note = %s WHERE id = %s", (f"t{i}", i % 20 + 1))
                 conn.execute("INSERT INTO journal VALUES (%s, 'credit'), (%s, 'debit')", (i, i))
+                conn.execute("INSERT INTO ledger VALUES (%s, 'same'), (%s, 'same')", (i % 4, i % 4))
+                tally_changes(conn, i)
                 if i % 10 == 9:
                     conn.execute("DELETE FROM acct WHERE id = %s", (i,))
                     conn.execute("INSERT INTO acct VALUES (%s, 100, 'reborn')", (100 + i,))
             if i == 14:
                 conn.execute("TRUNCATE journal")
+
+
+def tally_changes(conn: psycopg.Connection, i: int) -> None:
+    """Transaction ``i``'s changes to ``tally``: an identical copy added, then (alternately) one copy
+    changed or one deleted, so every transaction holds a change whose replay would show."""
+    conn.execute("INSERT INTO tally VALUES (%s, 'same')", (i % 3,))
+    one_copy = "ctid = (SELECT min(ctid) FROM tally WHERE k = %s AND note = 'same')"
+    if i % 2:
+        conn.execute(f"UPDATE tally SET note = 'changed' WHERE {one_copy}", (i % 3,))
+    elif i % 4 == 2:
+        conn.execute(f"DELETE FROM tally WHERE {one_copy}", (i % 3,))
 
 
 @pytest.mark.parametrize("fault", ["after_delta_commit", "before_merge", "after_confirm"])
@@ -534,38 +554,76 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     assert LSN.parse(before_rerun) <= slot_confirmed(pg) <= LSN.parse(after_rerun)
     assert same(pg, config, "public.acct") == 21
     assert same(pg, config, "public.journal", key=()) == 30  # keyless: exactly once across the crash
+    assert same(pg, config, "public.ledger", key=()) == 60  # keyless, never truncated: a replay would show
+    assert same(pg, config, "public.tally", key=()) == 2 + 30 - 7  # FULL identity, identical rows
     state = read_state(spark, state_path(config.delta.root, SLOT))  # the rerun recorded what Delta holds
     assert {table: row.log.version for table, row in state.items()} == {
-        table: delta_version(config, table) for table in ("public.acct", "public.journal")
+        table: delta_version(config, table) for table in ("public.acct", "public.journal", "public.ledger", "public.tally")
     }
 
 
 # --------------------------------------------------------------------------- memory
 
 
+#: What a drain's process may add to its resident memory at its worst, whatever the backlog: chunks of
+#: 5000 changes of 2 KB (10 MiB) as received, as Arrow columns and as the batch sent to the engine, and
+#: the Spark Connect client's buffers. Measured 2026-11-25: 121-128 MiB for backlogs of 20k, 60k and
+#: 120k changes (39 to 234 MiB), 107-130 MiB in the test.
+DRAIN_PEAK_MIB = 150
+#: How much more that peak may be for a backlog four times larger (117 MiB more).
+DRAIN_GROWTH_MIB = 32
+
+
 def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
+    """Two drains, of 20k and then 80k changes, each in a child process that reports its peak resident
+    memory over its baseline and Arrow's pool maximum (tests/memory_child.py): below a stated bound
+    smaller than the larger backlog, and about the same for both, so chunks, not backlogs, are held."""
     config = setup(pg, tmp_path, spark, """
         CREATE TABLE wide (id int PRIMARY KEY, pad text);
         ALTER TABLE wide ALTER COLUMN pad SET STORAGE MAIN;
         INSERT INTO wide VALUES (-1, 'seed');
         CREATE PUBLICATION pub FOR TABLE wide;
     """)
+    config_file = tmp_path / "pgcdc.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump()))
+    held: dict[int, float] = {}
+    written = 0
+    for changes in (20_000, 80_000):
+        with pg.connect() as conn:
+            for start in range(written, written + changes, 1000):
+                conn.execute(
+                    "INSERT INTO wide SELECT g, repeat(md5(g::text), 64) FROM generate_series(%s::int, %s::int) g",
+                    (start, start + 999),
+                )
+        written += changes
+        memory = measured("drain", str(config_file), "5000")
+        assert memory["changes"] == changes
+        assert memory["arrow_max_mib"] < DRAIN_PEAK_MIB, memory
+        held[changes] = memory["peak_mib"] - memory["baseline_mib"]
+    assert DRAIN_PEAK_MIB < 80_000 * 2048 / 2**20
+    assert held[80_000] < DRAIN_PEAK_MIB, held
+    assert held[80_000] - held[20_000] < DRAIN_GROWTH_MIB, held
+    assert same(pg, config, "public.wide") == written + 1
+
+
+
+def test_float4_widened_to_float8_keeps_every_value(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """float4 -> float8 is a documented widening: Delta's column becomes double, the rows written as
+    float keep their values (1.5, NaN, -0.1 as float4's nearest value), later rows carry float8's."""
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE r (id int PRIMARY KEY, f float4);
+        INSERT INTO r VALUES (1, 1.5), (2, -0.1), (3, 'NaN'), (4, '-Infinity');
+        CREATE PUBLICATION pub FOR TABLE r;
+    """)
     with pg.connect() as conn:
-        for start in range(0, 12_000, 200):
-            conn.execute(
-                "INSERT INTO wide SELECT g, repeat(md5(g::text), 64) FROM generate_series(%s::int, %s::int) g",
-                (start, start + 199),
-            )
-    backlog = 12_000 * 2048
-    tracemalloc.start()
-    try:
-        result = drain(config, spark, max_chunk_changes=1000)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    print(f"peak traced Python memory {peak / 2**20:.1f} MiB for a {backlog / 2**20:.0f} MiB backlog")
-    assert result.changes == 12_000
-    assert peak < backlog / 3
-    assert same(pg, config, "public.wide") == 12_001
+        conn.execute("INSERT INTO r VALUES (5, 3.25)")
+        conn.execute("ALTER TABLE r ALTER COLUMN f TYPE float8")
+        conn.execute("UPDATE r SET f = 0.1 WHERE id = 5")
+        conn.execute("INSERT INTO r VALUES (6, 1e300)")
+    drain(config, spark)
+    assert same(pg, config, "public.r") == 6  # the oracle also checks the column is double now
+    table = deltalake.DeltaTable(path_of(config, "public.r")).to_pyarrow_table().sort_by("id")
+    assert str(table.schema.field("f").type) == "double"
+    assert table.column("f").to_pylist()[4:] == [0.1, 1e300]

@@ -21,10 +21,16 @@ import pytest
 from dagster import AssetCheckEvaluation, AssetKey, DagsterInstance, ExecuteInProcessResult, instance_for_test
 from pyspark.sql import SparkSession
 
+import pyarrow.compute as pc
+
 import pgcdc_assets.checks
+import resources.cdc.applier
+import resources.reconcile
 from pgcdc_assets.builder import build_definitions
 from resources.lsn import LSN
-from resources.reconcile import HashBuckets, IntegerRanges, RangeSums
+from resources.pgtypes import PgColumnType, to_arrow
+from resources.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
+from resources.testing.verify import compare_table
 from tests.conftest import PgDatabase
 from tests.test_dagster_incremental import slot_position
 from tests.test_dagster_snapshot import create_shop, write_config
@@ -70,6 +76,26 @@ class Writer(threading.Thread):
         self.join(timeout=30)
         if self.failure is not None:
             raise self.failure
+
+
+def oracle_beside_reconcile(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | AssertionError]:
+    """Make every table reconciliation also run the writer-independent oracle (``compare_table``:
+    catalog-derived types, delta-rs, PostgreSQL's own output) on the reconciliation's connection,
+    which holds the snapshot at the reconcile LSN while Delta holds exactly the changes up to it.
+    Returns, per table, the oracle's row count or its failure, filled in as the job runs."""
+    outcomes: dict[str, int | AssertionError] = {}
+    reconcile_table = resources.reconcile._compare_table
+
+    def with_oracle(reader: psycopg.Connection, publication: str, spark: SparkSession, table: object, path: str,
+                    range_rows: int) -> TableReconciliation:
+        try:
+            outcomes[str(table)] = compare_table(reader, str(table), path)
+        except AssertionError as failure:
+            outcomes[str(table)] = failure
+        return reconcile_table(reader, publication, spark, table, path, range_rows)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resources.reconcile, "_compare_table", with_oracle)
+    return outcomes
 
 
 def evaluations(result: ExecuteInProcessResult) -> dict[tuple[AssetKey, str], AssetCheckEvaluation]:
@@ -124,7 +150,9 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         assert "channel string" in altered[(ORDERS, SCHEMA)].metadata["delta"].value
         assert catalog_reads == ["public.orders"]
 
-        # Reconciliation while a writer commits before, during and after the job: exact.
+        # Reconciliation while a writer commits before, during and after the job: exact, by its own
+        # comparison and by the oracle at the same LSN.
+        oracle = oracle_beside_reconcile(monkeypatch)
         writer = Writer(pg.dsn)
         writer.start()
         try:
@@ -149,6 +177,11 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         assert "no key" in checks[(NOTES, ROWS_MATCH)].metadata["ranges"].value
         count = checks[(ORDERS, ROW_COUNT)].metadata
         assert count["postgres_rows"].value == count["delta_rows"].value > 500
+        assert oracle == {
+            f"public.{table}": checks[(key, ROW_COUNT)].metadata["postgres_rows"].value
+            for table, key in (("orders", ORDERS), ("notes", NOTES), ("labels", LABELS))
+        }
+        oracle.clear()
 
         # A Delta row changed behind pgcdc's back (one the writer never touched, so the drain does not
         # overwrite it): the range holding it and its key are named.
@@ -161,6 +194,8 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         broken = evaluations(run(defs, instance, "pgcdc_reconcile", run_config=config))
         failed = {key for key, e in broken.items() if not e.passed}
         assert failed == {(ORDERS, ROWS_MATCH)}
+        assert isinstance(oracle.pop("public.orders"), AssertionError)
+        assert all(isinstance(rows, int) for rows in oracle.values()), oracle
         evaluation = broken[(ORDERS, ROWS_MATCH)]
         assert evaluation.metadata["mismatched_ranges"].value == 1
         assert evaluation.metadata["differing_keys"].value == "450"
@@ -172,6 +207,34 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         assert bounds and any(bounds.groups()), named.group(1)  # a key range, not "all rows"
         low, high = (int(bound) if bound else None for bound in bounds.groups())
         assert (low is None or low <= 450) and (high is None or 450 < high)
+
+
+def test_a_conversion_broken_in_the_writer_only_fails_the_oracle_and_rows_match_postgres(
+    pg: PgDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain's text-to-Arrow conversion of one column goes wrong (timestamps an hour late, as a
+    time zone bug would), while reconciliation reads PostgreSQL through its own, intact path: the
+    check names the rows, and the oracle, which shares no conversion with the writer, fails too."""
+    create_shop(pg)
+    defs = build_definitions(write_config(tmp_path, pg))
+
+    def placed_an_hour_late(values: pa.Array, column: PgColumnType) -> pa.Array:
+        converted = to_arrow(values, column)
+        if column.column != "placed":
+            return converted
+        return pc.add(converted, pa.scalar(3_600_000_000, pa.duration("us")))
+
+    with instance_for_test() as instance:
+        run(defs, instance, "pgcdc_snapshot")
+        monkeypatch.setattr(resources.cdc.applier, "to_arrow", placed_an_hour_late)
+        pg.execute("UPDATE orders SET placed = placed + interval '1 day' WHERE id IN (7, 300); INSERT INTO notes VALUES ('n')")
+        oracle = oracle_beside_reconcile(monkeypatch)
+        checks = evaluations(run(defs, instance, "pgcdc_reconcile"))
+    assert {key for key, e in checks.items() if not e.passed} == {(ORDERS, ROWS_MATCH)}
+    assert set(checks[(ORDERS, ROWS_MATCH)].metadata["differing_keys"].value.split(", ")) == {"7", "300"}
+    assert isinstance(oracle["public.orders"], AssertionError)
+    assert str(oracle["public.orders"]).count("only in Delta") == 2  # rows 7 and 300, an hour late
+    assert oracle["public.notes"] == 4
 
 
 @pytest.mark.parametrize(

@@ -170,6 +170,18 @@ class MixedWorkload:
         tables = r.sample(["keyed", "filtered_key", "filtered_full", "narrow", "parted", "appended"], k=r.randint(1, 2))
         return f"TRUNCATE {', '.join(tables)}"
 
+    #: Committed TRUNCATEs of the tables a row filter, a column list or partitioning shapes (random
+    #: ones are rare and the fixed seeds roll theirs back), by burst, between other changes of their
+    #: transaction; what the burst writes after them refills the tables. None in the first burst, so
+    #: that its comparison still sees rows the filters hold back.
+    SCHEDULED_TRUNCATES = {1: "filtered_key, narrow", 2: "parted, filtered_full"}
+
+    def scheduled(self, drain: int) -> list[str] | None:
+        """The transaction run a third into burst ``drain``: changes, the burst's TRUNCATE, changes, COMMIT."""
+        if drain not in self.SCHEDULED_TRUNCATES:
+            return None
+        return ["BEGIN", self.statement(), f"TRUNCATE {self.SCHEDULED_TRUNCATES[drain]}", self.statement(), "COMMIT"]
+
 
 #: The few values of dup's columns: every row has many identical copies.
 V = ["'a'", "'b'", "NULL"]
@@ -255,6 +267,20 @@ def _with_publisher_counts(pg: PgDatabase, counts: dict[str, int]) -> dict[str, 
     }
 
 
+def committed_statements(transactions: list[list[str]]) -> list[str]:
+    """The statements of ``transactions`` (as :func:`_transaction` builds them) that committed."""
+    committed: list[str] = []
+    for statements in transactions:
+        if statements[0] != "BEGIN":
+            committed += statements
+        elif statements[-1] == "COMMIT":
+            body = statements[1:-1]
+            if "ROLLBACK TO SAVEPOINT s" in body:
+                body = body[: body.index("SAVEPOINT s")]
+            committed += body
+    return committed
+
+
 def run_against_subscriber(
     pg: PgDatabase,
     tmp_path: Path,
@@ -263,21 +289,26 @@ def run_against_subscriber(
     seed: int,
     ddl: str,
     statement: Callable[[], str],
-) -> list[dict[str, tuple[int, int, int]]]:
-    """Snapshot, then ``DRAINS`` times: a burst of random transactions, a drain, the subscriber
-    caught up to the drain's end LSN, every Delta table == the subscriber's. Returns, per
-    comparison, each table's row count in Delta (= the subscriber), and its rows and distinct rows
-    on the publisher."""
+    scheduled: Callable[[int], list[str] | None] | None = None,
+) -> tuple[list[dict[str, tuple[int, int, int]]], list[str]]:
+    """Snapshot, then ``DRAINS`` times: a burst of random transactions (with ``scheduled(drain)``'s
+    transaction a third into it), a drain, the subscriber caught up to the drain's end LSN, every
+    Delta table == the subscriber's. Returns, per comparison, each table's row count in Delta
+    (= the subscriber), and its rows and distinct rows on the publisher; and every committed statement."""
     rng = random.Random(seed)
     pg.execute(ddl)
     subscriber = subscribe("pub")
     config = _snapshot(pg, tmp_path, spark)
     counts = [_with_publisher_counts(pg, subscriber.assert_matches_delta(config))]  # nothing written since the copies
+    executed: list[list[str]] = []
     with pg.connect() as conn:
         for drain in range(DRAINS):
             sql: list[str] = []
-            for _ in range(TRANSACTIONS_PER_DRAIN):
-                for text in _transaction(rng, statement):
+            for i in range(TRANSACTIONS_PER_DRAIN):
+                transaction = scheduled(drain) if scheduled is not None and i == TRANSACTIONS_PER_DRAIN // 3 else None
+                transaction = transaction or _transaction(rng, statement)
+                executed.append(transaction)
+                for text in transaction:
                     sql.append(text)
                     conn.execute(text)
             chunk = rng.choice([25, 200_000])
@@ -291,7 +322,7 @@ def run_against_subscriber(
                     f"seed {seed}, PostgreSQL {pg.major}, drain {drain + 1} of {DRAINS}"
                     f" (max_chunk_changes={chunk}): {error}\nSQL since the previous drain:\n{listing}"
                 ) from error
-    return counts
+    return counts, committed_statements(executed)
 
 
 @pytest.mark.parametrize("via_root", [True, False], ids=["via_root", "via_leaves"])
@@ -300,7 +331,13 @@ def test_filters_column_lists_and_partitions_match_the_subscriber(
 ) -> None:
     seed = 20251 + via_root
     workload = MixedWorkload(seed, via_root)
-    counts = run_against_subscriber(pg, tmp_path, spark, subscribe, seed, workload.ddl(), workload.statement)
+    counts, committed = run_against_subscriber(
+        pg, tmp_path, spark, subscribe, seed, workload.ddl(), workload.statement, workload.scheduled
+    )
+    # Committed TRUNCATEs of a row-filtered keyed and FULL table, a column-listed one and the
+    # partitioned one (through its root, or its leaves) ran and were compared.
+    truncated = {name for text in committed if text.startswith("TRUNCATE ") for name in text[9:].split(", ")}
+    assert {"filtered_key", "filtered_full", "narrow", "parted"} <= truncated, committed
     partitions = {"public.parted"} if via_root else {"public.parted_low", "public.parted_high", "public.parted_rest"}
     assert set(counts[0]) == {"public.keyed", "public.filtered_key", "public.filtered_full", "public.narrow",
                               "public.appended"} | partitions
@@ -314,7 +351,7 @@ def test_duplicate_rows_under_replica_identity_full_match_the_subscriber(
 ) -> None:
     seed = 4711
     workload = DuplicateWorkload(seed)
-    counts = run_against_subscriber(pg, tmp_path, spark, subscribe, seed, workload.ddl(), workload.statement)
+    counts, _ = run_against_subscriber(pg, tmp_path, spark, subscribe, seed, workload.ddl(), workload.statement)
     # Delta was compared while the table held many identical rows, in the snapshot and after drains.
     with_duplicates = [rows > distinct for _, rows, distinct in (c["public.dup"] for c in counts)]
     assert with_duplicates[0] and sum(with_duplicates[1:]) >= 2, counts

@@ -148,7 +148,11 @@ class ChangeApplier:
         """Queue the transaction's changes; flushes mid-transaction only when it alone overflows a chunk."""
         end = int(txn.end_lsn)
         change_bytes = max(1, txn.nbytes // max(1, txn.change_count))
-        seq = 0  # a change's position in its transaction
+        # A change's position in its transaction, counting row changes and TRUNCATEs only: the server
+        # sends a Relation message when its session first needs one, so a replay in a new session
+        # carries Relation messages where the first stream had none, and positions counted with
+        # them would not match the applied marker's (changes would be applied twice).
+        seq = 0
         try:
             for segment in txn.segments():
                 if type(segment) is RowBatch:
@@ -164,7 +168,7 @@ class ChangeApplier:
                         target = self._target_by_oid.get(oid)
                         if target is not None and not self._skips(target, end):
                             self._truncate(target, self._relations[oid], end, seq)
-                seq += 1
+                    seq += 1
         finally:
             txn.discard()
         self._complete_end = end

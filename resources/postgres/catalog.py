@@ -1,7 +1,7 @@
 """What the publisher's catalog says about the published tables.
 
 The snapshot copies exactly what the publication publishes (its column list and
-row filter on PostgreSQL 15+), and incremental runs need each table's replica
+row filter), and incremental runs need each table's replica
 identity to know how rows are matched. These queries mirror the ones
 PostgreSQL's own table-sync worker runs (see the trace in the seeds).
 
@@ -187,14 +187,9 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
     cursor = client_cursor(conn)
     oid, relkind, replica_identity = _relation(conn, table)
 
-    modern = server_version_num(conn) >= 150000
     published = cursor.execute(
-        (
-            "SELECT attnames, rowfilter FROM pg_catalog.pg_publication_tables"
-            if modern
-            else "SELECT NULL::pg_catalog.name[], NULL::pg_catalog.text FROM pg_catalog.pg_publication_tables"
-        )
-        + " WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
+        "SELECT attnames, rowfilter FROM pg_catalog.pg_publication_tables"
+        " WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
         " AND schemaname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
         " AND tablename OPERATOR(pg_catalog.=) %s::pg_catalog.name",
         (publication, table.schema, table.name),

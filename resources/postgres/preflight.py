@@ -21,7 +21,7 @@ from resources.names import RESNAPSHOT_JOB, SNAPSHOT_JOB
 from resources.postgres.replication import CreatedSlot, ReplicationConnection
 from resources.postgres.slots import invalidated_slot, require_failover_slots, slot_in_use, SlotState
 
-MIN_SERVER_VERSION_NUM = 140000
+MIN_SERVER_VERSION_NUM = 150000
 
 
 def check_server(conn: ReplicationConnection) -> None:
@@ -29,7 +29,7 @@ def check_server(conn: ReplicationConnection) -> None:
     version = conn.server_version_num
     if version < MIN_SERVER_VERSION_NUM:
         raise ConfigurationError(
-            f"PostgreSQL {version // 10000} is too old for pgcdc", "upgrade the source to PostgreSQL 14 or newer"
+            f"PostgreSQL {version // 10000} is too old for pgcdc", "upgrade the source to PostgreSQL 15 or newer"
         )
     ((wal_level,),) = conn.execute("SHOW wal_level")
     if wal_level != "logical":

@@ -176,8 +176,8 @@ class ReplicationConnection:
         if not re.match(r"^[A-Za-z0-9_]+$", plugin):
             raise ConfigurationError(f"invalid output plugin name {plugin!r}", "use pgoutput")
         version = self.server_version_num
-        if version < 140000:
-            raise ConfigurationError(f"PostgreSQL {version // 10000} is too old", "use PostgreSQL 14 or newer")
+        if version < 150000:
+            raise ConfigurationError(f"PostgreSQL {version // 10000} is too old", "use PostgreSQL 15 or newer")
         if failover:
             require_failover_slots(version)
         words = [f"CREATE_REPLICATION_SLOT {quote_ident(name)}"]

@@ -1,10 +1,12 @@
 """Delta table == PostgreSQL table, value for value: the comparison the tests and the demo share.
 
 Delta is read with delta-rs (``deltalake``), an engine independent of the Sail writer,
-and PostgreSQL with psycopg. Columns Delta stores as strings (numeric without a Spark
-precision, intervals, json, ...) are compared with PostgreSQL's text output, which is
-what pgcdc writes; timestamps as int64 microseconds since the epoch (infinity at the int64
-limits); every other type as Python values (Decimal, date, bytes, lists, ...).
+and PostgreSQL with psycopg. The type Delta must hold each column in is derived from the
+PostgreSQL catalog by the documented mapping (docs/type-mapping.md, written out here, not taken
+from the writer's ``resources/pgtypes.py``), and Delta's schema is checked against it. Columns
+mapped to strings (numeric without a Spark precision, intervals, json, ...) are compared with
+PostgreSQL's text output; timestamps as int64 microseconds since the epoch (infinity at the
+int64 limits); every other type as Python values (Decimal, date, bytes, lists, ...).
 
 ``compare_table`` reads PostgreSQL through a connection the caller owns, so a caller can
 compare against a snapshot it holds open (``REPEATABLE READ``) while writes go on.
@@ -76,6 +78,82 @@ def delta_rows(path: str, storage_options: Mapping[str, str] | None = None) -> t
     return schema, table.to_pylist()
 
 
+#: docs/type-mapping.md's table, written out here rather than taken from ``resources/pgtypes.py``, so
+#: that a regression of the writer's mapping (numeric written as string, say) fails the comparison.
+#: Every type not named here, nor numeric, nor an array, is a string.
+_DOCUMENTED_TYPES: dict[str, pa.DataType] = {
+    "int2": pa.int16(),
+    "int4": pa.int32(),
+    "int8": pa.int64(),
+    "float4": pa.float32(),
+    "float8": pa.float64(),
+    "bool": pa.bool_(),
+    "bytea": pa.binary(),
+    "date": pa.date32(),
+    "timestamp": pa.timestamp("us"),
+    "timestamptz": pa.timestamp("us", tz="UTC"),
+}
+_MAX_DECIMAL_PRECISION = 38
+
+
+def _documented_numeric(typmod: int) -> pa.DataType:
+    """numeric(p,s) as documented: decimal(p,s) with a negative scale folded into the precision and a
+    scale above the precision raising it; unconstrained or p > 38: string."""
+    if typmod < 4:  # no typmod: unconstrained
+        return pa.string()
+    precision = ((typmod - 4) >> 16) & 0xFFFF
+    scale = (((typmod - 4) & 0x7FF) ^ 1024) - 1024  # 11-bit signed, as PostgreSQL stores it
+    if scale < 0:
+        precision, scale = precision - scale, 0
+    precision = max(precision, scale)
+    return pa.decimal128(precision, scale) if precision <= _MAX_DECIMAL_PRECISION else pa.string()
+
+
+def _documented_type(conn: psycopg.Connection, type_oid: int, typmod: int) -> pa.DataType:
+    """The Arrow type docs/type-mapping.md gives PostgreSQL type ``type_oid`` with ``typmod``, read from
+    the catalog: domains as their base type with the domain's typmod, arrays as lists of their element."""
+    (name, namespace, kind, base, base_typmod, element, category, length), = conn.execute(
+        "SELECT t.typname::pg_catalog.text, n.nspname::pg_catalog.text, t.typtype::pg_catalog.text,"
+        " t.typbasetype::pg_catalog.int8, t.typtypmod, t.typelem::pg_catalog.int8, t.typcategory::pg_catalog.text,"
+        " t.typlen FROM pg_catalog.pg_type t"
+        " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) t.typnamespace"
+        " WHERE t.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid",
+        (type_oid,),
+    ).fetchall()
+    if kind == "d":
+        return _documented_type(conn, base, base_typmod if base_typmod != -1 else typmod)
+    if category == "A" and element and length == -1:
+        return pa.list_(_documented_type(conn, element, typmod))
+    if namespace != "pg_catalog":
+        return pa.string()
+    if name == "numeric":
+        return _documented_numeric(typmod)
+    return _DOCUMENTED_TYPES.get(name, pa.string())
+
+
+def expected_types(conn: psycopg.Connection, schema_name: str, table_name: str) -> dict[str, tuple[str, pa.DataType]]:
+    """Each column of the PostgreSQL table: its type as PostgreSQL names it, and the Arrow type Delta
+    must hold it in by the documented mapping (independent of the writer's ``resources/pgtypes.py``)."""
+    rows = conn.execute(
+        "SELECT attname::pg_catalog.text, atttypid::pg_catalog.int8, atttypmod, pg_catalog.format_type(atttypid, atttypmod)"
+        " FROM pg_catalog.pg_attribute WHERE attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.regclass"
+        " AND attnum OPERATOR(pg_catalog.>) 0 AND NOT attisdropped ORDER BY attnum",
+        (f"{quote_ident(schema_name)}.{quote_ident(table_name)}",),
+    ).fetchall()
+    return {name: (shown, _documented_type(conn, oid, typmod)) for name, oid, typmod, shown in rows}
+
+
+def _as_read(arrow: pa.DataType) -> pa.DataType:
+    """A Delta column's type as read, with the large and view layouts a reader may choose folded away."""
+    if pa.types.is_large_string(arrow) or pa.types.is_string_view(arrow):
+        return pa.string()
+    if pa.types.is_large_binary(arrow) or pa.types.is_binary_view(arrow):
+        return pa.binary()
+    if pa.types.is_list(arrow) or pa.types.is_large_list(arrow) or pa.types.is_list_view(arrow):
+        return pa.list_(_as_read(arrow.value_type))
+    return arrow
+
+
 def _pg_expression(name: str, arrow: pa.DataType) -> str:
     """The SELECT expression giving PostgreSQL's value in the form Delta's column is compared in."""
     column = quote_ident(name)
@@ -109,20 +187,21 @@ def compare_table(
     """
     schema, delta = delta_rows(path, storage_options)
     schema_name, _, table_name = table.partition(".")
-    pg_columns = [
-        name
-        for (name,) in conn.execute(
-            "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.regclass"
-            " AND attnum OPERATOR(pg_catalog.>) 0 AND NOT attisdropped ORDER BY attnum",
-            (f"{quote_ident(schema_name)}.{quote_ident(table_name)}",),
-        ).fetchall()
-    ]
+    expected = expected_types(conn, schema_name, table_name)
+    pg_columns = list(expected)
     delta_columns = [f.name for f in schema if not f.name.startswith("_pgcdc_")]
     unexpected = set(delta_columns) - set(pg_columns) - set(extra_delta_columns)
     missing = set(pg_columns) - set(delta_columns)
     if unexpected or missing:
         raise AssertionError(f"{table}: Delta columns {sorted(delta_columns)} vs PostgreSQL {pg_columns}")
-    select = ", ".join(_pg_expression(name, schema.field(name).type) for name in pg_columns)
+    mistyped = [
+        f"{name} ({shown}): Delta holds {schema.field(name).type}, the documented mapping gives {arrow}"
+        for name, (shown, arrow) in expected.items()
+        if _as_read(schema.field(name).type) != arrow
+    ]
+    if mistyped:
+        raise AssertionError(f"{table}: Delta's schema is not the documented mapping: {'; '.join(mistyped)}")
+    select = ", ".join(_pg_expression(name, arrow) for name, (_, arrow) in expected.items())
     pg_rows = [
         tuple(_hashable(value) for value in row)
         for row in conn.execute(f"SELECT {select} FROM {quote_ident(schema_name)}.{quote_ident(table_name)}").fetchall()

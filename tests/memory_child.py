@@ -1,0 +1,90 @@
+"""One snapshot or drain in a fresh process, reporting the memory it took where that memory lives.
+
+tracemalloc sees only Python objects, and sampling ``pa.total_allocated_bytes()`` from a thread misses
+peaks and everything outside Arrow's pool (delta-rs writes the default engine's snapshots from Rust).
+So the memory tests run the work here and read the operating system's account of the process:
+
+* ``baseline_mib``: resident memory (VmRSS) with every module imported and the engine up, right
+  before the work; the peak is then reset (``/proc/self/clear_refs``);
+* ``peak_mib``: the peak resident memory (VmHWM) during the work, so ``peak_mib - baseline_mib``
+  is what the work itself held at its worst, in Python, Arrow, Rust and libpq alike;
+* ``arrow_max_mib``: ``pa.default_memory_pool().max_memory()``, the most Arrow's pool held at once;
+* ``engine_peak_mib``: the embedded Sail server's own peak (VmHWM), for drains, whose MERGEs run there.
+
+Usage: python -m tests.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
+       python -m tests.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES
+Prints one JSON line with the figures above and what the work did: ``rows``, ``chunks``, ``workers``,
+``mode`` and the progress reports (snapshot), or ``changes`` (drain).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import deltalake  # noqa: F401 - imported before the baseline: the work must not count module loading
+import pyarrow as pa
+
+from resources.config import load_config
+from resources.delta.engine import process_memory_mib, SparkEngine
+from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
+from resources.snapshot import snapshot_table, SnapshotProgress
+
+RESET_PEAK = "5"
+"""Written to /proc/self/clear_refs: resets VmHWM to the current resident memory (Linux 4.0+)."""
+
+
+def measured(*arguments: str) -> dict[str, Any]:
+    """Run this module with ``arguments`` in a child process; its report (see the module docstring)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.memory_child", *arguments],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"memory: {report}")
+    return report
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    with SparkEngine.embedded() as engine:
+        baseline, _ = process_memory_mib()
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+            clear.write(RESET_PEAK)
+        if mode == "snapshot":
+            dsn, publication, table, path, slot, chunk_bytes, workers, chunk_mb = sys.argv[2:10]
+            progress: list[SnapshotProgress] = []
+            result = snapshot_table(
+                dsn, publication, TableName.parse(table), engine.spark, path,
+                slot=slot, chunk_bytes=int(chunk_bytes), workers=int(workers), chunk_mb=int(chunk_mb),
+                on_progress=progress.append,
+            )  # fmt: skip
+            done = {
+                "rows": result.rows, "chunks": result.chunks, "workers": result.workers, "mode": result.mode,
+                "progress_chunks": [p.chunks for p in progress],
+                "last_chunks_done": progress[-1].chunks_done if progress else None,
+                "last_eta_s": progress[-1].eta_s if progress else None,
+                "last_progress": progress[-1].describe() if progress else None,
+            }  # fmt: skip
+        else:
+            drained = run_incremental(load_config(sys.argv[2]), engine.spark, max_chunk_changes=int(sys.argv[3]))
+            done = {"changes": drained.changes}
+        _, peak = process_memory_mib()
+        _, engine_peak = engine.server_memory_mib()
+    report = {
+        "baseline_mib": baseline,
+        "peak_mib": peak,
+        "arrow_max_mib": pa.default_memory_pool().max_memory() / 2**20,
+        "engine_peak_mib": engine_peak,
+        **done,
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
