@@ -274,6 +274,7 @@ def _targets(
             targets[table] = TableTarget(table, path, known=known)
         else:
             targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
+        targets[table].history_path = config.history_path(table.schema, table.name)
     without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted]
     if targets and len(without_snapshot) == len(targets):
         # Every change would be skipped and the slot confirmed past it: with a mistyped or

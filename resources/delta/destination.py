@@ -70,7 +70,10 @@ class Destination(Protocol):
         the batch's buckets (and the NULL bucket) hold rows it can touch."""
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
-        """Append rows in one commit carrying ``user_metadata`` (keyless tables)."""
+        """Append rows in one commit carrying ``user_metadata`` (keyless tables, changelogs); creates a missing table."""
+
+    def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
+        """The rows whose columns named in ``keys`` equal one of its rows (every row when None)."""
 
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.delta import merge, schema_changes, snapshot_writes, table_log
+from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log
 from resources.delta.destination import TableLog
 
 
@@ -25,6 +25,9 @@ class SparkDeltaDestination:
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
         merge.append_rows(self.spark, path, rows, user_metadata)
+
+    def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
+        return reads.read_rows(self.spark, path, keys)
 
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str

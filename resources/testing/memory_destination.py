@@ -124,8 +124,17 @@ class InMemoryDestination:
         self._commit(path, pa.Table.from_pylist(pruned + list(rows.values()), schema=target.schema))
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
-        target = self.tables[path]
+        target = self.tables.get(path, rows.schema.empty_table())
         self._commit(path, pa.Table.from_pylist(target.to_pylist() + rows.to_pylist(), schema=target.schema), user_metadata)
+
+    def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
+        table = self.tables[path]
+        if keys is None:
+            return table
+        wanted = {tuple(row.values()) for row in keys.to_pylist()}
+        return pa.Table.from_pylist(
+            [row for row in table.to_pylist() if tuple(row[n] for n in keys.column_names) in wanted], schema=table.schema
+        )
 
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
