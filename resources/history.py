@@ -4,7 +4,8 @@ The changelog holds, in commit order, a seed (``reset``, then the table's rows a
 wrote them) and every row change after it. Folding the rows up to an LSN replays them on an
 empty table: ``reset`` and ``truncate`` empty it, ``snapshot`` and ``insert`` add their new
 image, ``delete`` removes one row whose ``_pgcdc_key`` columns equal its old image, ``update``
-removes that row and adds its new image. A table under REPLICA IDENTITY FULL is a multiset
+removes that row and adds its new image, ``fill`` sets the ``_pgcdc_key`` columns of every row
+to its values (columns added with a default). A table under REPLICA IDENTITY FULL is a multiset
 (its key names every column), so one copy goes per change, as in PostgreSQL.
 """
 
@@ -88,21 +89,27 @@ def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
                 rows.add(i)
         elif op in ("reset", "truncate"):
             rows.clear()
+        elif op == "fill":
+            rows.fill(tuple(names.index(name) for name in json.loads(keys[i])), i)
         else:
             raise PgcdcError(f"the changelog holds an unknown operation {op!r} at {LSN(lsns[i])}", "it was written by another writer")
-    return changes.take(pa.array(rows.alive(), pa.int64())).select(names)
+    return pa.table({name: changes.column(name).take(pa.array(rows.sources(p), pa.int64())) for p, name in enumerate(names)})
 
 
 class _Rows:
-    """The rows alive (changelog row numbers, whose new image they are) and lookups by column subsets."""
+    """The rows alive and lookups by column subsets. A row is the changelog row whose new image it is
+    (its number), with the changelog rows of the fills that set some of its columns since."""
 
     def __init__(self, new: list[list[Any]]) -> None:
         self._new = new
-        self._alive: dict[int, None] = {}
+        self._alive: dict[int, dict[int, int] | None] = {}
         self._by: dict[tuple[int, ...], dict[tuple, list[int]]] = {}
 
     def _values(self, i: int, positions: tuple[int, ...]) -> tuple:
-        return tuple([self._new[p][i] for p in positions])
+        filled = self._alive[i]
+        if filled is None:
+            return tuple([self._new[p][i] for p in positions])
+        return tuple([self._new[p][filled.get(p, i)] for p in positions])
 
     def add(self, i: int) -> None:
         self._alive[i] = None
@@ -119,18 +126,26 @@ class _Rows:
         if not found:
             return False
         i = found.pop()
-        del self._alive[i]
         for other, other_index in self._by.items():
             if other != positions:
                 other_index[self._values(i, other)].remove(i)
+        del self._alive[i]
         return True
+
+    def fill(self, positions: tuple[int, ...], j: int) -> None:
+        """Every row takes changelog row ``j``'s values in the columns at ``positions``."""
+        for i, filled in self._alive.items():
+            self._alive[i] = {**(filled or {}), **dict.fromkeys(positions, j)}
+        self._by.clear()  # lookups are built again on use
+
+    def sources(self, p: int) -> list[int]:
+        """For each row alive, the changelog row holding its value of column ``p``."""
+        return [i if filled is None else filled.get(p, i) for i, filled in self._alive.items()]
 
     def clear(self) -> None:
         self._alive.clear()
         self._by.clear()
 
-    def alive(self) -> list[int]:
-        return list(self._alive)
 
 
 def _canonical(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """Changelogs against real PostgreSQL 15 and 18 and Delta on embedded Sail: an oracle of the past.
 
 A seeded random workload (key moves keeping unchanged TOAST values, updates that leave a TOASTed
-column alone, REPLICA IDENTITY FULL duplicates, TRUNCATE, ADD COLUMN, keyless appends) runs with
+column alone, REPLICA IDENTITY FULL duplicates, TRUNCATE, ADD COLUMN with and without a default,
+keyless appends) runs with
 drains in between. At quiet moments the test records the WAL insert position and copies each
 table inside PostgreSQL (``CREATE TABLE past_k_<t> AS ...``, an unpublished table). After the
 last drain, the as-of read at each recorded position equals that copy exactly (a multiset, value
@@ -89,6 +90,14 @@ def workload_step(conn: psycopg.Connection, rng: random.Random, step: int) -> No
     if step == 2:
         conn.execute("ALTER TABLE orders ADD COLUMN extra int")
         conn.execute("UPDATE orders SET extra = id WHERE id % 3 = 0")
+    # Existing rows get a column's default without a row change in the WAL; the stream tells of the
+    # column with the table's next change, which is where the changelog records the fill.
+    if step == 1:
+        conn.execute("ALTER TABLE dups ADD COLUMN c int DEFAULT 1")
+        conn.execute("INSERT INTO dups VALUES (1, 'd', 2)")
+    if step == 3:
+        conn.execute("ALTER TABLE orders ADD COLUMN flag int DEFAULT 5")
+        conn.execute("UPDATE orders SET status = 'flagged' WHERE id = (SELECT min(id) FROM orders)")
     if step == 4:
         conn.execute("TRUNCATE dups")
         conn.execute("INSERT INTO dups VALUES (7, 'after'), (7, 'after')")

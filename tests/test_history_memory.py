@@ -80,6 +80,26 @@ def test_a_replay_appends_nothing_and_a_later_drain_only_its_changes(tmp_path: P
     assert as_of(destination) == [(2, "b")] == table_rows(destination)
 
 
+def test_a_column_added_with_a_default_is_filled_in_the_rows_before_it(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    widened = relation(OID, "t", [("id", 23, True), ("body", 25, False), ("extra", 23, False)])
+    txns = transactions([
+        [keyed_relation(), insert(OID, b"2", b"b")],
+        [widened, insert(OID, b"3", b"c", b"9"), update(OID, (b"1", b"a", None))],
+    ], tmp_path)  # fmt: skip
+    target = TableTarget(TABLE, PATH, history_path=HISTORY)
+    types = StaticTypes(added={"extra": {(23, True, "5", True)}})
+    applier = ChangeApplier(destination, types, {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None)
+    for txn in txns:
+        applier.add(txn)
+    applier.flush()
+    applier.finish()
+    applier.close()
+    assert as_of(destination, SNAPSHOT_LSN + 10) == [(1, "a", None), (2, "b", None)]  # before the column existed
+    assert as_of(destination) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
+    assert as_of(destination) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
+
+
 def test_history_on_a_table_changed_since_its_snapshot_is_refused(tmp_path: Path) -> None:
     destination = destination_with_snapshot([(1, "a")])
     first = transactions([[keyed_relation(), insert(OID, b"2", b"b")]], tmp_path)

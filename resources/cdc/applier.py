@@ -50,7 +50,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from resources.cdc.history import changelog_rows, DeltaLookups, resolve_lookups, seed_marker, seed_rows, truncate_row, with_schema
+from resources.cdc.history import (
+    changelog_rows,
+    DeltaLookups,
+    event_row,
+    resolve_lookups,
+    seed_marker,
+    seed_rows,
+    with_schema,
+)
 from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
 from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaChangeError, SchemaReconciler
@@ -130,7 +138,7 @@ class ChangeApplier:
         #: Commit end LSN -> (xid, commit time) of the transactions the pending changes belong to (changelogs).
         self._transactions: dict[int, tuple[int, datetime]] = {}
         self._writer = OrderedWriter(heartbeat)
-        self._schema = SchemaReconciler(destination, self._writer, types, log)
+        self._schema = SchemaReconciler(destination, self._writer, types, log, before_fill=self._write_fill_history)
         self.pending_changes = 0
         self.pending_bytes = 0
         self.transactions = 0
@@ -280,6 +288,22 @@ class ChangeApplier:
         target.history_marker = (end, seq)
         target.stats.history_rows += len(kept)
 
+    def _write_fill_history(self, target: TableTarget, values: pa.Table, end: int, seq: int) -> None:
+        """The changelog row of a back-fill: the value PostgreSQL gave the existing rows in added columns.
+
+        ``seq`` is the position of the change that brought the Relation message into use; the Relation
+        message itself came earlier in the transaction, and no change of the table lies between them."""
+        self._write_event_history(target, "fill", values, end, seq - 1)
+
+    def _write_event_history(self, target: TableTarget, op: str, values: pa.Table | None, end: int, seq: int) -> None:
+        """Queue a changelog row for the whole table (a truncate, a fill) unless the changelog has it."""
+        if target.history_path is None or (target.history_marker is not None and (end, seq) <= target.history_marker):
+            return
+        row = event_row(op, values, end, seq, self._transactions[end])
+        self._writer.write(self._append_history, target, row, None, applied_marker(APPEND_MARKER, end, seq))
+        target.history_marker = (end, seq)
+        target.stats.history_rows += 1
+
     def _append_history(self, target: TableTarget, batch: pa.Table, lookups: DeltaLookups | None, marker: str) -> None:
         """(Writer thread.) Fill the unchanged TOAST values the batch lacks from the table (before the
         batch's own write changes it), bring the changelog's columns along, append with the marker."""
@@ -423,11 +447,7 @@ class ChangeApplier:
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
-        if target.history_path is not None and (target.history_marker is None or (end, seq) > target.history_marker):
-            row = truncate_row(end, seq, self._transactions[end])
-            self._writer.write(self._append_history, target, row, None, applied_marker(APPEND_MARKER, end, seq))
-            target.history_marker = (end, seq)
-            target.stats.history_rows += 1
+        self._write_event_history(target, "truncate", None, end, seq)
         self._writer.write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)

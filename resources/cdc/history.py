@@ -3,8 +3,9 @@
 One changelog row per row change, in commit order: its operation, commit end LSN, position in the
 transaction, commit time and transaction id, the new image, and the old row's identifying columns
 (``_pgcdc_old_<col>``, with ``_pgcdc_key`` naming the columns the old row is matched on: the key, or
-every column under REPLICA IDENTITY FULL). A TRUNCATE is one row; a snapshot seeds the changelog with
-a ``reset`` row and one ``snapshot`` row per row of the table.
+every column under REPLICA IDENTITY FULL). A TRUNCATE is one row, and so is the back-fill of columns
+added with a default (``fill``); a snapshot seeds the changelog with a ``reset`` row and one
+``snapshot`` row per row of the table.
 
 An unchanged TOAST value is never written as a placeholder: it is the value of an earlier image of
 the same key in the batch, else (REPLICA IDENTITY FULL) of the old image PostgreSQL sent whole, else
@@ -40,6 +41,7 @@ __all__ = [
     "changelog_rows",
     "COMMIT_TIME_COLUMN",
     "DeltaLookups",
+    "event_row",
     "KEY_COLUMN",
     "OLD_PREFIX",
     "OP_COLUMN",
@@ -47,13 +49,12 @@ __all__ = [
     "seed_marker",
     "seed_rows",
     "SEQ_COLUMN",
-    "truncate_row",
     "with_schema",
     "XID_COLUMN",
 ]
 
 OP_COLUMN = "_pgcdc_op"
-"""insert, update, delete, truncate; a snapshot's seed: reset, then snapshot per row."""
+"""insert, update, delete, truncate, fill; a snapshot's seed: reset, then snapshot per row."""
 SEQ_COLUMN = "_pgcdc_seq"
 """The change's position in its transaction (the seed: -2 for reset, -1 for its rows)."""
 COMMIT_TIME_COLUMN = "_pgcdc_commit_time"
@@ -63,7 +64,6 @@ KEY_COLUMN = "_pgcdc_key"
 OLD_PREFIX = "_pgcdc_old_"
 
 COMMIT_TIME_TYPE = pa.timestamp("us", tz="UTC")
-OPERATIONS = {INSERT: "insert", UPDATE: "update", DELETE: "delete"}
 
 
 @dataclass(frozen=True)
@@ -222,16 +222,21 @@ def _transaction_columns(lsns: np.ndarray, transactions: Mapping[int, tuple[int,
     return xids.take(take), times.take(take)
 
 
-def truncate_row(end: int, seq: int, transaction: tuple[int, datetime]) -> pa.Table:
-    """The changelog row of a TRUNCATE of the table (the image columns are NULL)."""
-    return pa.table({
-        OP_COLUMN: pa.array(["truncate"], pa.string()),
+def event_row(op: str, values: pa.Table | None, end: int, seq: int, transaction: tuple[int, datetime]) -> pa.Table:
+    """The changelog row of a change to the whole table: ``truncate`` (no values), or ``fill``: the
+    value (one row of ``values``) PostgreSQL gave every existing row in columns added with a default,
+    which ``_pgcdc_key`` names."""
+    meta = pa.table({
+        OP_COLUMN: pa.array([op], pa.string()),
         LSN_COLUMN: pa.array([end], pa.int64()),
         SEQ_COLUMN: pa.array([seq], pa.int64()),
         COMMIT_TIME_COLUMN: pa.array([transaction[1]], COMMIT_TIME_TYPE),
         XID_COLUMN: pa.array([transaction[0]], pa.int64()),
-        KEY_COLUMN: pa.array([None], pa.string()),
+        KEY_COLUMN: pa.array([None if values is None else json.dumps(values.column_names)], pa.string()),
     })  # fmt: skip
+    if values is None:
+        return meta
+    return pa.Table.from_arrays([*meta.columns, *values.columns], [*meta.column_names, *values.column_names])
 
 
 def seed_rows(table: pa.Table, snapshot_lsn: int) -> pa.Table:
