@@ -242,7 +242,8 @@ class ChangeApplier:
 
     def _start_history(self, target: TableTarget) -> None:
         """Read the changelog's marker; seed the changelog from the table when it does not start at the
-        table's snapshot yet, which is exact only while the table is that snapshot (no commit after it)."""
+        table's snapshot yet, which is exact only while the table's rows are that snapshot's (no commit
+        after it but maintenance: a table property, compaction)."""
         assert target.log is not None and target.history_path is not None
         log = target.log
         if log.chunks is not None:
@@ -259,7 +260,11 @@ class ChangeApplier:
         if history.snapshot_lsn == log.snapshot_lsn:
             target.history_marker = history.applied_marker
             return
-        if log.snapshot_version is None or log.version != log.snapshot_version:
+        if (
+            log.snapshot_version is None
+            or log.version is None
+            or not self._destination.rows_unchanged_after(target.path, log.snapshot_version, log.version)
+        ):
             raise PgcdcError(
                 f"{target.table}: its changelog must start at a snapshot, and changes were applied to the table "
                 f"since its latest one (at {log.snapshot_lsn})",

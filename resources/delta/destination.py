@@ -88,6 +88,9 @@ class Destination(Protocol):
         when ``known`` (an earlier answer, possibly stale) still matches the log, else from the
         newest commit back to the newest snapshot commit. Never more than those commits."""
 
+    def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
+        """Whether the commits after ``version`` up to ``newest`` only maintain the table (its rows are those of ``version``)."""
+
     def table_schema(self, path: str) -> pa.Schema:
         """The table's current schema."""
 

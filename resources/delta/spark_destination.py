@@ -40,6 +40,9 @@ class SparkDeltaDestination:
     def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
         return table_log.read_table_log(path, known)  # the lake's storage client: no engine round trip
 
+    def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
+        return table_log.rows_unchanged_after(path, version, newest)
+
     def table_schema(self, path: str) -> pa.Schema:
         return schema_changes.table_schema(self.spark, path)
 
