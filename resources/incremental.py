@@ -92,6 +92,8 @@ class TableResult:
     schema_changed: bool = False
     #: Why the run's MERGEs of this bucketed table read every bucket, and what restores the pruning (None: they did not).
     unpruned: str | None = None
+    #: Rows this run appended to the table's changelog (docs/history.md); None: the table keeps no history.
+    history_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -342,6 +344,7 @@ def _table_results(targets: dict[TableName, TableTarget], state: dict[str, State
             row.applied_lsn if has_snapshot else None,  # type: ignore[union-attr]
             stats.schema_changed,
             stats.unpruned,
+            stats.history_rows if target.history_path is not None else None,
         )
     return results
 
