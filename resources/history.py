@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
@@ -149,9 +150,12 @@ class _Rows:
 
 
 def _canonical(value: Any) -> Any:
-    """A hashable value equal exactly when the values are (NaN equals NaN, as in PostgreSQL)."""
-    if isinstance(value, float) and math.isnan(value):
-        return ("NaN",)
+    """A hashable value equal exactly when PostgreSQL prints the values alike, as the applier compares
+    REPLICA IDENTITY FULL rows: NaN equals NaN, ``-0.0`` differs from ``0.0``, ``1.0`` from ``1.00``."""
+    if isinstance(value, float):
+        return ("float", "nan" if math.isnan(value) else value.hex())
+    if isinstance(value, Decimal):
+        return ("numeric", str(value))
     if isinstance(value, list):
         return tuple(_canonical(item) for item in value)
     if isinstance(value, dict):

@@ -166,6 +166,15 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp
     assert set(ops) >= {"reset", "snapshot", "insert", "update", "delete"}
     times = [t for op, t in zip(ops, orders.column("_pgcdc_commit_time").to_pylist()) if op != "snapshot" and op != "reset"]
     assert all(t is not None for t in times) and times == sorted(times)
+    # docs/history.md's query of every status an order went through
+    path = config.history_path("public", "orders")
+    statuses = spark.sql(
+        f"SELECT _pgcdc_commit_time, _pgcdc_op, status FROM delta.`{path}` "
+        "WHERE _pgcdc_op IN ('snapshot', 'insert', 'update') AND id = 1 ORDER BY _pgcdc_lsn, _pgcdc_seq"
+    ).collect()
+    expected = [(op, status) for op, i, status in zip(ops, orders.column("id").to_pylist(), orders.column("status").to_pylist())
+                if op in ("snapshot", "insert", "update") and i == 1]  # fmt: skip
+    assert [(row["_pgcdc_op"], row["status"]) for row in statuses] == expected and expected
 
 
 def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
