@@ -52,8 +52,10 @@ import pyarrow.compute as pc
 
 from resources.cdc.history import (
     changelog_rows,
+    changes_marker,
     DeltaLookups,
     event_row,
+    read_marker,
     resolve_lookups,
     seed_marker,
     seed_rows,
@@ -254,11 +256,11 @@ class ChangeApplier:
             )
         if log.snapshot_lsn is None:
             return  # no change applies to it: nothing to record
-        history = self._destination.read_table_log(target.history_path, None)
-        if history.version is None:
+        version, marker = self._destination.newest_marker(target.history_path)
+        if version is None:
             target.history_schema = pa.schema([])
-        if history.snapshot_lsn == log.snapshot_lsn:
-            target.history_marker = history.applied_marker
+        seed, target.history_marker = read_marker(target.table, marker)
+        if seed == log.snapshot_lsn:
             return
         if (
             log.snapshot_version is None
@@ -289,7 +291,7 @@ class ChangeApplier:
             return
         batch, lookups = changelog_rows(target, rows, keep, self._transactions, functools.partial(self._convert, target))
         end, seq = int(rows.lsns[kept[-1]]), int(rows.seqs[kept[-1]])
-        self._writer.write(self._append_history, target, batch, lookups, applied_marker(APPEND_MARKER, end, seq))
+        self._writer.write(self._append_history, target, batch, lookups, self._history_marker(target, end, seq))
         target.history_marker = (end, seq)
         target.stats.history_rows += len(kept)
 
@@ -305,9 +307,14 @@ class ChangeApplier:
         if target.history_path is None or (target.history_marker is not None and (end, seq) <= target.history_marker):
             return
         row = event_row(op, values, end, seq, self._transactions[end])
-        self._writer.write(self._append_history, target, row, None, applied_marker(APPEND_MARKER, end, seq))
+        self._writer.write(self._append_history, target, row, None, self._history_marker(target, end, seq))
         target.history_marker = (end, seq)
         target.stats.history_rows += 1
+
+    @staticmethod
+    def _history_marker(target: TableTarget, end: int, seq: int) -> str:
+        assert target.log is not None and target.log.snapshot_lsn is not None, "a changelog is written after its seed"
+        return changes_marker(end, seq, int(target.log.snapshot_lsn))
 
     def _append_history(self, target: TableTarget, batch: pa.Table, lookups: DeltaLookups | None, marker: str) -> None:
         """(Writer thread.) Fill the unchanged TOAST values the batch lacks from the table (before the

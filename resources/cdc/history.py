@@ -11,6 +11,10 @@ An unchanged TOAST value is never written as a placeholder: it is the value of a
 the same key in the batch, else (REPLICA IDENTITY FULL) of the old image PostgreSQL sent whole, else
 the value the Delta table holds under the old key before the batch's MERGE, read for exactly those
 keys (:class:`DeltaLookups`) on the writer thread, in order, right before the changelog append.
+
+Every changelog commit carries a marker: the seed a snapshot marker, every commit of changes the
+keyless appends' marker plus the seed's LSN (:func:`changes_marker`), so a drain learns where the
+changelog stands from its newest commit alone, however long its history.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,12 +44,14 @@ from resources.pgtypes import PgColumnType
 
 __all__ = [
     "changelog_rows",
+    "changes_marker",
     "COMMIT_TIME_COLUMN",
     "DeltaLookups",
     "event_row",
     "KEY_COLUMN",
     "OLD_PREFIX",
     "OP_COLUMN",
+    "read_marker",
     "resolve_lookups",
     "seed_marker",
     "seed_rows",
@@ -259,6 +266,27 @@ def seed_rows(table: pa.Table, snapshot_lsn: int) -> pa.Table:
 def seed_marker(snapshot_lsn: int, table: str) -> str:
     """The seed commit's marker: a snapshot marker, so the changelog's log says which snapshot it starts from."""
     return json.dumps({"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(LSN(snapshot_lsn)), "table": table, "history": True}})
+
+
+def changes_marker(end: int, seq: int, seed_lsn: int) -> str:
+    """The marker of a commit of changes: the keyless appends' marker (changes up to ``seq`` of the
+    transaction ending at ``end``), plus the seed it continues, so the newest commit says it all."""
+    return json.dumps({"pgcdc": {"kind": "append", "applied_lsn": str(LSN(end)), "applied_seq": seq, "history_of": str(LSN(seed_lsn))}})
+
+
+def read_marker(table: object, marker: dict[str, Any] | None) -> tuple[int | None, tuple[int, int] | None]:
+    """The seed's LSN and the newest change's (commit end LSN, position) a changelog's newest marker
+    names (None, None: no changelog yet)."""
+    if marker is None:
+        return None, None
+    if marker.get("kind") == "snapshot" and marker.get("history"):
+        return int(LSN.parse(marker["snapshot_lsn"])), None
+    if marker.get("kind") == "append" and "history_of" in marker:
+        return int(LSN.parse(marker["history_of"])), (int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"]))
+    raise PgcdcError(
+        f"the changelog of {table} has a commit pgcdc's changelogs do not write (marker {marker})",
+        "move that directory away (another writer's table?), then snapshot the table again to start its changelog",
+    )
 
 
 def with_schema(batch: pa.Table, schema: pa.Schema) -> tuple[pa.Table, pa.Schema, dict[str, pa.DataType]]:

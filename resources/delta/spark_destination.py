@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
@@ -39,6 +40,9 @@ class SparkDeltaDestination:
 
     def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
         return table_log.read_table_log(path, known)  # the lake's storage client: no engine round trip
+
+    def newest_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        return table_log.newest_marker(path)
 
     def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
         return table_log.rows_unchanged_after(path, version, newest)

@@ -10,12 +10,13 @@ tests compare the two on the same batches, so this stays honest.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.markers import fold_table_log
+from resources.delta.markers import fold_table_log, pgcdc_marker
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
@@ -164,6 +165,13 @@ class InMemoryDestination:
             return NO_TABLE
         newest = len(commits) - 1
         return fold_table_log(((version, [commits[version]]) for version in range(newest, -1, -1)), newest, None)
+
+    def newest_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        commits = self.commits.get(path)
+        if not commits:
+            return None, None
+        markers = [marker for marker in map(pgcdc_marker, commits) if marker is not None]
+        return len(commits) - 1, markers[-1] if markers else None
 
     def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
         """It writes no maintenance commits: only a table with no commit after ``version`` is unchanged."""
