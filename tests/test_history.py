@@ -6,8 +6,9 @@ keyless appends) runs with
 drains in between. At quiet moments the test records the WAL insert position and copies each
 table inside PostgreSQL (``CREATE TABLE past_k_<t> AS ...``, an unpublished table). After the
 last drain, the as-of read at each recorded position equals that copy exactly (a multiset, value
-for value), and the changelog folded whole equals the table. A drain killed right after a
-changelog commit (before the table's) converges on a re-run with no changelog row twice or missing.
+for value), and the changelog folded whole equals the table. Drains killed right after a changelog
+commit (before the table's), before a chunk's writes, after a table's commit and before the run's
+state is written converge on a re-run with no changelog row twice or missing.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tests.test_faults import Child, confirmed, write_config
 pytest_plugins = ["tests.spark_fixtures"]
 
 TABLES = ("public.orders", "public.dups", "public.events")
+SEED = ("reset", "snapshot")
 DDL = """
     CREATE SEQUENCE ids START 100;
     CREATE TABLE orders (id int PRIMARY KEY, status text, body text);
@@ -52,11 +54,12 @@ DDL = """
 """
 
 
-def history_config(pg: PgDatabase, tmp_path: Path) -> PgcdcConfig:
+def history_config(pg: PgDatabase, tmp_path: Path, name: str = "lake", slot: str = "pgcdc_slot") -> PgcdcConfig:
     return parse_config({
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
-        "delta": {"root": str(tmp_path / "lake")},
+        "slot": slot,
+        "delta": {"root": str(tmp_path / name)},
         "history": {"default": "changelog", "tables": {"public.events": "changelog"}},
     })  # fmt: skip
 
@@ -130,13 +133,23 @@ def changelog(config: PgcdcConfig, table: str, spark: SparkSession):  # noqa: AN
     return read_rows(spark, config.history_path(schema, name), None)
 
 
+def change_rows(config: PgcdcConfig, table: str, spark: SparkSession) -> Counter:
+    """The changelog's rows after its seed, as a multiset."""
+    rows = changelog(config, table, spark)
+    return Counter(json.dumps(row, sort_keys=True, default=str) for row in rows.to_pylist() if row["_pgcdc_op"] not in SEED)
+
+
 def assert_each_change_once(config: PgcdcConfig, spark: SparkSession) -> None:
     for table in TABLES:
         rows = changelog(config, table, spark)
-        positions = Counter(zip(rows.column("_pgcdc_lsn").to_pylist(), rows.column("_pgcdc_seq").to_pylist()))
-        seeds = Counter(rows.column("_pgcdc_op").to_pylist())["reset"]
+        ops = rows.column("_pgcdc_op").to_pylist()
+        positions = Counter(
+            position for position, op in zip(zip(rows.column("_pgcdc_lsn").to_pylist(), rows.column("_pgcdc_seq").to_pylist()), ops)
+            if op not in SEED
+        )
+        seeds = Counter(ops)["reset"]
         assert seeds == 1, f"{table}: {seeds} seeds"
-        repeated = {position: n for position, n in positions.items() if n > 1 and position[1] >= 0}
+        repeated = {position: n for position, n in positions.items() if n > 1}
         assert not repeated, f"{table}: changelog rows twice: {repeated}"
 
 
@@ -183,6 +196,8 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     pg.execute(DDL)
     config = history_config(pg, tmp_path)
     snapshot_tables(config, spark, None)
+    reference = history_config(pg, tmp_path, "reference", "reference_slot")  # drained without faults
+    snapshot_tables(reference, spark, None)
     rng = random.Random(pg.major)
     moments: list[LSN] = []
     with pg.connect() as conn:
@@ -191,12 +206,15 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
             moments.append(capture(conn, step))
     config_file = write_config(config, tmp_path)
     start = confirmed(pg)
-    # The first three kills follow each table's seed, the fourth a commit of changes; then one after
-    # a table's commit whose changelog commit came first.
-    for point in ["after_history_commit"] * 4 + ["after_delta_commit"]:
+    # The first three kills follow each table's seed, the fourth a commit of changes; then before any
+    # write of a chunk, and after a table's commit whose changelog commit came first.
+    for point in ["after_history_commit"] * 4 + ["before_merge", "after_delta_commit"]:
         child = Child(config_file, chunk=5, env={FAULT_POINT_ENV: point})
         assert child.wait() == -signal.SIGKILL, child.output()
     assert confirmed(pg) == start  # nothing of the backlog was confirmed: it is replayed whole
+    # Every chunk durable and all but the last confirmed, the run's state not written.
+    child = Child(config_file, chunk=5, env={FAULT_POINT_ENV: "before_state_write"})
+    assert child.wait() == -signal.SIGKILL, child.output()
     run_incremental(config, spark, max_chunk_changes=5)
     for table in TABLES:
         assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
@@ -204,6 +222,9 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
             assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
         assert_as_of_equals(pg, spark, config, table, None, table)
     assert_each_change_once(config, spark)
+    run_incremental(reference, spark, max_chunk_changes=50)
+    for table in TABLES:  # the same change rows as a drain that was never interrupted, no more, no fewer
+        assert change_rows(config, table, spark) == change_rows(reference, table, spark), table
     # The command line prints the same rows as the Python read.
     assert cli_main(["as-of", "--table", "public.dups", "--lsn", str(moments[0]), "--config", str(config_file)]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
