@@ -21,6 +21,7 @@ from pathlib import Path
 
 import deltalake
 import psycopg
+import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 
@@ -128,7 +129,7 @@ def assert_as_of_equals(pg: PgDatabase, spark: SparkSession, config: PgcdcConfig
         compare_rows(conn, copy, schema, values, extra_delta_columns=later)
 
 
-def changelog(config: PgcdcConfig, table: str, spark: SparkSession):  # noqa: ANN201 - a pyarrow Table
+def changelog(config: PgcdcConfig, table: str, spark: SparkSession) -> pa.Table:
     schema, name = table.split(".")
     return read_rows(spark, config.history_path(schema, name), None)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
 

@@ -20,7 +20,7 @@ changelog stands from its newest commit alone, however long its history.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -305,6 +305,5 @@ def with_schema(batch: pa.Table, schema: pa.Schema) -> tuple[pa.Table, pa.Schema
         elif column.type != field.type:
             column = column.cast(field.type)
         arrays.append(column)
-    names: Sequence[str] = schema.names + added.names
     arrays += [batch.column(name) for name in added.names]
-    return pa.Table.from_arrays(arrays, list(names)), added, widened
+    return pa.Table.from_arrays(arrays, schema.names + added.names), added, widened
