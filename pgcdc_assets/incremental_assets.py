@@ -70,6 +70,8 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
         metadata["pgcdc/last_applied_lsn"] = MetadataValue.text(str(stats.last_applied_lsn))
     if stats.unpruned is not None:  # a bucketed table whose MERGEs read every bucket, and what restores it
         metadata["pgcdc/bucket_pruning_lost"] = MetadataValue.text(stats.unpruned)
+    if stats.history_rows is not None:  # the table keeps a changelog (docs/history.md)
+        metadata["pgcdc/history_rows"] = MetadataValue.int(stats.history_rows)
     return metadata
 
 

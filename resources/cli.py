@@ -2,8 +2,9 @@
 
 ``pgcdc changes`` is how a user looks into a slot: like ``pg_recvlogical``, but
 decoded, one JSON object per pgoutput message. Looking must be safe, so the slot
-only moves with ``--advance``; every failure is one line on stderr naming the fix,
-with exit status 2.
+only moves with ``--advance``. ``pgcdc as-of`` prints a table as it was at an LSN,
+folded from its changelog (docs/history.md). Every failure is one line on stderr
+naming the fix, with exit status 2.
 """
 
 from __future__ import annotations
@@ -68,7 +69,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     changes.add_argument("--end-lsn", type=_lsn, help="stop at this X/Y (default: the WAL position at start)")
     changes.add_argument("--advance", action="store_true", help="confirm what was printed, moving the slot")
+    as_of = commands.add_parser(
+        "as-of", help="print a table as it was at an LSN, from its changelog, as JSON lines (docs/history.md)"
+    )
+    as_of.add_argument("--table", required=True, help="schema.table, with history: changelog in the configuration")
+    as_of.add_argument("--lsn", type=_lsn, help="X/Y: the table once every transaction ending at or before it applied "
+                       "(default: its whole changelog)")
+    as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
     return parser
+
+
+def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
+    """Fold the table's changelog up to ``--lsn`` and print its rows; returns the number printed.
+
+    The engine and the lake are imported here: ``pgcdc changes`` needs neither."""
+    from resources.config import load_config
+    from resources.delta.engine import SparkEngine
+    from resources.delta.lake_storage import open_lake
+    from resources.history import read_as_of
+    from resources.postgres.catalog import TableName
+
+    config = load_config(args.config)
+    open_lake(config.delta.root, config.delta.storage)
+    with SparkEngine.from_config(config.spark) as engine:
+        rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn)
+    for row in rows.to_pylist():
+        out.write(json.dumps(row, ensure_ascii=False, default=str))
+        out.write("\n")
+    out.flush()
+    return rows.num_rows
 
 
 def print_changes(args: argparse.Namespace, out: TextIO) -> int:
@@ -117,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "changes":
             print_changes(args, sys.stdout)
+        elif args.command == "as-of":
+            print_as_of(args, sys.stdout)
         return 0
     except (PgcdcError, psycopg.Error) as error:
         slot = getattr(args, "slot", None)

@@ -183,6 +183,34 @@ class MaintenanceSettings(_Section):
     )
 
 
+HistoryMode = Literal["none", "changelog"]
+
+HISTORY_SUFFIX = "__changes"
+"""The changelog of ``schema.table`` lives beside its table, at ``<root>/<schema>/<table>__changes``."""
+
+
+class HistorySettings(_Section):
+    """``history``: which tables keep a changelog (docs/history.md)."""
+
+    default: HistoryMode = Field(default="none", description="every table's history unless tables names it")
+    tables: dict[str, HistoryMode] = Field(default_factory=dict, description="schema.table -> its own history mode")
+
+    @field_validator("tables")
+    @classmethod
+    def _qualified_tables(cls, value: dict[str, HistoryMode]) -> dict[str, HistoryMode]:
+        for name in value:
+            if not _TABLE_NAME.match(name):
+                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        return value
+
+    def mode(self, table: TableName) -> HistoryMode:
+        """The history mode of ``table``: its own entry, else the default."""
+        for name, mode in self.tables.items():
+            if TableName.parse(name) == table:
+                return mode
+        return self.default
+
+
 class PgcdcConfig(_Section):
     postgres: PostgresSettings
     publication: str = Field(min_length=1)
@@ -200,6 +228,7 @@ class PgcdcConfig(_Section):
     sensors: SensorSettings = Field(default_factory=SensorSettings)
     checks: CheckSettings = Field(default_factory=CheckSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
+    history: HistorySettings = Field(default_factory=HistorySettings)
 
     @field_validator("slot")
     @classmethod
@@ -240,6 +269,12 @@ class PgcdcConfig(_Section):
         share a directory.
         """
         return join_location(self.delta.root, _path_component(schema), _path_component(table))
+
+    def history_path(self, schema: str, table: str) -> str | None:
+        """Where the changelog of ``schema.table`` lives (``<table path>__changes``); None: no history kept."""
+        if self.history.mode(TableName(schema, table)) == "none":
+            return None
+        return join_location(self.delta.root, _path_component(schema), _path_component(table) + HISTORY_SUFFIX)
 
 
 _PLAIN_PATH_CHARACTER = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")

@@ -95,6 +95,8 @@ class TableResult:
     schema_changed: bool = False
     #: Why the run's MERGEs of this bucketed table read every bucket, and what restores the pruning (None: they did not).
     unpruned: str | None = None
+    #: Rows this run appended to the table's changelog (docs/history.md); None: the table keeps no history.
+    history_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,7 @@ def _targets(
             targets[table] = TableTarget(table, path, known=known)
         else:
             targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
+        targets[table].history_path = config.history_path(table.schema, table.name)
     without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted]
     if targets and len(without_snapshot) == len(targets):
         # Every change would be skipped and the slot confirmed past it: with a mistyped or
@@ -352,6 +355,7 @@ def _table_results(targets: dict[TableName, TableTarget], state: dict[str, State
             row.applied_lsn if has_snapshot else None,  # type: ignore[union-attr]
             stats.schema_changed,
             stats.unpruned,
+            stats.history_rows if target.history_path is not None else None,
         )
     return results
 

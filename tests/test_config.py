@@ -27,6 +27,14 @@ def test_table_paths_live_under_the_root(tmp_path: Path) -> None:
     assert config.table_path("public", "orders") == str(tmp_path / "public" / "orders")
 
 
+def test_history_is_per_table_with_a_default(tmp_path: Path) -> None:
+    config = parse_config({**MINIMAL, "delta": {"root": str(tmp_path)}, "history": {"tables": {'public."Orders"': "changelog"}}})
+    assert config.history_path("public", "Orders") == str(tmp_path / "public" / "Orders__changes")
+    assert config.history_path("public", "orders") is None  # the default: none
+    everything = parse_config({**MINIMAL, "history": {"default": "changelog", "tables": {"public.audit": "none"}}})
+    assert everything.history_path("public", "audit") is None and everything.history_path("s", "t") is not None
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
@@ -37,6 +45,9 @@ def test_table_paths_live_under_the_root(tmp_path: Path) -> None:
         ({"slot": "Bad-Name"}, "'slot'"),
         ({"spark": {"remote": "http://spark:15002"}}, "'spark.remote'"),
         ({"publication": ""}, "'publication'"),
+        ({"history": {"default": "scd9"}}, "'history.default'"),
+        ({"history": {"tables": {"orders": "changelog"}}}, "'history.tables': Value error, 'orders' is not schema.table"),
+        ({"history": {"tables": {"public.orders": "log"}}}, "'history.tables.public.orders'"),
     ],
 )
 def test_each_bad_key_is_named(override: dict, expected: str) -> None:

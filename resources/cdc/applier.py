@@ -44,11 +44,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from resources.cdc.history import (
+    changelog_rows,
+    changes_marker,
+    DeltaLookups,
+    event_row,
+    read_marker,
+    resolve_lookups,
+    seed_marker,
+    seed_rows,
+    with_schema,
+)
 from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
 from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaChangeError, SchemaReconciler
@@ -125,8 +137,10 @@ class ChangeApplier:
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
         self._complete_end = 0
+        #: Commit end LSN -> (xid, commit time) of the transactions the pending changes belong to (changelogs).
+        self._transactions: dict[int, tuple[int, datetime]] = {}
         self._writer = OrderedWriter(heartbeat)
-        self._schema = SchemaReconciler(destination, self._writer, types, log)
+        self._schema = SchemaReconciler(destination, self._writer, types, log, before_fill=self._write_fill_history)
         self.pending_changes = 0
         self.pending_bytes = 0
         self.transactions = 0
@@ -148,6 +162,9 @@ class ChangeApplier:
         """Queue the transaction's changes; flushes mid-transaction only when it alone overflows a chunk."""
         end = int(txn.end_lsn)
         change_bytes = max(1, txn.nbytes // max(1, txn.change_count))
+        if not self.pending_changes:
+            self._transactions.clear()
+        self._transactions[end] = (txn.xid, txn.commit_time)
         # A change's position in its transaction, counting row changes and TRUNCATEs only: the server
         # sends a Relation message when its session first needs one, so a replay in a new session
         # carries Relation messages where the first stream had none, and positions counted with
@@ -223,7 +240,105 @@ class ChangeApplier:
         if target.log is None:
             target.log = self._destination.read_table_log(target.path, target.known)
             target.applied_marker = target.log.applied_marker
+            if target.history_path is not None:
+                self._start_history(target)
         return target.skips(end)
+
+    # -- changelogs (docs/history.md)
+
+    def _start_history(self, target: TableTarget) -> None:
+        """Read the changelog's marker; seed the changelog from the table when it does not start at the
+        table's snapshot yet, which is exact only while the table's rows are that snapshot's (no commit
+        after it but maintenance: a table property, compaction)."""
+        assert target.log is not None and target.history_path is not None
+        log = target.log
+        if log.chunks is not None:
+            raise PgcdcError(
+                f"{target.table}: a changelog starts at a snapshot of the whole table, and this one is snapshotted "
+                "in primary-key ranges",
+                "set its history to none, or raise snapshot.chunked_above_mb above its size and snapshot it again",
+            )
+        if log.snapshot_lsn is None:
+            return  # no change applies to it: nothing to record
+        version, marker = self._destination.newest_marker(target.history_path)
+        if version is None:
+            target.history_schema = pa.schema([])
+        seed, target.history_marker = read_marker(target.table, marker)
+        if seed == log.snapshot_lsn:
+            return
+        if (
+            log.snapshot_version is None
+            or log.version is None
+            or not self._destination.rows_unchanged_after(target.path, log.snapshot_version, log.version)
+        ):
+            raise PgcdcError(
+                f"{target.table}: its changelog must start at a snapshot, and changes were applied to the table "
+                f"since its latest one (at {log.snapshot_lsn})",
+                "snapshot the table again (pgcdc_snapshot) to start its changelog, or set its history to none",
+            )
+        self._writer.write(self._seed_history, target, int(log.snapshot_lsn))
+        target.history_marker = None
+
+    def _seed_history(self, target: TableTarget, snapshot_lsn: int) -> None:
+        """(Writer thread.) The table's rows, as its snapshot wrote them, as the changelog's seed."""
+        rows = seed_rows(self._destination.read_rows(target.path, None), snapshot_lsn)
+        self._append_history(target, rows, None, seed_marker(snapshot_lsn, str(target.table)))
+
+    def _write_history(self, target: TableTarget, rows: PendingRows) -> None:
+        """Queue the changelog rows of ``rows`` not in the changelog yet, ahead of the table's write of them."""
+        marker = target.history_marker
+        keep = np.ones(len(rows), bool)
+        if marker is not None:
+            keep = (rows.lsns > marker[0]) | ((rows.lsns == marker[0]) & (rows.seqs > marker[1]))
+        kept = np.flatnonzero(keep)
+        if not len(kept):
+            return
+        batch, lookups = changelog_rows(target, rows, keep, self._transactions, functools.partial(self._convert, target))
+        end, seq = int(rows.lsns[kept[-1]]), int(rows.seqs[kept[-1]])
+        self._writer.write(self._append_history, target, batch, lookups, self._history_marker(target, end, seq))
+        target.history_marker = (end, seq)
+        target.stats.history_rows += len(kept)
+
+    def _write_fill_history(self, target: TableTarget, values: pa.Table, end: int, seq: int) -> None:
+        """The changelog row of a back-fill: the value PostgreSQL gave the existing rows in added columns.
+
+        ``seq`` is the position of the change that brought the Relation message into use; the Relation
+        message itself came earlier in the transaction, and no change of the table lies between them."""
+        self._write_event_history(target, "fill", values, end, seq - 1)
+
+    def _write_event_history(self, target: TableTarget, op: str, values: pa.Table | None, end: int, seq: int) -> None:
+        """Queue a changelog row for the whole table (a truncate, a fill) unless the changelog has it."""
+        if target.history_path is None or (target.history_marker is not None and (end, seq) <= target.history_marker):
+            return
+        row = event_row(op, values, end, seq, self._transactions[end])
+        self._writer.write(self._append_history, target, row, None, self._history_marker(target, end, seq))
+        target.history_marker = (end, seq)
+        target.stats.history_rows += 1
+
+    @staticmethod
+    def _history_marker(target: TableTarget, end: int, seq: int) -> str:
+        assert target.log is not None and target.log.snapshot_lsn is not None, "a changelog is written after its seed"
+        return changes_marker(end, seq, int(target.log.snapshot_lsn))
+
+    def _append_history(self, target: TableTarget, batch: pa.Table, lookups: DeltaLookups | None, marker: str) -> None:
+        """(Writer thread.) Fill the unchanged TOAST values the batch lacks from the table (before the
+        batch's own write changes it), bring the changelog's columns along, append with the marker."""
+        assert target.history_path is not None
+        path = target.history_path
+        if lookups is not None:
+            batch = resolve_lookups(batch, lookups, self._destination.read_rows(target.path, lookups.keys), target.table)
+        schema = target.history_schema
+        if schema is None:
+            schema = self._destination.table_schema(path)
+        if len(schema):
+            batch, added, widened = with_schema(batch, schema)
+            if widened:
+                self._destination.widen_columns(path, widened)
+            if len(added):
+                self._destination.add_columns(path, added)
+        self._destination.append_rows(path, batch, marker)
+        target.history_schema = batch.schema
+        fault_point("after_history_commit")
 
     def flush(self) -> None:
         """Send every pending batch to Delta; once written, every completely added transaction is durable."""
@@ -348,6 +463,7 @@ class ChangeApplier:
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
+        self._write_event_history(target, "truncate", None, end, seq)
         self._writer.write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)
@@ -369,6 +485,8 @@ class ChangeApplier:
             pieces = self._key_range_pieces(target, gathered) if target.log.chunks is not None else (gathered,)
             for rows in pieces:
                 fault_point("before_merge")
+                if target.history_path is not None:
+                    self._write_history(target, rows)
                 if target.mode == APPEND:
                     self._append(target, rows)
                 elif target.mode == FULL:

@@ -37,11 +37,21 @@ class SchemaReconciler:
     the writes already queued, so schema changes land in order with the rows.
     """
 
-    def __init__(self, destination: Destination, writer: OrderedWriter, types: ColumnTypes, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        destination: Destination,
+        writer: OrderedWriter,
+        types: ColumnTypes,
+        log: Callable[[str], None],
+        before_fill: Callable[[TableTarget, pa.Table, int, int], None] | None = None,
+    ) -> None:
+        """``before_fill(target, values, end, seq)`` runs right before added columns are back-filled
+        (the table's changelog records the fill first)."""
         self._destination = destination
         self._writer = writer
         self._types = types
         self._log = log
+        self._before_fill = before_fill
 
     def reconcile(
         self,
@@ -94,6 +104,8 @@ class SchemaReconciler:
                 "PostgreSQL gave the rows that existed when the column was added (rewrites the Delta table)"
             )
             values = pa.table({name: value for name, value in fills.items()})
+            if self._before_fill is not None:
+                self._before_fill(target, values, end, seq)
             self._writer.call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
         if widened or added or fills:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)  # type: ignore[assignment]

@@ -35,6 +35,8 @@ class TableStats:
     #: Why this run's MERGEs of a bucketed table read every bucket, and what restores the pruning
     #: (None: they read only their batches' buckets, or the table is not bucketed).
     unpruned: str | None = None
+    #: Change rows this run appended to the table's changelog (a seed's rows not counted).
+    history_rows: int = 0
 
 
 @dataclass(eq=False)
@@ -63,6 +65,12 @@ class TableTarget:
     pending: list[tuple] = field(default_factory=list)
     pending_bytes: int = 0
     warned: bool = False
+    #: Where the table's changelog lives (docs/history.md); None: no history kept.
+    history_path: str | None = None
+    #: (commit end LSN, position) of the newest change in the changelog (its log's marker, then this run's).
+    history_marker: tuple[int, int] | None = None
+    #: The changelog's columns as the writer thread last saw them (None: not read yet this run).
+    history_schema: pa.Schema | None = None
 
     @property
     def layout(self) -> TableLayout | None:

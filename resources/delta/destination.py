@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -70,7 +70,10 @@ class Destination(Protocol):
         the batch's buckets (and the NULL bucket) hold rows it can touch."""
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
-        """Append rows in one commit carrying ``user_metadata`` (keyless tables)."""
+        """Append rows in one commit carrying ``user_metadata`` (keyless tables, changelogs); creates a missing table."""
+
+    def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
+        """The rows whose columns named in ``keys`` equal one of its rows (every row when None)."""
 
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
@@ -84,6 +87,12 @@ class Destination(Protocol):
         """The table's :class:`TableLog` from its own log: only the commits after ``known.version``
         when ``known`` (an earlier answer, possibly stale) still matches the log, else from the
         newest commit back to the newest snapshot commit. Never more than those commits."""
+
+    def newest_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        """The table's newest version (None: no table) and the pgcdc marker of its newest commit that has one."""
+
+    def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
+        """Whether the commits after ``version`` up to ``newest`` only maintain the table (its rows are those of ``version``)."""
 
     def table_schema(self, path: str) -> pa.Schema:
         """The table's current schema."""

@@ -17,6 +17,8 @@ import pyarrow as pa
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from resources.delta.dataframes import spark_dataframe
+
 
 def delta_schema(spark: SparkSession, path: str) -> pa.Schema:
     """The Delta table's columns, as Arrow (read from the log; no data is scanned)."""
@@ -27,6 +29,17 @@ def delta_batches(spark: SparkSession, path: str, columns: Sequence[str]) -> Ite
     """``columns`` of every row of the table at ``path``, in pieces as the engine sends them."""
     frame = spark.read.format("delta").load(path).select(*[_column(name) for name in columns])
     yield from _arrow_stream(frame)
+
+
+def read_rows(spark: SparkSession, path: str, keys: pa.Table | None) -> pa.Table:
+    """The rows of the table at ``path`` whose ``keys`` columns equal one of ``keys``' rows (all rows when None).
+
+    ``keys`` holds distinct rows of non-NULL values (a changelog's lookups of unchanged TOAST values)."""
+    frame = spark.read.format("delta").load(path)
+    if keys is not None:
+        frame = frame.join(spark_dataframe(spark, keys), on=list(keys.column_names), how="inner")
+    pieces = list(_arrow_stream(frame))
+    return pa.concat_tables(pieces) if pieces else frame.limit(0).toArrow()
 
 
 def _arrow_stream(frame: DataFrame) -> Iterator[pa.Table]:

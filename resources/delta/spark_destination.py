@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.delta import merge, schema_changes, snapshot_writes, table_log
+from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log
 from resources.delta.destination import TableLog
 
 
@@ -26,6 +27,9 @@ class SparkDeltaDestination:
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
         merge.append_rows(self.spark, path, rows, user_metadata)
 
+    def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
+        return reads.read_rows(self.spark, path, keys)
+
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
     ) -> None:
@@ -36,6 +40,12 @@ class SparkDeltaDestination:
 
     def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
         return table_log.read_table_log(path, known)  # the lake's storage client: no engine round trip
+
+    def newest_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        return table_log.newest_marker(path)
+
+    def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
+        return table_log.rows_unchanged_after(path, version, newest)
 
     def table_schema(self, path: str) -> pa.Schema:
         return schema_changes.table_schema(self.spark, path)

@@ -65,6 +65,36 @@ def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
     return _from_listing(log, known)
 
 
+def newest_marker(path: str) -> tuple[int | None, dict[str, Any] | None]:
+    """The table's newest version and the pgcdc marker of its newest commit that has one (None, None:
+    no table; a marker of None: no kept commit has one): one listing, then commits newest first."""
+    log = _Log(path)
+    versions, checkpoint = log.versions()
+    if not versions and checkpoint is None:
+        return None, None
+    newest = max(versions[-1] if versions else -1, checkpoint or -1)
+    for version in reversed(versions):
+        for user_metadata in log.commit(version) or []:
+            marker = pgcdc_marker(user_metadata)
+            if marker is not None:
+                return newest, marker
+    return newest, None
+
+
+def rows_unchanged_after(path: str, version: int, newest: int) -> bool:
+    """Whether every commit after ``version`` up to ``newest`` only maintains the table (table
+    properties, compaction, vacuum: :data:`~resources.delta.maintenance.MAINTENANCE_OPERATIONS`),
+    so its rows are those of ``version``; reads those commits only."""
+    from resources.delta.maintenance import MAINTENANCE_OPERATIONS  # maintenance imports the snapshot writes, which import this
+
+    log = _Log(path)
+    for later in range(version + 1, newest + 1):
+        infos = log.actions(later, "commitInfo")
+        if not infos or any(info.get("operation") not in MAINTENANCE_OPERATIONS for info in infos):
+            return False
+    return True
+
+
 def version_with_metadata(path: str, user_metadata: str) -> int:
     """The version of the newest commit carrying ``user_metadata`` (a writer's own commit, found by its
     marker so a concurrent writer cannot be mistaken for it): one listing, then the commits newest first."""

@@ -9,6 +9,8 @@ the check is one dictionary lookup per chunk.
 Points (see ``resources/incremental.py``):
 
 * ``before_merge``: changes are decoded and batched, nothing of the chunk is in Delta yet.
+* ``after_history_commit``: a changelog commit (docs/history.md) is durable, the table's commit of
+  the same changes is not.
 * ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
 * ``after_confirm``: the slot has been told the chunk's end position.
 * ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
@@ -41,7 +43,8 @@ import signal
 
 FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
 FAULT_POINTS = (
-    "before_merge", "after_delta_commit", "after_confirm", "before_state_write", "after_range_slot", "after_range_commit",
+    "before_merge", "after_history_commit", "after_delta_commit", "after_confirm", "before_state_write",
+    "after_range_slot", "after_range_commit",
     "after_snapshot_slot", "before_snapshot_create", "after_snapshot_create", "during_snapshot_write",
     "after_snapshot_staged", "after_snapshot_commit", "before_snapshot_state_write",
 )

@@ -10,12 +10,13 @@ tests compare the two on the same batches, so this stays honest.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.markers import fold_table_log
+from resources.delta.markers import fold_table_log, pgcdc_marker
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
@@ -124,8 +125,17 @@ class InMemoryDestination:
         self._commit(path, pa.Table.from_pylist(pruned + list(rows.values()), schema=target.schema))
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
-        target = self.tables[path]
+        target = self.tables.get(path, rows.schema.empty_table())
         self._commit(path, pa.Table.from_pylist(target.to_pylist() + rows.to_pylist(), schema=target.schema), user_metadata)
+
+    def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
+        table = self.tables[path]
+        if keys is None:
+            return table
+        wanted = {tuple(row.values()) for row in keys.to_pylist()}
+        return pa.Table.from_pylist(
+            [row for row in table.to_pylist() if tuple(row[n] for n in keys.column_names) in wanted], schema=table.schema
+        )
 
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
@@ -155,6 +165,17 @@ class InMemoryDestination:
             return NO_TABLE
         newest = len(commits) - 1
         return fold_table_log(((version, [commits[version]]) for version in range(newest, -1, -1)), newest, None)
+
+    def newest_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        commits = self.commits.get(path)
+        if not commits:
+            return None, None
+        markers = [marker for marker in map(pgcdc_marker, commits) if marker is not None]
+        return len(commits) - 1, markers[-1] if markers else None
+
+    def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
+        """It writes no maintenance commits: only a table with no commit after ``version`` is unchanged."""
+        return version == newest
 
     def table_schema(self, path: str) -> pa.Schema:
         return self.tables[path].schema

@@ -29,7 +29,7 @@ from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import connect
 from resources.postgres.sql import quote_ident
 
-__all__ = ["assert_buckets_right", "assert_delta_equals_postgres", "compare_table", "delta_rows"]
+__all__ = ["arrow_rows", "assert_buckets_right", "assert_delta_equals_postgres", "compare_rows", "compare_table", "delta_rows"]
 
 
 class _ExactFloat(float):
@@ -70,7 +70,11 @@ def delta_rows(path: str, storage_options: Mapping[str, str] | None = None) -> t
     import deltalake  # the dev extra; imported here so the package works without it
 
     options = dict(storage_options) if storage_options else None
-    table = deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table()
+    return arrow_rows(deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table())
+
+
+def arrow_rows(table: pa.Table) -> tuple[pa.Schema, list[dict]]:
+    """:func:`delta_rows` of rows already read (an as-of read of a changelog, say)."""
     schema = table.schema
     for i, f in enumerate(schema):
         if pa.types.is_timestamp(f.type):
@@ -185,7 +189,19 @@ def compare_table(
     ``extra_delta_columns`` are Delta columns PostgreSQL no longer has (dropped columns,
     kept in Delta by design); they are not compared. ``key`` only shapes the diff.
     """
-    schema, delta = delta_rows(path, storage_options)
+    return compare_rows(conn, table, *delta_rows(path, storage_options), key=key, extra_delta_columns=extra_delta_columns)
+
+
+def compare_rows(
+    conn: psycopg.Connection,
+    table: str,
+    schema: pa.Schema,
+    delta: list[dict],
+    *,
+    key: Sequence[str] = (),
+    extra_delta_columns: Sequence[str] = (),
+) -> int:
+    """:func:`compare_table` of rows already read (``schema`` and rows as :func:`arrow_rows` gives them)."""
     schema_name, _, table_name = table.partition(".")
     expected = expected_types(conn, schema_name, table_name)
     pg_columns = list(expected)

@@ -1,0 +1,234 @@
+"""Changelogs against real PostgreSQL 15 and 18 and Delta on embedded Sail: an oracle of the past.
+
+A seeded random workload (key moves keeping unchanged TOAST values, updates that leave a TOASTed
+column alone, REPLICA IDENTITY FULL duplicates, TRUNCATE, ADD COLUMN with and without a default,
+keyless appends) runs with
+drains in between. At quiet moments the test records the WAL insert position and copies each
+table inside PostgreSQL (``CREATE TABLE past_k_<t> AS ...``, an unpublished table). After the
+last drain, the as-of read at each recorded position equals that copy exactly (a multiset, value
+for value), and the changelog folded whole equals the table. Drains killed right after a changelog
+commit (before the table's), before a chunk's writes, after a table's commit and before the run's
+state is written converge on a re-run with no changelog row twice or missing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+from collections import Counter
+from pathlib import Path
+
+import deltalake
+import psycopg
+import pyarrow as pa
+import pytest
+from pyspark.sql import SparkSession
+
+from resources.cli import main as cli_main
+from resources.config import parse_config, PgcdcConfig
+from resources.delta.reads import read_rows
+from resources.history import read_as_of
+from resources.incremental import run_incremental
+from resources.lsn import LSN
+from resources.postgres.catalog import TableName
+from resources.snapshot import snapshot_tables
+from resources.testing.faults import FAULT_POINT_ENV
+from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
+from tests.conftest import PgDatabase
+from tests.test_faults import Child, confirmed, write_config
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+TABLES = ("public.orders", "public.dups", "public.events")
+SEED = ("reset", "snapshot")
+DDL = """
+    CREATE SEQUENCE ids START 100;
+    CREATE TABLE orders (id int PRIMARY KEY, status text, body text);
+    ALTER TABLE orders ALTER COLUMN body SET STORAGE EXTERNAL;
+    CREATE TABLE dups (a int, b text);
+    ALTER TABLE dups REPLICA IDENTITY FULL;
+    CREATE TABLE events (n int, note text);
+    INSERT INTO orders SELECT g, 'new', repeat(md5(g::text), 100) FROM generate_series(1, 30) g;
+    INSERT INTO dups SELECT g % 5, 'd' FROM generate_series(1, 20) g;
+    CREATE PUBLICATION pub FOR TABLE orders, dups, events;
+"""
+
+
+def history_config(pg: PgDatabase, tmp_path: Path, name: str = "lake", slot: str = "pgcdc_slot") -> PgcdcConfig:
+    return parse_config({
+        "postgres": {"dsn": pg.dsn},
+        "publication": "pub",
+        "slot": slot,
+        "delta": {"root": str(tmp_path / name)},
+        "history": {"default": "changelog", "tables": {"public.events": "changelog"}},
+    })  # fmt: skip
+
+
+def workload_step(conn: psycopg.Connection, rng: random.Random, step: int) -> None:
+    """A few transactions of random changes."""
+    for _ in range(rng.randint(2, 5)):
+        with conn.transaction():
+            for _ in range(rng.randint(1, 6)):
+                choice = rng.random()
+                if choice < 0.2:
+                    conn.execute(
+                        "INSERT INTO orders SELECT nextval('ids'), 'new', repeat(md5(random()::text), 100)"
+                    )
+                elif choice < 0.4:  # body is TOASTed and unchanged: sent as 'u'
+                    conn.execute("UPDATE orders SET status = %s WHERE id = (SELECT id FROM orders ORDER BY random() LIMIT 1)",
+                                 (f"s{rng.randint(0, 99)}",))  # fmt: skip
+                elif choice < 0.5:  # a key move keeping the TOASTed body
+                    conn.execute("UPDATE orders SET id = nextval('ids') WHERE id = (SELECT id FROM orders ORDER BY random() LIMIT 1)")
+                elif choice < 0.55:
+                    conn.execute("DELETE FROM orders WHERE id = (SELECT id FROM orders ORDER BY random() LIMIT 1)")
+                elif choice < 0.7:
+                    conn.execute("INSERT INTO dups VALUES (%s, 'd')", (rng.randint(0, 4),))
+                elif choice < 0.8:  # one copy of a duplicated row
+                    conn.execute("UPDATE dups SET b = b || 'x' WHERE ctid = (SELECT ctid FROM dups WHERE a = %s LIMIT 1)",
+                                 (rng.randint(0, 4),))  # fmt: skip
+                elif choice < 0.85:
+                    conn.execute("DELETE FROM dups WHERE ctid = (SELECT ctid FROM dups WHERE a = %s LIMIT 1)", (rng.randint(0, 4),))
+                else:
+                    conn.execute("INSERT INTO events VALUES (%s, 'e')", (rng.randint(0, 9),))
+    if step == 2:
+        conn.execute("ALTER TABLE orders ADD COLUMN extra int")
+        conn.execute("UPDATE orders SET extra = id WHERE id % 3 = 0")
+    # Existing rows get a column's default without a row change in the WAL; the stream tells of the
+    # column with the table's next change, which is where the changelog records the fill.
+    if step == 1:
+        conn.execute("ALTER TABLE dups ADD COLUMN c int DEFAULT 1")
+        conn.execute("INSERT INTO dups VALUES (1, 'd', 2)")
+    if step == 3:
+        conn.execute("ALTER TABLE orders ADD COLUMN flag int DEFAULT 5")
+        conn.execute("UPDATE orders SET status = 'flagged' WHERE id = (SELECT min(id) FROM orders)")
+    if step == 4:
+        conn.execute("TRUNCATE dups")
+        conn.execute("INSERT INTO dups VALUES (7, 'after'), (7, 'after')")
+
+
+def capture(conn: psycopg.Connection, k: int) -> LSN:
+    """At a quiet moment: the WAL insert position (past every commit so far, before any later one) and a copy of each table."""
+    ((lsn,),) = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchall()
+    for table in TABLES:
+        name = table.split(".")[1]
+        conn.execute(f"CREATE TABLE past_{k}_{name} AS SELECT * FROM {table}")
+    return LSN.parse(lsn)
+
+
+def assert_as_of_equals(pg: PgDatabase, spark: SparkSession, config: PgcdcConfig, table: str, lsn: LSN | None, copy: str) -> None:
+    rows = read_as_of(spark, config, TableName.parse(table), lsn)
+    with pg.connect() as conn:
+        pg_columns = [name for (name,) in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped", (copy,)
+        ).fetchall()]  # fmt: skip
+        later = [name for name in rows.column_names if name not in pg_columns]
+        for name in later:  # columns added after that moment are NULL in it
+            assert rows.column(name).null_count == rows.num_rows, f"{table} as of {lsn}: {name} before it existed"
+        schema, values = arrow_rows(rows)
+        compare_rows(conn, copy, schema, values, extra_delta_columns=later)
+
+
+def changelog(config: PgcdcConfig, table: str, spark: SparkSession) -> pa.Table:
+    schema, name = table.split(".")
+    return read_rows(spark, config.history_path(schema, name), None)
+
+
+def change_rows(config: PgcdcConfig, table: str, spark: SparkSession) -> Counter:
+    """The changelog's rows after its seed, as a multiset."""
+    rows = changelog(config, table, spark)
+    return Counter(json.dumps(row, sort_keys=True, default=str) for row in rows.to_pylist() if row["_pgcdc_op"] not in SEED)
+
+
+def assert_each_change_once(config: PgcdcConfig, spark: SparkSession) -> None:
+    for table in TABLES:
+        rows = changelog(config, table, spark)
+        ops = rows.column("_pgcdc_op").to_pylist()
+        positions = Counter(
+            position for position, op in zip(zip(rows.column("_pgcdc_lsn").to_pylist(), rows.column("_pgcdc_seq").to_pylist()), ops)
+            if op not in SEED
+        )
+        seeds = Counter(ops)["reset"]
+        assert seeds == 1, f"{table}: {seeds} seeds"
+        repeated = {position: n for position, n in positions.items() if n > 1}
+        assert not repeated, f"{table}: changelog rows twice: {repeated}"
+
+
+def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    pg.execute(DDL)
+    config = history_config(pg, tmp_path)
+    snapshot_tables(config, spark, None)
+    rng = random.Random(pg.major * 1000 + 24)
+    moments: list[LSN] = []
+    with pg.connect() as conn:
+        for step in range(6):
+            workload_step(conn, rng, step)
+            moments.append(capture(conn, step))
+            if step in (1, 3):
+                run_incremental(config, spark, max_chunk_changes=7)  # small chunks: many changelog commits
+    run_incremental(config, spark, max_chunk_changes=7)
+    for table in TABLES:
+        assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
+        for k, lsn in enumerate(moments):
+            assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
+        assert_as_of_equals(pg, spark, config, table, None, table)
+    assert_each_change_once(config, spark)
+    orders = changelog(config, "public.orders", spark).sort_by([("_pgcdc_lsn", "ascending"), ("_pgcdc_seq", "ascending")])
+    ops = orders.column("_pgcdc_op").to_pylist()
+    bodies = [body for op, body in zip(ops, orders.column("body").to_pylist()) if op in ("snapshot", "insert", "update")]
+    assert all(body is not None and len(body) == 3200 for body in bodies), "an unchanged TOAST value was not resolved"
+    assert set(ops) >= {"reset", "snapshot", "insert", "update", "delete"}
+    times = [t for op, t in zip(ops, orders.column("_pgcdc_commit_time").to_pylist()) if op != "snapshot" and op != "reset"]
+    assert all(t is not None for t in times) and times == sorted(times)
+    # docs/history.md's query of every status an order went through
+    path = config.history_path("public", "orders")
+    statuses = spark.sql(
+        f"SELECT _pgcdc_commit_time, _pgcdc_op, status FROM delta.`{path}` "
+        "WHERE _pgcdc_op IN ('snapshot', 'insert', 'update') AND id = 1 ORDER BY _pgcdc_lsn, _pgcdc_seq"
+    ).collect()
+    expected = [(op, status) for op, i, status in zip(ops, orders.column("id").to_pylist(), orders.column("status").to_pylist())
+                if op in ("snapshot", "insert", "update") and i == 1]  # fmt: skip
+    assert [(row["_pgcdc_op"], row["status"]) for row in statuses] == expected and expected
+
+
+def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pg.execute(DDL)
+    config = history_config(pg, tmp_path)
+    snapshot_tables(config, spark, None)
+    reference = history_config(pg, tmp_path, "reference", "reference_slot")  # drained without faults
+    snapshot_tables(reference, spark, None)
+    rng = random.Random(pg.major)
+    moments: list[LSN] = []
+    with pg.connect() as conn:
+        for step in range(3):
+            workload_step(conn, rng, step)
+            moments.append(capture(conn, step))
+    config_file = write_config(config, tmp_path)
+    start = confirmed(pg)
+    # The first three kills follow each table's seed, the fourth a commit of changes; then before any
+    # write of a chunk, and after a table's commit whose changelog commit came first.
+    for point in ["after_history_commit"] * 4 + ["before_merge", "after_delta_commit"]:
+        child = Child(config_file, chunk=5, env={FAULT_POINT_ENV: point})
+        assert child.wait() == -signal.SIGKILL, child.output()
+    assert confirmed(pg) == start  # nothing of the backlog was confirmed: it is replayed whole
+    # Every chunk durable and all but the last confirmed, the run's state not written.
+    child = Child(config_file, chunk=5, env={FAULT_POINT_ENV: "before_state_write"})
+    assert child.wait() == -signal.SIGKILL, child.output()
+    run_incremental(config, spark, max_chunk_changes=5)
+    for table in TABLES:
+        assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
+        for k, lsn in enumerate(moments):
+            assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
+        assert_as_of_equals(pg, spark, config, table, None, table)
+    assert_each_change_once(config, spark)
+    run_incremental(reference, spark, max_chunk_changes=50)
+    for table in TABLES:  # the same change rows as a drain that was never interrupted, no more, no fewer
+        assert change_rows(config, table, spark) == change_rows(reference, table, spark), table
+    # The command line prints the same rows as the Python read.
+    assert cli_main(["as-of", "--table", "public.dups", "--lsn", str(moments[0]), "--config", str(config_file)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = read_as_of(spark, config, TableName.parse("public.dups"), moments[0]).to_pylist()
+    assert Counter(json.dumps(row, sort_keys=True) for row in printed) == Counter(json.dumps(row, sort_keys=True) for row in expected)
+    assert deltalake.DeltaTable(config.history_path("public", "orders")).version() > 0

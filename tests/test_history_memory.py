@@ -1,0 +1,180 @@
+"""Changelogs without PostgreSQL or Spark: the real applier writes a table and its changelog into the
+in-memory destination; folding the changelog up to each transaction's end must give the table a
+one-by-one model of the same changes gives there, and a replay must add no changelog row.
+
+The live tests (test_history.py) do the same against PostgreSQL and Delta; these explore many orders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from resources.cdc.applier import ChangeApplier
+from resources.cdc.history import OP_COLUMN
+from resources.cdc.tables import TableTarget
+from resources.cdc.transactions import CommittedTransaction
+from resources.errors import PgcdcError
+from resources.history import fold_changelog
+from resources.testing.memory_destination import InMemoryDestination, StaticTypes
+from tests.pgoutput_messages import delete, insert, relation, truncate, UNCHANGED, update
+from tests.test_applier_memory import destination_with_snapshot, keyed_relation, OID, PATH, SNAPSHOT_LSN, TABLE, transactions
+
+HISTORY = PATH + "__changes"
+
+
+def apply_with_history(destination: InMemoryDestination, txns: list[CommittedTransaction], *, max_changes: int = 1000,
+                       primary_key: tuple[str, ...] = ()) -> ChangeApplier:
+    target = TableTarget(TABLE, PATH, history_path=HISTORY)
+    applier = ChangeApplier(destination, StaticTypes(primary_key=primary_key), {TABLE: target}, max_changes=max_changes,
+                            max_bytes=1 << 30, log=lambda _: None)
+    try:
+        for txn in txns:
+            if not applier.fits(txn):
+                applier.flush()
+            applier.add(txn)
+        applier.flush()
+        applier.finish()
+        return applier
+    finally:
+        applier.close()
+
+
+def as_of(destination: InMemoryDestination, lsn: int | None = None) -> list[tuple]:
+    return sorted(tuple(row.values()) for row in fold_changelog(destination.tables[HISTORY], lsn).to_pylist())
+
+
+def table_rows(destination: InMemoryDestination) -> list[tuple]:
+    return sorted((row["id"], row["body"]) for row in destination.rows(PATH))
+
+
+def test_a_transaction_with_every_operation_is_folded_back_at_each_lsn(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a"), (2, "b")])
+    txns = transactions([
+        [keyed_relation(), insert(OID, b"3", b"c"), update(OID, (b"1", UNCHANGED))],
+        [update(OID, (b"4", UNCHANGED), key=(b"1", None)), delete(OID, key=(b"2", None))],
+        [truncate(OID), insert(OID, b"5", b"e")],
+    ], tmp_path)  # fmt: skip
+    apply_with_history(destination, txns)
+    assert as_of(destination, SNAPSHOT_LSN) == [(1, "a"), (2, "b")]
+    assert as_of(destination, SNAPSHOT_LSN + 10) == [(1, "a"), (2, "b"), (3, "c")]
+    assert as_of(destination, SNAPSHOT_LSN + 20) == [(3, "c"), (4, "a")]  # the moved row kept its TOASTed body
+    assert as_of(destination) == [(5, "e")] == table_rows(destination)
+    ops = destination.tables[HISTORY].column(OP_COLUMN).to_pylist()
+    assert ops == ["reset", "snapshot", "snapshot", "insert", "update", "update", "delete", "truncate", "insert"]
+
+
+def test_a_replay_appends_nothing_and_a_later_drain_only_its_changes(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    txns = transactions([[keyed_relation(), insert(OID, b"2", b"b")], [update(OID, (b"2", UNCHANGED), key=(b"2", None))]], tmp_path)
+    apply_with_history(destination, txns)
+    before = destination.tables[HISTORY]
+    apply_with_history(destination, txns)  # a crash before the confirm: the same transactions again
+    assert destination.tables[HISTORY].equals(before)
+    more = transactions([[keyed_relation(), delete(OID, key=(b"1", None))]], tmp_path / "more", first_end=SNAPSHOT_LSN + 30)
+    apply_with_history(destination, more)
+    assert destination.tables[HISTORY].num_rows == before.num_rows + 1
+    assert as_of(destination) == [(2, "b")] == table_rows(destination)
+
+
+def test_a_column_added_with_a_default_is_filled_in_the_rows_before_it(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    widened = relation(OID, "t", [("id", 23, True), ("body", 25, False), ("extra", 23, False)])
+    txns = transactions([
+        [keyed_relation(), insert(OID, b"2", b"b")],
+        [widened, insert(OID, b"3", b"c", b"9"), update(OID, (b"1", b"a", None))],
+    ], tmp_path)  # fmt: skip
+    target = TableTarget(TABLE, PATH, history_path=HISTORY)
+    types = StaticTypes(added={"extra": {(23, True, "5", True)}})
+    applier = ChangeApplier(destination, types, {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None)
+    for txn in txns:
+        applier.add(txn)
+    applier.flush()
+    applier.finish()
+    applier.close()
+    assert as_of(destination, SNAPSHOT_LSN + 10) == [(1, "a", None), (2, "b", None)]  # before the column existed
+    assert as_of(destination) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
+    assert as_of(destination) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
+
+
+def test_history_on_a_table_changed_since_its_snapshot_is_refused(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    first = transactions([[keyed_relation(), insert(OID, b"2", b"b")]], tmp_path)
+    target = TableTarget(TABLE, PATH)
+    applier = ChangeApplier(destination, StaticTypes(), {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None)
+    applier.add(first[0])
+    applier.flush()
+    applier.finish()
+    applier.close()
+    later = transactions([[keyed_relation(), insert(OID, b"3", b"c")]], tmp_path / "later", first_end=SNAPSHOT_LSN + 20)
+    with pytest.raises(PgcdcError, match="snapshot the table again"):
+        apply_with_history(destination, later)
+
+
+KEYS = st.integers(1, 6)
+BODIES = st.sampled_from([b"x", b"y", b"z", UNCHANGED])
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("I"), KEYS, BODIES.filter(lambda body: body is not UNCHANGED)),
+        st.tuples(st.just("U"), KEYS, BODIES),
+        st.tuples(st.just("M"), KEYS, BODIES),  # an update that moves the row to another key
+        st.tuples(st.just("D"), KEYS, st.just(None)),
+        st.tuples(st.just("T"), st.just(0), st.just(None)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, sizes=st.lists(st.integers(1, 5), min_size=1, max_size=12), max_changes=st.integers(1, 12),
+       full=st.booleans())
+def test_random_changes_fold_back_to_the_model_at_every_lsn(tmp_path_factory: pytest.TempPathFactory, ops: list,
+                                                              sizes: list[int], max_changes: int, full: bool) -> None:
+    """Keyed or REPLICA IDENTITY FULL (with a primary key, so still matched per key); every
+    transaction's end is checked, then a replay of everything must append no changelog row."""
+    tmp_path = tmp_path_factory.mktemp("history")
+    destination = destination_with_snapshot([(1, "a"), (2, "b")])
+    model: dict[int, str] = {1: "a", 2: "b"}
+    states: list[list[tuple]] = []
+    bodies: list[list[bytes]] = []
+    ops = list(ops)
+    rel = relation(OID, "t", [("id", 23, True), ("body", 25, False)], replident=b"f" if full else b"d")
+    for size in sizes:
+        body: list[bytes] = [rel, insert(OID, b"9", b"n")] if not bodies else []  # the drain meets the table
+        if not bodies:
+            model[9] = "n"
+        for op, key, value in ops[:size]:
+            encoded = str(key).encode()
+            if op == "I" and key not in model:
+                model[key] = value.decode()
+                body.append(insert(OID, encoded, value))
+            elif op in "UM" and key in model:
+                new_key = key if op == "U" else next((k for k in range(1, 8) if k not in model), None)
+                if new_key is None:
+                    continue
+                old_body = model.pop(key)
+                model[new_key] = old_body if value is UNCHANGED else value.decode()
+                old = (encoded, old_body.encode()) if full else (encoded, None) if new_key != key else None
+                new = (str(new_key).encode(), value)
+                body.append(update(OID, new, old=old) if full else update(OID, new, key=old))
+            elif op == "D" and key in model:
+                old_body = model.pop(key).encode()
+                body.append(delete(OID, old=(encoded, old_body)) if full else delete(OID, key=(encoded, None)))
+            elif op == "T":
+                model.clear()
+                body.append(truncate(OID))
+        ops = ops[size:]
+        bodies.append(body)
+        states.append(sorted(model.items()))
+    txns = transactions(bodies, tmp_path)
+    apply_with_history(destination, txns, max_changes=max_changes, primary_key=("id",) if full else ())
+    assert as_of(destination, SNAPSHOT_LSN) == [(1, "a"), (2, "b")]
+    for index, state in enumerate(states):
+        assert as_of(destination, SNAPSHOT_LSN + 10 + 10 * index) == state
+    assert as_of(destination) == table_rows(destination) == states[-1]
+    written = destination.tables[HISTORY]
+    apply_with_history(destination, transactions(bodies, tmp_path / "replay"), max_changes=max_changes,
+                       primary_key=("id",) if full else ())
+    assert destination.tables[HISTORY].equals(written)
