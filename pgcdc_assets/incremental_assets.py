@@ -10,7 +10,9 @@ Decisions:
   one per table: it writes a planned event for every output a run selects, whether the step
   yields it or not, so optional outputs over every table would still cost each table every run.
   Every drain materializes the slot asset (``slot_metadata``), and materializes a Delta-table
-  asset only when it wrote that table (``drain_metadata``). An asset the run selected gets its
+  asset only when the table changed since the drain the slot asset last recorded
+  (``changed_tables``): when this drain wrote it, or an earlier drain that Dagster never recorded
+  did (one killed after confirming the slot, one outside Dagster, a key-range snapshot's). An asset the run selected gets its
   materialization as an output (``MaterializeResult``); one it did not select (a changed table
   under the schedule's job) as a runtime ``AssetMaterialization``: the same record on the asset's
   page, without the planning, the output handling and the data-version lookups. So a table's
@@ -43,6 +45,7 @@ from dagster import (
     AssetMaterialization,
     AssetObservation,
     AssetsDefinition,
+    DagsterInstance,
     MaterializeResult,
     MetadataValue,
     multi_asset,
@@ -61,6 +64,7 @@ from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcSlotProps, PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
 from resources.incremental import IncrementalResult, run_incremental
+from resources.lsn import LSN
 from resources.names import PipelineNames, SCHEMA_CHECK, slot_pool, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.postgres.catalog import TableName
 
@@ -98,9 +102,26 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
     return metadata
 
 
-def changed_tables(result: IncrementalResult, tables: Sequence[TableName]) -> list[TableName]:
-    """The tables of ``tables`` the drain wrote to Delta."""
-    return [table for table in tables if (stats := result.tables.get(str(table))) and stats.applied_lsn is not None]
+def recorded_position(instance: DagsterInstance, slot_key: AssetKey) -> LSN | None:
+    """The slot's confirmed position at the last drain Dagster recorded (None: none recorded yet)."""
+    event = instance.get_latest_materialization_event(slot_key)
+    materialization = event.asset_materialization if event is not None else None
+    value = materialization.metadata.get("pgcdc/confirmed_flush_lsn") if materialization is not None else None
+    return LSN.parse(value.value) if value is not None else None
+
+
+def changed_tables(result: IncrementalResult, tables: Sequence[TableName], recorded: LSN | None) -> list[TableName]:
+    """The tables of ``tables`` the drain wrote to Delta, or whose newest applied change lies past
+    ``recorded`` (``recorded_position``): applied by a drain no materialization recorded."""
+    changed = []
+    for table in tables:
+        stats = result.tables.get(str(table))
+        if stats is None:
+            continue
+        last = stats.last_applied_lsn
+        if stats.applied_lsn is not None or (last is not None and (recorded is None or last > recorded)):
+            changed.append(table)
+    return changed
 
 
 def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKey]) -> dict[str, object]:
@@ -165,9 +186,11 @@ def drain_events(
     selected: Set[AssetKey],
     names: PipelineNames,
     log_warning: Callable[[str], None],
+    recorded: LSN | None,
 ) -> Iterator[DrainEvent]:
-    """What one drain records: its changed tables' materializations, why any table was skipped, and the slot's."""
-    changed = {table: key_of[table] for table in changed_tables(result, tables)}
+    """What one drain records: its changed tables' materializations, why any table was skipped, and the slot's;
+    ``recorded`` is the slot's position at the last recorded drain (``recorded_position``)."""
+    changed = {table: key_of[table] for table in changed_tables(result, tables, recorded)}
     for table in tables:
         reason = _skip_reason(result, table, names)
         if reason:
@@ -204,8 +227,11 @@ def build_incremental_assets(
         with user_facing():
             if selected:
                 session = spark.spark_session
+                recorded = recorded_position(context.instance, slot_key)
                 result = run_incremental(postgres.config, session, log=context.log.info)
-                yield from drain_events(result, tables, key_of, slot_key, selected, names, context.log.warning)
+                yield from drain_events(
+                    result, tables, key_of, slot_key, selected, names, context.log.warning, recorded
+                )
                 yield check_event(checked, evaluate_lag_check(postgres.config, slot_key, result.lag_bytes_after, names))
                 due = [table for table in tables if schema_check_due(table, result)]
             else:  # only checks selected: evaluate those, without draining

@@ -34,7 +34,7 @@ from dagster import (
 
 from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-from pgcdc_assets.incremental_assets import drain_events, DrainEvent
+from pgcdc_assets.incremental_assets import drain_events, DrainEvent, recorded_position
 from resources.names import PipelineNames, RECONCILE_JOB, ROW_COUNT_CHECK, ROWS_MATCH_CHECK, slot_pool
 from resources.postgres.catalog import TableName
 from resources.reconcile import RANGE_ROWS, ReconcileResult, reconcile, TableReconciliation
@@ -89,12 +89,13 @@ def build_reconcile_checks(
             table for table in tables
             if {AssetCheckKey(key_of[table], ROW_COUNT_CHECK), AssetCheckKey(key_of[table], ROWS_MATCH_CHECK)} & checked
         ]  # fmt: skip
+        recorded = recorded_position(context.instance, slot_key)
         with user_facing():
             result = reconcile(
                 postgres.config, spark.spark_session, selected, log=context.log.info,
                 range_rows=context.op_execution_context.op_config["range_rows"],
             )  # fmt: skip
-        yield from drain_events(result.drain, tables, key_of, slot_key, set(), names, context.log.warning)
+        yield from drain_events(result.drain, tables, key_of, slot_key, set(), names, context.log.warning, recorded)
         for table in selected:
             for check in (ROW_COUNT_CHECK, ROWS_MATCH_CHECK):
                 if AssetCheckKey(key_of[table], check) in checked:

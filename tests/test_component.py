@@ -211,19 +211,24 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     # Names, keys, groups, pools and freshness per pipeline.
     graph = defs.resolve_asset_graph()
     orders, invoices = AssetKey(["pgcdc", "shop", "public", "orders"]), AssetKey(["pgcdc", "billing", "public", "invoices"])
+    shop_slot, billing_slot = AssetKey(["pgcdc", "shop", "slot"]), AssetKey(["pgcdc", "billing", "slot"])
     assert {key for key in graph.get_all_asset_keys()} == {
         orders,
         AssetKey(["pgcdc", "shop", "public", "notes"]),
         invoices,
+        shop_slot,
+        billing_slot,
         AssetKey(["pgcdc", "shop", "snapshot", "public", "orders"]),
         AssetKey(["pgcdc", "shop", "snapshot", "public", "notes"]),
         AssetKey(["pgcdc", "billing", "snapshot", "public", "invoices"]),
     }
     assert graph.get(orders).group_name == "pgcdc_shop"
     assert graph.get(AssetKey(["pgcdc", "billing", "snapshot", "public", "invoices"])).group_name == "pgcdc_billing_snapshot"
-    assert graph.get(invoices).freshness_policy == FreshnessPolicy.time_window(
+    assert graph.get(billing_slot).group_name == "pgcdc_billing"
+    assert graph.get(billing_slot).freshness_policy == FreshnessPolicy.time_window(
         fail_window=timedelta(minutes=30), warn_window=timedelta(minutes=20)
     )
+    assert graph.get(invoices).freshness_policy is None
     assert {job.name for job in defs.jobs} >= {
         f"pgcdc_{p}_{job}" for p in pipelines for job in ("snapshot", "resnapshot", "incremental", "reconcile", "maintenance")
     }
@@ -248,10 +253,14 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     assert reconcile_op.definition.required_resource_keys == {"pgcdc_shop_postgres", "pgcdc_shop_spark"}
     shop_tables = [orders, AssetKey(["pgcdc", "shop", "public", "notes"])]
     reconcile_checks = {AssetCheckKey(key, n) for key in shop_tables for n in (ROW_COUNT_CHECK, ROWS_MATCH_CHECK)}
-    drain_checks = {AssetCheckKey(key, n) for key in shop_tables for n in (SCHEMA_CHECK, SLOT_LAG_CHECK)}
     assert reconcile.asset_layer.asset_graph.asset_check_keys == reconcile_checks
+    # The scheduled drain plans the pipeline's slot asset and its lag check, nothing per table.
     incremental = defs.resolve_job_def("pgcdc_shop_incremental")
-    assert incremental.asset_layer.asset_graph.asset_check_keys == drain_checks
+    assert set(incremental.asset_layer.executable_asset_keys) == {shop_slot}
+    assert incremental.asset_layer.asset_graph.asset_check_keys == {AssetCheckKey(shop_slot, SLOT_LAG_CHECK)}
+    assert {spec.key for spec in defs.resolve_assets_def(orders).check_specs} >= {
+        AssetCheckKey(key, SCHEMA_CHECK) for key in shop_tables
+    }
 
     run(defs, instance, "pgcdc_shop_snapshot")
     run(defs, instance, "pgcdc_billing_snapshot")
@@ -273,6 +282,14 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
         blocker.execute("ROLLBACK")
     shop_drain.join()
     assert outcome["shop"].success
+    drained = {
+        e.asset_key: e.event_specific_data.materialization.metadata
+        for e in outcome["shop"].get_asset_materialization_events()
+    }
+    assert set(drained) == {shop_slot, *shop_tables}
+    assert drained[shop_slot]["pgcdc/tables_changed"].value == 2
+    ((confirmed,),) = shop.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'shop_slot'")
+    assert drained[shop_slot]["pgcdc/confirmed_flush_lsn"].value == confirmed
     assert_exact(shop, shop_lake, ["public.orders", "public.notes"])
     assert_exact(billing, billing_lake, ["public.invoices"])
     # One pipeline's reconcile job runs on its own resources and evaluates exactly its own checks.
