@@ -314,7 +314,6 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda p: p["shop"].update(slott="x"), ["pipeline 'shop'", "unknown key 'slott'", "fix its spelling"]),
         (lambda p: p["shop"]["postgres"].update(dsn="{{ env.PGCDC_TEST_SHOP_DSN }}"),
          ["pipeline 'shop'", "'postgres.dsn'", "env('PGCDC_TEST_SHOP_DSN')"]),
         (lambda p: p["shop"]["postgres"].update(dsn="{{ env('PGCDC_TEST_UNSET_DSN') }}"),
@@ -325,7 +324,7 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
          ["pipeline 'shop'", "'delta.storage.secret_access_key'", "${VAR}"]),
         (lambda p: p["other"]["delta"].update(root=p["shop"]["delta"]["root"]), ["both write public.orders", "'delta.root'"]),
     ],
-    ids=["unknown-key", "env-attribute", "unset-variable", "shared-slot", "bad-name", "rendered-secret", "shared-table"],
+    ids=["env-attribute", "unset-variable", "shared-slot", "bad-name", "rendered-secret", "shared-table"],
 )  # fmt: skip
 def test_yaml_errors_are_one_line_and_write_nothing(
     pg: PgDatabase, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: object, expected: list[str]
@@ -356,6 +355,34 @@ def test_yaml_errors_are_one_line_and_write_nothing(
     assert pg.execute("SELECT count(*) FROM pg_publication") == [(0,)]
 
 
+@pytest.mark.parametrize("edit", [lambda p: p["shop"].update(slott="x"), lambda p: p["shop"]["delta"].update(roott="x")],
+                         ids=["top-level", "nested"])  # fmt: skip
+def test_misspelled_keys_fail_the_schema_at_their_file_and_line(
+    pg: PgDatabase, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: object
+) -> None:
+    """Each pipeline is typed in the component's schema: a misspelled key fails the YAML stage, named with its path."""
+    monkeypatch.setenv("PGCDC_TEST_SHOP_DSN", pg.dsn)
+    pipelines = {"shop": pipeline("PGCDC_TEST_SHOP_DSN", "shop_slot", ["public.orders"], tmp_path / "lake")}
+    edit(pipelines)  # type: ignore[operator]
+    defs_file = write_pipelines(defs_folder(project), pipelines)
+    misspelled = "slott" if "slott" in pipelines["shop"] else "delta.roott"
+    # Dagster places the error at the 'pipelines' key (the field may also be a template) and names the key's path.
+    line = defs_file.read_text().splitlines().index("  pipelines:") + 1
+
+    with pytest.raises(Exception) as raised:
+        load(project)
+
+    messages, error = [], raised.value
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    message = "\n".join(messages)
+    assert f"pipelines.dict[str,PgcdcConfigKeys].shop.{misspelled} at {defs_file}:{line}" in message, message
+    assert "Extra inputs are not permitted" in message
+    assert not (tmp_path / "lake").exists()
+    assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()") == [(0,)]
+
+
 def test_scaffolded_project_validates(tmp_path: Path) -> None:
     """``dg scaffold defs`` writes a two-pipeline defs.yaml that Dagster validates (tables listed: no server needed)."""
     project = tmp_path / "project"
@@ -383,3 +410,14 @@ def test_scaffolded_project_validates(tmp_path: Path) -> None:
     assert "All component YAML validated successfully" in checked
     assert "All definitions loaded successfully" in checked
     assert PASSWORD not in checked
+    # A misspelled key fails the YAML stage, at its line, before any definitions are built.
+    text = scaffolded.read_text()
+    scaffolded.write_text(text.replace("      publication: pgcdc_billing\n", "      publication: pgcdc_billing\n      slott: x\n"))
+    line = scaffolded.read_text().splitlines().index("  pipelines:") + 1
+    done = subprocess.run([str(BIN / "dg"), "check", "defs"], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert f"defs.yaml:{line} - pgcdc_assets.component.PgcdcComponent attributes.pipelines" in output, output
+    assert "'slott': 'x'" in output and "is not valid under any of the given schemas" in output, output
+    assert "All component YAML validated successfully" not in output
