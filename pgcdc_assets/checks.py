@@ -23,7 +23,7 @@ step would start a second engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from dagster import AssetCheckResult, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
