@@ -1,8 +1,9 @@
 """The pgcdc Dagster Component: several replication pipelines in one code location, configured in ``defs.yaml``.
 
 Each entry of ``pipelines`` holds the keys of a ``PGCDC_CONFIG`` file: the component's schema
-names them (``PipelineKeys``), so ``dg check defs`` and editors catch a misspelled key at its file
-and line, and the values are checked by the same validator as that file's. A pipeline gets its own asset key prefix (``pgcdc/<pipeline>/...``), groups,
+names them (``PipelineKeys``), so editors complete them and ``dg check defs`` refuses a misspelled
+one at the YAML stage; the values are checked by the same validator as that file's. A pipeline
+gets its own asset key prefix (``pgcdc/<pipeline>/...``), groups,
 jobs, schedule, sensors and resource keys (``pgcdc_<pipeline>_*``); its drains run in its
 slot's pool (``pgcdc_slot_<slot>``), so pipelines with different slots drain at the same
 time. Scaffold one with ``dg scaffold defs pgcdc_assets.component.PgcdcComponent <path>``.

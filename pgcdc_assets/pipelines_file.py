@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 from dagster.components.resolved.context import ResolutionContext
-from pydantic import BaseModel, ConfigDict, create_model, Field
 from dagster.components.resolved.errors import ResolutionException
+from pydantic import BaseModel, ConfigDict, create_model, Field
 
 from resources.config import parse_config, PgcdcConfig
 from resources.errors import ConfigurationError
@@ -101,7 +101,7 @@ def _keys_model(model: type[BaseModel]) -> type[BaseModel]:
     """A model with ``model``'s keys, nesting and descriptions, and no types or validators of its own.
 
     It is the schema of a pipeline in ``defs.yaml`` (``dg`` publishes it, editors complete keys
-    from it, ``dg check defs`` names the file, line and key of a misspelled one); values stay
+    from it, ``dg check defs`` refuses a misspelled one, naming the file and the key); values stay
     unchecked there, since a value may be an ``{{ env('X') }}`` template until the load renders
     it, and are checked afterwards by ``parse_config``, as for a ``PGCDC_CONFIG`` file.
     """
