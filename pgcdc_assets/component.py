@@ -51,7 +51,7 @@ SCAFFOLD_YAML = textwrap.dedent(
 
     attributes:
       # One entry per replication pipeline; each takes the keys of a PGCDC_CONFIG file.
-      # Asset keys pgcdc/<pipeline>/<schema>/<table>, jobs pgcdc_<pipeline>_snapshot,
+      # Asset keys pgcdc/<pipeline>/<schema>/<table> and pgcdc/<pipeline>/slot, jobs pgcdc_<pipeline>_snapshot,
       # pgcdc_<pipeline>_incremental, ..., resources pgcdc_<pipeline>_postgres/_spark.
       pipelines:
         shop:
