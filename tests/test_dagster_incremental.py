@@ -362,3 +362,21 @@ def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instanc
     assert materializations(result) == {}
     assert check_outcomes(result) == {(ORDERS, "schema_matches_postgres"): True}  # evaluated without a drain
     assert slot_position(shop) == before
+
+
+def test_materializing_one_table_drains_the_slot_and_records_what_changed(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    """Selecting a table (the UI's Materialize) drains the whole slot: the selected table gets an output only
+    when it changed; the slot asset and every changed table are recorded as runtime materializations."""
+    defs = build_definitions(write_config(tmp_path, shop))
+    run_job(defs, instance, "pgcdc_snapshot")
+    shop.execute("UPDATE orders SET customer = 'picked' WHERE id = 9")
+
+    result = materialize([defs.resolve_assets_def(NOTES)], selection=[NOTES], instance=instance)
+
+    assert result.success
+    assert planned(instance, result) == ["pgcdc/public/notes", "pgcdc/public/notes:schema_matches_postgres"]
+    assert set(materializations(result)) == {SLOT, ORDERS}  # notes did not change: no output for it
+    assert materializations(result)[ORDERS]["pgcdc/updated"] == 1
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
