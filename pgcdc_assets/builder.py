@@ -26,7 +26,7 @@ from pgcdc_assets.incremental_assets import build_incremental_assets
 from pgcdc_assets.maintenance_job import build_maintenance
 from pgcdc_assets.reconcile_checks import build_reconcile_checks
 from pgcdc_assets.snapshot_assets import build_snapshot_assets
-from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
+from pgcdc_assets.translator import PgcdcSlotProps, PgcdcTableProps, PgcdcTranslator
 from resources.config import CONFIG_ENV_VAR, load_config, PgcdcConfig
 from resources.names import (
     INCREMENTAL_JOB,
@@ -71,16 +71,19 @@ def build_pipeline_definitions(
 
     snapshot_assets = build_snapshot_assets(config, tables, translator, names)
     incremental_assets = build_incremental_assets(config, tables, translator, names)
+    slot_key = translator.get_slot_asset_key(PgcdcSlotProps.of(config, names))
     reconcile_checks = build_reconcile_checks(
-        config.slot, tables, {table: translator.get_table_asset_key(p) for table, p in props.items()}, names
+        config.slot, tables, {table: translator.get_table_asset_key(p) for table, p in props.items()}, slot_key, names
     )
     snapshot_selection = AssetSelection.assets(snapshot_assets)
     incremental_job = pipeline_job(
         names,
         INCREMENTAL_JOB,
-        # not the reconciliation checks on the same assets: they read every table, in their own job
-        AssetSelection.assets(incremental_assets) - AssetSelection.checks(reconcile_checks),
-        "Drain the slot once: apply every committed change to Delta, then confirm the slot.",
+        # Only the slot asset (and its lag check): Dagster plans an event for every selected asset
+        # and check, while a drain materializes just the tables it changed (incremental_assets.py).
+        AssetSelection.assets(slot_key),
+        "Drain the slot once: apply every committed change to Delta, confirm the slot, materialize the slot"
+        " asset and the tables the drain changed.",
     )
     jobs = [
         pipeline_job(

@@ -1,16 +1,17 @@
-"""Asset checks on each replicated Delta table that a drain evaluates, at what the drain costs.
+"""Asset checks a drain evaluates, at what the drain costs.
 
-* ``schema_matches_postgres``: the Delta columns and types are what the type mapping gives
-  for the published columns, plus ``_pgcdc_lsn`` (and ``_pgcdc_bucket`` for a bucketed table). A drain evaluates it only for the tables
-  whose schema may have moved: a Relation message in the drain changed their columns (the
-  schema reconciler reports it, ``TableResult.schema_changed``; a table with columns dropped
-  in PostgreSQL and kept in Delta counts whenever it has changes), or they were snapshotted
-  since the previous drain. For every other table the drain does not yield it: no catalog
-  round trip, no Delta log read. Dagster then shows the check as not executed in that run
-  (skipped), and its latest evaluation stays the table's schema status: nothing that check
-  looks at has changed since. Selecting only the checks (no drain) evaluates it for every table.
-* ``slot_lag_within_bound``: the slot's unconfirmed WAL is at most ``checks.max_lag_bytes``;
-  past that the source keeps WAL for us and risks disk or slot loss. One query for all tables.
+* ``schema_matches_postgres``, on each Delta-table asset: the Delta columns and types are what the
+  type mapping gives for the published columns, plus ``_pgcdc_lsn`` (and ``_pgcdc_bucket`` for a
+  bucketed table). A drain evaluates it only for the tables whose schema may have moved: a
+  Relation message in the drain changed their columns (the schema reconciler reports it,
+  ``TableResult.schema_changed``; a table with columns dropped in PostgreSQL and kept in Delta
+  counts whenever it has changes), or they were snapshotted since the previous drain. For every
+  other table the drain does not evaluate it: no catalog round trip, no Delta log read, no event;
+  its latest evaluation stays the table's schema status, since nothing that check looks at has
+  changed. Selecting only the checks (no drain) evaluates it for every selected table.
+* ``slot_lag_within_bound``, on the pipeline's slot asset: the slot's unconfirmed WAL is at most
+  ``checks.max_lag_bytes``; past that the source keeps WAL for us and risks disk or slot loss.
+  Once per drain, from the lag the drain measured right after its confirmation.
 
 No row count is taken in a drain: under live writes it could only warn, and on a large table
 it is a full scan of the source every run. The exact comparison is the ``pgcdc_reconcile``
@@ -22,9 +23,9 @@ step would start a second engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from dagster import AssetCheckKey, AssetCheckResult, AssetCheckSpec, AssetKey, MetadataValue
+from dagster import AssetCheckResult, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
@@ -47,9 +48,12 @@ def table_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
             SCHEMA_CHECK,
             asset=key,
             description="Delta columns and types match the published columns (evaluated when a drain saw them change)",
-        ),
-        AssetCheckSpec(SLOT_LAG_CHECK, asset=key, description="replication slot lag <= checks.max_lag_bytes"),
+        )
     ]
+
+
+def slot_check_specs(slot_key: AssetKey) -> list[AssetCheckSpec]:
+    return [AssetCheckSpec(SLOT_LAG_CHECK, asset=slot_key, description="replication slot lag <= checks.max_lag_bytes")]
 
 
 def postgres_columns(postgres: PostgresResource, table: TableName) -> list[tuple[str, str]]:
@@ -79,61 +83,60 @@ def table_log_reader(spark: SparkSession, config: PgcdcConfig) -> Callable[[Tabl
     return read
 
 
-def evaluate_table_checks(
+def schema_check_due(table: TableName, drained: IncrementalResult) -> bool:
+    """Whether the drain ``drained`` may have moved ``table``'s schema (module docstring)."""
+    stats = drained.tables.get(str(table))
+    return stats is None or stats.schema_changed or str(table) in drained.tables_without_snapshot
+
+
+def evaluate_schema_check(
     postgres: PostgresResource,
     spark: SparkSession,
     table_log: Callable[[TableName], TableLog],
     table: TableName,
     key: AssetKey,
-    selected: set[AssetCheckKey],
-    slot_lag: int | None,
-    drained: IncrementalResult | None,
+    without_snapshot: bool,
     names: PipelineNames,
-) -> Iterator[AssetCheckResult]:
-    """The selected checks of one table after the drain ``drained`` (None: checks selected without a
-    drain, so every one is evaluated); ``slot_lag`` None means the slot does not exist; ``table_log``
-    is a :func:`table_log_reader`."""
-    config = postgres.config
-    path = config.table_path(table.schema, table.name)
-    snapshot_job = names.scoped(SNAPSHOT_JOB)
-    no_snapshot = f"no snapshot of {table} at {path}: run the {snapshot_job} job"
+) -> AssetCheckResult:
+    """``schema_matches_postgres`` of one table; ``without_snapshot``: the drain found no snapshot of it;
+    ``table_log`` is a :func:`table_log_reader`."""
+    path = postgres.config.table_path(table.schema, table.name)
+    log = NO_TABLE if without_snapshot else table_log(table)
+    if log.snapshot_lsn is None:
+        return AssetCheckResult(
+            asset_key=key, check_name=SCHEMA_CHECK, passed=False,
+            description=f"no snapshot of {table} at {path}: run the {names.scoped(SNAPSHOT_JOB)} job",
+        )  # fmt: skip
+    expected = [*postgres_columns(postgres, table), (LSN_COLUMN, "bigint")]
+    if log.layout is not None:
+        expected.append((BUCKET_COLUMN, "bigint"))
+    actual = delta_columns(spark, path)
+    missing = [f"{name} {kind}" for name, kind in expected if (name, kind) not in actual]
+    unexpected = [f"{name} {kind}" for name, kind in actual if (name, kind) not in expected]
+    return AssetCheckResult(
+        asset_key=key,
+        check_name=SCHEMA_CHECK,
+        passed=not missing and not unexpected,
+        metadata={
+            "expected": MetadataValue.text(", ".join(f"{n} {k}" for n, k in expected)),
+            "delta": MetadataValue.text(", ".join(f"{n} {k}" for n, k in actual)),
+            "missing_in_delta": MetadataValue.text(", ".join(missing)),
+            "not_in_postgres": MetadataValue.text(", ".join(unexpected)),
+        },
+    )
 
-    stats = drained.tables.get(str(table)) if drained is not None else None
-    without_snapshot = drained is not None and str(table) in drained.tables_without_snapshot
-    if AssetCheckKey(key, SCHEMA_CHECK) in selected and (stats is None or stats.schema_changed or without_snapshot):
-        # Otherwise nothing the check looks at changed in this drain: it is not re-evaluated (module docstring).
-        log = NO_TABLE if without_snapshot else table_log(table)
-        if log.snapshot_lsn is None:
-            yield AssetCheckResult(asset_key=key, check_name=SCHEMA_CHECK, passed=False, description=no_snapshot)
-        else:
-            expected = [*postgres_columns(postgres, table), (LSN_COLUMN, "bigint")]
-            if log.layout is not None:
-                expected.append((BUCKET_COLUMN, "bigint"))
-            actual = delta_columns(spark, path)
-            missing = [f"{name} {kind}" for name, kind in expected if (name, kind) not in actual]
-            unexpected = [f"{name} {kind}" for name, kind in actual if (name, kind) not in expected]
-            yield AssetCheckResult(
-                asset_key=key,
-                check_name=SCHEMA_CHECK,
-                passed=not missing and not unexpected,
-                metadata={
-                    "expected": MetadataValue.text(", ".join(f"{n} {k}" for n, k in expected)),
-                    "delta": MetadataValue.text(", ".join(f"{n} {k}" for n, k in actual)),
-                    "missing_in_delta": MetadataValue.text(", ".join(missing)),
-                    "not_in_postgres": MetadataValue.text(", ".join(unexpected)),
-                },
-            )
-    if AssetCheckKey(key, SLOT_LAG_CHECK) in selected:
-        bound = config.checks.max_lag_bytes
-        if slot_lag is None:
-            yield AssetCheckResult(
-                asset_key=key, check_name=SLOT_LAG_CHECK, passed=False,
-                description=f'replication slot "{config.slot}" does not exist: run the {snapshot_job} job',
-            )  # fmt: skip
-        else:
-            yield AssetCheckResult(
-                asset_key=key,
-                check_name=SLOT_LAG_CHECK,
-                passed=slot_lag <= bound,
-                metadata={"slot_lag_bytes": MetadataValue.int(slot_lag), "max_lag_bytes": MetadataValue.int(bound)},
-            )
+
+def evaluate_lag_check(config: PgcdcConfig, slot_key: AssetKey, slot_lag: int | None, names: PipelineNames) -> AssetCheckResult:
+    """``slot_lag_within_bound`` of the pipeline's slot asset; ``slot_lag`` None means the slot does not exist."""
+    bound = config.checks.max_lag_bytes
+    if slot_lag is None:
+        return AssetCheckResult(
+            asset_key=slot_key, check_name=SLOT_LAG_CHECK, passed=False,
+            description=f'replication slot "{config.slot}" does not exist: run the {names.scoped(SNAPSHOT_JOB)} job',
+        )  # fmt: skip
+    return AssetCheckResult(
+        asset_key=slot_key,
+        check_name=SLOT_LAG_CHECK,
+        passed=slot_lag <= bound,
+        metadata={"slot_lag_bytes": MetadataValue.int(slot_lag), "max_lag_bytes": MetadataValue.int(bound)},
+    )

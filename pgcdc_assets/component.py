@@ -1,7 +1,9 @@
 """The pgcdc Dagster Component: several replication pipelines in one code location, configured in ``defs.yaml``.
 
-Each entry of ``pipelines`` holds the keys of a ``PGCDC_CONFIG`` file and is checked by the
-same validator. A pipeline gets its own asset key prefix (``pgcdc/<pipeline>/...``), groups,
+Each entry of ``pipelines`` holds the keys of a ``PGCDC_CONFIG`` file: the component's schema
+names them (``PipelineKeys``), so editors complete them and ``dg check defs`` refuses a misspelled
+one at the YAML stage; the values are checked by the same validator as that file's. A pipeline
+gets its own asset key prefix (``pgcdc/<pipeline>/...``), groups,
 jobs, schedule, sensors and resource keys (``pgcdc_<pipeline>_*``); its drains run in its
 slot's pool (``pgcdc_slot_<slot>``), so pipelines with different slots drain at the same
 time. Scaffold one with ``dg scaffold defs pgcdc_assets.component.PgcdcComponent <path>``.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from dagster import Definitions
 from dagster.components import (
@@ -20,18 +22,20 @@ from dagster.components import (
     ComponentLoadContext,
     Model,
     Resolvable,
+    ResolutionContext,
+    Resolver,
     scaffold_with,
     Scaffolder,
     ScaffoldRequest,
 )
 from dagster.components.resolved.errors import ResolutionException
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import Field
+from pydantic import BaseModel
 
 from pgcdc_assets.builder import build_pipeline_definitions
 from pgcdc_assets.common import discover_tables
 from pgcdc_assets.dagster_resources import PostgresResource
-from pgcdc_assets.pipelines_file import load_pipeline_config, read_raw_pipelines, validate_pipeline
+from pgcdc_assets.pipelines_file import load_pipeline_config, PipelineKeys, read_raw_pipelines, validate_pipeline
 from pgcdc_assets.translator import PgcdcTranslator
 from resources.config import PgcdcConfig
 from resources.errors import ConfigurationError, PgcdcError
@@ -47,7 +51,7 @@ SCAFFOLD_YAML = textwrap.dedent(
 
     attributes:
       # One entry per replication pipeline; each takes the keys of a PGCDC_CONFIG file.
-      # Asset keys pgcdc/<pipeline>/<schema>/<table>, jobs pgcdc_<pipeline>_snapshot,
+      # Asset keys pgcdc/<pipeline>/<schema>/<table> and pgcdc/<pipeline>/slot, jobs pgcdc_<pipeline>_snapshot,
       # pgcdc_<pipeline>_incremental, ..., resources pgcdc_<pipeline>_postgres/_spark.
       pipelines:
         shop:
@@ -115,6 +119,15 @@ def _check_no_collisions(
                 )
 
 
+def _render_pipelines(context: ResolutionContext, pipelines: dict[str, BaseModel]) -> dict[str, dict[str, Any]]:
+    """Each pipeline's keys as written (``PipelineKeys`` checked their names), templates rendered;
+    the values are checked by ``validate_pipeline`` when the definitions are built."""
+    return {
+        name: context.at_path(name).resolve_value(keys.model_dump(exclude_unset=True))
+        for name, keys in pipelines.items()
+    }
+
+
 @scaffold_with(PgcdcComponentScaffolder)
 class PgcdcComponent(Component, Resolvable, Model):
     """PostgreSQL tables replicated into Delta Lake by logical replication, one entry of ``pipelines`` per slot.
@@ -123,10 +136,15 @@ class PgcdcComponent(Component, Resolvable, Model):
     descriptions of one pipeline's tables.
     """
 
-    pipelines: dict[str, dict[str, Any]] = Field(
-        description="pipeline name -> the keys of a pgcdc configuration file (postgres, publication, slot, tables,"
-        " delta, spark, snapshot, schedule, sensors, checks); secrets as {{ env('VAR') }}"
-    )
+    pipelines: Annotated[
+        dict[str, dict[str, Any]],
+        Resolver(
+            _render_pipelines,
+            model_field_type=dict[str, PipelineKeys],
+            description="pipeline name -> the keys of a pgcdc configuration file (postgres, publication, slot, tables,"
+            " delta, spark, snapshot, schedule, sensors, checks, maintenance); secrets as {{ env('VAR') }}",
+        ),
+    ]
 
     def get_translator(self, pipeline: str) -> PgcdcTranslator:
         """The translator of ``pipeline``'s assets; the default puts them under ``pgcdc/<pipeline>``."""

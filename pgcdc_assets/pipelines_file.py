@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from dagster.components.resolved.context import ResolutionContext
 from dagster.components.resolved.errors import ResolutionException
+from pydantic import BaseModel, ConfigDict, create_model, Field
 
 from resources.config import parse_config, PgcdcConfig
 from resources.errors import ConfigurationError
@@ -94,6 +95,28 @@ def validate_pipeline(name: str, rendered: object, raw: object, defs_file: str |
     if isinstance(raw, Mapping):
         check_templates(raw, source)
     return parse_config(rendered, source)
+
+
+def _keys_model(model: type[BaseModel]) -> type[BaseModel]:
+    """A model with ``model``'s keys, nesting and descriptions, and no types or validators of its own.
+
+    It is the schema of a pipeline in ``defs.yaml`` (``dg`` publishes it, editors complete keys
+    from it, ``dg check defs`` refuses a misspelled one, naming the file and the key); values stay
+    unchecked there, since a value may be an ``{{ env('X') }}`` template until the load renders
+    it, and are checked afterwards by ``parse_config``, as for a ``PGCDC_CONFIG`` file.
+    """
+    fields: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        annotation: Any = info.annotation
+        section = _keys_model(annotation) if isinstance(annotation, type) and issubclass(annotation, BaseModel) else Any
+        default = ... if info.is_required() else None
+        optional = section if default is ... or section is Any else section | None
+        fields[name] = (optional, Field(default=default, description=info.description))
+    return create_model(f"{model.__name__}Keys", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+#: One pipeline of ``defs.yaml``: the keys of a ``PGCDC_CONFIG`` file (``PgcdcConfig``).
+PipelineKeys = _keys_model(PgcdcConfig)
 
 
 def load_pipeline_config(defs_file: str | os.PathLike[str], pipeline: str) -> PgcdcConfig:

@@ -7,9 +7,9 @@
 Both come from one comparison at one fixed LSN (``resources/reconcile.py``): the drain up to
 that LSN and PostgreSQL's snapshot at it see the same transactions, so they are exact under
 live writes and are errors, not warnings. The op drains the slot first, so it runs in the
-slot's concurrency pool like the drain step; the drain's changes are in Delta afterwards, but
-the op materializes nothing (an asset-check op cannot): the next ``pgcdc_incremental`` run
-reports those tables as usual. Cost: a read of each table on both sides, hence a job of its
+slot's concurrency pool like the drain step; its drain is recorded as a drain step's is
+(``incremental_assets.drain_events``, as runtime events: an asset-check op has no asset outputs):
+the slot asset's materialization, and one for each table it changed. Cost: a read of each table on both sides, hence a job of its
 own (run it nightly, or after an incident), never part of a drain.
 
 Per pipeline like the drain step: a named pipeline's op is ``pgcdc_<pipeline>_reconcile_tables``
@@ -34,6 +34,7 @@ from dagster import (
 
 from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.incremental_assets import drain_events, DrainEvent, recorded_position
 from resources.names import PipelineNames, RECONCILE_JOB, ROW_COUNT_CHECK, ROWS_MATCH_CHECK, slot_pool
 from resources.postgres.catalog import TableName
 from resources.reconcile import RANGE_ROWS, ReconcileResult, reconcile, TableReconciliation
@@ -56,9 +57,14 @@ def reconcile_check_specs(key: AssetKey, job: str) -> list[AssetCheckSpec]:
 
 
 def build_reconcile_checks(
-    slot: str, tables: Sequence[TableName], key_of: Mapping[TableName, AssetKey], names: PipelineNames
+    slot: str,
+    tables: Sequence[TableName],
+    key_of: Mapping[TableName, AssetKey],
+    slot_key: AssetKey,
+    names: PipelineNames,
 ) -> AssetChecksDefinition:
-    """One pipeline's reconciliation op: named, resourced and pooled like its drain step (``names``, ``slot``)."""
+    """One pipeline's reconciliation op: named, resourced and pooled like its drain step (``names``, ``slot``);
+    ``slot_key`` is the pipeline's slot asset, which its drain materializes."""
     job = names.scoped(RECONCILE_JOB)
 
     @multi_asset_check(
@@ -75,7 +81,7 @@ def build_reconcile_checks(
         },
         description="Fix one LSN, drain the slot up to it, compare each table with PostgreSQL's snapshot at it.",
     )
-    def reconcile_tables(context: AssetCheckExecutionContext) -> Iterator[AssetCheckResult]:
+    def reconcile_tables(context: AssetCheckExecutionContext) -> Iterator[DrainEvent]:
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         checked = set(context.selected_asset_check_keys)
@@ -83,11 +89,13 @@ def build_reconcile_checks(
             table for table in tables
             if {AssetCheckKey(key_of[table], ROW_COUNT_CHECK), AssetCheckKey(key_of[table], ROWS_MATCH_CHECK)} & checked
         ]  # fmt: skip
+        recorded = recorded_position(context.instance, slot_key)
         with user_facing():
             result = reconcile(
                 postgres.config, spark.spark_session, selected, log=context.log.info,
                 range_rows=context.op_execution_context.op_config["range_rows"],
             )  # fmt: skip
+        yield from drain_events(result.drain, tables, key_of, slot_key, set(), names, context.log.warning, recorded)
         for table in selected:
             for check in (ROW_COUNT_CHECK, ROWS_MATCH_CHECK):
                 if AssetCheckKey(key_of[table], check) in checked:

@@ -221,19 +221,24 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     # Names, keys, groups, pools and freshness per pipeline.
     graph = defs.resolve_asset_graph()
     orders, invoices = AssetKey(["pgcdc", "shop", "public", "orders"]), AssetKey(["pgcdc", "billing", "public", "invoices"])
+    shop_slot, billing_slot = AssetKey(["pgcdc", "shop", "slot"]), AssetKey(["pgcdc", "billing", "slot"])
     assert {key for key in graph.get_all_asset_keys()} == {
         orders,
         AssetKey(["pgcdc", "shop", "public", "notes"]),
         invoices,
+        shop_slot,
+        billing_slot,
         AssetKey(["pgcdc", "shop", "snapshot", "public", "orders"]),
         AssetKey(["pgcdc", "shop", "snapshot", "public", "notes"]),
         AssetKey(["pgcdc", "billing", "snapshot", "public", "invoices"]),
     }
     assert graph.get(orders).group_name == "pgcdc_shop"
     assert graph.get(AssetKey(["pgcdc", "billing", "snapshot", "public", "invoices"])).group_name == "pgcdc_billing_snapshot"
-    assert graph.get(invoices).freshness_policy == FreshnessPolicy.time_window(
+    assert graph.get(billing_slot).group_name == "pgcdc_billing"
+    assert graph.get(billing_slot).freshness_policy == FreshnessPolicy.time_window(
         fail_window=timedelta(minutes=30), warn_window=timedelta(minutes=20)
     )
+    assert graph.get(invoices).freshness_policy is None
     assert {job.name for job in defs.jobs} >= {
         f"pgcdc_{p}_{job}" for p in pipelines for job in ("snapshot", "resnapshot", "incremental", "reconcile", "maintenance")
     }
@@ -258,10 +263,14 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     assert reconcile_op.definition.required_resource_keys == {"pgcdc_shop_postgres", "pgcdc_shop_spark"}
     shop_tables = [orders, AssetKey(["pgcdc", "shop", "public", "notes"])]
     reconcile_checks = {AssetCheckKey(key, n) for key in shop_tables for n in (ROW_COUNT_CHECK, ROWS_MATCH_CHECK)}
-    drain_checks = {AssetCheckKey(key, n) for key in shop_tables for n in (SCHEMA_CHECK, SLOT_LAG_CHECK)}
     assert reconcile.asset_layer.asset_graph.asset_check_keys == reconcile_checks
+    # The scheduled drain plans the pipeline's slot asset and its lag check, nothing per table.
     incremental = defs.resolve_job_def("pgcdc_shop_incremental")
-    assert incremental.asset_layer.asset_graph.asset_check_keys == drain_checks
+    assert set(incremental.asset_layer.executable_asset_keys) == {shop_slot}
+    assert incremental.asset_layer.asset_graph.asset_check_keys == {AssetCheckKey(shop_slot, SLOT_LAG_CHECK)}
+    assert {spec.key for spec in defs.resolve_assets_def(orders).check_specs} >= {
+        AssetCheckKey(key, SCHEMA_CHECK) for key in shop_tables
+    }
 
     run(defs, instance, "pgcdc_shop_snapshot")
     run(defs, instance, "pgcdc_billing_snapshot")
@@ -283,6 +292,14 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
         blocker.execute("ROLLBACK")
     shop_drain.join()
     assert outcome["shop"].success
+    drained = {
+        e.asset_key: e.event_specific_data.materialization.metadata
+        for e in outcome["shop"].get_asset_materialization_events()
+    }
+    assert set(drained) == {shop_slot, *shop_tables}
+    assert drained[shop_slot]["pgcdc/tables_changed"].value == 2
+    ((confirmed,),) = shop.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'shop_slot'")
+    assert drained[shop_slot]["pgcdc/confirmed_flush_lsn"].value == confirmed
     assert_exact(shop, shop_lake, ["public.orders", "public.notes"])
     assert_exact(billing, billing_lake, ["public.invoices"])
     # One pipeline's reconcile job runs on its own resources and evaluates exactly its own checks.
@@ -323,7 +340,6 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda p: p["shop"].update(slott="x"), ["pipeline 'shop'", "unknown key 'slott'", "fix its spelling"]),
         (lambda p: p["shop"]["postgres"].update(dsn="{{ env.PGCDC_TEST_SHOP_DSN }}"),
          ["pipeline 'shop'", "'postgres.dsn'", "env('PGCDC_TEST_SHOP_DSN')"]),
         (lambda p: p["shop"]["postgres"].update(dsn="{{ env('PGCDC_TEST_UNSET_DSN') }}"),
@@ -334,7 +350,7 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
          ["pipeline 'shop'", "'delta.storage.secret_access_key'", "${VAR}"]),
         (lambda p: p["other"]["delta"].update(root=p["shop"]["delta"]["root"]), ["both write public.orders", "'delta.root'"]),
     ],
-    ids=["unknown-key", "env-attribute", "unset-variable", "shared-slot", "bad-name", "rendered-secret", "shared-table"],
+    ids=["env-attribute", "unset-variable", "shared-slot", "bad-name", "rendered-secret", "shared-table"],
 )  # fmt: skip
 def test_yaml_errors_are_one_line_and_write_nothing(
     pg: PgDatabase, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: object, expected: list[str]
@@ -365,6 +381,34 @@ def test_yaml_errors_are_one_line_and_write_nothing(
     assert pg.execute("SELECT count(*) FROM pg_publication") == [(0,)]
 
 
+@pytest.mark.parametrize("edit", [lambda p: p["shop"].update(slott="x"), lambda p: p["shop"]["delta"].update(roott="x")],
+                         ids=["top-level", "nested"])  # fmt: skip
+def test_misspelled_keys_fail_the_schema_at_their_file_and_line(
+    pg: PgDatabase, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: object
+) -> None:
+    """Each pipeline is typed in the component's schema: a misspelled key fails the YAML stage, named with its path."""
+    monkeypatch.setenv("PGCDC_TEST_SHOP_DSN", pg.dsn)
+    pipelines = {"shop": pipeline("PGCDC_TEST_SHOP_DSN", "shop_slot", ["public.orders"], tmp_path / "lake")}
+    edit(pipelines)  # type: ignore[operator]
+    defs_file = write_pipelines(defs_folder(project), pipelines)
+    misspelled = "slott" if "slott" in pipelines["shop"] else "delta.roott"
+    # Dagster places the error at the 'pipelines' key (the field may also be a template) and names the key's path.
+    line = defs_file.read_text().splitlines().index("  pipelines:") + 1
+
+    with pytest.raises(Exception) as raised:
+        load(project)
+
+    messages, error = [], raised.value
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    message = "\n".join(messages)
+    assert f"pipelines.dict[str,PgcdcConfigKeys].shop.{misspelled} at {defs_file}:{line}" in message, message
+    assert "Extra inputs are not permitted" in message
+    assert not (tmp_path / "lake").exists()
+    assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()") == [(0,)]
+
+
 def test_scaffolded_project_validates(tmp_path: Path) -> None:
     """``dg scaffold defs`` writes a two-pipeline defs.yaml that Dagster validates (tables listed: no server needed)."""
     project = tmp_path / "project"
@@ -392,3 +436,14 @@ def test_scaffolded_project_validates(tmp_path: Path) -> None:
     assert "All component YAML validated successfully" in checked
     assert "All definitions loaded successfully" in checked
     assert PASSWORD not in checked
+    # A misspelled key fails the YAML stage, at its line, before any definitions are built.
+    text = scaffolded.read_text()
+    scaffolded.write_text(text.replace("      publication: pgcdc_billing\n", "      publication: pgcdc_billing\n      slott: x\n"))
+    line = scaffolded.read_text().splitlines().index("  pipelines:") + 1
+    done = subprocess.run([str(BIN / "dg"), "check", "defs"], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert f"defs.yaml:{line} - pgcdc_assets.component.PgcdcComponent attributes.pipelines" in output, output
+    assert "'slott': 'x'" in output and "is not valid under any of the given schemas" in output, output
+    assert "All component YAML validated successfully" not in output

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import deltalake
@@ -17,6 +18,7 @@ from dagster import (
     DagsterRunStatus,
     Definitions,
     ExecuteInProcessResult,
+    FreshnessPolicy,
     RunRequest,
     SensorResult,
     SkipReason,
@@ -29,7 +31,9 @@ from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.errors import SlotError
 from resources.lsn import LSN
-from tests.conftest import PgDatabase
+from resources.testing.dagster_instance import postgres_instance, sqlite_instance
+from resources.testing.local_postgres import LocalPostgres
+from tests.conftest import fresh_database, PgDatabase
 from tests.tcp_proxy import TcpProxy
 from tests.test_dagster_snapshot import (
     NOTES_KEY,
@@ -48,7 +52,7 @@ pytest_plugins = ["tests.spark_fixtures"]
 
 ORDERS = AssetKey(["pgcdc", "public", "orders"])
 NOTES = AssetKey(["pgcdc", "public", "notes"])
-CHECKS = ("schema_matches_postgres", "slot_lag_within_bound")  # the first drain after a snapshot evaluates both
+SLOT = AssetKey(["pgcdc", "slot"])
 
 
 @pytest.fixture
@@ -89,39 +93,101 @@ def make_changes(pg: PgDatabase) -> None:
     pg.execute("DELETE FROM orders WHERE id = 3; INSERT INTO notes VALUES ('later'), ('again')")
 
 
-def test_drain_applies_changes_and_records_metadata_and_checks(
-    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+def planned(instance: DagsterInstance, result: ExecuteInProcessResult) -> list[str]:
+    """The assets and checks the run planned, as Dagster recorded them before running it."""
+    events = [record.dagster_event for record in instance.all_logs(result.run_id) if record.dagster_event]
+    return sorted(
+        f"{event.asset_key.to_user_string()}" if event.event_type_value == "ASSET_MATERIALIZATION_PLANNED"
+        else f"{event.asset_check_planned_data.asset_check_key.asset_key.to_user_string()}:"
+        f"{event.asset_check_planned_data.asset_check_key.name}"
+        for event in events
+        if event.event_type_value in ("ASSET_MATERIALIZATION_PLANNED", "ASSET_CHECK_EVALUATION_PLANNED")
+    )  # fmt: skip
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def storage_instance(request: pytest.FixtureRequest, pg_server: LocalPostgres, tmp_path: Path) -> Iterator[DagsterInstance]:
+    """A Dagster instance on SQLite files, or on a database of the test server through the
+    dagster.yaml docs/deployment.md shows."""
+    if request.param == "sqlite":
+        with sqlite_instance(tmp_path / "dagster_home") as instance:
+            yield instance
+        return
+    with fresh_database(pg_server) as database, postgres_instance(
+        tmp_path / "dagster_home", pg_server, database.name
+    ) as instance:
+        yield instance
+
+
+def test_drains_materialize_the_slot_always_and_tables_only_when_changed(
+    shop: PgDatabase, tmp_path: Path, storage_instance: DagsterInstance
 ) -> None:
+    instance = storage_instance
     defs = build_definitions(write_config(tmp_path, shop, schedule={"cron": "*/7 * * * *"}))
     assert defs.resolve_schedule_def("pgcdc_incremental_schedule").cron_schedule == "*/7 * * * *"
+    assert defs.resolve_asset_graph().get(SLOT).freshness_policy == FreshnessPolicy.time_window(
+        fail_window=timedelta(minutes=21), warn_window=timedelta(minutes=14)
+    )
+    assert defs.resolve_asset_graph().get(ORDERS).freshness_policy is None  # an idle table is never stale
     run_job(defs, instance, "pgcdc_snapshot")
     start = slot_position(shop)
     make_changes(shop)
 
-    result = run_job(defs, instance, "pgcdc_incremental")
+    first = run_job(defs, instance, "pgcdc_incremental")
 
     lake = tmp_path / "lake"
     assert delta_rows(lake, "orders") == pg_orders(shop)
     assert delta_rows(lake, "notes") == pg_notes(shop)
-    meta = materializations(result)
-    assert set(meta) == {ORDERS, NOTES}
-    orders, notes = meta[ORDERS], meta[NOTES]
+    assert planned(instance, first) == ["pgcdc/slot", "pgcdc/slot:slot_lag_within_bound"]
+    meta = materializations(first)
+    assert set(meta) == {SLOT, ORDERS, NOTES}
+    slot, orders, notes = meta[SLOT], meta[ORDERS], meta[NOTES]
     confirmed = slot_position(shop)
-    assert orders["pgcdc/confirmed_flush_lsn"] == str(confirmed)
-    assert notes["pgcdc/confirmed_flush_lsn"] == str(confirmed)
-    assert orders["pgcdc/start_lsn"] == str(start)
-    assert LSN.parse(orders["pgcdc/end_lsn"]) <= confirmed
+    for drained in (slot, orders, notes):
+        assert drained["pgcdc/confirmed_flush_lsn"] == str(confirmed)
+        assert drained["pgcdc/start_lsn"] == str(start)
+        assert drained["pgcdc/transactions_applied"] == 3
+        assert drained["pgcdc/changes_applied"] == 8
+    assert LSN.parse(slot["pgcdc/end_lsn"]) <= confirmed
+    assert slot["pgcdc/slot_lag_bytes_before"] == LSN.parse(slot["pgcdc/end_lsn"]) - start
+    assert isinstance(slot["pgcdc/slot_lag_bytes_after"], int)
+    assert slot["pgcdc/duration_s"] > 0
+    assert slot["pgcdc/tables_changed"] == 2
+    assert slot["pgcdc/changed_tables"] == "- [public.notes](/assets/pgcdc/public/notes)\n- [public.orders](/assets/pgcdc/public/orders)"
     assert (orders["pgcdc/inserted"], orders["pgcdc/updated"], orders["pgcdc/deleted"]) == (3, 2, 1)
     assert (notes["pgcdc/inserted"], notes["pgcdc/updated"], notes["pgcdc/deleted"]) == (2, 0, 0)
     assert orders["pgcdc/truncates"] == 0
-    assert orders["pgcdc/transactions_applied"] == 3
-    assert orders["pgcdc/changes_applied"] == 8
-    assert orders["pgcdc/slot_lag_bytes_before"] == LSN.parse(orders["pgcdc/end_lsn"]) - start
-    assert isinstance(orders["pgcdc/slot_lag_bytes_after"], int)
+    assert orders["pgcdc/applied_lsn"] == orders["pgcdc/last_applied_lsn"]
     assert orders["pgcdc/delta_version"] == deltalake.DeltaTable(str(lake / "public" / "orders")).version()
-    assert orders["pgcdc/duration_s"] > 0
-    assert orders["pgcdc/changes_per_second"] > 0
-    assert check_outcomes(result) == {(key, name): True for key in (ORDERS, NOTES) for name in CHECKS}
+    # The first drain after a snapshot evaluates the schema check of every table; the lag check is the slot's.
+    assert check_outcomes(first) == {
+        (SLOT, "slot_lag_within_bound"): True, (ORDERS, "schema_matches_postgres"): True,
+        (NOTES, "schema_matches_postgres"): True,
+    }  # fmt: skip
+
+    idle = run_job(defs, instance, "pgcdc_incremental")
+
+    assert planned(instance, idle) == ["pgcdc/slot", "pgcdc/slot:slot_lag_within_bound"]
+    assert set(materializations(idle)) == {SLOT}
+    assert materializations(idle)[SLOT]["pgcdc/tables_changed"] == 0
+    assert materializations(idle)[SLOT]["pgcdc/confirmed_flush_lsn"] == str(slot_position(shop))
+    assert check_outcomes(idle) == {(SLOT, "slot_lag_within_bound"): True}
+
+    shop.execute("INSERT INTO notes VALUES ('only notes')")
+    one = run_job(defs, instance, "pgcdc_incremental")
+
+    assert set(materializations(one)) == {SLOT, NOTES}
+    assert materializations(one)[NOTES]["pgcdc/inserted"] == 1
+    assert materializations(one)[SLOT]["pgcdc/changed_tables"] == "- [public.notes](/assets/pgcdc/public/notes)"
+    assert delta_rows(lake, "notes") == pg_notes(shop)
+    assert delta_rows(lake, "orders") == pg_orders(shop)
+    latest = {key: instance.get_latest_materialization_event(key).run_id for key in (SLOT, ORDERS, NOTES)}
+    assert latest == {SLOT: one.run_id, ORDERS: first.run_id, NOTES: one.run_id}
+    # Every drain is one slot materialization, each with the slot's confirmed position at its end.
+    slot_history = instance.fetch_materializations(SLOT, limit=10).records
+    assert [record.run_id for record in slot_history] == [one.run_id, idle.run_id, first.run_id]
+    assert slot_history[0].asset_materialization.metadata["pgcdc/confirmed_flush_lsn"].value == str(slot_position(shop))
+    assert len(instance.fetch_materializations(ORDERS, limit=10).records) == 1
 
 
 def test_table_without_snapshot_is_reported_not_materialized(
@@ -133,7 +199,8 @@ def test_table_without_snapshot_is_reported_not_materialized(
 
     result = run_job(defs, instance, "pgcdc_incremental")
 
-    assert set(materializations(result)) == {NOTES}
+    assert set(materializations(result)) == {SLOT, NOTES}
+    assert materializations(result)[SLOT]["pgcdc/tables_without_snapshot"] == "public.orders"
     (observation,) = [
         e.event_specific_data.asset_observation for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"
     ]
@@ -143,9 +210,10 @@ def test_table_without_snapshot_is_reported_not_materialized(
     )
     assert not (tmp_path / "lake" / "public" / "orders").exists()
     assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
-    outcomes = check_outcomes(result)
-    assert outcomes[(ORDERS, "schema_matches_postgres")] is False
-    assert outcomes[(NOTES, "schema_matches_postgres")] is True
+    assert check_outcomes(result) == {
+        (ORDERS, "schema_matches_postgres"): False, (NOTES, "schema_matches_postgres"): True,
+        (SLOT, "slot_lag_within_bound"): True,
+    }  # fmt: skip
 
 
 def test_missing_slot_fails_once_with_the_fix(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
@@ -330,3 +398,21 @@ def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instanc
     assert materializations(result) == {}
     assert check_outcomes(result) == {(ORDERS, "schema_matches_postgres"): True}  # evaluated without a drain
     assert slot_position(shop) == before
+
+
+def test_materializing_one_table_drains_the_slot_and_records_what_changed(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    """Selecting a table (the UI's Materialize) drains the whole slot: the selected table gets an output only
+    when it changed; the slot asset and every changed table are recorded as runtime materializations."""
+    defs = build_definitions(write_config(tmp_path, shop))
+    run_job(defs, instance, "pgcdc_snapshot")
+    shop.execute("UPDATE orders SET customer = 'picked' WHERE id = 9")
+
+    result = materialize([defs.resolve_assets_def(NOTES)], selection=[NOTES], instance=instance)
+
+    assert result.success
+    assert planned(instance, result) == ["pgcdc/public/notes", "pgcdc/public/notes:schema_matches_postgres"]
+    assert set(materializations(result)) == {SLOT, ORDERS}  # notes did not change: no output for it
+    assert materializations(result)[ORDERS]["pgcdc/updated"] == 1
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)

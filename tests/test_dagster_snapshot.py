@@ -193,7 +193,10 @@ def test_assets_jobs_and_specs_from_the_publication(shop: PgDatabase, tmp_path: 
         NOTES_KEY,
         AssetKey(["pgcdc", "public", "orders"]),
         AssetKey(["pgcdc", "public", "notes"]),
+        AssetKey(["pgcdc", "slot"]),
     }
+    slot = graph.get(AssetKey(["pgcdc", "slot"]))
+    assert (slot.group_name, set(slot.kinds), slot.metadata["pgcdc/slot"]) == ("pgcdc", {"postgres"}, "pgcdc_slot")
     table = graph.get(AssetKey(["pgcdc", "public", "orders"]))
     assert table.parent_keys == {ORDERS_KEY}
     assert table.group_name == "pgcdc"

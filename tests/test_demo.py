@@ -58,9 +58,10 @@ def test_demo_runs_and_verifies_every_run(demo_dir: Path) -> None:
     for pipeline in ("shop", "inventory"):
         assert f"{pipeline} run 1/2:" in out and f"{pipeline} run 2/2:" in out and f"{pipeline} final run:" in out
     assert out.count("confirmed_flush_lsn ") >= 6
-    # Slot lag per table; no schema change, so no schema check.
-    assert "checks 5/5 passed" in out.split("shop final run:")[1]
-    assert "checks 2/2 passed" in out.split("inventory final run:")[1]
+    # The slot asset records every drain; its lag check once per pipeline; no schema change, so no schema check.
+    assert out.count("slot asset confirmed_flush_lsn ") >= 6
+    assert "checks 1/1 passed" in out.split("shop final run:")[1]
+    assert "checks 1/1 passed" in out.split("inventory final run:")[1]
     # Each pipeline's reconcile job, exact under load: two checks per table.
     assert "shop reconciled at LSN " in out and "inventory reconciled at LSN " in out
     assert "while the load wrote on: checks 10/10 passed" in out.split("shop reconciled")[1].splitlines()[0]

@@ -457,7 +457,8 @@ def test_sigkill_after_the_final_confirm_before_dagster_records_metadata(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
     """The Dagster step dies after the slot is confirmed but before any materialization is written:
-    the next run finds the data in Delta and the slot past it, applies nothing, and records metadata.
+    the next run finds the data in Delta and the slot past it, applies nothing, and still materializes
+    the table, whose newest change lies past the last drain Dagster recorded.
 
     Through the real ``dagster job execute`` CLI (a SIGKILL needs its own process).
     """
@@ -493,6 +494,8 @@ def test_sigkill_after_the_final_confirm_before_dagster_records_metadata(
     metadata = {key: value.value for key, value in event.metadata.items()}
     assert metadata["pgcdc/start_lsn"] == str(after_crash)
     assert metadata["pgcdc/changes_applied"] == 0
+    assert "pgcdc/applied_lsn" not in metadata  # nothing applied by this run ...
+    assert LSN.parse(metadata["pgcdc/last_applied_lsn"]) <= after_crash  # ... the killed one's newest change
     assert metadata["pgcdc/confirmed_flush_lsn"] == str(confirmed(pg))
     assert_exact(pg, config)
 

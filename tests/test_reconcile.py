@@ -40,6 +40,7 @@ pytest_plugins = ["tests.spark_fixtures"]
 ORDERS = AssetKey(["pgcdc", "public", "orders"])
 NOTES = AssetKey(["pgcdc", "public", "notes"])
 LABELS = AssetKey(["pgcdc", "public", "labels"])
+SLOT = AssetKey(["pgcdc", "slot"])
 SCHEMA, LAG = "schema_matches_postgres", "slot_lag_within_bound"
 ROW_COUNT, ROWS_MATCH = "row_count_matches_postgres", "rows_match_postgres"
 
@@ -131,7 +132,7 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         pg.execute("UPDATE orders SET customer = 'x' WHERE id = 5")
         first = evaluations(run(defs, instance, "pgcdc_incremental"))
         assert {key: e.passed for key, e in first.items()} == {
-            (table, check): True for table in (ORDERS, NOTES, LABELS) for check in (SCHEMA, LAG)
+            (SLOT, LAG): True, **{(table, SCHEMA): True for table in (ORDERS, NOTES, LABELS)}
         }
         assert sorted(catalog_reads) == ["public.labels", "public.notes", "public.orders"]
 
@@ -139,13 +140,13 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         catalog_reads.clear()
         pg.execute("UPDATE orders SET customer = 'y' WHERE id = 6; INSERT INTO notes VALUES ('n')")
         quiet = evaluations(run(defs, instance, "pgcdc_incremental"))
-        assert set(quiet) == {(ORDERS, LAG), (NOTES, LAG), (LABELS, LAG)}
+        assert set(quiet) == {(SLOT, LAG)}
         assert catalog_reads == []
 
         # An ALTER TABLE seen in the drain: evaluated for that table alone, against the catalog.
         pg.execute("ALTER TABLE orders ADD COLUMN channel text DEFAULT 'web'; UPDATE orders SET amount = 0 WHERE id = 7")
         altered = evaluations(run(defs, instance, "pgcdc_incremental"))
-        assert set(altered) == {(ORDERS, SCHEMA), (ORDERS, LAG), (NOTES, LAG), (LABELS, LAG)}
+        assert set(altered) == {(ORDERS, SCHEMA), (SLOT, LAG)}
         assert altered[(ORDERS, SCHEMA)].passed
         assert "channel string" in altered[(ORDERS, SCHEMA)].metadata["delta"].value
         assert catalog_reads == ["public.orders"]
@@ -165,6 +166,10 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         finally:
             writer.stop()
         assert during > 0
+        # The job's drain is recorded like a drain: the slot at the fixed LSN, and the tables it changed.
+        drained = {e.asset_key: e.event_specific_data.materialization for e in reconciled.get_asset_materialization_events()}
+        assert set(drained) == {SLOT, ORDERS, NOTES, LABELS}
+        assert drained[SLOT].metadata["pgcdc/confirmed_flush_lsn"].value == str(confirmed)
         checks = evaluations(reconciled)
         assert {key: e.passed for key, e in checks.items()} == {
             (table, check): True for table in (ORDERS, NOTES, LABELS) for check in (ROW_COUNT, ROWS_MATCH)

@@ -56,13 +56,14 @@ class DagsterDriver:
 
 
 def materialized(result: Any) -> dict[str, dict[str, Any]]:
-    """Per table (``schema.table``): the materialization metadata as plain values."""
-    tables = {}
+    """Per asset (``schema.table``, or ``slot`` for the pipeline's slot asset): its materialization metadata as plain values."""
+    found = {}
     for event in result.get_asset_materialization_events():
         materialization = event.materialization
         path = materialization.asset_key.path
-        tables[f"{path[-2]}.{path[-1]}"] = {key: value.value for key, value in materialization.metadata.items()}
-    return tables
+        name = "slot" if path[-1] == "slot" and len(path) == 3 else f"{path[-2]}.{path[-1]}"
+        found[name] = {key: value.value for key, value in materialization.metadata.items()}
+    return found
 
 
 def check_summary(result: Any) -> str:
@@ -88,16 +89,19 @@ def reconcile_under_load(driver: DagsterDriver, job: str) -> str:
     return f"reconciled at LSN {lsn} while the load wrote on: {summary} (row counts and per-key-range hashes)"
 
 
-def describe_run(label: str, tables: dict[str, dict[str, Any]], wall_s: float) -> str:
-    any_table = next(iter(tables.values()))
+def describe_run(label: str, assets: dict[str, dict[str, Any]], wall_s: float) -> str:
+    """One drain: the slot asset's record of it, and the tables it changed (the only ones it materialized)."""
+    slot = assets["slot"]
     parts = [
         f"{name.split('.')[-1]} +{meta['pgcdc/inserted']}/~{meta['pgcdc/updated']}/-{meta['pgcdc/deleted']}"
-        for name, meta in tables.items()
+        for name, meta in assets.items()
+        if name != "slot"
     ]
     return (
-        f"{label}: {any_table['pgcdc/transactions_applied']} transactions, {any_table['pgcdc/changes_applied']} changes"
-        f" applied, confirmed_flush_lsn {any_table['pgcdc/confirmed_flush_lsn']}"
-        f" (drain {any_table['pgcdc/duration_s']:.1f} s, Dagster run {wall_s:.1f} s)\n  {'  '.join(parts)}"
+        f"{label}: {slot['pgcdc/transactions_applied']} transactions, {slot['pgcdc/changes_applied']} changes"
+        f" applied to {slot['pgcdc/tables_changed']} table(s), slot asset confirmed_flush_lsn"
+        f" {slot['pgcdc/confirmed_flush_lsn']} (drain {slot['pgcdc/duration_s']:.1f} s, Dagster run {wall_s:.1f} s)"
+        f"\n  {'  '.join(parts) or 'no table changed: no table materialized'}"
     )
 
 
@@ -160,7 +164,8 @@ def serve_dagster(env: dict[str, str], module: str, port: int, stop_after: float
                     break
                 time.sleep(1)
             say(f"Dagster UI: http://127.0.0.1:{port}  (jobs: {', '.join(jobs) or 'still loading'})")
-            say("  Assets > pgcdc > shop|inventory > <schema> > <table>: materializations, metadata plots, checks, freshness;")
+            say("  Assets > pgcdc > shop|inventory > slot: every drain (confirmed_flush_lsn, lag, the tables it changed),")
+            say("  the lag check and freshness; > <schema> > <table>: a materialization per drain that changed the table;")
             say("  Runs: the snapshot and incremental runs above. Press Ctrl-C to stop.")
             if stop_after is not None:
                 time.sleep(stop_after)
