@@ -38,7 +38,7 @@ from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
-from resources.snapshot import snapshot_each, SnapshotProgress, SnapshotResult
+from resources.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 
 #: Seconds between progress lines per table: often enough to show life, rare enough to read.
 PROGRESS_INTERVAL_S = 2.0
@@ -180,6 +180,7 @@ def build_snapshot_assets(
                     f" re-snapshotting all {len(to_copy)} tables"
                 )
             ensure_publication(settings)
+            refuse_partial_recopy(settings, spark.spark_session, to_copy, tables)
             ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
         yield from _copy_all(context, settings, spark, to_copy, key_of)
 

@@ -47,15 +47,16 @@ from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import open_lake
 from resources.delta.layout import TableLayout
-from resources.delta.markers import snapshot_marker
+from resources.delta.markers import read_snapshot_lsn, snapshot_marker
 from resources.delta.snapshot_writes import enable_deletion_vectors
 from resources.delta.spark_connect import reports_dead_engine
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.delta.table_log import read_table_log, read_table_metadata
-from resources.errors import ConfigurationError, explain, PgcdcError, SnapshotError
+from resources.errors import ConfigurationError, explain, PgcdcError, SlotError, SnapshotError
 from resources.incremental import run_incremental
 from resources.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
 from resources.lsn import LSN
+from resources.names import RESNAPSHOT_JOB
 from resources.pgtypes import PgValueError, SESSION_SETTINGS
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.connections import connect
@@ -69,6 +70,7 @@ from resources.postgres.copy import (
     PARSE_BYTES,
 )
 from resources.postgres.preflight import ensure_slot
+from resources.postgres.slots import read_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.sql import quote_ident
 from resources.snapshot_layout import existing_layout, table_layout
@@ -318,6 +320,31 @@ def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
 
 
 @reports_dead_engine
+def refuse_partial_recopy(
+    config: PgcdcConfig, spark: SparkSession, to_copy: Sequence[TableName], replicated: Sequence[TableName]
+) -> None:
+    """Refuse to create the slot anew while a table this run leaves out holds a snapshot in the lake.
+
+    That snapshot was taken for a slot that is gone (lost in a failover, or dropped): the new slot
+    starts now, so the table would silently miss every change in between. Only copying every
+    such table again is exact.
+    """
+    with connect(config.postgres.dsn, application_name="pgcdc") as conn:
+        if read_slot(conn, config.slot) is not None:
+            return
+    copied = set(to_copy)
+    left_out = [
+        table for table in replicated
+        if table not in copied and read_snapshot_lsn(spark, config.table_path(table.schema, table.name)) is not None
+    ]  # fmt: skip
+    if left_out:
+        raise SlotError(
+            f'replication slot "{config.slot}" does not exist, and {len(left_out)} table(s) snapshotted for it are not'
+            f" in this run ({', '.join(str(table) for table in left_out)}): they would miss every change since the slot was lost",
+            f"run the {RESNAPSHOT_JOB} job with no table list: it recreates the slot and re-snapshots every table",
+        )
+
+
 def snapshot_tables(
     config: PgcdcConfig,
     spark: SparkSession,
@@ -340,6 +367,7 @@ def snapshot_tables(
             f"{', '.join(str(t) for t in unknown)} not published by \"{config.publication}\" (or not in 'tables')",
             f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only replicated tables",
         )
+    refuse_partial_recopy(config, spark, selected, replicated)
     ensure_slot(config.postgres.dsn, config.slot, failover=config.slot_failover)
     results: list[SnapshotResult] = []
     failures: list[BaseException] = []

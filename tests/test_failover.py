@@ -26,6 +26,7 @@ from pgcdc_assets.builder import build_definitions
 from resources.config import parse_config, PgcdcConfig
 from resources.errors import ConfigurationError, PgcdcError, SlotError
 from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
 from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import ensure_slot
@@ -330,6 +331,16 @@ def test_without_failover_slots_a_failover_names_the_resnapshot_which_restores_a
             " the slot and re-snapshots every table"
         )
 
+        # Re-copying only some tables would leave the others missing every change since: refused.
+        with pytest.raises(SlotError) as partial:
+            snapshot_tables(config, spark, [TableName("public", "acct")])
+        assert str(partial.value) == (
+            f'replication slot "{SLOT}" does not exist, and 1 table(s) snapshotted for it are not in this run'
+            " (public.journal): they would miss every change since the slot was lost: run the pgcdc_resnapshot job"
+            " with no table list: it recreates the slot and re-snapshots every table"
+        )
+        assert standby_slots(standby) == []
+
         config_file = write_config(config, tmp_path)
         with DagsterInstance.ephemeral() as instance:
             resnapshot = build_definitions(config_file).resolve_job_def("pgcdc_resnapshot")
@@ -341,6 +352,10 @@ def test_without_failover_slots_a_failover_names_the_resnapshot_which_restores_a
         assert_exact(standby.dsn(DATABASE), config)
     finally:
         servers.destroy()
+
+def standby_slots(server: LocalPostgres) -> list[tuple]:
+    return PgDatabase(server, DATABASE).execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'logical'")
+
 
 # --------------------------------------------------------------------------- a standby as the source
 

@@ -130,9 +130,10 @@ def _standby_problems(standby_dsn: str, slot: str) -> list[SlotError]:
     if copy.invalidated:
         return [
             SlotError(
-                f'the standby {where} holds an invalidated copy of slot "{slot}" ({copy.invalidation_reason})',
-                "keep hot_standby_feedback = on and primary_slot_name set on the standby;"
-                " the copy is synchronized again once the primary's slot moves",
+                f'the standby {where} holds an invalidated copy of slot "{slot}" ({copy.invalidation_reason}):'
+                " a failover now would lose the slot",
+                "rebuild the standby (pg_basebackup) so it copies the slot afresh, with hot_standby_feedback = on"
+                " and primary_slot_name set so it stays valid",
             )
         ]
     return []
