@@ -28,7 +28,7 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
-# Scale benchmarks of issue 13 (not part of `make test`), e.g. SCALE_ARGS="idle --tables 1,100,500".
+# The scale benchmarks (docs/benchmarks.md; not part of `make test`), e.g. SCALE_ARGS="idle --tables 1,100,500".
 scale: $(STAMP)
 	$(BIN)/python -m bench.scale $(SCALE_ARGS)
 

@@ -1,4 +1,4 @@
-"""``python -m bench.scale <part> [options]``: the scale benchmarks of issue 13 (not part of ``make test``).
+"""``python -m bench.scale <part> [options]``: the scale benchmarks (docs/benchmarks.md; not part of ``make test``).
 
 Each part is a module ``bench/scale_<part>.py`` with a ``main(argv) -> int``; this dispatcher
 imports the one named and hands it the remaining arguments, so parts can be added without

@@ -1,6 +1,6 @@
 """Initial snapshot of published tables into Delta, the way PostgreSQL's own table sync does it.
 
-Per table, on a replication connection of its own (trace in ``/work/shared/seeds/001_*``):
+Per table, on a replication connection of its own:
 ``BEGIN READ ONLY ISOLATION LEVEL REPEATABLE READ``, then a *temporary* slot created with
 ``SNAPSHOT 'use'``, which makes the transaction's snapshot exactly the slot's consistent
 point; the COPY inside it therefore holds every change committed before that LSN and none

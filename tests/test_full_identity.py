@@ -35,7 +35,7 @@ def delta_values(config: PgcdcConfig, table: str, column: str = "x") -> list:
 
 
 def test_issue_repro_duplicates_are_separate_rows(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    """The repro of issue 10, a drain after each statement."""
+    """Identical rows of a REPLICA IDENTITY FULL table stay separate rows, a drain after each statement."""
     config = setup(pg, tmp_path, spark, """
         CREATE TABLE t (x text); ALTER TABLE t REPLICA IDENTITY FULL;
         INSERT INTO t VALUES ('a'), ('b'), ('b'); CREATE PUBLICATION pub FOR TABLE t;

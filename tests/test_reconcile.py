@@ -1,4 +1,4 @@
-"""Checks at what the drain costs, and reconciliation at one fixed LSN (issue 13, point 4),
+"""Checks at what the drain costs, and reconciliation at one fixed LSN (docs/contracts.md, "Checks and reconciliation"),
 against real PostgreSQL 15 and 18, Sail and Dagster runs in process.
 
 One scenario walks it all, since every step needs a snapshot and a Dagster instance:

@@ -1,4 +1,4 @@
-"""The pgcdc state table and the lazy per-table log reads (issue 13, point 1), against PostgreSQL 15 and 18 and Sail.
+"""The pgcdc state table and the lazy per-table log reads (docs/contracts.md, "pgcdc state and per-table log reads"), against PostgreSQL 15 and 18 and Sail.
 
 A drain reads a table's own log only when it meets a change for that table; the state table
 (``resources/delta/state_table.py``) answers the rest. These tests make the state stale or
