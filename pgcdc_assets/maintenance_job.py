@@ -38,7 +38,7 @@ from dagster import (
 
 from pgcdc_assets.common import user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-from resources.config import PgcdcConfig
+from resources.config import HISTORY_SUFFIX, PgcdcConfig
 from resources.delta.lake_storage import join_location, open_lake
 from resources.delta.maintenance import (
     delta_tables_under,
@@ -95,6 +95,8 @@ def build_maintenance(
             lake = open_lake(settings.delta.root, settings.delta.storage)
             paths: Sequence[str] = [
                 *table_keys,
+                # changelogs (docs/history.md), beside their tables: the ones that exist
+                *(path + HISTORY_SUFFIX for path in table_keys if is_delta_table(lake, path + HISTORY_SUFFIX)),
                 *delta_tables_under(lake, join_location(settings.delta.root, PGCDC_TABLES_DIRECTORY)),
             ]
             # The embedded engine (Sail) has no maintenance commands: delta-rs does the work, and no

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TextIO
 
 import psycopg
@@ -48,6 +49,16 @@ def _lsn(text: str) -> LSN:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _time(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if moment.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text} has no time zone (write e.g. {text}+00:00)")
+    return moment
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pgcdc", description="PostgreSQL change data capture into Delta Lake")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -73,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         "as-of", help="print a table as it was at an LSN, from its changelog, as JSON lines (docs/history.md)"
     )
     as_of.add_argument("--table", required=True, help="schema.table, with history: changelog in the configuration")
-    as_of.add_argument("--lsn", type=_lsn, help="X/Y: the table once every transaction ending at or before it applied "
-                       "(default: its whole changelog)")
+    moment = as_of.add_mutually_exclusive_group()
+    moment.add_argument("--lsn", type=_lsn, help="X/Y: the table once every transaction ending at or before it applied "
+                        "(default: its whole changelog)")
+    moment.add_argument("--time", type=_time, help="an ISO 8601 time with its zone: the table before the first "
+                        "transaction committed after it")
     as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
     return parser
 
@@ -92,7 +106,7 @@ def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
     config = load_config(args.config)
     open_lake(config.delta.root, config.delta.storage)
     with SparkEngine.from_config(config.spark) as engine:
-        rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn)
+        rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn, args.time)
     for row in rows.to_pylist():
         out.write(json.dumps(row, ensure_ascii=False, default=str))
         out.write("\n")

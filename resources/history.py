@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -20,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
-from resources.cdc.history import KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN
+from resources.cdc.history import COMMIT_TIME_COLUMN, COMMIT_TIME_TYPE, KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN
 from resources.config import PgcdcConfig
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.reads import read_rows
@@ -31,6 +32,7 @@ from resources.postgres.catalog import TableName
 
 __all__ = [
     "fold_changelog",
+    "lsn_at_time",
     "read_as_of",
     "value_columns",
 ]
@@ -43,9 +45,30 @@ def value_columns(changes: pa.Schema) -> list[str]:
     return [name for name in changes.names if not name.startswith(_META_PREFIX)]
 
 
-def read_as_of(spark: SparkSession, config: PgcdcConfig, table: TableName, lsn: LSN | None = None) -> pa.Table:
+def read_as_of(
+    spark: SparkSession, config: PgcdcConfig, table: TableName, lsn: LSN | None = None, time: datetime | None = None
+) -> pa.Table:
     """``table`` as it was once every transaction ending at or before ``lsn`` was applied (None: all of
-    its changelog, which is the table as its Delta table holds it now)."""
+    its changelog, which is the table as its Delta table holds it now); or, with ``time``, before the
+    first transaction committed after it (:func:`lsn_at_time`)."""
+    changes = read_rows(spark, _changelog_path(config, table), None)
+    return fold_changelog(changes, lsn_at_time(changes, time) if time is not None else lsn)
+
+
+def lsn_at_time(changes: pa.Table, time: datetime) -> int | None:
+    """The LSN just before the first transaction in the changelog that committed after ``time`` (None:
+    none did, the whole changelog).
+
+    Commit times follow commit order only as far as the server's clock does, so an LSN is the exact
+    way to name a moment. The seed has no commit time: a time before the snapshot gives the seed.
+    """
+    if time.tzinfo is None:
+        raise ConfigurationError(f"the time {time.isoformat()} has no time zone", "give one, e.g. 2026-11-25T18:00:00+00:00")
+    after = changes.filter(pc.greater(changes.column(COMMIT_TIME_COLUMN), pa.scalar(time, COMMIT_TIME_TYPE)))
+    return int(pc.min(after.column(LSN_COLUMN)).as_py()) - 1 if after.num_rows else None
+
+
+def _changelog_path(config: PgcdcConfig, table: TableName) -> str:
     path = config.history_path(table.schema, table.name)
     if path is None:
         raise ConfigurationError(
@@ -53,7 +76,7 @@ def read_as_of(spark: SparkSession, config: PgcdcConfig, table: TableName, lsn: 
         )
     if not table_exists(path):
         raise PgcdcError(f"{table} has no changelog yet at {path}", "it starts with the first drain that meets a change of the table")
-    return fold_changelog(read_rows(spark, path, None), lsn)
+    return path
 
 
 def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:

@@ -17,6 +17,7 @@ import json
 import random
 import signal
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import deltalake
@@ -27,6 +28,8 @@ from pyspark.sql import SparkSession
 
 from resources.cli import main as cli_main
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.lake_storage import open_lake
+from resources.delta.maintenance import maintain_table
 from resources.delta.reads import read_rows
 from resources.history import read_as_of
 from resources.incremental import run_incremental
@@ -107,17 +110,20 @@ def workload_step(conn: psycopg.Connection, rng: random.Random, step: int) -> No
         conn.execute("INSERT INTO dups VALUES (7, 'after'), (7, 'after')")
 
 
-def capture(conn: psycopg.Connection, k: int) -> LSN:
-    """At a quiet moment: the WAL insert position (past every commit so far, before any later one) and a copy of each table."""
-    ((lsn,),) = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchall()
+def capture(conn: psycopg.Connection, k: int) -> tuple[LSN, datetime]:
+    """At a quiet moment: the WAL insert position (past every commit so far, before any later one), the
+    server's clock (after every commit time so far, before any later one) and a copy of each table."""
+    ((lsn, now),) = conn.execute("SELECT pg_current_wal_insert_lsn()::text, clock_timestamp()").fetchall()
     for table in TABLES:
         name = table.split(".")[1]
         conn.execute(f"CREATE TABLE past_{k}_{name} AS SELECT * FROM {table}")
-    return LSN.parse(lsn)
+    return LSN.parse(lsn), now
 
 
-def assert_as_of_equals(pg: PgDatabase, spark: SparkSession, config: PgcdcConfig, table: str, lsn: LSN | None, copy: str) -> None:
-    rows = read_as_of(spark, config, TableName.parse(table), lsn)
+def assert_as_of_equals(
+    pg: PgDatabase, spark: SparkSession, config: PgcdcConfig, table: str, lsn: LSN | None, copy: str, time: datetime | None = None
+) -> None:
+    rows = read_as_of(spark, config, TableName.parse(table), lsn, time)
     with pg.connect() as conn:
         pg_columns = [name for (name,) in conn.execute(
             "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped", (copy,)
@@ -159,7 +165,7 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp
     config = history_config(pg, tmp_path)
     snapshot_tables(config, spark, None)
     rng = random.Random(pg.major * 1000 + 24)
-    moments: list[LSN] = []
+    moments: list[tuple[LSN, datetime]] = []
     with pg.connect() as conn:
         for step in range(6):
             workload_step(conn, rng, step)
@@ -169,8 +175,9 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp
     run_incremental(config, spark, max_chunk_changes=7)
     for table in TABLES:
         assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
-        for k, lsn in enumerate(moments):
+        for k, (lsn, time) in enumerate(moments):
             assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
+            assert_as_of_equals(pg, spark, config, table, None, f"public.past_{k}_{table.split('.')[1]}", time)
         assert_as_of_equals(pg, spark, config, table, None, table)
     assert_each_change_once(config, spark)
     orders = changelog(config, "public.orders", spark).sort_by([("_pgcdc_lsn", "ascending"), ("_pgcdc_seq", "ascending")])
@@ -189,6 +196,19 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp
     expected = [(op, status) for op, i, status in zip(ops, orders.column("id").to_pylist(), orders.column("status").to_pylist())
                 if op in ("snapshot", "insert", "update") and i == 1]  # fmt: skip
     assert [(row["_pgcdc_op"], row["status"]) for row in statuses] == expected and expected
+    # Maintenance compacts the changelogs and cleans their logs; drains go on from their newest marker.
+    lake = open_lake(config.delta.root)
+    for table in TABLES:
+        maintain_table(config.history_path(*table.split(".")), lake, retention_hours=1, target_file_bytes=1 << 20)
+    with pg.connect() as conn:
+        workload_step(conn, rng, 6)
+        moments.append(capture(conn, 6))
+    run_incremental(config, spark, max_chunk_changes=7)
+    for table in TABLES:
+        for k, (lsn, _) in enumerate(moments):
+            assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
+        assert_as_of_equals(pg, spark, config, table, None, table)
+    assert_each_change_once(config, spark)
 
 
 def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
@@ -200,7 +220,7 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     reference = history_config(pg, tmp_path, "reference", "reference_slot")  # drained without faults
     snapshot_tables(reference, spark, None)
     rng = random.Random(pg.major)
-    moments: list[LSN] = []
+    moments: list[tuple[LSN, datetime]] = []
     with pg.connect() as conn:
         for step in range(3):
             workload_step(conn, rng, step)
@@ -219,7 +239,7 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     run_incremental(config, spark, max_chunk_changes=5)
     for table in TABLES:
         assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
-        for k, lsn in enumerate(moments):
+        for k, (lsn, _) in enumerate(moments):
             assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
         assert_as_of_equals(pg, spark, config, table, None, table)
     assert_each_change_once(config, spark)
@@ -227,8 +247,8 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     for table in TABLES:  # the same change rows as a drain that was never interrupted, no more, no fewer
         assert change_rows(config, table, spark) == change_rows(reference, table, spark), table
     # The command line prints the same rows as the Python read.
-    assert cli_main(["as-of", "--table", "public.dups", "--lsn", str(moments[0]), "--config", str(config_file)]) == 0
+    assert cli_main(["as-of", "--table", "public.dups", "--lsn", str(moments[0][0]), "--config", str(config_file)]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    expected = read_as_of(spark, config, TableName.parse("public.dups"), moments[0]).to_pylist()
+    expected = read_as_of(spark, config, TableName.parse("public.dups"), moments[0][0]).to_pylist()
     assert Counter(json.dumps(row, sort_keys=True) for row in printed) == Counter(json.dumps(row, sort_keys=True) for row in expected)
     assert deltalake.DeltaTable(config.history_path("public", "orders")).version() > 0

@@ -31,11 +31,13 @@ from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import delta_tables_under, maintain_table, properties_to_set, RETENTION_PROPERTIES
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_snapshot_lsn
 from resources.delta.table_log import read_table_log
+from resources.history import read_as_of
 from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
 from resources.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.conftest import POSTGRES_VERSIONS, PgDatabase
 from tests.s3_fixtures import S3Server
 from tests.test_faults import SLOT, Child, confirmed, write_config
@@ -134,6 +136,11 @@ def retention_properties(path: str) -> dict[str, str]:
     return {name: configuration[name] for name in RETENTION_PROPERTIES if name in configuration}
 
 
+def assert_changelog_is_the_table(pg: PgDatabase, spark: SparkSession, config: PgcdcConfig) -> None:
+    with pg.connect() as conn:
+        compare_rows(conn, "public.acct", *arrow_rows(read_as_of(spark, config, TableName("public", "acct"))))
+
+
 def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -141,11 +148,14 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     config = PgcdcConfig.model_validate({
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
         "delta": {"root": str(tmp_path / "lake")}, "maintenance": {"cron": "0 4 * * 0"},
+        "history": {"tables": {"public.acct": "changelog"}},
     })  # fmt: skip
     config_file = write_config(config, tmp_path)
     defs = build_definitions(config_file)
     paths = {table: config.table_path("public", table) for table in TABLES}
     acct, journal = paths["acct"], paths["journal"]
+    acct_changes = config.history_path("public", "acct")
+    assert acct_changes is not None
 
     # The job shares the drain's pool (a pool limit of 1 keeps them apart) and its schedule is off.
     maintenance_op = defs.resolve_job_def(MAINTENANCE_JOB).graph.node_defs[0]
@@ -181,10 +191,14 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     for _ in range(4):
         deltalake.write_deltalake(state, rows, mode="append")
 
+    changelog_files = table_files(acct_changes)
+    assert len(changelog_files) >= drains
+
     with instance_for_test() as instance:
         first = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(instance=instance)
         assert first.success
         assert len(table_files(state)) == 1
+        assert len(table_files(acct_changes)) == 1 and retention_properties(acct_changes) == RETENTION  # the changelog too
         for table, path in paths.items():
             observed = observations(first, AssetKey(["pgcdc", "public", table]))
             assert len(observed) == 1
@@ -259,6 +273,8 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         expired = read_table_log(acct)
         assert (expired.snapshot_lsn, expired.layout) == (EXPIRED_SNAPSHOT_LSN, acct_layout)
         assert_exact(pg, config)
+        # The changelog went on after its table's snapshot commit expired: folded whole, it is the table.
+        assert_changelog_is_the_table(pg, spark, config)
 
     # A drain on the maintained tables; then (on one version: the crash is Delta's, not
     # PostgreSQL's, and a child process with its own engine is costly) one that crashes after
@@ -283,6 +299,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     # acct's are merged again (idempotent), not skipped.
     assert replay.changes_skipped == 3 * (3 + 2)
     assert_exact(pg, config)
+    assert_changelog_is_the_table(pg, spark, config)
 
 
 def test_maintenance_of_an_object_store_lake_through_delta_rs(s3_server: S3Server, s3_root: str) -> None:

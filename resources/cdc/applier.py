@@ -69,7 +69,7 @@ from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination, TableLog
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
-from resources.delta.markers import APPEND_MARKER, applied_marker, LSN_COLUMN, REPLACE_MARKER
+from resources.delta.markers import APPEND_MARKER, applied_marker, EXPIRED_SNAPSHOT_LSN, LSN_COLUMN, REPLACE_MARKER
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
 from resources.errors import PgcdcError
 from resources.lsn import LSN
@@ -249,7 +249,10 @@ class ChangeApplier:
     def _start_history(self, target: TableTarget) -> None:
         """Read the changelog's marker; seed the changelog from the table when it does not start at the
         table's snapshot yet, which is exact only while the table's rows are that snapshot's (no commit
-        after it but maintenance: a table property, compaction)."""
+        after it but maintenance: a table property, compaction).
+
+        A table whose snapshot commit has left its log (maintenance cleaned it) says no snapshot LSN
+        any more: its changelog, seeded while the commit was there, goes on."""
         assert target.log is not None and target.history_path is not None
         log = target.log
         if log.chunks is not None:
@@ -263,8 +266,10 @@ class ChangeApplier:
         version, marker = self._destination.newest_marker(target.history_path)
         if version is None:
             target.history_schema = pa.schema([])
-        seed, target.history_marker = read_marker(target.table, marker)
-        if seed == log.snapshot_lsn:
+        target.history_seed, target.history_marker = read_marker(target.table, marker)
+        if target.history_seed is not None and (
+            target.history_seed == log.snapshot_lsn or log.snapshot_lsn == EXPIRED_SNAPSHOT_LSN
+        ):
             return
         if (
             log.snapshot_version is None
@@ -276,8 +281,8 @@ class ChangeApplier:
                 f"since its latest one (at {log.snapshot_lsn})",
                 "snapshot the table again (pgcdc_snapshot) to start its changelog, or set its history to none",
             )
-        self._writer.write(self._seed_history, target, int(log.snapshot_lsn))
-        target.history_marker = None
+        target.history_seed, target.history_marker = int(log.snapshot_lsn), None
+        self._writer.write(self._seed_history, target, target.history_seed)
 
     def _seed_history(self, target: TableTarget, snapshot_lsn: int) -> None:
         """(Writer thread.) The table's rows, as its snapshot wrote them, as the changelog's seed."""
@@ -317,8 +322,8 @@ class ChangeApplier:
 
     @staticmethod
     def _history_marker(target: TableTarget, end: int, seq: int) -> str:
-        assert target.log is not None and target.log.snapshot_lsn is not None, "a changelog is written after its seed"
-        return changes_marker(end, seq, int(target.log.snapshot_lsn))
+        assert target.history_seed is not None, "a changelog is written after its seed"
+        return changes_marker(end, seq, target.history_seed)
 
     def _append_history(self, target: TableTarget, batch: pa.Table, lookups: DeltaLookups | None, marker: str) -> None:
         """(Writer thread.) Fill the unchanged TOAST values the batch lacks from the table (before the

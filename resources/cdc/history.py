@@ -45,6 +45,7 @@ from resources.pgtypes import PgColumnType
 __all__ = [
     "changelog_rows",
     "changes_marker",
+    "COMMIT_TIME_TYPE",
     "COMMIT_TIME_COLUMN",
     "DeltaLookups",
     "event_row",

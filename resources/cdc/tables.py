@@ -67,6 +67,8 @@ class TableTarget:
     warned: bool = False
     #: Where the table's changelog lives (docs/history.md); None: no history kept.
     history_path: str | None = None
+    #: The snapshot LSN the changelog's seed holds (read from its newest marker, or seeded by this run).
+    history_seed: int | None = None
     #: (commit end LSN, position) of the newest change in the changelog (its log's marker, then this run's).
     history_marker: tuple[int, int] | None = None
     #: The changelog's columns as the writer thread last saw them (None: not read yet this run).
