@@ -10,7 +10,8 @@ scenario instead of several tests that each set one up
 1. lifecycle: snapshot, drains under concurrent writes, re-snapshot of one table (adopting buckets,
    as a table an earlier pgcdc wrote does), log cleanup of that table's snapshot commits (its layout
    then comes from the pgcdc state: no table property names it), TRUNCATE, ADD COLUMN with a default, a REPLICA IDENTITY FULL table with identical rows, a keyless table, and
-   timestamps at PostgreSQL's ``infinity``;
+   timestamps at PostgreSQL's ``infinity``, then maintenance after those drains (Delta's own
+   commands over Spark Connect on the Spark engines, delta-rs otherwise);
 2. the engine SIGKILLed during a drain in another process: one-line failure within seconds, the
    slot not moved past Delta, exact after a restart;
 3. a crash point (the drain process SIGKILLs itself; one point per engine, all points run on
@@ -42,7 +43,7 @@ import yaml
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.maintenance import MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES
+from resources.delta.maintenance import maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
@@ -240,6 +241,24 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
                " DELETE FROM dup WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 3);"
                " INSERT INTO dup VALUES (2, 'b')")
     step("drain on FULL identity", lambda: run_incremental(config, spark))
+    assert_lake_exact(pg, config, 50)
+
+    # Maintenance after those drains, with the engine's own commands where it has them (Delta on Spark,
+    # over Spark Connect) and delta-rs otherwise, at a one-second retention: every file the drains
+    # replaced is deleted, the rows stay; the kill and the crash below run on the maintained tables.
+    maintained_paths = [config.table_path("public", name) for name in ("acct", "dup", "journal")]
+    newest_commit_s = max(deltalake.DeltaTable(path).history(1)[0]["timestamp"] for path in maintained_paths) / 1000
+    time.sleep(max(0.0, newest_commit_s + 1.5 - time.time()))  # the replaced files are older than the retention
+    maintained: list[TableMaintenance] = []
+    step("maintenance", lambda: maintained.extend(
+        maintain_table(path, config.delta.lake(), retention_hours=1 / 3600, target_file_bytes=1 << 27, spark=spark)
+        for path in maintained_paths
+    ))  # fmt: skip
+    for done in maintained:
+        assert done.method == ("spark" if engine.name.startswith("spark") else "delta-rs"), done
+        replaced_by_drains = done.storage_before.files - done.table_before.files
+        assert replaced_by_drains > 0 and done.files_vacuumed >= replaced_by_drains, done
+        assert done.storage_after.files - done.table_after.files <= done.files_compacted, done
     assert_lake_exact(pg, config, 50)
 
     step("engine killed mid-drain, restart, re-run", lambda: engine_killed_mid_drain(engine, pg, tmp_path, config))
