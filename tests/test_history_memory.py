@@ -7,6 +7,7 @@ The live tests (test_history.py) do the same against PostgreSQL and Delta; these
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from resources.cdc.applier import ChangeApplier
 from resources.cdc.history import OP_COLUMN
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import CommittedTransaction
+from resources.cdc.writer import OrderedWriter
 from resources.errors import PgcdcError
 from resources.history import fold_changelog
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
@@ -111,6 +113,28 @@ def test_history_on_a_table_changed_since_its_snapshot_is_refused(tmp_path: Path
     later = transactions([[keyed_relation(), insert(OID, b"3", b"c")]], tmp_path / "later", first_end=SNAPSHOT_LSN + 20)
     with pytest.raises(PgcdcError, match="snapshot the table again"):
         apply_with_history(destination, later)
+
+
+def test_a_table_write_queued_behind_a_failed_changelog_write_does_not_run() -> None:
+    """A table's write waits for nothing but runs only after its changelog's write succeeded: a batch in
+    the table without its changelog rows could not be recorded again (its unchanged TOAST values are
+    read from the table as it was before the batch)."""
+    writer = OrderedWriter()
+    ran: list[str] = []
+    queued = threading.Event()
+
+    def changelog_append() -> None:
+        queued.wait()  # still running when the table's write is queued behind it
+        raise RuntimeError("the changelog append failed")
+
+    writer.write(changelog_append)
+    writer.next_behind()
+    writer.write(ran.append, "the table's MERGE")
+    queued.set()
+    with pytest.raises(RuntimeError, match="the changelog append failed"):
+        writer.collect(wait=True)
+    writer.close()
+    assert ran == []
 
 
 KEYS = st.integers(1, 6)

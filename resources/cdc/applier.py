@@ -301,6 +301,7 @@ class ChangeApplier:
         batch, lookups = changelog_rows(target, rows, keep, self._transactions, functools.partial(self._convert, target))
         end, seq = int(rows.lsns[kept[-1]]), int(rows.seqs[kept[-1]])
         self._writer.write(self._append_history, target, batch, lookups, self._history_marker(target, end, seq))
+        self._writer.next_behind()  # the table's write of the same changes follows, while the next chunk is built
         target.history_marker = (end, seq)
         target.stats.history_rows += len(kept)
 
@@ -498,6 +499,7 @@ class ChangeApplier:
                     self._replace_full(target, rows)
                 elif not self._merge_columnar(target, rows):
                     self._merge_by_row(target, rows)
+                self._writer.next_behind(False)  # spent by the table's write, if the batch needed one
                 self.changes_applied += len(rows)
                 target.stats.applied_lsn = LSN(max(int(rows.lsns.max()), target.stats.applied_lsn or 0))
 

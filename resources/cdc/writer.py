@@ -24,18 +24,31 @@ class OrderedWriter:
         self._heartbeat = heartbeat
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgcdc-delta-write")
         self._in_flight: deque[tuple[Future[None], int | None]] = deque()
+        self._behind = False
         self.durable = 0
 
     def write(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
-        """Run a Delta write in the writer thread, after those submitted before it (which must finish first)."""
+        """Run a Delta write in the writer thread, after those submitted before it (which must finish
+        first, unless :meth:`next_behind` said otherwise)."""
         self.collect(wait=False)
+        if self._behind:
+            self._behind = False
+            self.write_behind(operation, *args, **kwargs)
+            return
         while self._in_flight:
             self._collect_one()
         self._in_flight.append((self._executor.submit(operation, *args, **kwargs), None))
 
-    def write_behind(self, operation: Callable[..., None], *args: object) -> None:
-        """Queue a write right behind the one in flight without waiting (pieces of one batch)."""
-        self._in_flight.append((self._executor.submit(operation, *args), None))
+    def write_behind(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
+        """Queue a write right behind the one in flight without waiting (pieces of one batch); it runs
+        only if the write before it succeeded."""
+        before = self._in_flight[-1][0] if self._in_flight else None
+        self._in_flight.append((self._executor.submit(_after, before, operation, *args, **kwargs), None))
+
+    def next_behind(self, behind: bool = True) -> None:
+        """Whether the next :meth:`write` queues behind the writes in flight without waiting for them: a
+        table's write of a batch behind its changelog's write of the same batch, which must succeed first."""
+        self._behind = behind
 
     def durable_after_queued(self, end: int) -> None:
         """``end`` becomes durable once every write queued so far has completed."""
@@ -77,3 +90,10 @@ class OrderedWriter:
             except Exception:  # noqa: BLE001 - closing after a failure: the failure is already on its way
                 break
         self._executor.shutdown(wait=True)
+
+
+def _after(before: Future[None] | None, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
+    """(Writer thread.) ``operation`` once the write before it (done already: one thread, in order) succeeded."""
+    if before is not None:
+        before.result()
+    operation(*args, **kwargs)
