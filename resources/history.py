@@ -84,7 +84,10 @@ def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
     names = value_columns(changes.schema)
     if lsn is not None:
         changes = changes.filter(pc.less_equal(changes.column(LSN_COLUMN), pa.scalar(int(lsn), pa.int64())))
-    changes = changes.take(pc.sort_indices(changes, [(LSN_COLUMN, "ascending"), (SEQ_COLUMN, "ascending")]))
+    # A fill shares the position of the change it comes before (commits may be read in any order).
+    after_fill = pc.not_equal(changes.column(OP_COLUMN), "fill")
+    order = pa.table({"lsn": changes.column(LSN_COLUMN), "seq": changes.column(SEQ_COLUMN), "after_fill": after_fill})
+    changes = changes.take(pc.sort_indices(order, [("lsn", "ascending"), ("seq", "ascending"), ("after_fill", "ascending")]))
     ops = changes.column(OP_COLUMN).to_pylist()
     keys = changes.column(KEY_COLUMN).to_pylist()
     lsns = changes.column(LSN_COLUMN).to_pylist()

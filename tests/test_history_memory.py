@@ -101,6 +101,27 @@ def test_a_column_added_with_a_default_is_filled_in_the_rows_before_it(tmp_path:
     assert as_of(destination) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
 
 
+def test_a_column_added_mid_transaction_after_a_change_of_the_table_is_filled(tmp_path: Path) -> None:
+    """The fill comes between two changes of one transaction whose positions are consecutive (a Relation
+    message has no position of its own): it must neither be taken for the first change nor hide the second."""
+    destination = destination_with_snapshot([(1, "a")])
+    widened = relation(OID, "t", [("id", 23, True), ("body", 25, False), ("extra", 23, False)])
+    txns = transactions([[keyed_relation(), insert(OID, b"2", b"b"), widened, insert(OID, b"3", b"c", b"9")]], tmp_path)
+    types = StaticTypes(added={"extra": {(23, True, "5", True)}})
+    for replays in range(2):  # the second time: a replay appends nothing
+        target = TableTarget(TABLE, PATH, history_path=HISTORY)
+        applier = ChangeApplier(destination, types, {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None)
+        for txn in txns:
+            applier.add(txn)
+        applier.flush()
+        applier.finish()
+        applier.close()
+        assert as_of(destination) == [(1, "a", 5), (2, "b", 5), (3, "c", 9)]
+        assert as_of(destination) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
+        ops = destination.tables[HISTORY].column(OP_COLUMN).to_pylist()
+        assert ops == ["reset", "snapshot", "insert", "fill", "insert"], (replays, ops)
+
+
 def test_history_on_a_table_changed_since_its_snapshot_is_refused(tmp_path: Path) -> None:
     destination = destination_with_snapshot([(1, "a")])
     first = transactions([[keyed_relation(), insert(OID, b"2", b"b")]], tmp_path)

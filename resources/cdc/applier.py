@@ -53,6 +53,7 @@ import pyarrow.compute as pc
 from resources.cdc.history import (
     changelog_rows,
     changes_marker,
+    history_position,
     DeltaLookups,
     event_row,
     read_marker,
@@ -294,31 +295,33 @@ class ChangeApplier:
         marker = target.history_marker
         keep = np.ones(len(rows), bool)
         if marker is not None:
-            keep = (rows.lsns > marker[0]) | ((rows.lsns == marker[0]) & (rows.seqs > marker[1]))
+            keep = (rows.lsns > marker[0]) | ((rows.lsns == marker[0]) & (history_position(rows.seqs) > marker[1]))
         kept = np.flatnonzero(keep)
         if not len(kept):
             return
         batch, lookups = changelog_rows(target, rows, keep, self._transactions, functools.partial(self._convert, target))
-        end, seq = int(rows.lsns[kept[-1]]), int(rows.seqs[kept[-1]])
-        self._writer.write(self._append_history, target, batch, lookups, self._history_marker(target, end, seq))
+        end, position = int(rows.lsns[kept[-1]]), int(history_position(rows.seqs[kept[-1]]))
+        self._writer.write(self._append_history, target, batch, lookups, self._history_marker(target, end, position))
         self._writer.next_behind()  # the table's write of the same changes follows, while the next chunk is built
-        target.history_marker = (end, seq)
+        target.history_marker = (end, position)
         target.stats.history_rows += len(kept)
 
     def _write_fill_history(self, target: TableTarget, values: pa.Table, end: int, seq: int) -> None:
         """The changelog row of a back-fill: the value PostgreSQL gave the existing rows in added columns.
 
-        ``seq`` is the position of the change that brought the Relation message into use; the Relation
-        message itself came earlier in the transaction, and no change of the table lies between them."""
-        self._write_event_history(target, "fill", values, end, seq - 1)
+        ``seq`` is the position of the change that brought the Relation message into use: the fill
+        comes right before that change (a Relation message has no position of its own)."""
+        self._write_event_history(target, "fill", values, end, seq, history_position(seq, before=True))
 
-    def _write_event_history(self, target: TableTarget, op: str, values: pa.Table | None, end: int, seq: int) -> None:
+    def _write_event_history(
+        self, target: TableTarget, op: str, values: pa.Table | None, end: int, seq: int, position: int
+    ) -> None:
         """Queue a changelog row for the whole table (a truncate, a fill) unless the changelog has it."""
-        if target.history_path is None or (target.history_marker is not None and (end, seq) <= target.history_marker):
+        if target.history_path is None or (target.history_marker is not None and (end, position) <= target.history_marker):
             return
         row = event_row(op, values, end, seq, self._transactions[end])
-        self._writer.write(self._append_history, target, row, None, self._history_marker(target, end, seq))
-        target.history_marker = (end, seq)
+        self._writer.write(self._append_history, target, row, None, self._history_marker(target, end, position))
+        target.history_marker = (end, position)
         target.stats.history_rows += 1
 
     @staticmethod
@@ -469,7 +472,7 @@ class ChangeApplier:
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
-        self._write_event_history(target, "truncate", None, end, seq)
+        self._write_event_history(target, "truncate", None, end, seq, history_position(seq))
         self._writer.write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)

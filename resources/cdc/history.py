@@ -45,6 +45,7 @@ from resources.pgtypes import PgColumnType
 __all__ = [
     "changelog_rows",
     "changes_marker",
+    "history_position",
     "COMMIT_TIME_TYPE",
     "COMMIT_TIME_COLUMN",
     "DeltaLookups",
@@ -269,10 +270,19 @@ def seed_marker(snapshot_lsn: int, table: str) -> str:
     return json.dumps({"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(LSN(snapshot_lsn)), "table": table, "history": True}})
 
 
-def changes_marker(end: int, seq: int, seed_lsn: int) -> str:
-    """The marker of a commit of changes: the keyless appends' marker (changes up to ``seq`` of the
-    transaction ending at ``end``), plus the seed it continues, so the newest commit says it all."""
-    return json.dumps({"pgcdc": {"kind": "append", "applied_lsn": str(LSN(end)), "applied_seq": seq, "history_of": str(LSN(seed_lsn))}})
+def history_position(seq: int | np.ndarray, before: bool = False) -> int | np.ndarray:
+    """Where a changelog row stands among its transaction's rows, as its commit's marker records it:
+    ``2 * seq + 1`` for the change at ``seq`` (or a truncate), ``2 * seq`` for a fill that comes
+    right before that change. A fill takes no position of its own in the transaction, so a marker
+    counting ``seq`` alone could not tell the fill from the change before it or after it."""
+    return 2 * seq + (0 if before else 1)
+
+
+def changes_marker(end: int, position: int, seed_lsn: int) -> str:
+    """The marker of a commit of changes: the keyless appends' marker (rows up to ``position``,
+    :func:`history_position`, of the transaction ending at ``end``), plus the seed it continues, so the
+    newest commit says it all."""
+    return json.dumps({"pgcdc": {"kind": "append", "applied_lsn": str(LSN(end)), "applied_seq": position, "history_of": str(LSN(seed_lsn))}})
 
 
 def read_marker(table: object, marker: dict[str, Any] | None) -> tuple[int | None, tuple[int, int] | None]:
