@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
+from resources.delta.reads import delta_rs_rows
 from resources.delta.layout import DEFAULT_TARGET_ROWS
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables
@@ -122,7 +123,7 @@ def merge_files(path: str) -> tuple[int, int, int]:
 
 def check(dsn: str, table: Table, config: PgcdcConfig) -> None:
     name = table_name(table)
-    delta = deltalake.DeltaTable(config.table_path("public", name)).to_pyarrow_table(columns=["id", "amount"])
+    delta = delta_rs_rows(config.table_path("public", name), ["id", "amount"])
     with psycopg.connect(dsn, autocommit=True) as conn:
         (count, amount), = conn.execute(f"SELECT count(*), sum(amount) FROM {name}").fetchall()
     assert (delta.num_rows, pc.sum(delta.column("amount")).as_py()) == (count, amount), (name, delta.num_rows, count)
