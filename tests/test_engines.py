@@ -39,6 +39,7 @@ import deltalake
 import pytest
 import yaml
 
+from resources.delta.reads import delta_rs_rows
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.capabilities import engine_capabilities
@@ -412,7 +413,7 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
         assert next_line(child.stdout, "snapshot") == "snapshot done"
         assert_lake_exact(pg, config, 300)
         snapshotted = deltalake.DeltaTable(acct).version()
-        at_snapshot = deltalake.DeltaTable(acct, version=snapshotted).to_pyarrow_table().sort_by("id")
+        at_snapshot = delta_rs_rows(acct, version=snapshotted).sort_by("id")
         child.stdin.write("maintain\n")
         child.stdin.flush()
         maintained = json.loads(next_line(child.stdout, "maintained ").removeprefix("maintained "))
@@ -424,7 +425,7 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
         commit = (Path(acct) / "_delta_log" / f"{snapshotted + 1:020d}.json").read_text()
         assert json.loads(commit.splitlines()[0])["commitInfo"]["operation"] == "SET TBLPROPERTIES"
         assert "SET TBLPROPERTIES" in MAINTENANCE_OPERATIONS
-        assert deltalake.DeltaTable(acct, version=snapshotted).to_pyarrow_table().sort_by("id").equals(at_snapshot)
+        assert delta_rs_rows(acct, version=snapshotted).sort_by("id").equals(at_snapshot)
         assert_lake_exact(pg, config, 300)
         writes(pg, 10, 100)
         child.stdin.write("drain\n")

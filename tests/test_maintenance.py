@@ -30,6 +30,7 @@ from resources.config import PgcdcConfig
 from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import delta_tables_under, maintain_table, properties_to_set, RETENTION_PROPERTIES
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_snapshot_lsn
+from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.incremental import run_incremental
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
@@ -85,7 +86,7 @@ def storage_files(path: str) -> set[str]:
 
 
 def rows_at(path: str, version: int) -> list[dict]:
-    table = deltalake.DeltaTable(path, version=version).to_pyarrow_table()
+    table = delta_rs_rows(path, version=version)
     return sorted(table.to_pylist(), key=repr)
 
 
@@ -206,7 +207,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
             assert meta["pgcdc/storage_files_after"] == len(on_storage)
             # delta-rs commits keep the protocol the engine wrote, and the engine reads them.
             assert deltalake.DeltaTable(path).protocol() == protocol[table]
-            assert spark.read.format("delta").load(path).count() == deltalake.DeltaTable(path).to_pyarrow_table().num_rows
+            assert spark.read.format("delta").load(path).count() == delta_rs_rows(path).num_rows
         assert retention_properties(state) == RETENTION
         assert_exact(pg, config)
         # Markers: maintenance commits are none, so the readers find the same ones.
