@@ -439,7 +439,7 @@ def _file_deletions(table: object) -> list[_FileDeletions]:
 
     actions = pa.table(table.get_add_actions(flatten=True))  # type: ignore[attr-defined]
     partition_columns = [name for name in actions.column_names if name.startswith("partition.")]
-    root = unquote(table.table_uri()).rstrip("/") + "/"  # type: ignore[attr-defined]
+    root = unquote(table.table_uri).rstrip("/") + "/"  # type: ignore[attr-defined]
     deleted: dict[str, int] = {}
     vectors = pa.table(table.deletion_vectors())  # type: ignore[attr-defined]
     for uri, selection in zip(vectors.column("filepath").to_pylist(), vectors.column("selection_vector")):
