@@ -29,12 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import deltalake
 import psycopg
 import pyarrow.compute as pc
 
 from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
+from resources.delta.reads import delta_rs_rows
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.incremental import run_incremental
 from resources.pgoutput.options import highest_proto_version
@@ -147,9 +147,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
           f"= pgcdc {client_peak:,.0f} + Sail server {server_peak:,.0f} "
           f"(chunks of {args.chunk:,} changes, MERGEs of at most {args.merge_rows:,} rows)")
     options = lake_storage(root, storage).object_store_options() or None
-    table = deltalake.DeltaTable(config.table_path("public", "orders"), storage_options=options).to_pyarrow_table(
-        columns=["id", "amount"]
-    )
+    table = delta_rs_rows(config.table_path("public", "orders"), ["id", "amount"], storage_options=options)
     with psycopg.connect(dsn, autocommit=True) as conn:
         (count, amount), = conn.execute("SELECT count(*), sum(amount) FROM orders").fetchall()
     delta_amount = pc.sum(table.column("amount")).as_py()

@@ -1,19 +1,23 @@
 """bench.scale part (b): a drain costs what its changes cost, not what the table costs.
 
 Run ``python -m bench.scale big`` or ``python -m bench.scale_big [--sizes 100000,1000000,10000000]
-[--rounds 3] [--major 18] [--target-rows N] [--unbucketed | --both]``. It starts a throwaway PostgreSQL and one embedded engine,
+[--rounds 3] [--major 18] [--target-rows N] [--unbucketed | --both | --copy-on-write | --vs-copy-on-write]``.
+It starts a throwaway PostgreSQL and one embedded engine,
 loads one table per size (``id bigint`` primary key, about 100 bytes a row), ANALYZEs them and
-snapshots each into Delta with the layout its size gives it (``--unbucketed``: none, as pgcdc wrote
-tables before layouts; ``--both``: one table of each per size, drained in turn, so bucketed and
-unbucketed compare in the same run). Each table has its own publication and slot, so a drain reads only its
+snapshots each into Delta with the layout its size gives it and deletion vectors (pgcdc's defaults;
+``--unbucketed``: no buckets, as pgcdc wrote tables before layouts; ``--copy-on-write``:
+``delta.deletion_vectors: false``, as pgcdc wrote tables before deletion vectors; ``--both``: a
+bucketed and an unbucketed table per size, ``--vs-copy-on-write``: a table with and one without
+deletion vectors per size, drained in turn, so the two compare in the same run). Each table has its own publication and slot, so a drain reads only its
 table's changes. Then, per table and round, two timed drains (after one untimed warm-up):
 
 * newest: 100 updates of the 100 newest keys plus 100 inserts of new keys (a table whose recent
   rows are the busy ones);
 * random: 200 updates of uniformly random keys.
 
-It prints each drain's median wall time, its ratio to the smallest table's (the goal: the largest
-within 1.5x for ``newest``), the buckets the table has and the files the last MERGE rewrote, then
+It prints each drain's median wall time and the median bytes of data files its commits added, its
+ratio to the smallest table's (the goal: the largest within 1.5x for ``newest``), the buckets the
+table has and the files the last MERGE rewrote, then
 checks Delta against PostgreSQL by row count and a checksum. Ratios are measured in one run on one
 machine; figures from a busy machine vary from run to run.
 """
@@ -21,6 +25,7 @@ machine; figures from a busy machine vary from run to run.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import statistics
@@ -36,6 +41,7 @@ import pyarrow.compute as pc
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
+from resources.delta.reads import delta_rs_rows
 from resources.delta.layout import DEFAULT_TARGET_ROWS
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables
@@ -47,17 +53,19 @@ RANDOM_UPDATES = 200
 LOAD_BATCH = 1_000_000
 
 
-#: One benchmarked table: (rows, unbucketed).
-Table = tuple[int, bool]
+BUCKETED, UNBUCKETED, COPY_ON_WRITE = "bucketed", "unbucketed", "copy-on-write"
+
+#: One benchmarked table: (rows, kind): BUCKETED (pgcdc's defaults), UNBUCKETED or COPY_ON_WRITE.
+Table = tuple[int, str]
 
 
 def table_name(table: Table) -> str:
-    rows, unbucketed = table
-    return f"t{rows}" + ("_unbucketed" if unbucketed else "")
+    rows, kind = table
+    return f"t{rows}" + ("" if kind == BUCKETED else "_" + kind.replace("-", "_"))
 
 
 def describe(table: Table) -> str:
-    return f"{table[0]:>11,} rows{' unbucketed' if table[1] else ''}"
+    return f"{table[0]:>11,} rows{'' if table[1] == BUCKETED else ' ' + table[1]}"
 
 
 def load(dsn: str, table: Table) -> None:
@@ -78,10 +86,13 @@ def load(dsn: str, table: Table) -> None:
 
 def config_for(dsn: str, table: Table, root: Path, target_rows: int) -> PgcdcConfig:
     name = table_name(table)
-    tables = {f"public.{name}": {"bucketed": False}} if table[1] else {}
+    tables = {f"public.{name}": {"bucketed": False}} if table[1] == UNBUCKETED else {}
     return parse_config({
         "postgres": {"dsn": dsn}, "publication": f"pub_{name}", "slot": f"slot_{name}", "tables": [f"public.{name}"],
-        "delta": {"root": str(root), "buckets": {"target_rows": target_rows, "tables": tables}},
+        "delta": {
+            "root": str(root), "buckets": {"target_rows": target_rows, "tables": tables},
+            "deletion_vectors": table[1] != COPY_ON_WRITE,
+        },
     })
 
 
@@ -102,10 +113,29 @@ def random_changes(dsn: str, table: Table, keys: list[int]) -> None:
         conn.execute(f"UPDATE {table_name(table)} SET amount = amount + 1 WHERE id = ANY(%s)", (keys,))
 
 
-def timed_drain(config: PgcdcConfig, engine: SparkEngine) -> float:
+def timed_drain(config: PgcdcConfig, engine: SparkEngine, path: str, written: list[int] | None = None) -> float:
+    """The drain's wall time; appends the bytes of the data files its commits added to ``written``."""
+    before = deltalake.DeltaTable(path).version()
     started = time.perf_counter()
     run_incremental(config, engine.spark)
-    return time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    if written is not None:
+        written.append(added_bytes(path, before))
+    return elapsed
+
+
+def added_bytes(path: str, after_version: int) -> int:
+    """Bytes of the data files the table's commits after ``after_version`` added (a file given a
+    deletion vector is added again: not written, not counted)."""
+    total = 0
+    for commit in (Path(path) / "_delta_log").glob("*.json"):
+        if int(commit.name[:20]) > after_version:
+            actions = [json.loads(line) for line in commit.read_text().splitlines() if line.strip()]
+            removed = {action["remove"]["path"] for action in actions if "remove" in action}
+            total += sum(
+                action["add"]["size"] for action in actions if "add" in action and action["add"]["path"] not in removed
+            )
+    return total
 
 
 def merge_files(path: str) -> tuple[int, int, int]:
@@ -122,7 +152,7 @@ def merge_files(path: str) -> tuple[int, int, int]:
 
 def check(dsn: str, table: Table, config: PgcdcConfig) -> None:
     name = table_name(table)
-    delta = deltalake.DeltaTable(config.table_path("public", name)).to_pyarrow_table(columns=["id", "amount"])
+    delta = delta_rs_rows(config.table_path("public", name), ["id", "amount"])
     with psycopg.connect(dsn, autocommit=True) as conn:
         (count, amount), = conn.execute(f"SELECT count(*), sum(amount) FROM {name}").fetchall()
     assert (delta.num_rows, pc.sum(delta.column("amount")).as_py()) == (count, amount), (name, delta.num_rows, count)
@@ -136,9 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--target-rows", type=int, default=DEFAULT_TARGET_ROWS, help="delta.buckets.target_rows")
     parser.add_argument("--unbucketed", action="store_true", help="snapshot without buckets (the layout before pgcdc chose one)")
     parser.add_argument("--both", action="store_true", help="a bucketed and an unbucketed table per size, same run")
+    parser.add_argument("--copy-on-write", action="store_true", help="tables without deletion vectors")
+    parser.add_argument("--vs-copy-on-write", action="store_true", help="a table with and one without deletion vectors per size")
     args = parser.parse_args(argv)
     sizes = sorted(int(size) for size in args.sizes.split(","))
-    kinds = [False, True] if args.both else [args.unbucketed]
+    if args.both:
+        kinds = [BUCKETED, UNBUCKETED]
+    elif args.vs_copy_on_write:
+        kinds = [BUCKETED, COPY_ON_WRITE]
+    else:
+        kinds = [UNBUCKETED if args.unbucketed else COPY_ON_WRITE if args.copy_on_write else BUCKETED]
     tables = [(rows, unbucketed) for rows in sizes for unbucketed in kinds]
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-big-"))
     server = start_local_postgres(args.major, base_dir=work / "pg")
@@ -151,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"loaded {describe(table)} in {time.perf_counter() - started:.1f}s", flush=True)
         configs = {table: config_for(dsn, table, work / "lake", args.target_rows) for table in tables}
         results: dict[Table, dict[str, float]] = {}
+        paths = {table: configs[table].table_path("public", table_name(table)) for table in tables}
         with SparkEngine.embedded() as engine:
             for table in tables:
                 started = time.perf_counter()
@@ -161,28 +199,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 same_size = [table for table in tables if table[0] == rows]
                 newest: dict[Table, list[float]] = {table: [] for table in same_size}
                 uniform: dict[Table, list[float]] = {table: [] for table in same_size}
+                written: dict[Table, dict[str, list[int]]] = {table: {"newest": [], "random": []} for table in same_size}
                 for table in same_size:
                     newest_changes(dsn, table, 0)
-                    timed_drain(configs[table], engine)  # warm-up
+                    timed_drain(configs[table], engine, paths[table])  # warm-up
                 for round_number in range(1, args.rounds + 1):  # the kinds in turn, so they share the machine's mood
                     for table in same_size:
                         newest_changes(dsn, table, round_number)
-                        newest[table].append(timed_drain(configs[table], engine))
+                        newest[table].append(timed_drain(configs[table], engine, paths[table], written[table]["newest"]))
                 newest_removed = {table: merge_files(configs[table].table_path("public", table_name(table)))[2] for table in same_size}
                 for _ in range(args.rounds):
                     keys = rng.sample(range(1, rows + 1), RANDOM_UPDATES)  # the same keys in each kind's table
                     for table in same_size:
                         random_changes(dsn, table, keys)
-                        uniform[table].append(timed_drain(configs[table], engine))
+                        uniform[table].append(timed_drain(configs[table], engine, paths[table], written[table]["random"]))
                 for table in same_size:
                     config = configs[table]
                     files, partitions, random_removed = merge_files(config.table_path("public", table_name(table)))
                     check(dsn, table, config)
                     results[table] = {"newest": statistics.median(newest[table]), "random": statistics.median(uniform[table])}
+                    mb = {kind: statistics.median(written[table][kind]) / 1e6 for kind in ("newest", "random")}
                     print(
-                        f"{describe(table)}: newest {results[table]['newest']:.2f}s (last MERGE rewrote {newest_removed[table]} "
-                        f"file(s)), random {results[table]['random']:.2f}s (rewrote {random_removed}); "
-                        f"{files} files in {partitions} partition(s)",
+                        f"{describe(table)}: newest {results[table]['newest']:.2f}s, {mb['newest']:.3f} MB written "
+                        f"(last MERGE rewrote {newest_removed[table]} file(s)), random {results[table]['random']:.2f}s, "
+                        f"{mb['random']:.3f} MB written (rewrote {random_removed}); {files} files in {partitions} partition(s)",
                         flush=True,
                     )
         print(f"\nratios against {sizes[0]:,} rows of the same kind (one run; the machine may be shared, figures vary):")
@@ -195,15 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind in kinds:
             ratio = results[(sizes[-1], kind)]["newest"] / results[(sizes[0], kind)]["newest"]
             print(
-                f"goal{' (unbucketed)' if kind else ''}: newest at {sizes[-1]:,} rows within 1.5x of {sizes[0]:,}: "
+                f"goal{'' if kind == BUCKETED else f' ({kind})'}: newest at {sizes[-1]:,} rows within 1.5x of {sizes[0]:,}: "
                 f"{'met' if ratio <= 1.5 else 'NOT met'} ({ratio:.2f}x)"
             )
-        if args.both:
+        if len(kinds) == 2:
             for rows in sizes:
-                bucketed, unbucketed = results[(rows, False)], results[(rows, True)]
+                first, second = results[(rows, kinds[0])], results[(rows, kinds[1])]
                 print(
-                    f"{rows:>11,} rows, bucketed / unbucketed: newest {bucketed['newest'] / unbucketed['newest']:.2f}x, "
-                    f"random {bucketed['random'] / unbucketed['random']:.2f}x"
+                    f"{rows:>11,} rows, {kinds[0]} / {kinds[1]}: newest {first['newest'] / second['newest']:.2f}x, "
+                    f"random {first['random'] / second['random']:.2f}x"
                 )
     finally:
         server.destroy()

@@ -58,6 +58,9 @@ def maintenance_metadata(result: TableMaintenance) -> dict[str, object]:
         "pgcdc/files_after": MetadataValue.int(result.table_after.files),
         "pgcdc/bytes_before": MetadataValue.int(result.table_before.bytes),
         "pgcdc/bytes_after": MetadataValue.int(result.table_after.bytes),
+        # rows the deletion vectors delete / rows of the data files: what every read drops, compaction purges
+        "pgcdc/deleted_rows_fraction_before": MetadataValue.float(round(result.deleted_before.fraction, 6)),
+        "pgcdc/deleted_rows_fraction_after": MetadataValue.float(round(result.deleted_after.fraction, 6)),
         "pgcdc/files_compacted": MetadataValue.int(result.files_compacted),
         "pgcdc/files_written": MetadataValue.int(result.files_written),
         "pgcdc/files_removed": MetadataValue.int(result.files_vacuumed),
@@ -113,6 +116,7 @@ def build_maintenance(
                         lake,
                         retention_hours=settings.maintenance.retention_hours,
                         target_file_bytes=settings.maintenance.target_file_bytes,
+                        max_deleted_rows_ratio=settings.maintenance.max_deleted_rows_ratio,
                         spark=session,
                     )
                 except Exception as error:  # noqa: BLE001 - one table's failure must not stop the others'

@@ -92,9 +92,29 @@ class DeltaSettings(_Section):
     storage: StorageSettings = Field(default_factory=StorageSettings, description="object-store settings for root")
     buckets: BucketSettings = Field(default_factory=BucketSettings, description="how keyed tables are partitioned")
     deletion_vectors: bool = Field(
-        default=False,
-        description="snapshots turn on Delta's deletion vectors (Delta on Spark only; delta-rs readers cannot read them)",
+        default=True,
+        description="keyed and REPLICA IDENTITY FULL tables are created with Delta's deletion vectors: a MERGE marks "
+        "changed rows deleted instead of rewriting their files; false: copy-on-write, for readers without deletion vectors",
     )
+    deletion_vectors_tables: dict[str, bool] = Field(
+        default_factory=dict, description="schema.table -> deletion_vectors for that table, instead of the global value"
+    )
+
+    @field_validator("deletion_vectors_tables")
+    @classmethod
+    def _qualified_tables(cls, value: dict[str, bool]) -> dict[str, bool]:
+        for name in value:
+            if not _TABLE_NAME.match(name):
+                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        return value
+
+    def deletion_vectors_for(self, table: TableName) -> bool:
+        """Whether ``table``'s Delta table is created with deletion vectors (when it is keyed or
+        REPLICA IDENTITY FULL: docs/contracts.md, "Deletion vectors")."""
+        for name, enabled in self.deletion_vectors_tables.items():
+            if TableName.parse(name) == table:
+                return enabled
+        return self.deletion_vectors
 
     def lake(self) -> LakeStorage:
         """The lake at ``root``, with what each client needs to reach it (``resources.delta.lake_storage``)."""
@@ -181,6 +201,11 @@ class MaintenanceSettings(_Section):
     target_file_bytes: int = Field(
         default=128 * 1024 * 1024, ge=1024 * 1024, description="compaction writes files of about this size"
     )
+    max_deleted_rows_ratio: float = Field(
+        default=0.05, ge=0, le=1,
+        description="a data file whose deletion vectors delete more than this fraction of its rows is rewritten "
+        "without them (Delta's OPTIMIZE default), even alone in its bucket or above target_file_bytes",
+    )  # fmt: skip
 
 
 HistoryMode = Literal["none", "changelog"]

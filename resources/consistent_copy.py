@@ -55,6 +55,12 @@ class ConsistentCopy:
         return PieceParser(self.columns, self.schema, self.point)
 
     @property
+    def changes_rows(self) -> bool:
+        """Whether drains update and delete this table's rows: it has a replica identity key or is
+        REPLICA IDENTITY FULL (otherwise PostgreSQL publishes only its inserts and truncates)."""
+        return bool(self.info.key_columns)
+
+    @property
     def described(self) -> list[tuple[str, str, str]]:
         """(name, PostgreSQL type, Delta type) of the published columns, for logs and materializations."""
         return [(col.column, col.type_name, spark_ddl_type(col)) for col in self.columns]
@@ -69,11 +75,15 @@ class ConsistentCopy:
         layout: TableLayout | None,
         chunk_bytes: int,
         replace_where: str | None = None,
+        deletion_vectors: bool = False,
         on_piece: Callable[[], None] | None = None,
     ) -> int:
         """Write ``read()``'s pieces into one commit carrying ``marker`` (replacing the table, or the rows
         ``replace_where`` selects); return its version. ``read`` is called once the write starts;
-        ``on_piece`` runs on this thread after each piece is counted."""
+        ``on_piece`` runs on this thread after each piece is counted. ``deletion_vectors``: a write that
+        creates the table turns them on when the table's rows are updated or deleted by key or by row
+        value (:attr:`changes_rows`); a keyless append-only table is only ever appended to, so it
+        needs none and stays readable by every Delta reader."""
 
         def pieces() -> Iterator[pa.RecordBatch]:
             source = read()
@@ -92,8 +102,9 @@ class ConsistentCopy:
         stream = pieces()
         try:
             return write_snapshot(
-                spark, stream, self.schema, path, marker, chunk_bytes=chunk_bytes, layout=layout, replace_where=replace_where
-            )
+                spark, stream, self.schema, path, marker, chunk_bytes=chunk_bytes, layout=layout,
+                replace_where=replace_where, deletion_vectors=deletion_vectors and self.changes_rows,
+            )  # fmt: skip
         finally:
             stream.close()
 

@@ -108,6 +108,7 @@ def copy_key_range(
     buckets: BucketSettings | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    deletion_vectors: bool = True,
 ) -> RangeCopy:
     """Copy range k of ``table`` at a new consistent point into the Delta table at ``path``.
 
@@ -116,7 +117,8 @@ def copy_key_range(
     ``log`` records. ``log`` is the table's log as the caller read it just now (with the pgcdc state's
     row as ``known``: it still names the layout once log cleanup removed the snapshot commit); the
     caller holds the permanent slot ``slot`` (module docstring), so nothing else writes the table
-    meanwhile.
+    meanwhile. ``deletion_vectors``: the first range's commit creates a new table with them when the
+    table is keyed (``ConsistentCopy.write``).
     """
     with consistent_copy(dsn, publication, table, after_slot="after_range_slot") as copy:
         existing = existing_layout(table, path, log)
@@ -137,7 +139,7 @@ def copy_key_range(
 
         version = copy.write(
             spark, read, path, marker, layout=layout, chunk_bytes=chunk_bytes,
-            replace_where=None if first else _range_predicate(ranges.key, low, high),
+            replace_where=None if first else _range_predicate(ranges.key, low, high), deletion_vectors=deletion_vectors,
         )  # fmt: skip
     fault_point("after_range_commit")
     return RangeCopy(done, k, copy.point, copy.rows, copy.bytes, version, layout, copy.described)

@@ -41,14 +41,12 @@ from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
 from resources.consistent_copy import consistent_copy, Pieces
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import open_lake
 from resources.delta.layout import TableLayout
 from resources.delta.markers import read_snapshot_lsn, snapshot_marker
-from resources.delta.snapshot_writes import enable_deletion_vectors
 from resources.delta.spark_connect import reports_dead_engine
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.delta.table_log import read_table_log, read_table_metadata
@@ -173,7 +171,7 @@ def snapshot_table(
     chunk_mb: int = DEFAULT_CHUNK_MB,
     on_progress: Callable[[SnapshotProgress], None] | None = None,
     buckets: BucketSettings | None = None,
-    deletion_vectors: bool = False,
+    deletion_vectors: bool = True,
     known: TableLog | None = None,
 ) -> SnapshotResult:
     """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path``.
@@ -181,8 +179,8 @@ def snapshot_table(
     The Delta table is bucketed by the layout ``buckets`` gives it (default: from its size,
     ``resources/delta/layout.py``), recorded in the marker, unless it is bucketed already: then it
     keeps its layout (found as a drain finds it, ``known`` being the pgcdc state's row of the
-    table); ``deletion_vectors`` turns them on (Delta on Spark only: check
-    :func:`check_deletion_vectors` first).
+    table); ``deletion_vectors``: a table the snapshot creates gets them when it is keyed or REPLICA
+    IDENTITY FULL (docs/contracts.md, "Deletion vectors").
 
     One atomic Delta commit carrying the snapshot marker (docs/contracts.md) replaces the
     table. ``slot`` is the permanent slot the marker names; create it first
@@ -286,10 +284,8 @@ def _snapshot_table(
 
         version = copy.write(
             spark, read, path, marker, layout=layout, chunk_bytes=chunk_bytes,
-            on_piece=progress if on_progress is not None else None,
+            on_piece=progress if on_progress is not None else None, deletion_vectors=deletion_vectors,
         )  # fmt: skip
-        if deletion_vectors:
-            enable_deletion_vectors(spark, path)
         written = read_table_metadata(path)
     return SnapshotResult(
         table=table,
@@ -304,16 +300,6 @@ def _snapshot_table(
         layout=layout,
         table_id=written.table_id if written is not None else None,
     )
-
-
-def check_deletion_vectors(config: PgcdcConfig, spark: SparkSession) -> None:
-    """Refuse ``delta.deletion_vectors: true`` on an engine without Delta's commands, before anything is written."""
-    if config.delta.deletion_vectors and not engine_capabilities(spark).delta_commands:
-        raise ConfigurationError(
-            "delta.deletion_vectors is true but the engine is not Delta Lake on Spark (the embedded Sail engine "
-            "cannot write deletion vectors)",
-            "set delta.deletion_vectors: false, or spark.engine: spark / a Spark Connect server with Delta",
-        )
 
 
 # --------------------------------------------------------------------------- many tables
@@ -398,7 +384,6 @@ def snapshot_each(
     (``resources/delta/state_table.py``; a crash before it costs the next drain a log read).
     """
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
-    check_deletion_vectors(config, spark)
     state = state_path(config.delta.root, config.slot)
     rows = read_state(spark, state)
 
@@ -428,7 +413,7 @@ def snapshot_each(
                 chunk_mb=config.snapshot.chunk_mb,
                 on_progress=on_progress,
                 buckets=config.delta.buckets,
-                deletion_vectors=config.delta.deletion_vectors,
+                deletion_vectors=config.delta.deletion_vectors_for(table),
                 known=known(table),
             ): table
             for table in one_snapshot
@@ -536,7 +521,7 @@ def snapshot_in_key_ranges(
     def copy_range(ranges: KeyRanges, k: int, first: bool, log: TableLog) -> None:
         copies.append(copy_key_range(
             config.postgres.dsn, config.publication, config.slot, table, spark, path, ranges, k,
-            first=first, log=log, buckets=config.delta.buckets,
+            first=first, log=log, buckets=config.delta.buckets, deletion_vectors=config.delta.deletion_vectors_for(table),
         ))  # fmt: skip
 
     def copy_next() -> None:

@@ -20,6 +20,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.engine import SparkEngine
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
 from pgcdc_assets.checks import table_log_reader
 from resources.delta.state_table import state_path
@@ -150,9 +151,13 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     with pytest.raises(ConfigurationError, match="bucketed .* but no record of its layout is left"):
         snapshot_tables(new, spark, [TableName("public", "acct")])
     shutil.rmtree(path)
-    snapshot_tables(new, spark, [TableName("public", "acct")])
-    pg.execute("UPDATE acct SET id = 4 WHERE id = 3")
-    drain_and_compare(pg, new, spark)
+    # A new engine, as the next run gets one: Sail 0.7.2 keeps a table's metadata by path and version
+    # for the life of its server, and a MERGE writing deletion vectors into a table created again at
+    # the same path then reads the old table's schema (docs/engine-notes.md, "Deletion vectors").
+    with SparkEngine.embedded() as engine:
+        snapshot_tables(new, engine.spark, [TableName("public", "acct")])
+        pg.execute("UPDATE acct SET id = 4 WHERE id = 3")
+        drain_and_compare(pg, new, engine.spark)
 
     # a table keeps the layout it was created with (its table property, which outlives the marker)
     created = config_with(pg, tmp_path / "created", {"public.acct": {"width": 10}, "public.fullpk": {"count": 3}})
@@ -165,7 +170,7 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     }
 
 
-def test_a_width_for_a_key_that_is_not_one_integer_and_deletion_vectors_on_sail_are_refused_before_writing(
+def test_a_width_for_a_key_that_is_not_one_integer_is_refused_before_writing(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
     pg.execute(DDL)
@@ -173,9 +178,3 @@ def test_a_width_for_a_key_that_is_not_one_integer_and_deletion_vectors_on_sail_
     with pytest.raises(ConfigurationError, match=r"delta\.buckets\.tables\.public\.fullpk: a bucket width needs a single integer key"):
         snapshot_tables(config, spark)
     assert not (tmp_path / "lake" / "public" / "fullpk" / "_delta_log").exists()
-    vectors = config.model_copy(
-        update={"delta": config.delta.model_copy(update={"deletion_vectors": True, "root": str(tmp_path / "dv")})}
-    )
-    with pytest.raises(ConfigurationError, match="delta.deletion_vectors is true but the engine is not Delta Lake on Spark"):
-        snapshot_tables(vectors, spark, [TableName("public", "acct")])
-    assert not (tmp_path / "dv").exists()

@@ -27,6 +27,7 @@ from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 import resources.snapshot as snapshot_module
 from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.delta.markers import read_snapshot_lsn
+from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.errors import ConnectionFailure, SnapshotError
 from resources.key_range_copy import copy_key_range, RangeCopy
@@ -81,7 +82,7 @@ def delta_rows(root: Path, table: str) -> list[tuple]:
     """A Delta table's rows (without pgcdc's LSN and bucket columns, after checking the buckets) through
     delta-rs, in sorted_rows order."""
     assert_buckets_right(str(root / "public" / table))
-    data = deltalake.DeltaTable(str(root / "public" / table)).to_pyarrow_table()
+    data = delta_rs_rows(str(root / "public" / table))
     columns = [name for name in data.column_names if name not in ("_pgcdc_lsn", "_pgcdc_bucket")]
     return sorted_rows([tuple(record[name] for name in columns) for record in data.select(columns).to_pylist()])
 

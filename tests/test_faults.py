@@ -27,6 +27,7 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
+from resources.delta.reads import delta_rs_rows
 from resources.errors import SlotError
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import IncrementalResult, run_incremental
@@ -513,7 +514,7 @@ def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path:
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
                            "delta": {"root": str(tmp_path / "lake")}})  # fmt: skip
     snapshot_tables(config, spark, None)
-    stored = deltalake.DeltaTable(config.table_path("public", "padded")).to_pyarrow_table().sort_by("id")
+    stored = delta_rs_rows(config.table_path("public", "padded")).sort_by("id")
     assert stored.column("code").to_pylist() == ["a    ", None]  # PostgreSQL's output for char(5)
     assert assert_delta_equals_postgres(pg.dsn, "public.padded", config.table_path("public", "padded")) == 2
 

@@ -30,6 +30,7 @@ from resources.config import PgcdcConfig
 from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import delta_tables_under, maintain_table, properties_to_set, RETENTION_PROPERTIES
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_snapshot_lsn
+from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.history import read_as_of
 from resources.incremental import run_incremental
@@ -87,32 +88,47 @@ def storage_files(path: str) -> set[str]:
 
 
 def rows_at(path: str, version: int) -> list[dict]:
-    table = deltalake.DeltaTable(path, version=version).to_pyarrow_table()
+    table = delta_rs_rows(path, version=version)
     return sorted(table.to_pylist(), key=repr)
+
+
+def protocol_of(path: str) -> tuple[int, int, frozenset[str], frozenset[str]]:
+    """The table's protocol: versions and feature sets (delta-rs lists the features in no set order)."""
+    protocol = deltalake.DeltaTable(path).protocol()
+    return (
+        protocol.min_reader_version, protocol.min_writer_version,
+        frozenset(protocol.reader_features or ()), frozenset(protocol.writer_features or ()),
+    )  # fmt: skip
 
 
 def age_commits(path: str, versions: range, days: float) -> set[str]:
     """Move the clock of these commits back by ``days``: their commit and removal timestamps,
     and the modification time of the files they removed (Delta's VACUUM compares both with its
-    cutoff). Returns the files they removed. Only commits after the newest checkpoint hold their
-    own removals, so there must be none yet."""
+    cutoff). Returns the files they removed for good: not those a commit since added again (a
+    file given a deletion vector is removed and added back in one commit). Only commits after the
+    newest checkpoint hold their own removals, so there must be none yet."""
     log = Path(path) / "_delta_log"
     assert not list(log.glob("*.checkpoint.parquet")), "a checkpoint would hold these removals too"
     shift = int(days * DAY_MS)
-    removed = set()
+    removed: dict[str, int] = {}  # path -> the version that removed it
     for version in versions:
         commit = log / f"{version:020d}.json"
         actions = [json.loads(line) for line in commit.read_text().splitlines() if line.strip()]
         for action in actions:
             if "remove" in action:
                 action["remove"]["deletionTimestamp"] -= shift
-                removed.add(action["remove"]["path"])
+                removed[action["remove"]["path"]] = version
                 then = time.time() - shift / 1000
                 os.utime(Path(path) / action["remove"]["path"], (then, then))
             if "commitInfo" in action:
                 action["commitInfo"]["timestamp"] -= shift
         commit.write_text("".join(json.dumps(action) + "\n" for action in actions))
-    return removed
+    last_added: dict[str, int] = {}
+    for commit in sorted(log.glob("*.json")):
+        for line in commit.read_text().splitlines():
+            if line.startswith('{"add"'):
+                last_added[json.loads(line)["add"]["path"]] = int(commit.name[:20])
+    return {path for path, version in removed.items() if last_added.get(path, -1) < version}
 
 
 def age_log(path: str, days: float) -> None:
@@ -147,7 +163,9 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     pg.execute(DDL)
     config = PgcdcConfig.model_validate({
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
-        "delta": {"root": str(tmp_path / "lake")}, "maintenance": {"cron": "0 4 * * 0"},
+        # acct copy-on-write (with a changelog), dup (REPLICA IDENTITY FULL) with deletion vectors
+        "delta": {"root": str(tmp_path / "lake"), "deletion_vectors_tables": {"public.acct": False}},
+        "maintenance": {"cron": "0 4 * * 0"},
         "history": {"tables": {"public.acct": "changelog"}},
     })  # fmt: skip
     config_file = write_config(config, tmp_path)
@@ -172,7 +190,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     assert_exact(pg, config)
     files_before = {table: table_files(path) for table, path in paths.items()}
     assert all(len(files) >= drains for table, files in files_before.items() if table != "dup")
-    protocol = {table: deltalake.DeltaTable(path).protocol() for table, path in paths.items()}
+    protocol = {table: protocol_of(path) for table, path in paths.items()}
     snapshot_lsn = read_snapshot_lsn(spark, acct)
     applied = read_table_log(journal).applied_marker
     acct_layout = read_table_log(acct).layout  # from its snapshot marker
@@ -212,6 +230,9 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
             assert "delta.logRetentionDuration: (unset) -> interval 168 hours" in meta["pgcdc/retention_properties_set"]
             if table != "dup":
                 assert len(after) < len(files_before[table]), table  # compacted
+            # the rows deletion vectors delete (none in copy-on-write acct), compacted away with their files
+            assert meta["pgcdc/deleted_rows_fraction_after"] == 0.0, table
+            assert table != "acct" or meta["pgcdc/deleted_rows_fraction_before"] == 0.0
             # Vacuum: files removed before the cutoff are gone, later removals stay for time travel.
             on_storage = storage_files(path)
             assert not old[table] & on_storage, table
@@ -219,8 +240,8 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
             assert meta["pgcdc/files_removed"] == len(old[table])
             assert meta["pgcdc/storage_files_after"] == len(on_storage)
             # delta-rs commits keep the protocol the engine wrote, and the engine reads them.
-            assert deltalake.DeltaTable(path).protocol() == protocol[table]
-            assert spark.read.format("delta").load(path).count() == deltalake.DeltaTable(path).to_pyarrow_table().num_rows
+            assert protocol_of(path) == protocol[table]
+            assert spark.read.format("delta").load(path).count() == delta_rs_rows(path).num_rows
         assert retention_properties(state) == RETENTION
         assert_exact(pg, config)
         # Markers: maintenance commits are none, so the readers find the same ones.

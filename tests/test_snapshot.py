@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.reads import delta_rs_rows
 from resources.testing.verify import assert_buckets_right
 from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
 from resources.errors import ConfigurationError, SlotError, SnapshotError
@@ -53,7 +54,7 @@ def make_config(pg: PgDatabase, root: Path, **overrides: Any) -> PgcdcConfig:
 def delta_table(path: str | Path) -> pa.Table:
     """The Delta table's columns but the bucket column, after checking every row is in its key's bucket."""
     assert_buckets_right(str(path))
-    table = deltalake.DeltaTable(str(path)).to_pyarrow_table()
+    table = delta_rs_rows(str(path))
     return table.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in table.column_names else table
 
 
@@ -431,7 +432,7 @@ def assert_md5_payloads(path: str, rows: int) -> None:
     each exactly once: payloads compared value by value (swapped payloads differ), batch by batch."""
     seen = 0
     ids: set[int] = set()
-    for batch in deltalake.DeltaTable(path).to_pyarrow_dataset().to_batches(columns=["id", "payload"]):
+    for batch in delta_rs_rows(path, ["id", "payload"]).to_batches():
         for key, payload in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
             assert payload == hashlib.md5(str(key).encode()).hexdigest() * 31, key
             ids.add(key)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-import tracemalloc
 from collections import Counter
 from pathlib import Path
 
 import psycopg
-import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 
@@ -29,7 +27,7 @@ from resources.postgres.connections import connect
 from resources.postgres.copy import block_ranges
 from resources.postgres.preflight import ensure_slot
 from resources.incremental import run_incremental
-from resources.snapshot import snapshot_table, snapshot_tables, SnapshotProgress, SnapshotResult
+from resources.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
 from tests.conftest import PgDatabase
 from tests.memory_child import measured

@@ -8,7 +8,11 @@ engine reads every file of the target). One call of :func:`maintain_table` per D
 
 1. **compact**: rewrite small files into files of about ``target_file_bytes``, per partition
    (bucket) when the table is partitioned. One commit, ``dataChange: false``: the rows do not
-   change, only the files that hold them.
+   change, only the files that hold them. A rewritten file leaves its deletion vector behind (the
+   rows it deleted are not written); a file whose deletion vector deletes more than
+   ``max_deleted_rows_ratio`` of its rows is rewritten even when compaction would leave it (alone
+   in its bucket, or above the target size), so a table under random updates keeps its readers'
+   extra work bounded (docs/contracts.md, "Deletion vectors").
 2. **vacuum**: delete the data files that no version committed within ``retention_hours``
    references (Delta's VACUUM: a file removed from the table at time t is deleted once
    t < now - retention). Time travel to any version of the window keeps reading; older
@@ -28,11 +32,15 @@ per-tombstone costs). docs/contracts.md ("Table maintenance") argues why both eq
 retention is exactly right.
 
 Which engine does the work (the capability seam, ``capabilities.py``): Delta on Spark runs
-its own ``OPTIMIZE`` and ``VACUUM`` (at the table's file retention, set just before), and writes checkpoints and cleans its log
+its own ``OPTIMIZE`` (then ``REORG TABLE ... APPLY (PURGE)`` of the partitions still holding a file
+above the ratio: Delta 4.4's ``OPTIMIZE`` leaves a file alone in its bin as it is) and ``VACUUM`` (at the table's file retention, set just before), and writes checkpoints and cleans its log
 itself on every tenth commit. An engine without these commands (embedded Sail 0.7.2) gets them
 from delta-rs (``deltalake``) in pgcdc's own process, on local paths and on ``s3://`` lakes
 alike (``LakeStorage.object_store_options``). delta-rs commits keep the table's protocol
 (it adds no table feature) and Sail and Spark read them; docs/engine-notes.md has the checks.
+delta-rs's compaction leaves a file alone in its bin as it is, deletion vector and all, so the
+partitions holding a file above the ratio are rewritten by a Z-order ``OPTIMIZE`` of each (ordered by
+the layout's key, else by the LSN column), which reads the files with their deletion vectors applied.
 
 pgcdc's commit markers are untouched: the maintenance commits (``SET TBLPROPERTIES``, ``OPTIMIZE``,
 ``VACUUM START``, ``VACUUM END``) carry no ``userMetadata``, so the marker readers in ``markers.py`` pass over them,
@@ -47,12 +55,14 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from pyspark.sql import SparkSession
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import session_settings
 from resources.delta.lake_storage import is_object_store, join_location, LakeStorage, parse_object_location
+from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, LSN_COLUMN
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
 
 DELTA_LOG = "_delta_log"
@@ -72,6 +82,19 @@ class FileStats:
 
 
 @dataclass(frozen=True, slots=True)
+class DeletedRows:
+    """Rows in the data files of a table's newest version, and how many of them its deletion vectors delete
+    (rows every reader reads and drops until compaction rewrites their files)."""
+
+    rows: int
+    deleted: int
+
+    @property
+    def fraction(self) -> float:
+        return self.deleted / self.rows if self.rows else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class TableMaintenance:
     """What maintenance did to one table: the figures the Dagster job records."""
 
@@ -86,6 +109,9 @@ class TableMaintenance:
     #: Data files on storage (every version's), before and after: what vacuum shrinks.
     storage_before: FileStats
     storage_after: FileStats
+    #: Rows of the newest version's files and those its deletion vectors delete, before and after.
+    deleted_before: DeletedRows
+    deleted_after: DeletedRows
     #: Files compaction took out of the table and the files it wrote instead.
     files_compacted: int
     files_written: int
@@ -105,13 +131,15 @@ def maintain_table(
     *,
     retention_hours: float,
     target_file_bytes: int,
+    max_deleted_rows_ratio: float = 0.05,
     spark: SparkSession | None = None,
 ) -> TableMaintenance:
     """Set the retention properties, compact, vacuum and clean the log of the Delta table at
     ``path`` (see the module docstring).
 
     ``retention_hours`` may be fractional (the soak benchmark compresses a week into minutes;
-    users configure whole hours). ``spark`` is the session when one is running; its engine's own
+    users configure whole hours). ``max_deleted_rows_ratio``: a file whose deletion vector deletes more
+    than this fraction of its rows is rewritten (module docstring). ``spark`` is the session when one is running; its engine's own
     commands are used when it has them (Delta on Spark), delta-rs otherwise, and without a
     session (embedded Sail needs none for this).
     """
@@ -121,10 +149,11 @@ def maintain_table(
     started = time.monotonic()
     storage_before = _storage_files(lake, path)
     log_before = _log_files(lake, path)
+    deleted_before = deleted_rows(lake, path)
     if spark is not None and engine_capabilities(spark).delta_commands:
-        done = _SparkMaintenance(spark, path).run(retention_s, target_file_bytes)
+        done = _SparkMaintenance(spark, path, lake).run(retention_s, target_file_bytes, max_deleted_rows_ratio)
     else:
-        done = _DeltaRsMaintenance(path, lake).run(retention_s, target_file_bytes)
+        done = _DeltaRsMaintenance(path, lake).run(retention_s, target_file_bytes, max_deleted_rows_ratio)
     storage_after = _storage_files(lake, path)
     log_after = _log_files(lake, path)
     return TableMaintenance(
@@ -134,6 +163,8 @@ def maintain_table(
         version_after=done.version_after,
         table_before=done.table_before,
         table_after=done.table_after,
+        deleted_before=deleted_before,
+        deleted_after=deleted_rows(lake, path),
         storage_before=FileStats(len(storage_before), sum(storage_before.values())),
         storage_after=FileStats(len(storage_after), sum(storage_after.values())),
         files_compacted=done.files_compacted,
@@ -220,7 +251,7 @@ class _DeltaRsMaintenance:
 
         return DeltaTable(self.path, version=version, storage_options=self.lake.object_store_options() or None)
 
-    def run(self, retention_s: int, target_file_bytes: int) -> _Done:
+    def run(self, retention_s: int, target_file_bytes: int, max_deleted_rows_ratio: float) -> _Done:
         table = self._open()
         version_before, table_before = table.version(), _add_stats(table)
         configuration = table.metadata().configuration
@@ -230,6 +261,15 @@ class _DeltaRsMaintenance:
             table = self._open()
         compacted = table.optimize.compact(target_size=target_file_bytes, post_commithook_properties=_no_hooks())
         table = self._open()
+        files_compacted, files_written = int(compacted["numFilesRemoved"]), int(compacted["numFilesAdded"])
+        for partition in _partitions_to_purge(table, max_deleted_rows_ratio):
+            purged = table.optimize.z_order(
+                _order_columns(table), partition_filters=list(partition) or None, target_size=target_file_bytes,
+                post_commithook_properties=_no_hooks(),
+            )  # fmt: skip
+            files_compacted += int(purged["numFilesRemoved"])
+            files_written += int(purged["numFilesAdded"])
+            table = self._open()
         # A full vacuum lists the table's files (as Delta on Spark's VACUUM does) instead of trusting
         # the tombstones: a checkpoint drops a tombstone once it is older than the table's
         # deletedFileRetentionDuration (Sail writes one every ten commits), so a vacuum working
@@ -250,8 +290,8 @@ class _DeltaRsMaintenance:
             version_after=version,
             table_before=table_before,
             table_after=_add_stats(table),
-            files_compacted=int(compacted["numFilesRemoved"]),
-            files_written=int(compacted["numFilesAdded"]),
+            files_compacted=files_compacted,
+            files_written=files_written,
             properties_set=_property_changes(configuration, changed),
         )
 
@@ -290,8 +330,10 @@ class _DeltaRsMaintenance:
 class _SparkMaintenance:
     """Delta on Spark's own commands; it checkpoints and cleans its log on its own commits."""
 
-    def __init__(self, spark: SparkSession, path: str) -> None:
+    def __init__(self, spark: SparkSession, path: str, lake: LakeStorage) -> None:
         self.spark = spark
+        self.path = path
+        self.lake = lake
         self.table = "delta.`" + path.replace("`", "``") + "`"
 
     def _detail(self) -> tuple[int, FileStats, dict[str, str]]:
@@ -302,7 +344,7 @@ class _SparkMaintenance:
         assert newest is not None
         return int(newest["version"]), FileStats(int(row["numFiles"]), int(row["sizeInBytes"])), dict(row["properties"] or {})
 
-    def run(self, retention_s: int, target_file_bytes: int) -> _Done:
+    def run(self, retention_s: int, target_file_bytes: int, max_deleted_rows_ratio: float) -> _Done:
         version_before, table_before, configuration = self._detail()
         changed = properties_to_set(configuration, retention_s)
         if changed:
@@ -311,6 +353,18 @@ class _SparkMaintenance:
         with session_settings(self.spark, {"spark.databricks.delta.optimize.maxFileSize": str(target_file_bytes)}):
             metrics = self.spark.sql(f"OPTIMIZE {self.table}").select("metrics.*").first()
             assert metrics is not None
+            files_compacted, files_written = int(metrics["numFilesRemoved"]), int(metrics["numFilesAdded"])
+            partitions = _partitions_to_purge(_delta_rs_table(self.lake, self.path), max_deleted_rows_ratio)
+            if partitions:
+                where = " OR ".join(
+                    "(" + " AND ".join(f"`{column.replace('`', '``')}` = '{value.replace(chr(39), chr(39) * 2)}'" for column, _, value in partition) + ")"
+                    for partition in partitions if partition
+                )  # fmt: skip
+                purge = f"REORG TABLE {self.table}" + (f" WHERE {where}" if where else "") + " APPLY (PURGE)"
+                purged = self.spark.sql(purge).select("metrics.*").first()
+                assert purged is not None
+                files_compacted += int(purged["numFilesRemoved"])
+                files_written += int(purged["numFilesAdded"])
             # No RETAIN: the table's deletedFileRetentionDuration, the retention since the
             # property commit above (so Delta's retention-duration guard holds as well).
             self.spark.sql(f"VACUUM {self.table}").collect()
@@ -321,8 +375,8 @@ class _SparkMaintenance:
             version_after=version_after,
             table_before=table_before,
             table_after=table_after,
-            files_compacted=int(metrics["numFilesRemoved"]),
-            files_written=int(metrics["numFilesAdded"]),
+            files_compacted=files_compacted,
+            files_written=files_written,
             properties_set=_property_changes(configuration, changed),
         )
 
@@ -350,6 +404,68 @@ def _newest_writer_commit(lake: LakeStorage, path: str) -> int:
         if not infos or infos[0].get("operation") not in MAINTENANCE_OPERATIONS:
             return version
     return versions[-1]
+
+
+def deleted_rows(lake: LakeStorage, path: str) -> DeletedRows:
+    """The rows of the newest version's data files and the rows their deletion vectors delete, read by
+    delta-rs from the log and the deletion vector files (whichever engine wrote them)."""
+    files = _file_deletions(_delta_rs_table(lake, path))
+    return DeletedRows(sum(file.rows for file in files), sum(file.deleted for file in files))
+
+
+def _delta_rs_table(lake: LakeStorage, path: str):  # type: ignore[no-untyped-def]  # deltalake.DeltaTable
+    from deltalake import DeltaTable
+
+    return DeltaTable(path, storage_options=lake.object_store_options() or None)
+
+
+@dataclass(frozen=True, slots=True)
+class _FileDeletions:
+    """One data file of the newest version: its partition values, rows, and rows its deletion vector deletes."""
+
+    partition: tuple[tuple[str, str, str], ...]  # delta-rs partition filters: (column, "=", value)
+    rows: int
+    deleted: int
+
+
+def _file_deletions(table: object) -> list[_FileDeletions]:
+    """Every data file of ``table`` (a ``deltalake.DeltaTable``) with what its deletion vector deletes.
+
+    delta-rs hands deletion vectors out as selection vectors (one boolean per row, false where deleted)
+    keyed by the file's URI; its add actions give the file's path relative to the table, row count and
+    partition values."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    actions = pa.table(table.get_add_actions(flatten=True))  # type: ignore[attr-defined]
+    partition_columns = [name for name in actions.column_names if name.startswith("partition.")]
+    root = unquote(table.table_uri).rstrip("/") + "/"  # type: ignore[attr-defined]
+    deleted: dict[str, int] = {}
+    vectors = pa.table(table.deletion_vectors())  # type: ignore[attr-defined]
+    for uri, selection in zip(vectors.column("filepath").to_pylist(), vectors.column("selection_vector")):
+        kept = selection.values
+        deleted[unquote(uri).removeprefix(root)] = len(kept) - (pc.sum(kept).as_py() or 0)
+    files = []
+    for action in actions.select(["path", "num_records", *partition_columns]).to_pylist():
+        partition = tuple(
+            (name.removeprefix("partition."), "=", str(action[name])) for name in partition_columns if action[name] is not None
+        )
+        files.append(_FileDeletions(partition, action["num_records"] or 0, deleted.get(unquote(action["path"]), 0)))
+    return files
+
+
+def _partitions_to_purge(table: object, max_deleted_rows_ratio: float) -> list[tuple[tuple[str, str, str], ...]]:
+    """The partitions (as delta-rs partition filters; one empty filter: an unpartitioned table) holding
+    a file whose deletion vector deletes more than ``max_deleted_rows_ratio`` of its rows."""
+    return sorted({
+        file.partition for file in _file_deletions(table) if file.deleted and file.deleted > max_deleted_rows_ratio * file.rows
+    })  # fmt: skip
+
+
+def _order_columns(table: object) -> list[str]:
+    """What a purge's Z-order sorts by: the layout's key (the order snapshots write), else the LSN column."""
+    layout = layout_from_property(table.metadata().configuration.get(LAYOUT_PROPERTY))  # type: ignore[attr-defined]
+    return list(layout.key) if layout is not None else [LSN_COLUMN]
 
 
 def _add_stats(table: object) -> FileStats:
@@ -418,6 +534,7 @@ def describe(result: TableMaintenance) -> str:
         f"{result.path} ({result.method}): files {result.table_before.files} -> {result.table_after.files}"
         f" ({result.files_compacted} compacted into {result.files_written}),"
         f" {result.table_before.bytes} -> {result.table_after.bytes} bytes;"
+        f" rows deleted by deletion vectors {result.deleted_before.fraction:.2%} -> {result.deleted_after.fraction:.2%};"
         f" storage {result.storage_before.files} -> {result.storage_after.files} files"
         f" ({result.files_vacuumed} vacuumed); log files removed {result.log_files_removed};"
         f" version {result.version_before} -> {result.version_after}; {result.duration_s:.2f} s"

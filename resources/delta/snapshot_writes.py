@@ -64,8 +64,14 @@ def write_snapshot(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     layout: TableLayout | None = None,
     replace_where: str | None = None,
+    deletion_vectors: bool = False,
 ) -> int:
     """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
+
+    ``deletion_vectors``: a write that creates the table creates it with
+    :data:`DELETION_VECTORS_PROPERTY` on, so MERGEs then mark changed rows deleted instead of
+    rewriting their files (docs/contracts.md, "Deletion vectors"); an existing table keeps its
+    protocol and properties either way.
 
     With a ``layout``, every row gets its :data:`~resources.delta.layout.BUCKET_COLUMN` value
     (computed here, on the batches, by the same function a drain uses) and the table is
@@ -107,13 +113,16 @@ def write_snapshot(
     if replace_where is None and unfinished_create(path):
         discard_unfinished_create(path)
     if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
-        _write_with_delta_rs(data, schema, path, user_metadata, layout)
+        _write_with_delta_rs(data, schema, path, user_metadata, layout, deletion_vectors)
     else:
+        new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path)
         staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
         try:
             _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
             fault_point("after_snapshot_staged")
-            _overwrite(_staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where)
+            _overwrite(
+                _staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where, new_with_deletion_vectors
+            )
         finally:
             remove_tree(staging)
     fault_point("after_snapshot_commit")
@@ -149,14 +158,20 @@ def discard_unfinished_create(path: str) -> None:
 
 
 def _write_with_delta_rs(
-    data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str, layout: TableLayout | None
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    path: str,
+    user_metadata: str,
+    layout: TableLayout | None,
+    deletion_vectors: bool,
 ) -> None:
     """Overwrite the table at ``path`` with ``data`` in one delta-rs commit carrying ``user_metadata``.
 
     The batches stream from the COPY straight into delta-rs's Parquet writer (in Rust, outside the
     GIL), so encoding overlaps the copy and nothing is staged or read again.
 
-    A new table is created first, empty (version 0), with :data:`LAYOUT_PROPERTY`: delta-rs 1.6
+    A new table is created first, empty (version 0), with :data:`LAYOUT_PROPERTY` (and
+    :data:`DELETION_VECTORS_PROPERTY` when ``deletion_vectors``): delta-rs 1.6
     refuses table properties it does not know in a write, but takes them in a create. So the
     snapshot commit of a new table is version 1. When the write fails, the created table is taken
     away again (the whole directory when this write made it, else only the log); a process killed in
@@ -190,9 +205,12 @@ def _write_with_delta_rs(
         # OSError naming the cause (delta-rs says only "Could not create local directory").
         filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
     if created:
+        configuration = {LAYOUT_PROPERTY: layout_property(layout)}
+        if deletion_vectors:
+            configuration[DELETION_VECTORS_PROPERTY] = "true"
         fault_point("before_snapshot_create")
         DeltaTable.create(
-            path, target, partition_by=partition_by, configuration={LAYOUT_PROPERTY: layout_property(layout)},
+            path, target, partition_by=partition_by, configuration=configuration,
             storage_options=storage_options, raise_if_key_not_exists=False,
         )  # fmt: skip
         fault_point("after_snapshot_create")
@@ -247,10 +265,18 @@ def _staged_frame(spark: SparkSession, schema: pa.Schema, staging: str) -> DataF
 
 
 def _overwrite(
-    frame: DataFrame, path: str, user_metadata: str, layout: TableLayout | None, replace_where: str | None = None
+    frame: DataFrame,
+    path: str,
+    user_metadata: str,
+    layout: TableLayout | None,
+    replace_where: str | None = None,
+    deletion_vectors: bool = False,
 ) -> None:
     """Overwrite the table (schema too), or only the rows ``replace_where`` selects; bucketed by
-    ``layout``: one task, so one file, per bucket, sorted by key."""
+    ``layout``: one task, so one file, per bucket, sorted by key. ``deletion_vectors``: the write
+    creates the table, with :data:`DELETION_VECTORS_PROPERTY` on (a writer option every engine
+    records as the table property when it creates the table; never given for an existing table,
+    whose protocol stays as it is)."""
     delta_commands = engine_capabilities(frame.sparkSession).delta_commands
     if replace_where is not None:
         # Through a union with the (empty) table scan: Sail's replaceWhere refuses type details the
@@ -270,6 +296,8 @@ def _overwrite(
     if layout is not None:
         writer = writer.partitionBy(BUCKET_COLUMN)
     writer = writer.option("userMetadata", user_metadata)
+    if deletion_vectors:
+        writer = writer.option(DELETION_VECTORS_PROPERTY, "true")
     if not delta_commands:
         # Sail records delta.* writer options as table properties; Delta on Spark refuses
         # property names it does not know, so there the layout lives in the marker only.
@@ -288,13 +316,6 @@ RECORD_EMPTY_COMMITS = {"spark.databricks.delta.skipRecordingEmptyCommits": "fal
 """Delta on Spark's setting that makes it record a commit without actions (an empty key range's)."""
 
 
-def enable_deletion_vectors(spark: SparkSession, path: str) -> None:
-    """Turn on Delta's deletion vectors for the table (config ``delta.deletion_vectors``): a MERGE
-    then marks changed rows deleted instead of rewriting their files. Only where the engine has
-    Delta's SQL commands (the capability seam); Sail 0.7.2 can neither set table properties on a
-    path nor write deletion vectors, and callers refuse the setting there before writing."""
-    if not engine_capabilities(spark).delta_commands:
-        raise RuntimeError("deletion vectors need Delta Lake on Spark (the capability seam says this engine has no Delta commands)")
-    spark.sql(
-        f"ALTER TABLE delta.`{path.replace('`', '``')}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')"
-    ).collect()
+DELETION_VECTORS_PROPERTY = "delta.enableDeletionVectors"
+"""The Delta table property that makes MERGE, UPDATE and DELETE write deletion vectors (Sail, Delta on
+Spark 3.1+); set when pgcdc creates a table, never later: Sail cannot set a property on a path."""

@@ -1,6 +1,7 @@
 """Delta table == PostgreSQL table, value for value: the comparison the tests and the demo share.
 
-Delta is read with delta-rs (``deltalake``), an engine independent of the Sail writer,
+Delta is read with delta-rs (``deltalake``), an engine independent of the Sail writer, through
+its DataFusion reader, which applies deletion vectors (``resources.delta.reads.delta_rs_rows``),
 and PostgreSQL with psycopg. The type Delta must hold each column in is derived from the
 PostgreSQL catalog by the documented mapping (docs/type-mapping.md, written out here, not taken
 from the writer's ``resources/pgtypes.py``), and Delta's schema is checked against it. Columns
@@ -25,6 +26,7 @@ import pyarrow as pa
 
 from resources.delta.layout import BUCKET_COLUMN, row_buckets, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY
+from resources.delta.reads import delta_rs_rows
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import connect
 from resources.postgres.sql import quote_ident
@@ -67,10 +69,7 @@ def delta_rows(path: str, storage_options: Mapping[str, str] | None = None) -> t
     """Rows as Python values; timestamps as int64 microseconds, since pgcdc stores PostgreSQL's
     infinity at the int64 limits, beyond Python's datetime. ``storage_options`` reach an
     object-store lake (``LakeStorage.object_store_options``)."""
-    import deltalake  # the dev extra; imported here so the package works without it
-
-    options = dict(storage_options) if storage_options else None
-    return arrow_rows(deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table())
+    return arrow_rows(delta_rs_rows(path, storage_options=storage_options))
 
 
 def arrow_rows(table: pa.Table) -> tuple[pa.Schema, list[dict]]:
@@ -302,7 +301,7 @@ def assert_buckets_right(
         if layout is None:  # the marker is gone and no property names a layout
             layout = known
     assert known is None or layout == known, f"{path}: the log says {layout}, the caller knows {known}"
-    table = delta.to_pyarrow_table()
+    table = delta_rs_rows(path, storage_options=storage_options)
     if layout is None:
         assert BUCKET_COLUMN not in table.column_names, f"{path}: a bucket column but no layout in the snapshot marker"
         return None

@@ -1,0 +1,209 @@
+"""Deletion vectors on the embedded Sail engine: on by default for keyed and REPLICA IDENTITY FULL
+tables, off for keyless append-only ones and for tables opted out; a drain on a table with them
+rewrites no data file; maintenance purges them; a lake written without them keeps draining.
+
+Real PostgreSQL, the real engine, real Delta tables; every test ends with the oracle (Delta equals
+PostgreSQL value for value, read with delta-rs's DataFusion, which applies deletion vectors).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import deltalake
+import pyarrow as pa
+from pyspark.sql import SparkSession
+
+from resources.config import parse_config, PgcdcConfig
+from resources.delta.maintenance import maintain_table
+from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY
+from resources.incremental import run_incremental
+from resources.snapshot import snapshot_tables
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from tests.conftest import PgDatabase
+
+pytest_plugins = ["tests.spark_fixtures"]
+
+ROWS = 3000
+DDL = f"""
+    CREATE TABLE acct (id bigint PRIMARY KEY, balance numeric(12,2), note text);
+    INSERT INTO acct SELECT g, g, 'n' || g FROM generate_series(0, {ROWS} - 1) g;
+    CREATE TABLE feed (at bigint, what text);
+    INSERT INTO feed SELECT g, 'e' || g FROM generate_series(1, 100) g;
+    CREATE TABLE doc (x int, y text);
+    ALTER TABLE doc REPLICA IDENTITY FULL;
+    INSERT INTO doc SELECT g % 50, 'd' FROM generate_series(1, 200) g;
+    CREATE PUBLICATION pub FOR TABLE acct, doc;
+    CREATE PUBLICATION pub_feed FOR TABLE feed WITH (publish = 'insert, truncate');
+"""
+
+
+def config_for(pg: PgDatabase, lake: Path, **delta: object) -> PgcdcConfig:
+    # acct (keys 0-2999) in range buckets of 1,000 keys: three buckets, so random keys touch all
+    return parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": "pgcdc_slot",
+        "delta": {"root": str(lake), "buckets": {"tables": {"public.acct": {"width": 1000}}}, **delta},
+    })  # fmt: skip
+
+
+def has_deletion_vectors(path: str) -> bool:
+    """Whether the table's protocol names the deletionVectors reader feature (what readers refuse)."""
+    return "deletionVectors" in (deltalake.DeltaTable(path).protocol().reader_features or [])
+
+
+def exact(pg: PgDatabase, config: PgcdcConfig, table: str, key: tuple[str, ...] = ("id",)) -> int:
+    path = config.table_path("public", table)
+    rows = assert_delta_equals_postgres(pg.dsn, f"public.{table}", path, key=key)
+    assert_buckets_right(path)
+    return rows
+
+
+def commits_after(path: str, version: int) -> list[list[dict]]:
+    """The actions of every commit after ``version``."""
+    log = Path(path) / "_delta_log"
+    return [
+        [json.loads(line) for line in commit.read_text().splitlines()]
+        for commit in sorted(log.glob("*.json"))
+        if int(commit.name[:20]) > version
+    ]
+
+
+def random_changes(pg: PgDatabase, seed: int) -> None:
+    """Updates of keys spread over every bucket, a few deletes, a few inserts."""
+    pg.execute(f"UPDATE acct SET balance = balance + 1, note = 'u{seed}' WHERE id % 97 = {seed}")
+    pg.execute(f"DELETE FROM acct WHERE id % 389 = {seed}")
+    pg.execute(f"INSERT INTO acct SELECT {ROWS} * 10 + {seed} * 100 + g, g, 'new' FROM generate_series(1, 5) g")
+
+
+def test_keyed_and_full_tables_get_deletion_vectors_and_a_drain_rewrites_no_data_file(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    pg.execute(DDL)
+    config = config_for(pg, tmp_path / "lake")
+    snapshot_tables(config, spark)
+    acct, doc = config.table_path("public", "acct"), config.table_path("public", "doc")
+    assert has_deletion_vectors(acct) and has_deletion_vectors(doc)
+    assert deltalake.DeltaTable(acct).metadata().configuration[DELETION_VECTORS_PROPERTY] == "true"
+    snapshotted = deltalake.DeltaTable(acct).version()
+    data_bytes = sum(deltalake.DeltaTable(acct).get_add_actions(flatten=True).column("size_bytes").to_pylist())
+
+    random_changes(pg, 3)
+    pg.execute("UPDATE doc SET y = 'changed' WHERE x = 7")  # duplicates: every copy changes
+    pg.execute("DELETE FROM doc WHERE x = 8")
+    run_incremental(config, spark)
+    assert exact(pg, config, "acct") == ROWS - len(range(3, ROWS, 389)) + 5
+    assert exact(pg, config, "doc", key=()) == 196
+
+    commits = commits_after(acct, snapshotted)
+    removed = [action["remove"] for commit in commits for action in commit if "remove" in action]
+    added = [action["add"] for commit in commits for action in commit if "add" in action]
+    assert removed, "the drain changed rows of the snapshot's files"
+    # every file the drain took out of the table is back, the same file with a deletion vector:
+    # no data file was rewritten, and the new files hold only the new row images
+    with_vectors = {add["path"]: add for add in added if add.get("deletionVector")}
+    assert {remove["path"] for remove in removed} == set(with_vectors)
+    assert all(with_vectors[remove["path"]]["size"] == remove["size"] for remove in removed)
+    new_bytes = sum(add["size"] for add in added if add["path"] not in with_vectors)
+    assert new_bytes < data_bytes / 4, (new_bytes, data_bytes)
+
+    # and it stays exact over more drains on the same files
+    for seed in (5, 11):
+        random_changes(pg, seed)
+        run_incremental(config, spark)
+    assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
+
+
+def test_keyless_tables_and_opted_out_tables_are_copy_on_write(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    pg.execute(DDL)
+    # opted out per table while the global default is on
+    config = config_for(pg, tmp_path / "lake", deletion_vectors_tables={"public.acct": False})
+    snapshot_tables(config, spark)
+    acct, doc = config.table_path("public", "acct"), config.table_path("public", "doc")
+    assert not has_deletion_vectors(acct) and has_deletion_vectors(doc)
+    keyless = parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub_feed", "slot": "pgcdc_feed", "delta": {"root": str(tmp_path / "lake")},
+    })  # fmt: skip
+    snapshot_tables(keyless, spark)
+    assert not has_deletion_vectors(keyless.table_path("public", "feed"))  # only ever appended to
+
+    snapshotted = deltalake.DeltaTable(acct).version()
+    random_changes(pg, 3)
+    pg.execute("INSERT INTO feed VALUES (101, 'late')")
+    run_incremental(config, spark)
+    run_incremental(keyless, spark)
+    commits = commits_after(acct, snapshotted)
+    assert not any(action["add"].get("deletionVector") for commit in commits for action in commit if "add" in action)
+    assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
+    assert exact(pg, keyless, "feed", key=()) == 101
+
+    # off globally: no table gets them
+    off = config_for(pg, tmp_path / "off", deletion_vectors=False)
+    pg.execute("SELECT pg_drop_replication_slot('pgcdc_slot')")
+    snapshot_tables(off, spark)
+    assert not has_deletion_vectors(off.table_path("public", "acct")) and not has_deletion_vectors(off.table_path("public", "doc"))
+    random_changes(pg, 7)
+    run_incremental(off, spark)
+    assert exact(pg, off, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
+    assert exact(pg, off, "doc", key=()) == 200
+
+
+def test_a_lake_written_without_deletion_vectors_keeps_draining_with_them_on(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """A lake of the previous version (tables created without deletion vectors) under the new default:
+    its tables keep their protocol, copy-on-write, and stay exact; so does a re-snapshot in place."""
+    pg.execute(DDL)
+    before = config_for(pg, tmp_path / "lake", deletion_vectors=False)
+    snapshot_tables(before, spark)
+    random_changes(pg, 2)
+    run_incremental(before, spark)
+    now = config_for(pg, tmp_path / "lake")
+    acct = now.table_path("public", "acct")
+    protocol = deltalake.DeltaTable(acct).protocol()
+    for seed in (3, 4):
+        random_changes(pg, seed)
+        run_incremental(now, spark)
+    assert deltalake.DeltaTable(acct).protocol() == protocol and not has_deletion_vectors(acct)
+    assert exact(pg, now, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
+    assert exact(pg, now, "doc", key=()) == 200
+    snapshot_tables(now, spark)  # a re-snapshot into the existing table keeps its protocol too
+    assert not has_deletion_vectors(acct)
+    random_changes(pg, 6)
+    run_incremental(now, spark)
+    assert exact(pg, now, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
+
+
+def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    pg.execute(DDL)
+    config = config_for(pg, tmp_path / "lake")
+    snapshot_tables(config, spark)
+    acct = config.table_path("public", "acct")
+    # deletes only: each bucket keeps its one file, with a deletion vector deleting 10% of its rows
+    # (compaction bins leave a file alone in its bucket as it is)
+    pg.execute("DELETE FROM acct WHERE id % 10 = 0")
+    run_incremental(config, spark)
+    lake = config.delta.lake()
+    kept = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5)
+    assert kept.deleted_before == kept.deleted_after and kept.deleted_before.rows == ROWS
+    assert kept.deleted_before.deleted == ROWS // 10 and round(kept.deleted_before.fraction, 3) == 0.1
+    assert kept.files_compacted == 0
+    done = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.05)
+    assert done.deleted_before.fraction > 0.05 and done.deleted_after.deleted == 0, done
+    assert done.deleted_after.rows == ROWS - ROWS // 10 and done.files_compacted == 3
+    assert pa.table(deltalake.DeltaTable(acct).deletion_vectors()).num_rows == 0
+    assert exact(pg, config, "acct") == ROWS - ROWS // 10
+
+    # updates after the purge, then maintenance again: bins of several files are compacted, their
+    # deletion vectors go with them; drains on the compacted files stay exact
+    for seed in (1, 2):
+        random_changes(pg, seed)
+        run_incremental(config, spark)
+    again = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27)
+    assert again.deleted_before.deleted > 0 and again.deleted_after.deleted == 0, again
+    random_changes(pg, 9)
+    run_incremental(config, spark)
+    assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
+    assert exact(pg, config, "doc", key=()) == 200
