@@ -74,17 +74,13 @@ LISTED_TABLES = 50
 DrainEvent = MaterializeResult | AssetMaterialization | AssetObservation | AssetCheckResult | AssetCheckEvaluation
 
 
-def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, object]:
-    """A changed table's materialization metadata; LSNs as X/Y text, counts and lags as numbers to plot."""
-    stats = result.tables[str(table)]
-    metadata: dict[str, object] = {
+def drain_figures(result: IncrementalResult) -> dict[str, object]:
+    """What one drain did and where it left the slot: the part of the metadata the slot asset and a
+    changed table's materialization share."""
+    return {
         "pgcdc/confirmed_flush_lsn": MetadataValue.text(str(result.confirmed_flush_lsn)),
         "pgcdc/start_lsn": MetadataValue.text(str(result.start_lsn)),
         "pgcdc/end_lsn": MetadataValue.text(str(result.end_lsn)),
-        "pgcdc/inserted": MetadataValue.int(stats.inserted),
-        "pgcdc/updated": MetadataValue.int(stats.updated),
-        "pgcdc/deleted": MetadataValue.int(stats.deleted),
-        "pgcdc/truncates": MetadataValue.int(stats.truncates),
         "pgcdc/transactions_applied": MetadataValue.int(result.transactions),
         "pgcdc/changes_applied": MetadataValue.int(result.changes),
         "pgcdc/changes_skipped": MetadataValue.int(result.changes_skipped),
@@ -92,6 +88,18 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
         "pgcdc/slot_lag_bytes_after": MetadataValue.int(result.lag_bytes_after),
         "pgcdc/duration_s": MetadataValue.float(round(result.duration_s, 3)),
         "pgcdc/changes_per_second": MetadataValue.float(round(result.changes_per_second, 1)),
+    }
+
+
+def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, object]:
+    """A changed table's materialization metadata; LSNs as X/Y text, counts and lags as numbers to plot."""
+    stats = result.tables[str(table)]
+    metadata: dict[str, object] = {
+        **drain_figures(result),
+        "pgcdc/inserted": MetadataValue.int(stats.inserted),
+        "pgcdc/updated": MetadataValue.int(stats.updated),
+        "pgcdc/deleted": MetadataValue.int(stats.deleted),
+        "pgcdc/truncates": MetadataValue.int(stats.truncates),
     }
     if stats.delta_version is not None:
         metadata["pgcdc/delta_version"] = MetadataValue.int(stats.delta_version)
@@ -134,16 +142,7 @@ def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKe
     links = "\n".join(f"- [{table}](/assets/{'/'.join(key.path)})" for table, key in listed)
     more = f"\n- and {len(changed) - len(listed)} more" if len(changed) > len(listed) else ""
     metadata: dict[str, object] = {
-        "pgcdc/confirmed_flush_lsn": MetadataValue.text(str(result.confirmed_flush_lsn)),
-        "pgcdc/start_lsn": MetadataValue.text(str(result.start_lsn)),
-        "pgcdc/end_lsn": MetadataValue.text(str(result.end_lsn)),
-        "pgcdc/transactions_applied": MetadataValue.int(result.transactions),
-        "pgcdc/changes_applied": MetadataValue.int(result.changes),
-        "pgcdc/changes_skipped": MetadataValue.int(result.changes_skipped),
-        "pgcdc/slot_lag_bytes_before": MetadataValue.int(result.lag_bytes_before),
-        "pgcdc/slot_lag_bytes_after": MetadataValue.int(result.lag_bytes_after),
-        "pgcdc/duration_s": MetadataValue.float(round(result.duration_s, 3)),
-        "pgcdc/changes_per_second": MetadataValue.float(round(result.changes_per_second, 1)),
+        **drain_figures(result),
         "pgcdc/tables_changed": MetadataValue.int(len(changed)),
         "pgcdc/changed_tables": MetadataValue.md(links + more if changed else "none"),
     }
