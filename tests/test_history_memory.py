@@ -28,10 +28,10 @@ HISTORY = PATH + "__changes"
 
 
 def apply_with_history(destination: InMemoryDestination, txns: list[CommittedTransaction], *, max_changes: int = 1000,
-                       primary_key: tuple[str, ...] = ()) -> ChangeApplier:
+                       primary_key: tuple[str, ...] = (), types: StaticTypes | None = None) -> ChangeApplier:
     target = TableTarget(TABLE, PATH, history_path=HISTORY)
-    applier = ChangeApplier(destination, StaticTypes(primary_key=primary_key), {TABLE: target}, max_changes=max_changes,
-                            max_bytes=1 << 30, log=lambda _: None)
+    applier = ChangeApplier(destination, types or StaticTypes(primary_key=primary_key), {TABLE: target},
+                            max_changes=max_changes, max_bytes=1 << 30, log=lambda _: None)
     try:
         for txn in txns:
             if not applier.fits(txn):
@@ -88,14 +88,7 @@ def test_a_column_added_with_a_default_is_filled_in_the_rows_before_it(tmp_path:
         [keyed_relation(), insert(OID, b"2", b"b")],
         [widened, insert(OID, b"3", b"c", b"9"), update(OID, (b"1", b"a", None))],
     ], tmp_path)  # fmt: skip
-    target = TableTarget(TABLE, PATH, history_path=HISTORY)
-    types = StaticTypes(added={"extra": {(23, True, "5", True)}})
-    applier = ChangeApplier(destination, types, {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None)
-    for txn in txns:
-        applier.add(txn)
-    applier.flush()
-    applier.finish()
-    applier.close()
+    apply_with_history(destination, txns, types=StaticTypes(added={"extra": {(23, True, "5", True)}}))
     assert as_of(destination, SNAPSHOT_LSN + 10) == [(1, "a", None), (2, "b", None)]  # before the column existed
     assert as_of(destination) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
     assert as_of(destination) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
@@ -109,13 +102,7 @@ def test_a_column_added_mid_transaction_after_a_change_of_the_table_is_filled(tm
     txns = transactions([[keyed_relation(), insert(OID, b"2", b"b"), widened, insert(OID, b"3", b"c", b"9")]], tmp_path)
     types = StaticTypes(added={"extra": {(23, True, "5", True)}})
     for replays in range(2):  # the second time: a replay appends nothing
-        target = TableTarget(TABLE, PATH, history_path=HISTORY)
-        applier = ChangeApplier(destination, types, {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None)
-        for txn in txns:
-            applier.add(txn)
-        applier.flush()
-        applier.finish()
-        applier.close()
+        apply_with_history(destination, txns, types=types)
         assert as_of(destination) == [(1, "a", 5), (2, "b", 5), (3, "c", 9)]
         assert as_of(destination) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
         ops = destination.tables[HISTORY].column(OP_COLUMN).to_pylist()
