@@ -292,6 +292,29 @@ def test_type_change_that_is_not_a_widening_fails_with_the_resnapshot_fix(
     assert slot_confirmed(pg) == start  # nothing confirmed past the change that could not be applied
 
 
+def test_a_renamed_column_fails_with_the_resnapshot_fix_instead_of_losing_its_values(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """RENAME COLUMN keeps the column's attnum, so the renamed column stands where it stood, before
+    columns Delta has: its existing values never reach the stream, and taking it for an added column
+    would leave them NULL in Delta."""
+    config = setup(pg, tmp_path, spark, """
+        CREATE TABLE r2 (id int PRIMARY KEY, v int, note text);
+        INSERT INTO r2 VALUES (1, 10, 'a'), (2, 20, 'b');
+        CREATE PUBLICATION pub FOR TABLE r2;
+    """)
+    start = slot_confirmed(pg)
+    with pg.connect() as conn:
+        conn.execute("ALTER TABLE r2 RENAME COLUMN v TO w")
+        conn.execute("INSERT INTO r2 VALUES (3, 30, 'c')")
+    with pytest.raises(SchemaChangeError) as failure:
+        drain(config, spark)
+    message = str(failure.value)
+    assert "column 'w' of public.r2 appeared before columns Delta already has" in message
+    assert "pgcdc_resnapshot" in message and "\n" not in message
+    assert slot_confirmed(pg) == start  # nothing confirmed past the change that could not be applied
+
+
 # --------------------------------------------------------------------------- identities
 
 

@@ -53,6 +53,21 @@ class SchemaReconciler:
         self._log = log
         self._before_fill = before_fill
 
+    @staticmethod
+    def _refuse_renamed(target: TableTarget, names: list[str], seen: set[str]) -> None:
+        """Refuse a column new to Delta that stands before a column Delta has: a Relation message lists
+        columns in attnum order and ADD COLUMN takes the next attnum, so such a column was renamed (or
+        published by a changed column list), and its existing rows' values never reached Delta. Taking it
+        for an added column would leave them NULL. (A rename of the last column looks like DROP and ADD
+        to the stream: docs/guarantees.md, "Schema changes".)"""
+        for position, name in enumerate(names):
+            if name not in seen and any(later in seen for later in names[position + 1 :]):
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} appeared before columns Delta already has (a RENAME COLUMN, or a "
+                    "column newly published by a changed column list): its existing values are not in the stream",
+                    RESNAPSHOT_FIX,
+                )
+
     def reconcile(
         self,
         target: TableTarget,
@@ -90,6 +105,7 @@ class SchemaReconciler:
         # Columns new since the previous Relation message (or, for the first one of the run, new
         # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows.
         seen = {c.name for c in previous.columns} if previous is not None else set(existing)
+        self._refuse_renamed(target, [c.column for c in columns], seen)
         fills = self._fills(target, relation, columns, [c for c in columns if c.column not in seen], end, seq)
         added = [f for f in added if f.name not in fills]
         if widened:
