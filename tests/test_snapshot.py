@@ -33,6 +33,7 @@ from resources.postgres.connections import libpq_options
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.replication import CreatedSlot
+from resources import snapshot
 from resources.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
 from tests.conftest import PgDatabase
 from tests.memory_child import measured
@@ -250,7 +251,7 @@ def test_column_list_and_row_filter_are_honoured(pg: PgDatabase, spark: SparkSes
 
 
 def test_keyless_partitioned_and_empty_tables_in_parallel(
-    pg: PgDatabase, spark: SparkSession, tmp_path: Path
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pg.execute(
         '''
@@ -272,11 +273,23 @@ def test_keyless_partitioned_and_empty_tables_in_parallel(
         pg, root, create_publication=True, snapshot={"parallel_tables": 3},
         tables=["public.logs", "public.measures", "public.nothing_yet", 'public."MixedCase"'],
     )  # fmt: skip
-    seen_threads: set[str] = set()
-    results = snapshot_tables(config, spark, on_progress=lambda p: seen_threads.add(threading.current_thread().name))
+    # The tables really run side by side on the one Spark session: the first two to start wait for each
+    # other before copying (a pool running them one at a time would break the barrier after 120 s).
+    side_by_side = threading.Barrier(2, timeout=120)
+    copy_one = snapshot.snapshot_table
+    started: list[str] = []
+
+    def snapshot_table(*args: object, **kwargs: object) -> object:
+        started.append(str(args[2]))
+        if len(started) <= 2:
+            side_by_side.wait()
+        return copy_one(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot, "snapshot_table", snapshot_table)
+    results = snapshot_tables(config, spark)
 
     assert [str(r.table) for r in results] == ["public.logs", "public.measures", "public.nothing_yet", "public.MixedCase"]
-    assert len(seen_threads) >= 2  # the tables really ran side by side on the one Spark session
+    assert sorted(started) == sorted(str(r.table) for r in results) and not side_by_side.broken
     logs = delta_table(config.table_path("public", "logs"))
     assert logs.num_rows == 3002 and results[0].rows == 3002
     assert logs.column_names == ["line", "at", LSN_COLUMN]  # pgoutput does not publish generated columns
