@@ -280,16 +280,27 @@ def test_type_change_that_is_not_a_widening_fails_with_the_resnapshot_fix(
         INSERT INTO c VALUES (1, 1);
         CREATE PUBLICATION pub FOR TABLE c;
     """)
+    assert_refused_with_the_resnapshot_fix(
+        pg, config, spark, ["ALTER TABLE c ALTER COLUMN code TYPE text", "INSERT INTO c VALUES (2, 'two')"],
+        "'code' of public.c changed type from int to text",
+    )
+
+
+def assert_refused_with_the_resnapshot_fix(
+    pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, statements: list[str], expected: str
+) -> None:
+    """After ``statements``, the drain fails in one line naming ``expected`` and the re-snapshot job,
+    and confirms nothing past the change it could not apply."""
     start = slot_confirmed(pg)
     with pg.connect() as conn:
-        conn.execute("ALTER TABLE c ALTER COLUMN code TYPE text")
-        conn.execute("INSERT INTO c VALUES (2, 'two')")
+        for statement in statements:
+            conn.execute(statement)
     with pytest.raises(SchemaChangeError) as failure:
         drain(config, spark)
     message = str(failure.value)
-    assert "'code' of public.c changed type from int to text" in message
+    assert expected in message
     assert "pgcdc_resnapshot" in message and "\n" not in message
-    assert slot_confirmed(pg) == start  # nothing confirmed past the change that could not be applied
+    assert slot_confirmed(pg) == start
 
 
 def test_a_renamed_column_fails_with_the_resnapshot_fix_instead_of_losing_its_values(
@@ -303,16 +314,10 @@ def test_a_renamed_column_fails_with_the_resnapshot_fix_instead_of_losing_its_va
         INSERT INTO r2 VALUES (1, 10, 'a'), (2, 20, 'b');
         CREATE PUBLICATION pub FOR TABLE r2;
     """)
-    start = slot_confirmed(pg)
-    with pg.connect() as conn:
-        conn.execute("ALTER TABLE r2 RENAME COLUMN v TO w")
-        conn.execute("INSERT INTO r2 VALUES (3, 30, 'c')")
-    with pytest.raises(SchemaChangeError) as failure:
-        drain(config, spark)
-    message = str(failure.value)
-    assert "column 'w' of public.r2 appeared before columns Delta already has" in message
-    assert "pgcdc_resnapshot" in message and "\n" not in message
-    assert slot_confirmed(pg) == start  # nothing confirmed past the change that could not be applied
+    assert_refused_with_the_resnapshot_fix(
+        pg, config, spark, ["ALTER TABLE r2 RENAME COLUMN v TO w", "INSERT INTO r2 VALUES (3, 30, 'c')"],
+        "column 'w' of public.r2 appeared before columns Delta already has",
+    )
 
 
 # --------------------------------------------------------------------------- identities
