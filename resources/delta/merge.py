@@ -70,6 +70,32 @@ def merge_batch(
     grows with the table instead of the batch and the MERGE takes about twice as long
     (measured in docs/engine-notes.md).
     """
+    staged = _merge_source(path)
+    spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
+    try:
+        spark.sql(merge_statement(path, staged, source, key_columns, prune_buckets)).collect()
+    finally:
+        remove_tree(staged)
+
+
+def merge_statement(
+    path: str,
+    staged: str,
+    source: pa.Table,
+    key_columns: Sequence[str],
+    prune_buckets: bool = True,
+) -> str:
+    """The MERGE statement :func:`merge_batch` runs to apply ``source`` (staged as Parquet at
+    ``staged``) to the Delta table at ``path``: a pure function of its arguments (``source``'s
+    column names and bucket values), so the statement is tested without an engine.
+
+    Rows are matched on ``key_columns``. A change whose :data:`OP_COLUMN` is 'D' deletes its
+    matched row; any other updates the matched row (every value column but the key) or, unmatched,
+    is inserted. A column with an unchanged flag keeps the target's value where the flag is True;
+    with old-key columns as well, the source is joined to the rows under the old keys, whose values
+    a moved row keeps. With ``prune_buckets`` and a bucketed source, the ON clause names the
+    source's buckets and the NULL bucket as a partition predicate on the target (:func:`_in_buckets`).
+    """
     value_columns = [
         name
         for name in source.column_names
@@ -79,8 +105,6 @@ def merge_batch(
     old_keys = [name for name in source.column_names if name.startswith(OLD_KEY_PREFIX)]
     pruned = prune_buckets and BUCKET_COLUMN in value_columns
     matched_on = list(key_columns)
-    staged = _merge_source(path)
-    spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
     staged_source = f"parquet.{quote_column(staged)}"
     target = f"delta.{quote_column(path)}"
     kept = [name for name in value_columns if unchanged_flag_column(name) in flags]
@@ -128,15 +152,12 @@ def merge_batch(
         for name in value_columns
     )
     matched_update = f"WHEN MATCHED THEN UPDATE SET {updates}" if updates else ""
-    try:
-        spark.sql(
-            f"MERGE INTO {target} t USING {using} s ON {on} "
-            f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN DELETE "
-            f"{matched_update} "
-            f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
-        ).collect()
-    finally:
-        remove_tree(staged)
+    return (
+        f"MERGE INTO {target} t USING {using} s ON {on} "
+        f"WHEN MATCHED AND s.{OP_COLUMN} = 'D' THEN DELETE "
+        f"{matched_update} "
+        f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
+    )
 
 
 def _merge_source(path: str) -> str:

@@ -1,0 +1,139 @@
+"""The MERGE statement a drain runs, as text (resources/delta/merge.py: ``merge_statement``), no server.
+
+What the statement does on the engines is proven by the engine tests (test_delta_engine.py, test_incremental.py,
+test_deletion_vectors.py, ...); these pin its text: the ON clause (key, bucket predicate), the DELETE, UPDATE and
+INSERT clauses, the unchanged-TOAST CASEs and the old-key join.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.merge import merge_statement, OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
+
+PATH = "/lake/public/orders"
+STAGED = "/lake/public/orders/_pgcdc_staging/merge_source"
+TARGET = "delta.`/lake/public/orders`"
+SOURCE = "parquet.`/lake/public/orders/_pgcdc_staging/merge_source`"
+
+
+def batch(**columns: list[object]) -> pa.Table:
+    """A merge source with the given columns (``op`` becomes :data:`OP_COLUMN`)."""
+    named = {OP_COLUMN if name == "op" else name: values for name, values in columns.items()}
+    return pa.table(named)
+
+
+def test_keyed_unbucketed() -> None:
+    source = batch(id=[1, 2], name=["a", "b"], op=["U", "D"])
+    assert merge_statement(PATH, STAGED, source, ["id"]) == (
+        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`id` = s.`id` "
+        "WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE "
+        "WHEN MATCHED THEN UPDATE SET `name` = s.`name` "
+        "WHEN NOT MATCHED AND s._pgcdc_op <> 'D' THEN INSERT (`id`, `name`) VALUES (s.`id`, s.`name`)"
+    )
+
+
+def test_bucket_predicate_names_the_batch_buckets_and_the_null_bucket() -> None:
+    source = batch(id=[30, 10, 11, 99], name=["a", "b", "c", "d"], **{BUCKET_COLUMN: [3, 1, 1, None]}, op=["I", "U", "D", "U"])
+    statement = merge_statement(PATH, STAGED, source, ["id"])
+    assert f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (1, 3) OR t.`{BUCKET_COLUMN}` IS NULL) WHEN MATCHED" in statement
+    assert f"UPDATE SET `name` = s.`name`, `{BUCKET_COLUMN}` = s.`{BUCKET_COLUMN}` " in statement
+    assert f"INSERT (`id`, `name`, `{BUCKET_COLUMN}`) VALUES (s.`id`, s.`name`, s.`{BUCKET_COLUMN}`)" in statement
+
+
+def test_bucket_predicate_of_a_batch_without_buckets_is_the_null_bucket() -> None:
+    source = batch(id=[5], **{BUCKET_COLUMN: pa.nulls(1, pa.int64())}, op=["U"])
+    statement = merge_statement(PATH, STAGED, source, ["id"])
+    assert f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IS NULL) WHEN MATCHED" in statement
+
+
+def test_unpruned_bucketed_table_reads_every_bucket() -> None:
+    """``prune_buckets=False`` (the key does not hold the layout's key): no partition predicate, the
+    bucket column is still written with the row."""
+    source = batch(id=[1], name=["a"], **{BUCKET_COLUMN: [0]}, op=["U"])
+    statement = merge_statement(PATH, STAGED, source, ["id"], prune_buckets=False)
+    assert f" ON t.`id` = s.`id` WHEN MATCHED AND" in statement
+    assert f"UPDATE SET `name` = s.`name`, `{BUCKET_COLUMN}` = s.`{BUCKET_COLUMN}` " in statement
+
+
+def test_every_column_a_key_has_no_update_clause() -> None:
+    """Rows matched on all their columns (a key covering the whole row): a match is deleted or left as it is."""
+    source = batch(a=[1], b=["x"], op=["I"])
+    assert merge_statement(PATH, STAGED, source, ["a", "b"]) == (
+        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`a` = s.`a` AND t.`b` = s.`b` "
+        "WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE  "
+        "WHEN NOT MATCHED AND s._pgcdc_op <> 'D' THEN INSERT (`a`, `b`) VALUES (s.`a`, s.`b`)"
+    )
+
+
+def test_composite_key_and_quoted_names() -> None:
+    source = batch(**{"tenant": [1], "odd`name": [2], "value": ["v"]}, op=["U"])
+    statement = merge_statement(PATH, STAGED, source, ["tenant", "odd`name"])
+    assert " ON t.`tenant` = s.`tenant` AND t.`odd``name` = s.`odd``name` WHEN MATCHED" in statement
+    assert "UPDATE SET `value` = s.`value` WHEN NOT MATCHED" in statement
+    assert "INSERT (`tenant`, `odd``name`, `value`) VALUES (s.`tenant`, s.`odd``name`, s.`value`)" in statement
+
+
+def test_path_with_a_backtick_is_quoted() -> None:
+    source = batch(id=[1], op=["D"])
+    statement = merge_statement("/lake/we`ird", "/lake/we`ird/_pgcdc_staging/merge_source", source, ["id"])
+    assert statement.startswith(
+        "MERGE INTO delta.`/lake/we``ird` t USING parquet.`/lake/we``ird/_pgcdc_staging/merge_source` s ON"
+    )
+
+
+def test_unchanged_toast_keeps_the_target_value() -> None:
+    source = batch(id=[1], doc=[None], note=["n"], **{unchanged_flag_column("doc"): [True]}, op=["U"])
+    statement = merge_statement(PATH, STAGED, source, ["id"])
+    assert (
+        "WHEN MATCHED THEN UPDATE SET `doc` = CASE WHEN NOT s.`_pgcdc_unchanged_doc` THEN s.`doc` ELSE t.`doc` END, "
+        "`note` = s.`note` WHEN NOT MATCHED"
+    ) in statement
+    # without rows under old keys, an inserted row takes the source's values
+    assert "INSERT (`id`, `doc`, `note`) VALUES (s.`id`, s.`doc`, s.`note`)" in statement
+    assert f"USING {SOURCE} s ON" in statement
+
+
+def test_moved_key_with_unchanged_toast_reads_the_old_row() -> None:
+    source = batch(
+        id=[2],
+        doc=[None],
+        **{BUCKET_COLUMN: [0], unchanged_flag_column("doc"): [True], OLD_KEY_PREFIX + "id": [1],
+           OLD_KEY_PREFIX + BUCKET_COLUMN: [7]},
+        op=["U"],
+    )  # fmt: skip
+    statement = merge_statement(PATH, STAGED, source, ["id"])
+    old_rows = f"(SELECT * FROM {TARGET} WHERE (`{BUCKET_COLUMN}` IN (7) OR `{BUCKET_COLUMN}` IS NULL))"
+    assert (
+        f"USING (SELECT s.*, o.`doc` AS `_pgcdc_carried_doc`, o.`id` IS NOT NULL AS _pgcdc_old_row_found "
+        f"FROM {SOURCE} s LEFT JOIN {old_rows} o ON o.`id` = s.`_pgcdc_oldkey_id`) s "
+        f"ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (0) OR t.`{BUCKET_COLUMN}` IS NULL) "
+    ) in statement
+    assert (
+        "UPDATE SET `doc` = CASE WHEN NOT s.`_pgcdc_unchanged_doc` THEN s.`doc` "
+        "WHEN s.`_pgcdc_oldkey_id` IS NOT NULL AND s._pgcdc_old_row_found THEN s.`_pgcdc_carried_doc` "
+        f"ELSE t.`doc` END, `{BUCKET_COLUMN}` = s.`{BUCKET_COLUMN}` "
+    ) in statement
+    assert (
+        f"INSERT (`id`, `doc`, `{BUCKET_COLUMN}`) VALUES (s.`id`, "
+        "CASE WHEN s.`_pgcdc_unchanged_doc` THEN s.`_pgcdc_carried_doc` ELSE s.`doc` END, "
+        f"s.`{BUCKET_COLUMN}`)"
+    ) in statement
+
+
+def test_moved_key_unpruned_reads_the_whole_table_for_old_rows() -> None:
+    source = batch(
+        id=[2], doc=[None], **{unchanged_flag_column("doc"): [True], OLD_KEY_PREFIX + "id": [1]}, op=["U"]
+    )
+    statement = merge_statement(PATH, STAGED, source, ["id"])
+    assert f"FROM {SOURCE} s LEFT JOIN {TARGET} o ON o.`id` = s.`_pgcdc_oldkey_id`) s ON t.`id` = s.`id` WHEN" in statement
+
+
+def test_old_keys_without_kept_values_need_no_join() -> None:
+    """Old-key columns matter only for kept (unchanged-TOAST) values: without flags the source is used as staged."""
+    source = batch(id=[2], doc=["d"], **{OLD_KEY_PREFIX + "id": [1]}, op=["U"])
+    statement = merge_statement(PATH, STAGED, source, ["id"])
+    assert f"USING {SOURCE} s ON t.`id` = s.`id` WHEN" in statement
+    assert "UPDATE SET `doc` = s.`doc` WHEN NOT MATCHED" in statement
+    assert "INSERT (`id`, `doc`) VALUES (s.`id`, s.`doc`)" in statement
