@@ -1,7 +1,7 @@
 """The MERGE statement a drain runs, as text (resources/delta/merge.py: ``merge_statement``), no server.
 
 What the statement does on the engines is proven by the engine tests (test_delta_engine.py, test_incremental.py,
-test_deletion_vectors.py, ...); these pin its text: the ON clause (key, bucket predicate), the DELETE, UPDATE and
+test_deletion_vectors.py, ...); these pin its text: the ON clause (key, bucket predicate, key lists), the DELETE, UPDATE and
 INSERT clauses, the unchanged-TOAST CASEs and the old-key join.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.merge import merge_statement, OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
+from resources.delta.merge import KEY_LIST_MOST_VALUES, merge_statement, OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
 
 PATH = "/lake/public/orders"
 STAGED = "/lake/public/orders/_pgcdc_staging/merge_source"
@@ -27,7 +27,7 @@ def batch(**columns: list[object]) -> pa.Table:
 def test_keyed_unbucketed() -> None:
     source = batch(id=[1, 2], name=["a", "b"], op=["U", "D"])
     assert merge_statement(PATH, STAGED, source, ["id"]) == (
-        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`id` = s.`id` "
+        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (1, 2) "
         "WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE "
         "WHEN MATCHED THEN UPDATE SET `name` = s.`name` "
         "WHEN NOT MATCHED AND s._pgcdc_op <> 'D' THEN INSERT (`id`, `name`) VALUES (s.`id`, s.`name`)"
@@ -37,7 +37,10 @@ def test_keyed_unbucketed() -> None:
 def test_bucket_predicate_names_the_batch_buckets_and_the_null_bucket() -> None:
     source = batch(id=[30, 10, 11, 99], name=["a", "b", "c", "d"], **{BUCKET_COLUMN: [3, 1, 1, None]}, op=["I", "U", "D", "U"])
     statement = merge_statement(PATH, STAGED, source, ["id"])
-    assert f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (1, 3) OR t.`{BUCKET_COLUMN}` IS NULL) WHEN MATCHED" in statement
+    assert (
+        f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (1, 3) OR t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (10, 11, 30, 99) "
+        "WHEN MATCHED"
+    ) in statement
     assert f"UPDATE SET `name` = s.`name`, `{BUCKET_COLUMN}` = s.`{BUCKET_COLUMN}` " in statement
     assert f"INSERT (`id`, `name`, `{BUCKET_COLUMN}`) VALUES (s.`id`, s.`name`, s.`{BUCKET_COLUMN}`)" in statement
 
@@ -45,7 +48,7 @@ def test_bucket_predicate_names_the_batch_buckets_and_the_null_bucket() -> None:
 def test_bucket_predicate_of_a_batch_without_buckets_is_the_null_bucket() -> None:
     source = batch(id=[5], **{BUCKET_COLUMN: pa.nulls(1, pa.int64())}, op=["U"])
     statement = merge_statement(PATH, STAGED, source, ["id"])
-    assert f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IS NULL) WHEN MATCHED" in statement
+    assert f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (5) WHEN MATCHED" in statement
 
 
 def test_unpruned_bucketed_table_reads_every_bucket() -> None:
@@ -53,7 +56,7 @@ def test_unpruned_bucketed_table_reads_every_bucket() -> None:
     bucket column is still written with the row."""
     source = batch(id=[1], name=["a"], **{BUCKET_COLUMN: [0]}, op=["U"])
     statement = merge_statement(PATH, STAGED, source, ["id"], prune_buckets=False)
-    assert f" ON t.`id` = s.`id` WHEN MATCHED AND" in statement
+    assert " ON t.`id` = s.`id` AND t.`id` IN (1) WHEN MATCHED AND" in statement
     assert f"UPDATE SET `name` = s.`name`, `{BUCKET_COLUMN}` = s.`{BUCKET_COLUMN}` " in statement
 
 
@@ -61,7 +64,7 @@ def test_every_column_a_key_has_no_update_clause() -> None:
     """Rows matched on all their columns (a key covering the whole row): a match is deleted or left as it is."""
     source = batch(a=[1], b=["x"], op=["I"])
     assert merge_statement(PATH, STAGED, source, ["a", "b"]) == (
-        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`a` = s.`a` AND t.`b` = s.`b` "
+        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`a` = s.`a` AND t.`b` = s.`b` AND t.`a` IN (1) "
         "WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE  "
         "WHEN NOT MATCHED AND s._pgcdc_op <> 'D' THEN INSERT (`a`, `b`) VALUES (s.`a`, s.`b`)"
     )
@@ -70,7 +73,9 @@ def test_every_column_a_key_has_no_update_clause() -> None:
 def test_composite_key_and_quoted_names() -> None:
     source = batch(**{"tenant": [1], "odd`name": [2], "value": ["v"]}, op=["U"])
     statement = merge_statement(PATH, STAGED, source, ["tenant", "odd`name"])
-    assert " ON t.`tenant` = s.`tenant` AND t.`odd``name` = s.`odd``name` WHEN MATCHED" in statement
+    assert (
+        " ON t.`tenant` = s.`tenant` AND t.`odd``name` = s.`odd``name` AND t.`tenant` IN (1) AND t.`odd``name` IN (2) WHEN MATCHED"
+    ) in statement
     assert "UPDATE SET `value` = s.`value` WHEN NOT MATCHED" in statement
     assert "INSERT (`tenant`, `odd``name`, `value`) VALUES (s.`tenant`, s.`odd``name`, s.`value`)" in statement
 
@@ -108,7 +113,7 @@ def test_moved_key_with_unchanged_toast_reads_the_old_row() -> None:
     assert (
         f"USING (SELECT s.*, o.`doc` AS `_pgcdc_carried_doc`, o.`id` IS NOT NULL AS _pgcdc_old_row_found "
         f"FROM {SOURCE} s LEFT JOIN {old_rows} o ON o.`id` = s.`_pgcdc_oldkey_id`) s "
-        f"ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (0) OR t.`{BUCKET_COLUMN}` IS NULL) "
+        f"ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (0) OR t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (2) "
     ) in statement
     assert (
         "UPDATE SET `doc` = CASE WHEN NOT s.`_pgcdc_unchanged_doc` THEN s.`doc` "
@@ -127,13 +132,34 @@ def test_moved_key_unpruned_reads_the_whole_table_for_old_rows() -> None:
         id=[2], doc=[None], **{unchanged_flag_column("doc"): [True], OLD_KEY_PREFIX + "id": [1]}, op=["U"]
     )
     statement = merge_statement(PATH, STAGED, source, ["id"])
-    assert f"FROM {SOURCE} s LEFT JOIN {TARGET} o ON o.`id` = s.`_pgcdc_oldkey_id`) s ON t.`id` = s.`id` WHEN" in statement
+    assert f"FROM {SOURCE} s LEFT JOIN {TARGET} o ON o.`id` = s.`_pgcdc_oldkey_id`) s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
 
 
 def test_old_keys_without_kept_values_need_no_join() -> None:
     """Old-key columns matter only for kept (unchanged-TOAST) values: without flags the source is used as staged."""
     source = batch(id=[2], doc=["d"], **{OLD_KEY_PREFIX + "id": [1]}, op=["U"])
     statement = merge_statement(PATH, STAGED, source, ["id"])
-    assert f"USING {SOURCE} s ON t.`id` = s.`id` WHEN" in statement
+    assert f"USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
     assert "UPDATE SET `doc` = s.`doc` WHEN NOT MATCHED" in statement
     assert "INSERT (`id`, `doc`) VALUES (s.`id`, s.`doc`)" in statement
+
+
+def test_key_list_holds_the_distinct_integer_keys_without_nulls() -> None:
+    source = batch(id=pa.array([7, None, 3, 7], pa.int32()), op=["U", "D", "I", "D"])
+    assert " ON t.`id` = s.`id` AND t.`id` IN (3, 7) WHEN MATCHED" in merge_statement(PATH, STAGED, source, ["id"])
+
+
+def test_no_key_list_for_other_types_or_too_many_values() -> None:
+    """Only integer keys are listed, up to :data:`KEY_LIST_MOST_VALUES` distinct values a column."""
+    text_key = batch(code=["a'b", "c"], op=["U", "U"])
+    assert " ON t.`code` = s.`code` WHEN MATCHED" in merge_statement(PATH, STAGED, text_key, ["code"])
+    most = batch(id=list(range(KEY_LIST_MOST_VALUES)), op=["U"] * KEY_LIST_MOST_VALUES)
+    assert f"t.`id` IN (0, 1, 2, " in merge_statement(PATH, STAGED, most, ["id"])
+    many = batch(id=list(range(KEY_LIST_MOST_VALUES + 1)), op=["U"] * (KEY_LIST_MOST_VALUES + 1))
+    assert " ON t.`id` = s.`id` WHEN MATCHED" in merge_statement(PATH, STAGED, many, ["id"])
+    only_nulls = batch(id=pa.nulls(2, pa.int64()), op=["D", "D"])
+    assert " ON t.`id` = s.`id` WHEN MATCHED" in merge_statement(PATH, STAGED, only_nulls, ["id"])
+    composite = batch(tenant=[1] * (KEY_LIST_MOST_VALUES + 1), id=list(range(KEY_LIST_MOST_VALUES + 1)), op=["U"] * (KEY_LIST_MOST_VALUES + 1))
+    assert " ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND t.`tenant` IN (1) WHEN MATCHED" in merge_statement(
+        PATH, STAGED, composite, ["tenant", "id"]
+    )
