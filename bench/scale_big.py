@@ -2,16 +2,17 @@
 
 Run ``python -m bench.scale big`` or ``python -m bench.scale_big [--sizes 100000,1000000,10000000]
 [--rounds 3] [--major 18] [--target-rows N] [--unbucketed | --both | --copy-on-write | --vs-copy-on-write |
---vs-no-key-lists]``.
+--vs-update-merge]``.
 It starts a throwaway PostgreSQL and one embedded engine,
 loads one table per size (``id bigint`` primary key, about 100 bytes a row), ANALYZEs them and
 snapshots each into Delta with the layout its size gives it and deletion vectors (pgcdc's defaults;
 ``--unbucketed``: no buckets, as pgcdc wrote tables before layouts; ``--copy-on-write``:
 ``delta.deletion_vectors: false``, as pgcdc wrote tables before deletion vectors; ``--both``: a
 bucketed and an unbucketed table per size, ``--vs-copy-on-write``: a table with and one without
-deletion vectors per size, ``--vs-no-key-lists``: two tables with pgcdc's defaults per size, the
-second drained with MERGEs that do not list their batch's keys (``resources/delta/merge.py``:
-``KEY_LIST_MOST_VALUES``), drained in turn, so the two compare in the same run). Each table has its own publication and slot, so a drain reads only its
+deletion vectors per size, ``--vs-update-merge``: two tables with pgcdc's defaults per size, the
+second drained with the MERGE pgcdc ran before (an UPDATE of matched rows, no key list:
+``resources/delta/merge.py``, ``merge_statement``), drained in turn,
+so the two compare in the same run). Each table has its own publication and slot, so a drain reads only its
 table's changes. Then, per table and round, two timed drains (after one untimed warm-up):
 
 * newest: 100 updates of the 100 newest keys plus 100 inserts of new keys (a table whose recent
@@ -28,6 +29,7 @@ machine; figures from a busy machine vary from run to run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import shutil
@@ -57,10 +59,10 @@ RANDOM_UPDATES = 200
 LOAD_BATCH = 1_000_000
 
 
-BUCKETED, UNBUCKETED, COPY_ON_WRITE, NO_KEY_LISTS = "bucketed", "unbucketed", "copy-on-write", "no-key-lists"
+BUCKETED, UNBUCKETED, COPY_ON_WRITE, UPDATE_MERGE = "bucketed", "unbucketed", "copy-on-write", "update-merge"
 
 #: One benchmarked table: (rows, kind): BUCKETED (pgcdc's defaults), UNBUCKETED, COPY_ON_WRITE or
-#: NO_KEY_LISTS (pgcdc's defaults, drained without key lists in the MERGE).
+#: UPDATE_MERGE (pgcdc's defaults, drained with an UPDATE MERGE listing no keys).
 Table = tuple[int, str]
 
 
@@ -119,19 +121,20 @@ def random_changes(dsn: str, table: Table, keys: list[int]) -> None:
 
 
 def timed_drain(
-    config: PgcdcConfig, engine: SparkEngine, path: str, written: list[int] | None = None, key_lists: bool = True
+    config: PgcdcConfig, engine: SparkEngine, path: str, written: list[int] | None = None, update_merge: bool = False
 ) -> float:
     """The drain's wall time; appends the bytes of the data files its commits added to ``written``.
-    Without ``key_lists``, the drain's MERGEs list no keys (:data:`NO_KEY_LISTS`)."""
+    With ``update_merge``, the drain's MERGEs update matched rows and list no keys (:data:`UPDATE_MERGE`)."""
     before = deltalake.DeltaTable(path).version()
-    most_values = merge.KEY_LIST_MOST_VALUES
-    merge.KEY_LIST_MOST_VALUES = most_values if key_lists else 0
+    most_values, statement = merge.KEY_LIST_MOST_VALUES, merge.merge_statement
+    if update_merge:
+        merge.KEY_LIST_MOST_VALUES, merge.merge_statement = 0, functools.partial(statement, delete_and_insert=False)
     try:
         started = time.perf_counter()
         run_incremental(config, engine.spark)
         elapsed = time.perf_counter() - started
     finally:
-        merge.KEY_LIST_MOST_VALUES = most_values
+        merge.KEY_LIST_MOST_VALUES, merge.merge_statement = most_values, statement
     if written is not None:
         written.append(added_bytes(path, before))
     return elapsed
@@ -181,15 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--both", action="store_true", help="a bucketed and an unbucketed table per size, same run")
     parser.add_argument("--copy-on-write", action="store_true", help="tables without deletion vectors")
     parser.add_argument("--vs-copy-on-write", action="store_true", help="a table with and one without deletion vectors per size")
-    parser.add_argument("--vs-no-key-lists", action="store_true", help="a table drained with and one without key lists per size")
+    parser.add_argument("--vs-update-merge", action="store_true", help="a table drained as now and one with pgcdc's earlier MERGE per size")
     args = parser.parse_args(argv)
     sizes = sorted(int(size) for size in args.sizes.split(","))
     if args.both:
         kinds = [BUCKETED, UNBUCKETED]
     elif args.vs_copy_on_write:
         kinds = [BUCKETED, COPY_ON_WRITE]
-    elif args.vs_no_key_lists:
-        kinds = [BUCKETED, NO_KEY_LISTS]
+    elif args.vs_update_merge:
+        kinds = [BUCKETED, UPDATE_MERGE]
     else:
         kinds = [UNBUCKETED if args.unbucketed else COPY_ON_WRITE if args.copy_on_write else BUCKETED]
     tables = [(rows, unbucketed) for rows in sizes for unbucketed in kinds]
@@ -218,12 +221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 written: dict[Table, dict[str, list[int]]] = {table: {"newest": [], "random": []} for table in same_size}
                 for table in same_size:
                     newest_changes(dsn, table, 0)
-                    timed_drain(configs[table], engine, paths[table], key_lists=table[1] != NO_KEY_LISTS)  # warm-up
+                    timed_drain(configs[table], engine, paths[table], update_merge=table[1] == UPDATE_MERGE)  # warm-up
                 for round_number in range(1, args.rounds + 1):  # the kinds in turn, so they share the machine's mood
                     for table in same_size:
                         newest_changes(dsn, table, round_number)
                         newest[table].append(
-                            timed_drain(configs[table], engine, paths[table], written[table]["newest"], table[1] != NO_KEY_LISTS)
+                            timed_drain(configs[table], engine, paths[table], written[table]["newest"], table[1] == UPDATE_MERGE)
                         )
                 newest_removed = {table: merge_files(configs[table].table_path("public", table_name(table)))[2] for table in same_size}
                 for _ in range(args.rounds):
@@ -231,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for table in same_size:
                         random_changes(dsn, table, keys)
                         uniform[table].append(
-                            timed_drain(configs[table], engine, paths[table], written[table]["random"], table[1] != NO_KEY_LISTS)
+                            timed_drain(configs[table], engine, paths[table], written[table]["random"], table[1] == UPDATE_MERGE)
                         )
                 for table in same_size:
                     config = configs[table]

@@ -10,6 +10,7 @@ import json
 
 import deltalake
 import pyarrow as pa
+import pytest
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
@@ -235,11 +236,14 @@ def test_delete_all_rows_keeps_schema_and_history(spark: SparkSession, tmp_path:
     assert [(c.version, c.operation) for c in latest] == [(2, "DELETE")]
 
 
-def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_path: Path) -> None:
+@pytest.mark.parametrize("deletion_vectors", [False, True], ids=["copy-on-write", "deletion-vectors"])
+def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_path: Path, deletion_vectors: bool) -> None:
     """The same folded batches through merge_batch on Sail and through InMemoryDestination give the same rows.
 
     This keeps the fast applier tests (test_applier_memory.py) honest: their destination must
-    mean what the MERGE means, including unchanged flags and rows moved from an old key.
+    mean what the MERGE means, including unchanged flags and rows moved from an old key. Batches
+    of whole-row changes run as a delete-and-insert MERGE, those keeping values as an update
+    (resources/delta/merge.py: merge_statement); both on tables with and without deletion vectors.
     """
     schema = pa.schema([pa.field("id", pa.int64()), pa.field("body", pa.string()), pa.field("n", pa.int32())])
     start = pa.table({"id": [1, 2, 3, 4], "body": ["a", "b", "c", "d"], "n": pa.array([1, 2, 3, 4], pa.int32())}, schema=schema)
@@ -257,7 +261,7 @@ def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_pat
     ]
     path = str(tmp_path / "t")
     memory = InMemoryDestination()
-    write_snapshot(spark, start, schema, path, "{}")
+    write_snapshot(spark, start, schema, path, "{}", deletion_vectors=deletion_vectors)
     memory.write_snapshot(start, schema, path, "{}")
     for batch in batches:
         merge_batch(spark, path, batch, ["id"])
@@ -265,3 +269,6 @@ def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_pat
     on_sail = spark.read.format("delta").load(path).toArrow().sort_by("id").to_pylist()
     assert on_sail == memory.tables[path].sort_by("id").to_pylist()
     assert {row["id"]: row["body"] for row in on_sail} == {1: "a1", 4: "c", 7: "a1", 9: "x"}
+    log = [json.loads(line) for commit in (Path(path) / "_delta_log").glob("*.json") for line in commit.read_text().splitlines()]
+    marked = [action["add"]["deletionVector"] for action in log if action.get("add", {}).get("deletionVector")]
+    assert bool(marked) == deletion_vectors  # rows marked deleted, not files rewritten

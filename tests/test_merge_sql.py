@@ -2,7 +2,7 @@
 
 What the statement does on the engines is proven by the engine tests (test_delta_engine.py, test_incremental.py,
 test_deletion_vectors.py, ...); these pin its text: the ON clause (key, bucket predicate, key lists), the DELETE, UPDATE and
-INSERT clauses, the unchanged-TOAST CASEs and the old-key join.
+INSERT clauses, the unchanged-TOAST CASEs and the old-key join, the delete-and-insert form of whole-row changes).
 """
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ from __future__ import annotations
 import pyarrow as pa
 
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.merge import KEY_LIST_MOST_VALUES, merge_statement, OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
+from resources.delta.merge import (
+    KEY_LIST_MOST_VALUES,
+    merge_statement,
+    OLD_KEY_PREFIX,
+    OP_COLUMN,
+    unchanged_flag_column,
+)
 
 PATH = "/lake/public/orders"
 STAGED = "/lake/public/orders/_pgcdc_staging/merge_source"
@@ -26,7 +32,7 @@ def batch(**columns: list[object]) -> pa.Table:
 
 def test_keyed_unbucketed() -> None:
     source = batch(id=[1, 2], name=["a", "b"], op=["U", "D"])
-    assert merge_statement(PATH, STAGED, source, ["id"]) == (
+    assert merge_statement(PATH, STAGED, source, ["id"], delete_and_insert=False) == (
         f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (1, 2) "
         "WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE "
         "WHEN MATCHED THEN UPDATE SET `name` = s.`name` "
@@ -36,7 +42,7 @@ def test_keyed_unbucketed() -> None:
 
 def test_bucket_predicate_names_the_batch_buckets_and_the_null_bucket() -> None:
     source = batch(id=[30, 10, 11, 99], name=["a", "b", "c", "d"], **{BUCKET_COLUMN: [3, 1, 1, None]}, op=["I", "U", "D", "U"])
-    statement = merge_statement(PATH, STAGED, source, ["id"])
+    statement = merge_statement(PATH, STAGED, source, ["id"], delete_and_insert=False)
     assert (
         f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (1, 3) OR t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (10, 11, 30, 99) "
         "WHEN MATCHED"
@@ -47,7 +53,7 @@ def test_bucket_predicate_names_the_batch_buckets_and_the_null_bucket() -> None:
 
 def test_bucket_predicate_of_a_batch_without_buckets_is_the_null_bucket() -> None:
     source = batch(id=[5], **{BUCKET_COLUMN: pa.nulls(1, pa.int64())}, op=["U"])
-    statement = merge_statement(PATH, STAGED, source, ["id"])
+    statement = merge_statement(PATH, STAGED, source, ["id"], delete_and_insert=False)
     assert f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (5) WHEN MATCHED" in statement
 
 
@@ -55,7 +61,7 @@ def test_unpruned_bucketed_table_reads_every_bucket() -> None:
     """``prune_buckets=False`` (the key does not hold the layout's key): no partition predicate, the
     bucket column is still written with the row."""
     source = batch(id=[1], name=["a"], **{BUCKET_COLUMN: [0]}, op=["U"])
-    statement = merge_statement(PATH, STAGED, source, ["id"], prune_buckets=False)
+    statement = merge_statement(PATH, STAGED, source, ["id"], prune_buckets=False, delete_and_insert=False)
     assert " ON t.`id` = s.`id` AND t.`id` IN (1) WHEN MATCHED AND" in statement
     assert f"UPDATE SET `name` = s.`name`, `{BUCKET_COLUMN}` = s.`{BUCKET_COLUMN}` " in statement
 
@@ -72,7 +78,7 @@ def test_every_column_a_key_has_no_update_clause() -> None:
 
 def test_composite_key_and_quoted_names() -> None:
     source = batch(**{"tenant": [1], "odd`name": [2], "value": ["v"]}, op=["U"])
-    statement = merge_statement(PATH, STAGED, source, ["tenant", "odd`name"])
+    statement = merge_statement(PATH, STAGED, source, ["tenant", "odd`name"], delete_and_insert=False)
     assert (
         " ON t.`tenant` = s.`tenant` AND t.`odd``name` = s.`odd``name` AND t.`tenant` IN (1) AND t.`odd``name` IN (2) WHEN MATCHED"
     ) in statement
@@ -138,7 +144,7 @@ def test_moved_key_unpruned_reads_the_whole_table_for_old_rows() -> None:
 def test_old_keys_without_kept_values_need_no_join() -> None:
     """Old-key columns matter only for kept (unchanged-TOAST) values: without flags the source is used as staged."""
     source = batch(id=[2], doc=["d"], **{OLD_KEY_PREFIX + "id": [1]}, op=["U"])
-    statement = merge_statement(PATH, STAGED, source, ["id"])
+    statement = merge_statement(PATH, STAGED, source, ["id"], delete_and_insert=False)
     assert f"USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
     assert "UPDATE SET `doc` = s.`doc` WHEN NOT MATCHED" in statement
     assert "INSERT (`id`, `doc`) VALUES (s.`id`, s.`doc`)" in statement
@@ -163,3 +169,48 @@ def test_no_key_list_for_other_types_or_too_many_values() -> None:
     assert " ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND t.`tenant` IN (1) WHEN MATCHED" in merge_statement(
         PATH, STAGED, composite, ["tenant", "id"]
     )
+
+
+
+DOUBLED = (
+    f"(SELECT *, true AS _pgcdc_delete_row FROM {SOURCE} UNION ALL "
+    f"SELECT *, false AS _pgcdc_delete_row FROM {SOURCE} WHERE _pgcdc_op <> 'D')"
+)
+
+
+def test_whole_row_changes_delete_and_insert() -> None:
+    """Changes that replace whole rows (the default): each change's delete row matches its key and deletes,
+    its insert row (none for a delete) inserts the new image."""
+    source = batch(id=[1, 2, 3], name=["a", None, "c"], **{BUCKET_COLUMN: [0, 0, 4]}, op=["U", "D", "I"])
+    assert merge_statement(PATH, STAGED, source, ["id"]) == (
+        f"MERGE INTO {TARGET} t USING {DOUBLED} s ON t.`id` = s.`id` AND s._pgcdc_delete_row "
+        f"AND (t.`{BUCKET_COLUMN}` IN (0, 4) OR t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (1, 2, 3) "
+        "WHEN MATCHED THEN DELETE "
+        "WHEN NOT MATCHED AND NOT s._pgcdc_delete_row AND s._pgcdc_op <> 'D' "
+        f"THEN INSERT (`id`, `name`, `{BUCKET_COLUMN}`) VALUES (s.`id`, s.`name`, s.`{BUCKET_COLUMN}`)"
+    )
+
+
+def test_delete_and_insert_unpruned_composite_and_with_old_keys() -> None:
+    """Old-key columns without kept values are not the table's: staged along, never inserted."""
+    source = batch(
+        tenant=[9], id=[2], doc=["d"], **{BUCKET_COLUMN: [0], OLD_KEY_PREFIX + "id": [1], OLD_KEY_PREFIX + "tenant": [9]},
+        op=["U"],
+    )  # fmt: skip
+    assert merge_statement(PATH, STAGED, source, ["tenant", "id"], prune_buckets=False) == (
+        f"MERGE INTO {TARGET} t USING {DOUBLED} s ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND s._pgcdc_delete_row "
+        "AND t.`tenant` IN (9) AND t.`id` IN (2) "
+        "WHEN MATCHED THEN DELETE "
+        "WHEN NOT MATCHED AND NOT s._pgcdc_delete_row AND s._pgcdc_op <> 'D' "
+        f"THEN INSERT (`tenant`, `id`, `doc`, `{BUCKET_COLUMN}`) VALUES (s.`tenant`, s.`id`, s.`doc`, s.`{BUCKET_COLUMN}`)"
+    )
+
+
+def test_kept_values_or_key_only_rows_keep_the_update_form() -> None:
+    """An update keeping a target value must read it; a row of key columns only has nothing to replace."""
+    kept = batch(id=[1], doc=[None], **{unchanged_flag_column("doc"): [True]}, op=["U"])
+    assert f"USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (1) WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE " in (
+        merge_statement(PATH, STAGED, kept, ["id"])
+    )
+    key_only = batch(a=[1], b=["x"], op=["I"])
+    assert "_pgcdc_delete_row" not in merge_statement(PATH, STAGED, key_only, ["a", "b"])
