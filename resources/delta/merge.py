@@ -240,9 +240,10 @@ KEY_LIST_MOST_VALUES = 500
 Sail 0.7.2 reads every row of the partitions a MERGE targets (no file or row-group skipping by
 statistics, no filter pushed into its scan) and joins each with the source three times; a literal
 ``IN`` list on the target's key is applied right after the scan, so the joins see only candidate
-rows. Measured with 200 uniformly random updates on deletion-vector tables: the MERGE took 0.70x
-as long at 3M and 10M rows, and the same at 100k (docs/benchmarks.md). A long list costs more to
-plan and evaluate than it saves: about the same at 1,000 values, 1.8x slower at 20,000."""
+rows. Measured with 200 uniformly random updates on deletion-vector tables: an update MERGE took
+0.70x as long at 3M and 10M rows, and the same at 100k (docs/engine-notes.md, "Finding a MERGE's
+rows on deletion-vector tables"). A long list costs more to plan and evaluate than it saves: about
+the same at 1,000 values, 1.8x slower at 20,000."""
 
 
 def _key_lists(source: pa.Table, key_columns: Sequence[str]) -> list[str]:
