@@ -160,7 +160,7 @@ def test_no_key_list_for_other_types_or_too_many_values() -> None:
     text_key = batch(code=["a'b", "c"], op=["U", "U"])
     assert " ON t.`code` = s.`code` WHEN MATCHED" in merge_statement(PATH, STAGED, text_key, ["code"])
     most = batch(id=list(range(KEY_LIST_MOST_VALUES)), op=["U"] * KEY_LIST_MOST_VALUES)
-    assert f"t.`id` IN (0, 1, 2, " in merge_statement(PATH, STAGED, most, ["id"])
+    assert "t.`id` IN (0, 1, 2, " in merge_statement(PATH, STAGED, most, ["id"])
     many = batch(id=list(range(KEY_LIST_MOST_VALUES + 1)), op=["U"] * (KEY_LIST_MOST_VALUES + 1))
     assert " ON t.`id` = s.`id` WHEN MATCHED" in merge_statement(PATH, STAGED, many, ["id"])
     only_nulls = batch(id=pa.nulls(2, pa.int64()), op=["D", "D"])
