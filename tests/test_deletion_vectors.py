@@ -13,12 +13,15 @@ from pathlib import Path
 
 import deltalake
 import pyarrow as pa
+from dagster import MetadataValue
 from pyspark.sql import SparkSession
 
+from pgcdc_assets.incremental_assets import drain_metadata
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.maintenance import maintain_table
 from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY
 from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
 from resources.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
@@ -207,3 +210,56 @@ def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
     run_incremental(config, spark)
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
     assert exact(pg, config, "doc", key=()) == 200
+
+
+def commit_bytes(path: str, version: int) -> int:
+    """What the drain's commits after ``version`` wrote, summed from their ``add`` actions: the size of
+    every file added that the same commit did not remove, and the size of every deletion vector not inlined."""
+    total = 0
+    for commit in commits_after(path, version):
+        removed = {action["remove"]["path"] for action in commit if "remove" in action}
+        for add in (action["add"] for action in commit if "add" in action):
+            total += 0 if add["path"] in removed else add["size"]
+            vector = add.get("deletionVector") or {}
+            total += vector.get("sizeInBytes", 0) if vector.get("storageType") in ("u", "p") else 0
+    return total
+
+
+def test_a_drain_reports_the_bytes_its_commits_wrote_in_proportion_to_the_rows_it_changed(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """200 random updates into a 60,000-row table in one bucket: with deletion vectors the drain writes
+    the 200 new row images and a deletion vector; copy-on-write it rewrites the bucket. The figure the
+    drain reports (the Dagster metadata's ``pgcdc/bytes_written``) is exactly what its commits added."""
+    pg.execute("""
+        CREATE TABLE wide (id bigint PRIMARY KEY, v int, note text);
+        INSERT INTO wide SELECT g, g, md5(g::text) FROM generate_series(1, 60000) g;
+        CREATE PUBLICATION pub_wide FOR TABLE wide;
+    """)
+    reported: dict[bool, int] = {}
+    new_rows: dict[bool, int] = {}
+    table_bytes: dict[bool, int] = {}
+    for deletion_vectors in (True, False):
+        slot = f"wide_{str(deletion_vectors).lower()}"
+        config = parse_config({
+            "postgres": {"dsn": pg.dsn}, "publication": "pub_wide", "slot": slot,
+            "delta": {"root": str(tmp_path / slot), "deletion_vectors": deletion_vectors},
+        })  # fmt: skip
+        snapshot_tables(config, spark)
+        path = config.table_path("public", "wide")
+        before = deltalake.DeltaTable(path)
+        table_bytes[deletion_vectors] = sum(before.get_add_actions(flatten=True).column("size_bytes").to_pylist())
+        pg.execute(f"UPDATE wide SET v = v + 1, note = '{slot}' WHERE id % 300 = 7")  # 200 rows over the whole key space
+        result = run_incremental(config, spark)
+        stats = result.tables["public.wide"]
+        assert stats.updated == 200 and stats.bytes_written == commit_bytes(path, before.version()) > 0
+        metadata = drain_metadata(result, TableName("public", "wide"))
+        assert metadata["pgcdc/bytes_written"] == MetadataValue.int(stats.bytes_written)
+        reported[deletion_vectors] = stats.bytes_written
+        added = [action["add"] for commit in commits_after(path, before.version()) for action in commit if "add" in action]
+        new_rows[deletion_vectors] = sum(json.loads(add["stats"])["numRecords"] for add in added if not add.get("deletionVector"))
+        assert exact(pg, config, "wide") == 60000
+        pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
+    # with deletion vectors only the changed rows are written; copy-on-write, every row of the bucket again
+    assert new_rows == {True: 200, False: 60000}
+    assert reported[True] * 20 < table_bytes[True] <= reported[False], (reported, table_bytes)
