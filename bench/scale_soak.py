@@ -83,11 +83,12 @@ def table_figures(path: str) -> dict[str, int]:
     }
 
 
-def quarter_report(durations: list[float], samples: list[tuple[int, dict[str, int]]]) -> list[str]:
-    """Per quarter of the soak: the median drain time and the median (and largest) of each figure
-    sampled in it; flat when the last quarters match. ``samples`` are (drain number, figures)."""
+def quarter_report(durations: list[float], written: list[int], samples: list[tuple[int, dict[str, int]]]) -> list[str]:
+    """Per quarter of the soak: the median drain time and bytes written (what the drain's commits added,
+    ``pgcdc/bytes_written``), and the median (and largest) of each figure sampled in it; flat when the
+    last quarters match. ``samples`` are (drain number, figures)."""
     size = len(durations) // QUARTERS
-    lines = [f"{'quarter':<14}{'median drain s':>15}" + "".join(f"{name:>24}" for name in FIGURES)]
+    lines = [f"{'quarter':<14}{'median drain s':>15}{'median KB written':>19}" + "".join(f"{name:>24}" for name in FIGURES)]
     for quarter in range(QUARTERS):
         first, last = quarter * size + 1, len(durations) if quarter == QUARTERS - 1 else (quarter + 1) * size
         inside = [figures for drain, figures in samples if first <= drain <= last]
@@ -95,7 +96,8 @@ def quarter_report(durations: list[float], samples: list[tuple[int, dict[str, in
             f"{statistics.median(f[name] for f in inside):,.0f} ({max(f[name] for f in inside):,})".rjust(24)
             for name in FIGURES
         )
-        lines.append(f"{first:>5}-{last:<8}{statistics.median(durations[first - 1 : last]):>15.3f}{cells}")
+        kilobytes = statistics.median(written[first - 1 : last]) / 1024
+        lines.append(f"{first:>5}-{last:<8}{statistics.median(durations[first - 1 : last]):>15.3f}{kilobytes:>19,.1f}{cells}")
     return lines
 
 
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{mix}; deletion vectors {config.delta.deletion_vectors}; maintenance every {args.maintain_every}"
               f" (retention {args.retention_hours} h); start: {start}", flush=True)  # fmt: skip
         durations: list[float] = []
+        written: list[int] = []
         samples: list[tuple[int, dict[str, int]]] = []
         maintenance: list[float] = []
         peak_table_files = start["table_files"]
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     engine = SparkEngine.embedded()
                 result = run_incremental(config, engine.spark)
                 durations.append(result.duration_s)
+                written.append(result.tables["public.busy"].bytes_written)
                 if drain % args.sample_every == 0:
                     samples.append((drain, table_figures(path)))
                 if drain % args.maintain_every == 0:
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in FIGURES:
             print(f"{name}: start {start[name]:,}, end {end[name]:,}")
         print(f"per quarter (figures sampled every {args.sample_every} drains, median and largest):")
-        print("\n".join(quarter_report(durations, samples)))
+        print("\n".join(quarter_report(durations, written, samples)))
         print(f"state table at the end: {state_end}")
         if soaked_s:
             ratios = [old / new for old, new in zip(soaked_s, fresh_s, strict=True)]

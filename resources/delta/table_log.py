@@ -104,9 +104,9 @@ def bytes_added(path: str, version: int, newest: int) -> int:
     log = _Log(path)
     total = 0
     for later in range(version + 1, newest + 1):
-        adds = log.actions(later, "add") or []
-        removed = {remove["path"] for remove in log.actions(later, "remove") or []}
-        for add in adds:
+        actions = [json.loads(line) for line in (log.read(f"{later:020d}.json") or "").splitlines() if line.strip()]
+        removed = {action["remove"]["path"] for action in actions if "remove" in action}
+        for add in (action["add"] for action in actions if "add" in action):
             if add["path"] not in removed:
                 total += int(add["size"])
             vector = add.get("deletionVector")
