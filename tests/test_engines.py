@@ -61,6 +61,7 @@ from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.s3_fixtures import S3Server
 from tests.fault_child import SNAPSHOT_WRITER_ENV
 from tests.test_bucket_layout import clean_log
+from tests.test_deletion_vectors import commit_bytes
 from tests.test_key_shapes import (
     IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, PublisherOracle, run_key_shapes, SHAPES,
 )
@@ -463,9 +464,10 @@ DELETION_VECTORS_DDL = """
 def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
 ) -> None:
-    """Delta on Spark writes deletion vectors on the drains' MERGEs (the table is created with them);
-    maintenance's OPTIMIZE and ``REORG ... APPLY (PURGE)`` take every file whose deletion vector deletes
-    more than ``max_deleted_rows_ratio`` of its rows out of the table, and the rows stay exact."""
+    """Delta on Spark writes deletion vectors on the drains' MERGEs (the table is created with them), and
+    a drain reports the bytes its commits wrote; maintenance's OPTIMIZE and ``REORG ... APPLY (PURGE)``
+    take every file whose deletion vector deletes more than ``max_deleted_rows_ratio`` of its rows out
+    of the table, and the rows stay exact."""
     spark = engine.spark
     assert spark is not None and engine_capabilities(spark).delta_commands
     pg.execute(DELETION_VECTORS_DDL)
@@ -475,9 +477,12 @@ def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     assert "deletionVectors" in (deltalake.DeltaTable(acct).protocol().reader_features or [])
     lake = config.delta.lake()
 
-    # deletes only: each bucket's one file gets a deletion vector deleting a tenth of its rows
+    # deletes only: each bucket's one file gets a deletion vector deleting a tenth of its rows; the
+    # drain reports what its commits wrote (deletion vectors only), as the log records it
+    snapshotted = deltalake.DeltaTable(acct).version()
     pg.execute("DELETE FROM acct WHERE id % 10 = 0")
-    run_incremental(config, spark)
+    drained = run_incremental(config, spark).tables["public.acct"]
+    assert drained.bytes_written == commit_bytes(acct, snapshotted) > 0, drained
     assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
     kept = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5, spark=spark)
     assert kept.method == "spark" and kept.deleted_before.deleted == 300 and kept.deleted_after == kept.deleted_before, kept
