@@ -5,16 +5,19 @@ Run ``python -m bench.scale soak [--drains 2000] [--maintain-every 50] ...`` or
 
 A throwaway PostgreSQL holds ``busy`` (bigint key, ``--rows`` rows); before each drain one
 transaction updates ``--changes`` random keys, inserts a tenth as many new keys and deletes a
-few; then ``run_incremental`` drains it into Delta on embedded Sail. Every ``--maintain-every``
-drains the table gets what the ``pgcdc_maintenance`` job does (``maintain_table``: compaction,
-vacuum after ``--retention-hours``, log checkpoint and clean-up). The engine is restarted every
+few (``--updates-only``: the random updates alone, the common OLTP pattern that deletion vectors
+serve: balances, statuses, counters spread over the whole key space); then ``run_incremental``
+drains it into Delta on embedded Sail. Every ``--maintain-every`` drains the table gets what the
+``pgcdc_maintenance`` job does (``maintain_table``: compaction, the purge of files whose deletion
+vectors delete more than ``maintenance.max_deleted_rows_ratio``, vacuum after
+``--retention-hours``, log checkpoint and clean-up). The engine is restarted every
 ``--engine-runs`` drains (each Dagster run gets a fresh one; Sail keeps memory per operation).
 Maintenance covers pgcdc's state table too (``<root>/_pgcdc/state/<slot>``, rewritten by every
 drain), as the job does.
 
 Reported, as the ratio of the end to the start (the goal is flat): the median drain time of
 the first and the last ``--window`` drains, the data files of the table's newest version,
-the data files on storage, the log (files and bytes) and the tombstones in its newest
+the fraction of their rows that deletion vectors delete (per mille), the data files on storage, the log (files and bytes) and the tombstones in its newest
 checkpoint; and per quarter of the soak the median drain time and the median and largest of
 those figures (sampled every ``--sample-every`` drains). Storage, log and tombstones are
 bounded once the retention has passed (maintenance sets both Delta retention properties to
@@ -44,7 +47,7 @@ import psycopg
 from resources.config import parse_config
 from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.maintenance import maintain_table
+from resources.delta.maintenance import deleted_rows, maintain_table
 from resources.delta.state_table import state_path
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables
@@ -55,13 +58,14 @@ SLOT = "scale_soak"
 FRESH_SLOT = "scale_soak_fresh"
 
 
-FIGURES = ("table_files", "storage_files", "log_files", "log_bytes", "tombstones")
+FIGURES = ("table_files", "dv_per_mille", "storage_files", "log_files", "log_bytes", "tombstones")
 QUARTERS = 4
 
 
 def table_figures(path: str) -> dict[str, int]:
-    """Data files of the newest version, data files on storage, log files and log bytes, and the
-    tombstones (``remove`` actions) in the newest checkpoint: what each engine operation reads."""
+    """Data files of the newest version, the rows their deletion vectors delete (per mille of
+    their rows), data files on storage, log files and log bytes, and the tombstones (``remove``
+    actions) in the newest checkpoint: what each engine operation reads."""
     import deltalake
     import pyarrow.parquet as pq
 
@@ -71,6 +75,7 @@ def table_figures(path: str) -> dict[str, int]:
     tombstones = pq.read_table(checkpoints[-1], columns=["remove"]).column("remove").drop_null() if checkpoints else []
     return {
         "table_files": deltalake.DeltaTable(path).get_add_actions(flatten=True).num_rows,
+        "dv_per_mille": round(1000 * deleted_rows(LakeStorage(str(Path(path).parent)), path).fraction),
         "storage_files": sum(1 for entry in Path(path).rglob("*.parquet") if "_delta_log" not in entry.parts),
         "log_files": len(log_entries),
         "log_bytes": sum(entry.stat().st_size for entry in log_entries),
@@ -78,11 +83,12 @@ def table_figures(path: str) -> dict[str, int]:
     }
 
 
-def quarter_report(durations: list[float], samples: list[tuple[int, dict[str, int]]]) -> list[str]:
-    """Per quarter of the soak: the median drain time and the median (and largest) of each figure
-    sampled in it; flat when the last quarters match. ``samples`` are (drain number, figures)."""
+def quarter_report(durations: list[float], written: list[int], samples: list[tuple[int, dict[str, int]]]) -> list[str]:
+    """Per quarter of the soak: the median drain time and bytes written (what the drain's commits added,
+    ``pgcdc/bytes_written``), and the median (and largest) of each figure sampled in it; flat when the
+    last quarters match. ``samples`` are (drain number, figures)."""
     size = len(durations) // QUARTERS
-    lines = [f"{'quarter':<14}{'median drain s':>15}" + "".join(f"{name:>24}" for name in FIGURES)]
+    lines = [f"{'quarter':<14}{'median drain s':>15}{'median KB written':>19}" + "".join(f"{name:>24}" for name in FIGURES)]
     for quarter in range(QUARTERS):
         first, last = quarter * size + 1, len(durations) if quarter == QUARTERS - 1 else (quarter + 1) * size
         inside = [figures for drain, figures in samples if first <= drain <= last]
@@ -90,12 +96,14 @@ def quarter_report(durations: list[float], samples: list[tuple[int, dict[str, in
             f"{statistics.median(f[name] for f in inside):,.0f} ({max(f[name] for f in inside):,})".rjust(24)
             for name in FIGURES
         )
-        lines.append(f"{first:>5}-{last:<8}{statistics.median(durations[first - 1 : last]):>15.3f}{cells}")
+        kilobytes = statistics.median(written[first - 1 : last]) / 1024
+        lines.append(f"{first:>5}-{last:<8}{statistics.median(durations[first - 1 : last]):>15.3f}{kilobytes:>19,.1f}{cells}")
     return lines
 
 
-def write_changes(conn: psycopg.Connection, rows: int, changes: int, next_key: int) -> int:
-    """One transaction: ``changes`` random updates, ``changes // 10`` inserts, a few deletes; the next new key."""
+def write_changes(conn: psycopg.Connection, rows: int, changes: int, next_key: int, *, updates_only: bool = False) -> int:
+    """One transaction: ``changes`` random updates, and unless ``updates_only`` ``changes // 10``
+    inserts and a few deletes; the next new key."""
     inserts = max(1, changes // 10)
     with conn.transaction():
         conn.execute(
@@ -103,6 +111,8 @@ def write_changes(conn: psycopg.Connection, rows: int, changes: int, next_key: i
             " WHERE id IN (SELECT (pg_catalog.random() * %s)::bigint + 1 FROM pg_catalog.generate_series(1, %s))",
             (rows - 1, changes),
         )
+        if updates_only:
+            return next_key
         conn.execute(
             "INSERT INTO busy SELECT g, 0, 'new' FROM pg_catalog.generate_series(%s::bigint, %s::bigint) g",
             (next_key, next_key + inserts - 1),
@@ -119,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="maintenance.retention_hours (default 168; fractional compresses time: 0.1 is six minutes)")  # fmt: skip
     parser.add_argument("--rows", type=int, default=100_000, help="rows of the busy table (default 100,000)")
     parser.add_argument("--changes", type=int, default=100, help="random updates per drain (default 100)")
+    parser.add_argument("--updates-only", action="store_true", help="random updates only, no inserts or deletes")
     parser.add_argument("--engine-runs", type=int, default=100, help="drains per engine start (default 100)")
     parser.add_argument("--window", type=int, default=50, help="drains per start / end median (default 50)")
     parser.add_argument("--sample-every", type=int, default=10, help="figures sampled every N drains (default 10)")
@@ -151,10 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         engine = SparkEngine.embedded()
         snapshot_tables(config, engine.spark)
         start = table_figures(path)
-        print(f"PostgreSQL {args.major}, busy: {args.rows:,} rows; {args.drains} drains of {args.changes} updates"
-              f" + {max(1, args.changes // 10)} inserts + 3 deletes; maintenance every {args.maintain_every}"
+        mix = "" if args.updates_only else f" + {max(1, args.changes // 10)} inserts + 3 deletes"
+        print(f"PostgreSQL {args.major}, busy: {args.rows:,} rows; {args.drains} drains of {args.changes} random updates"
+              f"{mix}; deletion vectors {config.delta.deletion_vectors}; maintenance every {args.maintain_every}"
               f" (retention {args.retention_hours} h); start: {start}", flush=True)  # fmt: skip
         durations: list[float] = []
+        written: list[int] = []
         samples: list[tuple[int, dict[str, int]]] = []
         maintenance: list[float] = []
         peak_table_files = start["table_files"]
@@ -162,19 +175,21 @@ def main(argv: list[str] | None = None) -> int:
         began = time.monotonic()
         with psycopg.connect(dsn, autocommit=True) as conn:
             for drain in range(1, args.drains + 1):
-                next_key = write_changes(conn, args.rows, args.changes, next_key)
+                next_key = write_changes(conn, args.rows, args.changes, next_key, updates_only=args.updates_only)
                 if drain % args.engine_runs == 0:
                     engine.close()
                     engine = SparkEngine.embedded()
                 result = run_incremental(config, engine.spark)
                 durations.append(result.duration_s)
+                written.append(result.tables["public.busy"].bytes_written)
                 if drain % args.sample_every == 0:
                     samples.append((drain, table_figures(path)))
                 if drain % args.maintain_every == 0:
                     peak_table_files = max(peak_table_files, table_figures(path)["table_files"])
                     maintenance.append(sum(
                         maintain_table(table, lake, retention_hours=args.retention_hours,
-                                       target_file_bytes=config.maintenance.target_file_bytes).duration_s
+                                       target_file_bytes=config.maintenance.target_file_bytes,
+                                       max_deleted_rows_ratio=config.maintenance.max_deleted_rows_ratio).duration_s
                         for table in (path, state)
                     ))  # fmt: skip
                 if drain % 100 == 0:
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             soaked_s: list[float] = []
             fresh_s: list[float] = []
             for round_ in range(args.baseline_drains):
-                next_key = write_changes(conn, args.rows, args.changes, next_key)
+                next_key = write_changes(conn, args.rows, args.changes, next_key, updates_only=args.updates_only)
                 for lake_config in (config, fresh) if round_ % 2 == 0 else (fresh, config):  # neither always first
                     duration = run_incremental(lake_config, engine.spark).duration_s
                     (soaked_s if lake_config is config else fresh_s).append(duration)
@@ -200,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in FIGURES:
             print(f"{name}: start {start[name]:,}, end {end[name]:,}")
         print(f"per quarter (figures sampled every {args.sample_every} drains, median and largest):")
-        print("\n".join(quarter_report(durations, samples)))
+        print("\n".join(quarter_report(durations, written, samples)))
         print(f"state table at the end: {state_end}")
         if soaked_s:
             ratios = [old / new for old, new in zip(soaked_s, fresh_s, strict=True)]

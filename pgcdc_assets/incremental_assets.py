@@ -100,6 +100,8 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
         "pgcdc/updated": MetadataValue.int(stats.updated),
         "pgcdc/deleted": MetadataValue.int(stats.deleted),
         "pgcdc/truncates": MetadataValue.int(stats.truncates),
+        # what the drain's commits to the table wrote: with deletion vectors, in proportion to the rows changed
+        "pgcdc/bytes_written": MetadataValue.int(stats.bytes_written),
     }
     if stats.delta_version is not None:
         metadata["pgcdc/delta_version"] = MetadataValue.int(stats.delta_version)
@@ -144,6 +146,7 @@ def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKe
     metadata: dict[str, object] = {
         **drain_figures(result),
         "pgcdc/tables_changed": MetadataValue.int(len(changed)),
+        "pgcdc/bytes_written": MetadataValue.int(sum(stats.bytes_written for stats in result.tables.values())),
         "pgcdc/changed_tables": MetadataValue.md(links + more if changed else "none"),
     }
     if result.tables_without_snapshot:

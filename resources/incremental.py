@@ -97,6 +97,8 @@ class TableResult:
     unpruned: str | None = None
     #: Rows this run appended to the table's changelog (docs/history.md); None: the table keeps no history.
     history_rows: int | None = None
+    #: Bytes of data files and deletion vectors this run's commits to the table wrote (from its log).
+    bytes_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,7 @@ def run_incremental(
         start_lsn=start_lsn,
         end_lsn=end_lsn,
         confirmed_flush_lsn=confirmed,
-        tables=_table_results(targets, {**state, **written}),
+        tables=_table_results(destination, targets, {**state, **written}),
         transactions=applier.transactions,
         changes=applier.changes_applied,
         changes_skipped=applier.changes_skipped,
@@ -287,6 +289,7 @@ def _targets(
             targets[table] = TableTarget(table, path, known=known)
         else:
             targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
+            targets[table].stats.version_read = targets[table].log.version  # type: ignore[union-attr]
         targets[table].history_path = config.history_path(table.schema, table.name)
     without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted]
     if targets and len(without_snapshot) == len(targets):
@@ -337,14 +340,20 @@ def _record_state(
     return rows
 
 
-def _table_results(targets: dict[TableName, TableTarget], state: dict[str, StateRow]) -> dict[str, TableResult]:
-    """Per table: what the run applied, the Delta version it left (None without a snapshot) and the
-    newest change applied so far, from the run's state rows (``state``: without reading the tables it did not meet)."""
+def _table_results(
+    destination: Destination, targets: dict[TableName, TableTarget], state: dict[str, StateRow]
+) -> dict[str, TableResult]:
+    """Per table: what the run applied, the Delta version it left (None without a snapshot), the
+    newest change applied so far, from the run's state rows (``state``: without reading the tables it
+    did not meet), and the bytes its commits wrote (read from those commits only)."""
     results = {}
     for table, target in targets.items():
         row = state.get(str(table))
         has_snapshot = row is not None and (target.log is None or target.log.snapshot_lsn is not None)
         stats = target.stats
+        written = 0
+        if has_snapshot and stats.version_read is not None and row.log.version is not None:  # type: ignore[union-attr]
+            written = destination.bytes_added(target.path, stats.version_read, row.log.version)  # type: ignore[union-attr]
         results[str(table)] = TableResult(
             stats.inserted,
             stats.updated,
@@ -356,6 +365,7 @@ def _table_results(targets: dict[TableName, TableTarget], state: dict[str, State
             stats.schema_changed,
             stats.unpruned,
             stats.history_rows if target.history_path is not None else None,
+            written,
         )
     return results
 

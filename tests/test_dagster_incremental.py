@@ -35,6 +35,7 @@ from resources.testing.dagster_instance import postgres_instance, sqlite_instanc
 from resources.testing.local_postgres import LocalPostgres
 from tests.conftest import fresh_database, PgDatabase
 from tests.tcp_proxy import TcpProxy
+from tests.test_deletion_vectors import commit_bytes
 from tests.test_dagster_snapshot import (
     NOTES_KEY,
     ORDERS_KEY,
@@ -131,11 +132,12 @@ def test_drains_materialize_the_slot_always_and_tables_only_when_changed(
     assert defs.resolve_asset_graph().get(ORDERS).freshness_policy is None  # an idle table is never stale
     run_job(defs, instance, "pgcdc_snapshot")
     start = slot_position(shop)
+    lake = tmp_path / "lake"
+    snapshotted = {name: deltalake.DeltaTable(str(lake / "public" / name)).version() for name in ("orders", "notes")}
     make_changes(shop)
 
     first = run_job(defs, instance, "pgcdc_incremental")
 
-    lake = tmp_path / "lake"
     assert delta_rows(lake, "orders") == pg_orders(shop)
     assert delta_rows(lake, "notes") == pg_notes(shop)
     assert planned(instance, first) == ["pgcdc/slot", "pgcdc/slot:slot_lag_within_bound"]
@@ -159,6 +161,10 @@ def test_drains_materialize_the_slot_always_and_tables_only_when_changed(
     assert orders["pgcdc/truncates"] == 0
     assert orders["pgcdc/applied_lsn"] == orders["pgcdc/last_applied_lsn"]
     assert orders["pgcdc/delta_version"] == deltalake.DeltaTable(str(lake / "public" / "orders")).version()
+    # the bytes each table's commits added, exactly as its log records them, and their sum on the slot
+    written = {name: commit_bytes(str(lake / "public" / name), version) for name, version in snapshotted.items()}
+    assert (orders["pgcdc/bytes_written"], notes["pgcdc/bytes_written"]) == (written["orders"], written["notes"])
+    assert slot["pgcdc/bytes_written"] == written["orders"] + written["notes"] and min(written.values()) > 0
     # The first drain after a snapshot evaluates the schema check of every table; the lag check is the slot's.
     assert check_outcomes(first) == {
         (SLOT, "slot_lag_within_bound"): True, (ORDERS, "schema_matches_postgres"): True,

@@ -9,16 +9,23 @@ PostgreSQL value for value, read with delta-rs's DataFusion, which applies delet
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import deltalake
 import pyarrow as pa
+from dagster import MetadataValue
 from pyspark.sql import SparkSession
 
+from pgcdc_assets.incremental_assets import drain_metadata
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.layout import BUCKET_COLUMN, bucket_values, HASH, TableLayout, TEXT_CAST_HASH
 from resources.delta.maintenance import maintain_table
-from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY
+from resources.delta.markers import LAYOUT_PROPERTY, pgcdc_marker
+from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY, write_snapshot
+from resources.delta.state_table import state_path
 from resources.incremental import run_incremental
+from resources.postgres.catalog import TableName
 from resources.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
@@ -207,3 +214,119 @@ def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
     run_incremental(config, spark)
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
     assert exact(pg, config, "doc", key=()) == 200
+
+
+def commit_bytes(path: str, version: int) -> int:
+    """What the drain's commits after ``version`` wrote, summed from their ``add`` actions: the size of
+    every file added that the same commit did not remove, and the size of every deletion vector not inlined."""
+    total = 0
+    for commit in commits_after(path, version):
+        removed = {action["remove"]["path"] for action in commit if "remove" in action}
+        for add in (action["add"] for action in commit if "add" in action):
+            total += 0 if add["path"] in removed else add["size"]
+            vector = add.get("deletionVector") or {}
+            total += vector.get("sizeInBytes", 0) if vector.get("storageType") in ("u", "p") else 0
+    return total
+
+
+def test_a_drain_reports_the_bytes_its_commits_wrote_in_proportion_to_the_rows_it_changed(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """200 random updates into a 60,000-row table in one bucket: with deletion vectors the drain writes
+    the 200 new row images and a deletion vector; copy-on-write it rewrites the bucket. The figure the
+    drain reports (the Dagster metadata's ``pgcdc/bytes_written``) is exactly what its commits added."""
+    pg.execute("""
+        CREATE TABLE wide (id bigint PRIMARY KEY, v int, note text);
+        INSERT INTO wide SELECT g, g, md5(g::text) FROM generate_series(1, 60000) g;
+        CREATE PUBLICATION pub_wide FOR TABLE wide;
+    """)
+    reported: dict[bool, int] = {}
+    new_rows: dict[bool, int] = {}
+    table_bytes: dict[bool, int] = {}
+    for deletion_vectors in (True, False):
+        slot = f"wide_{str(deletion_vectors).lower()}"
+        config = parse_config({
+            "postgres": {"dsn": pg.dsn}, "publication": "pub_wide", "slot": slot,
+            "delta": {"root": str(tmp_path / slot), "deletion_vectors": deletion_vectors},
+        })  # fmt: skip
+        snapshot_tables(config, spark)
+        path = config.table_path("public", "wide")
+        before = deltalake.DeltaTable(path)
+        table_bytes[deletion_vectors] = sum(before.get_add_actions(flatten=True).column("size_bytes").to_pylist())
+        pg.execute(f"UPDATE wide SET v = v + 1, note = '{slot}' WHERE id % 300 = 7")  # 200 rows over the whole key space
+        result = run_incremental(config, spark)
+        stats = result.tables["public.wide"]
+        assert stats.updated == 200 and stats.bytes_written == commit_bytes(path, before.version()) > 0
+        metadata = drain_metadata(result, TableName("public", "wide"))
+        assert metadata["pgcdc/bytes_written"] == MetadataValue.int(stats.bytes_written)
+        reported[deletion_vectors] = stats.bytes_written
+        added = [action["add"] for commit in commits_after(path, before.version()) for action in commit if "add" in action]
+        new_rows[deletion_vectors] = sum(json.loads(add["stats"])["numRecords"] for add in added if not add.get("deletionVector"))
+        assert exact(pg, config, "wide") == 60000
+        pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
+    # with deletion vectors only the changed rows are written; copy-on-write, every row of the bucket again
+    assert new_rows == {True: 200, False: 60000}
+    assert reported[True] * 20 < table_bytes[True] <= reported[False], (reported, table_bytes)
+
+
+def rewrite_as_the_previous_version(spark: SparkSession, path: str) -> TableLayout:
+    """The table at ``path`` (hash buckets, copy-on-write) written again the way pgcdc wrote it before
+    hash layouts named their hash function: bucketed by the text-cast hash, its snapshot marker and
+    its layout property without a ``hash`` entry. Returns that layout (as read today: the text-cast hash)."""
+    table = deltalake.DeltaTable(path)
+    marker = next(
+        pgcdc for commit in table.history()
+        if (pgcdc := pgcdc_marker(commit.get("userMetadata"))) is not None and pgcdc["kind"] == "snapshot"
+    )  # fmt: skip
+    record = {name: value for name, value in marker["layout"].items() if name != "hash"}
+    layout = TableLayout.from_json(record)
+    assert layout.kind == HASH and layout.hash == TEXT_CAST_HASH
+    rows = table.to_pyarrow_table().drop_columns([BUCKET_COLUMN])
+    shutil.rmtree(path)
+    write_snapshot(spark, rows, rows.schema, path, json.dumps({"pgcdc": {**marker, "layout": record}}), layout=layout)
+    for commit in (Path(path) / "_delta_log").glob("*.json"):
+        actions = [json.loads(line) for line in commit.read_text().splitlines()]
+        for action in actions:
+            if "metaData" in action:
+                action["metaData"]["configuration"][LAYOUT_PROPERTY] = json.dumps(record)
+        commit.write_text("\n".join(json.dumps(action) for action in actions) + "\n")
+    return layout
+
+
+def test_a_lake_of_the_previous_version_keeps_draining_exactly_on_its_old_hash_buckets(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """A table the previous version wrote: copy-on-write (no deletion vector feature), hash buckets of a
+    date key computed by the text-cast hash and recorded without a ``hash`` entry, and no pgcdc state.
+    Drains under today's defaults keep its protocol, bucket new and changed rows by its old hash (a row
+    in another bucket would be missed by the bucket-pruned MERGE and show as a duplicate), and stay exact."""
+    pg.execute("""
+        CREATE TABLE visit (day date PRIMARY KEY, hits int, note text);
+        INSERT INTO visit SELECT DATE '2024-01-01' + g, g, 'v' || g FROM generate_series(0, 399) g;
+        CREATE PUBLICATION pub_visit FOR TABLE visit;
+    """)
+    lake = tmp_path / "lake"
+    before = parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub_visit", "slot": "pgcdc_slot",
+        "delta": {"root": str(lake), "deletion_vectors": False, "buckets": {"tables": {"public.visit": {"count": 4}}}},
+    })  # fmt: skip
+    snapshot_tables(before, spark)
+    path = before.table_path("public", "visit")
+    old = rewrite_as_the_previous_version(spark, path)
+    shutil.rmtree(state_path(str(lake), "pgcdc_slot"))  # the previous version kept no state table
+    days = deltalake.DeltaTable(path).to_pyarrow_table(columns=["day"]).column("day")
+    typed = TableLayout(HASH, old.key, old.size)
+    assert bucket_values(old, [days]) != bucket_values(typed, [days]), "the two hashes must differ on this key for the test to mean anything"
+    assert assert_buckets_right(path) == old
+    protocol = deltalake.DeltaTable(path).protocol()
+
+    now = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub_visit", "slot": "pgcdc_slot",
+                        "delta": {"root": str(lake)}})  # fmt: skip
+    for seed in range(3):  # the first drain reads the old record from the log, the later ones from the state it wrote
+        pg.execute(f"UPDATE visit SET hits = hits + 1, note = 'u{seed}' WHERE (day - DATE '2024-01-01') % 7 = {seed};"
+                   f" DELETE FROM visit WHERE (day - DATE '2024-01-01') % 53 = {seed};"
+                   f" INSERT INTO visit SELECT DATE '2030-01-01' + {seed} * 100 + g, g, 'new' FROM generate_series(1, 20) g")  # fmt: skip
+        run_incremental(now, spark)
+        assert exact(pg, now, "visit", key=("day",)) == pg.execute("SELECT count(*) FROM visit")[0][0]
+    assert assert_buckets_right(path) == old
+    assert deltalake.DeltaTable(path).protocol() == protocol and not has_deletion_vectors(path)

@@ -43,7 +43,9 @@ import yaml
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.maintenance import maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance
+from resources.delta.maintenance import (
+    describe, file_deletions, maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance,
+)
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
@@ -59,6 +61,7 @@ from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.s3_fixtures import S3Server
 from tests.fault_child import SNAPSHOT_WRITER_ENV
 from tests.test_bucket_layout import clean_log
+from tests.test_deletion_vectors import commit_bytes
 from tests.test_key_shapes import (
     IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, PublisherOracle, run_key_shapes, SHAPES,
 )
@@ -103,6 +106,7 @@ SPARK_LOCAL_ONLY = {
     "test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres",
     "test_key_shapes_and_a_replica_identity_change_on_spark_match_postgres",
     "test_a_snapshot_killed_on_spark_recovers_on_the_next_run",
+    "test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact",
 }
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
@@ -448,6 +452,61 @@ def range_commits(path: str) -> dict[int, int]:
         if copied:
             added[copied[0]] = sum(json.loads(a["add"]["stats"])["numRecords"] for a in actions if "add" in a)
     return added
+
+
+DELETION_VECTORS_DDL = """
+    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
+    INSERT INTO acct SELECT g, g, 'n' || g FROM generate_series(0, 2999) g;
+    CREATE PUBLICATION pub FOR TABLE acct;
+"""
+
+
+def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
+    """Delta on Spark writes deletion vectors on the drains' MERGEs (the table is created with them), and
+    a drain reports the bytes its commits wrote; maintenance's OPTIMIZE and ``REORG ... APPLY (PURGE)``
+    take every file whose deletion vector deletes more than ``max_deleted_rows_ratio`` of its rows out
+    of the table, and the rows stay exact."""
+    spark = engine.spark
+    assert spark is not None and engine_capabilities(spark).delta_commands
+    pg.execute(DELETION_VECTORS_DDL)
+    config = engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"width": 1000}}})  # three buckets
+    snapshot_tables(config, spark)
+    acct = config.table_path("public", "acct")
+    assert "deletionVectors" in (deltalake.DeltaTable(acct).protocol().reader_features or [])
+    lake = config.delta.lake()
+
+    # deletes only: each bucket's one file gets a deletion vector deleting a tenth of its rows; the
+    # drain reports what its commits wrote (deletion vectors only), as the log records it
+    snapshotted = deltalake.DeltaTable(acct).version()
+    pg.execute("DELETE FROM acct WHERE id % 10 = 0")
+    drained = run_incremental(config, spark).tables["public.acct"]
+    assert drained.bytes_written == commit_bytes(acct, snapshotted) > 0, drained
+    assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
+    kept = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5, spark=spark)
+    assert kept.method == "spark" and kept.deleted_before.deleted == 300 and kept.deleted_after == kept.deleted_before, kept
+    done = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.05, spark=spark)
+    assert done.deleted_before.fraction == 0.1 and done.deleted_after.deleted == 0, done
+    assert done.deleted_after.rows == 2700 and done.files_compacted >= 3, done
+    assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
+    assert_buckets_right(acct)
+
+    # random updates over every bucket for a few drains, then maintenance at the default ratio: every
+    # file above it is purged, and drains on the purged files stay exact
+    for seed in range(3):
+        pg.execute(f"UPDATE acct SET balance = balance + 1, note = 'u{seed}' WHERE id % 7 = {seed};"
+                   f" DELETE FROM acct WHERE id % 101 = {seed}")  # fmt: skip
+        run_incremental(config, spark)
+    again = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, spark=spark)
+    assert again.deleted_before.fraction > 0.05, again
+    assert not any(file.deleted > 0.05 * file.rows for file in file_deletions(lake, acct)), again
+    pg.execute("UPDATE acct SET note = 'after' WHERE id % 13 = 0")
+    run_incremental(config, spark)
+    rows = assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
+    assert rows == pg.execute("SELECT count(*) FROM acct")[0][0]
+    assert_buckets_right(acct)
+    print(f"{engine.name}: maintenance {describe(done)}; again {describe(again)}")
 
 
 def test_lifecycle_on_s3_with_apache_spark_and_delta(

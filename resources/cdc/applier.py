@@ -241,6 +241,7 @@ class ChangeApplier:
         if target.log is None:
             target.log = self._destination.read_table_log(target.path, target.known)
             target.applied_marker = target.log.applied_marker
+            target.stats.version_read = target.log.version
             if target.history_path is not None:
                 self._start_history(target)
         return target.skips(end)

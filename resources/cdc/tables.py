@@ -37,6 +37,8 @@ class TableStats:
     unpruned: str | None = None
     #: Change rows this run appended to the table's changelog (a seed's rows not counted).
     history_rows: int = 0
+    #: The table's version when this run first read its log: the run's own commits are the ones after it.
+    version_read: int | None = None
 
 
 @dataclass(eq=False)

@@ -94,6 +94,9 @@ class Destination(Protocol):
     def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
         """Whether the commits after ``version`` up to ``newest`` only maintain the table (its rows are those of ``version``)."""
 
+    def bytes_added(self, path: str, version: int, newest: int) -> int:
+        """The bytes of data files and deletion vectors the commits after ``version`` up to ``newest`` wrote."""
+
     def table_schema(self, path: str) -> pa.Schema:
         """The table's current schema."""
 

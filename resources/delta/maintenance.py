@@ -409,8 +409,14 @@ def _newest_writer_commit(lake: LakeStorage, path: str) -> int:
 def deleted_rows(lake: LakeStorage, path: str) -> DeletedRows:
     """The rows of the newest version's data files and the rows their deletion vectors delete, read by
     delta-rs from the log and the deletion vector files (whichever engine wrote them)."""
-    files = _file_deletions(_delta_rs_table(lake, path))
+    files = file_deletions(lake, path)
     return DeletedRows(sum(file.rows for file in files), sum(file.deleted for file in files))
+
+
+def file_deletions(lake: LakeStorage, path: str) -> list[FileDeletions]:
+    """Every data file of the table's newest version with the rows its deletion vector deletes: what
+    the purge decides on (a file above ``max_deleted_rows_ratio`` is rewritten)."""
+    return _file_deletions(_delta_rs_table(lake, path))
 
 
 def _delta_rs_table(lake: LakeStorage, path: str):  # type: ignore[no-untyped-def]  # deltalake.DeltaTable
@@ -420,7 +426,7 @@ def _delta_rs_table(lake: LakeStorage, path: str):  # type: ignore[no-untyped-de
 
 
 @dataclass(frozen=True, slots=True)
-class _FileDeletions:
+class FileDeletions:
     """One data file of the newest version: its partition values, rows, and rows its deletion vector deletes."""
 
     partition: tuple[tuple[str, str, str], ...]  # delta-rs partition filters: (column, "=", value)
@@ -428,7 +434,7 @@ class _FileDeletions:
     deleted: int
 
 
-def _file_deletions(table: object) -> list[_FileDeletions]:
+def _file_deletions(table: object) -> list[FileDeletions]:
     """Every data file of ``table`` (a ``deltalake.DeltaTable``) with what its deletion vector deletes.
 
     delta-rs hands deletion vectors out as selection vectors (one boolean per row, false where deleted)
@@ -450,7 +456,7 @@ def _file_deletions(table: object) -> list[_FileDeletions]:
         partition = tuple(
             (name.removeprefix("partition."), "=", str(action[name])) for name in partition_columns if action[name] is not None
         )
-        files.append(_FileDeletions(partition, action["num_records"] or 0, deleted.get(unquote(action["path"]), 0)))
+        files.append(FileDeletions(partition, action["num_records"] or 0, deleted.get(unquote(action["path"]), 0)))
     return files
 
 

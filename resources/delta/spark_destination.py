@@ -47,6 +47,9 @@ class SparkDeltaDestination:
     def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
         return table_log.rows_unchanged_after(path, version, newest)
 
+    def bytes_added(self, path: str, version: int, newest: int) -> int:
+        return table_log.bytes_added(path, version, newest)
+
     def table_schema(self, path: str) -> pa.Schema:
         return schema_changes.table_schema(self.spark, path)
 

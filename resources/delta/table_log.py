@@ -95,6 +95,26 @@ def rows_unchanged_after(path: str, version: int, newest: int) -> bool:
     return True
 
 
+def bytes_added(path: str, version: int, newest: int) -> int:
+    """The bytes the commits after ``version`` up to ``newest`` wrote to storage, as their ``add`` actions
+    record them: each new data file's ``size``, and each new deletion vector's ``sizeInBytes`` unless it
+    is inlined in the log. A file a commit removes and adds again (given a deletion vector, the same
+    file on every engine) was not written again: only its deletion vector counts. Reads those commits
+    only; one that log clean-up removed counts nothing."""
+    log = _Log(path)
+    total = 0
+    for later in range(version + 1, newest + 1):
+        actions = [json.loads(line) for line in (log.read(f"{later:020d}.json") or "").splitlines() if line.strip()]
+        removed = {action["remove"]["path"] for action in actions if "remove" in action}
+        for add in (action["add"] for action in actions if "add" in action):
+            if add["path"] not in removed:
+                total += int(add["size"])
+            vector = add.get("deletionVector")
+            if vector and vector.get("storageType") != "i":
+                total += int(vector["sizeInBytes"])
+    return total
+
+
 def version_with_metadata(path: str, user_metadata: str) -> int:
     """The version of the newest commit carrying ``user_metadata`` (a writer's own commit, found by its
     marker so a concurrent writer cannot be mistaken for it): one listing, then the commits newest first."""
