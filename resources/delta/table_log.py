@@ -294,7 +294,11 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
             if metadata is None or known.table_id not in (None, metadata.table_id):
                 return None  # another table now lives at this path
             layout = expired_layout(metadata, known)
-            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, layout, metadata.table_id)
+            # The row's column numbers stay true: a newer snapshot would be among the commits read below.
+            columns = known.columns if known.table_id == metadata.table_id else None
+            known = TableLog(
+                EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, layout, metadata.table_id, None, columns
+            )
         else:
             recorded = None if snapshot_commit is None else _snapshot(snapshot_commit)
             if recorded is None or recorded[:2] != (known.snapshot_lsn, known.layout):
