@@ -128,7 +128,7 @@ def copy_key_range(
             layout = existing
             _check_columns(spark, path, table, copy.schema)
         done = ranges.with_point(k, copy.point)
-        marker = snapshot_marker(done.snapshot_lsn, slot, str(table), layout, done, k)
+        marker = snapshot_marker(done.snapshot_lsn, slot, str(table), layout, done, k, copy.info.column_numbers)
         low, high = ranges.limits(k)
         query = copy.info.copy_query(keys=(ranges.key, low, high))
 

@@ -252,7 +252,7 @@ def _snapshot_table(
     existing = existing_layout(table, path, read_table_log(path, known))
     with consistent_copy(dsn, publication, table, after_slot="after_snapshot_slot") as copy:
         layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets, existing)
-        marker = snapshot_marker(copy.point, slot, str(table), layout)
+        marker = snapshot_marker(copy.point, slot, str(table), layout, columns=copy.info.column_numbers)
         blocks, block_size = heap_blocks(copy.conn.connection, copy.info.oid)
         ranges = block_ranges(blocks, max(1, reading.range_bytes // block_size))
         workers = min(reading.workers, len(ranges))

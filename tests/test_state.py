@@ -23,6 +23,7 @@ import pytest
 import yaml
 from pyspark.sql import SparkSession
 
+from resources.column_numbers import ColumnNumbers
 from resources.config import parse_config, PgcdcConfig
 from resources.delta import table_log
 from resources.delta.destination import TableLog
@@ -119,6 +120,10 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     assert {t: r.log.version for t, r in state_of(spark, config).items()} == {f"public.{t}": v for t, v in versions.items()}
     first = drained(pg, config, spark, {"acct": 2, "journal": 2})
     assert first.tables["public.journal"].inserted == 0 and first.changes_skipped == 1  # applied before the crash
+    # The drain's rows keep the column numbers the snapshot markers recorded (for once log cleanup removes them).
+    assert {t: r.log.columns for t, r in state_of(spark, config).items()} == {
+        "public.acct": ColumnNumbers({"id": 1, "n": 2}, 2), "public.journal": ColumnNumbers({"entry": 1, "note": 2}, 2),
+    }
 
     # A re-snapshot whose state write was lost: the state names the old snapshot. The rows
     # inserted before the new snapshot are in it; applying them again would duplicate them.

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hypothesis import given, settings, strategies as st
 
+from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
 from resources.delta.markers import (
@@ -52,9 +53,14 @@ METADATA_TYPE = pa.struct([
 TABLE_ID = "5f1c7a0e-table"
 
 
+def numbers(lsn: int) -> ColumnNumbers:
+    """The column numbers the snapshot at ``lsn`` recorded (one per snapshot, told apart by the LSN)."""
+    return ColumnNumbers({"id": 1, "v": 2 + lsn % 5}, 7 + lsn % 11)
+
+
 def user_metadata(commit: tuple, layout: TableLayout | None) -> str | None:
     if commit[0] == "snapshot":
-        return snapshot_marker(LSN(commit[1]), "slot", "public.t", layout)
+        return snapshot_marker(LSN(commit[1]), "slot", "public.t", layout, columns=numbers(commit[1]))
     if commit[0] == "append":
         return applied_marker(APPEND_MARKER, commit[1], commit[2])
     return "nightly compaction" if commit[0] == "foreign" else None
@@ -92,22 +98,22 @@ def write_log(path: Path, history: list[tuple], cleaned_below: int, layout: Tabl
 
 def truth(
     history: list[tuple], upto: int, cleaned_below: int, markers_from: int, layout: TableLayout | None,
-    expired_layout: TableLayout | None = None,
+    expired_layout: TableLayout | None = None, expired_columns: ColumnNumbers | None = None,
 ) -> TableLog:
     """The TableLog as of version ``upto`` from the history, as far as commits >= ``cleaned_below`` show
     the snapshot, and commits >= ``markers_from`` the applied markers (``layout``: the table's;
-    ``expired_layout``: what is known of it once its snapshot commit is gone)."""
+    ``expired_layout``, ``expired_columns``: what is known of them once its snapshot commit is gone)."""
     applied = None
     for version in range(upto, -1, -1):
         commit = history[version]
         if commit[0] == "snapshot":
             if version < cleaned_below:
                 break
-            return TableLog(LSN(commit[1]), version, upto, applied, layout, TABLE_ID)
+            return TableLog(LSN(commit[1]), version, upto, applied, layout, TABLE_ID, None, numbers(commit[1]))
         if commit[0] == "append" and applied is None and version >= markers_from:
             applied = (commit[1], commit[2])
     if cleaned_below > 0:
-        return TableLog(EXPIRED_SNAPSHOT_LSN, None, upto, applied, expired_layout, TABLE_ID)
+        return TableLog(EXPIRED_SNAPSHOT_LSN, None, upto, applied, expired_layout, TABLE_ID, None, expired_columns)
     return TableLog(None, None, upto, applied, None, TABLE_ID)
 
 
@@ -136,9 +142,12 @@ def test_reads_from_scratch_and_from_any_earlier_answer_agree_with_the_history(
     if row.snapshot_lsn is not None:
         # The row remembers markers the cleanup removed, unless the cleanup removed commits after it
         # too (a gap: read from scratch); a snapshot the cleanup removed counts as expired either way,
-        # with the layout the row recorded for this table id.
+        # with the layout the row recorded for this table id, and the row's column numbers unless commits
+        # after it are gone (a newer snapshot could have been among them).
         gap = earlier + 1 < cleaned_below
-        expected = truth(history, newest, cleaned_below, cleaned_below if gap else 0, layout, layout)
+        expected = truth(
+            history, newest, cleaned_below, cleaned_below if gap else 0, layout, layout, None if gap else row.columns
+        )
         assert read_table_log(str(path), row) == expected
         # A row of a state written before table ids were recorded: learns the id while the marker is there.
         assert read_table_log(str(path), replace(row, table_id=None)).table_id == TABLE_ID

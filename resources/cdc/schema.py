@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
+from resources.cdc.renames import unproven_addition
 from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination
@@ -59,7 +60,7 @@ class SchemaReconciler:
         columns in attnum order and ADD COLUMN takes the next attnum, so such a column was renamed (or
         published by a changed column list), and its existing rows' values never reached Delta. Taking it
         for an added column would leave them NULL. (A rename of the last column looks like DROP and ADD
-        to the stream: docs/guarantees.md, "Schema changes".)"""
+        to the stream; the catalog tells them apart: ``resources/cdc/renames.py``.)"""
         for position, name in enumerate(names):
             if name not in seen and any(later in seen for later in names[position + 1 :]):
                 raise SchemaChangeError(
@@ -104,8 +105,14 @@ class SchemaReconciler:
                 widened[column.column] = wanted
         # Columns new since the previous Relation message (or, for the first one of the run, new
         # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows.
-        seen = {c.name for c in previous.columns} if previous is not None else set(existing)
-        self._refuse_renamed(target, [c.column for c in columns], seen)
+        seen_names = [c.name for c in previous.columns] if previous is not None else list(existing)
+        seen = set(seen_names)
+        names = [c.column for c in columns]
+        self._refuse_renamed(target, names, seen)
+        recorded = target.log.columns if target.log is not None else None
+        why = unproven_addition(recorded, seen_names, names, lambda: self._types.attributes(relation))
+        if why is not None:
+            raise SchemaChangeError(f"{target.table}: {why}", RESNAPSHOT_FIX)
         fills = self._fills(target, relation, columns, [c for c in columns if c.column not in seen], end, seq)
         added = [f for f in added if f.name not in fills]
         if widened:
@@ -125,7 +132,6 @@ class SchemaReconciler:
             self._writer.call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
         if widened or added or fills:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)  # type: ignore[assignment]
-        names = {column.column for column in columns}
         target.dropped = [
             f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
         ]

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from resources.column_numbers import ColumnNumbers
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import TableLayout
 from resources.lsn import LSN
@@ -48,6 +49,10 @@ class TableLog:
     #: A snapshot in primary-key ranges (the newest snapshot marker's): which ranges are done at which
     #: point; ``snapshot_lsn`` is None until all are. None: a snapshot of the whole table at once.
     chunks: KeyRanges | None = None
+    #: The published columns' attnums and the table's attribute count that snapshot recorded (tells a
+    #: RENAME COLUMN from DROP and ADD). None: not recorded (a snapshot before pgcdc recorded them, or its
+    #: commit left the log).
+    columns: ColumnNumbers | None = None
 
     @property
     def being_snapshotted(self) -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, functions as F, SparkSession
 
+from resources.column_numbers import ColumnNumbers
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
@@ -222,7 +223,7 @@ def fold_table_log(
             if kind == "snapshot":
                 return TableLog(
                     marker_snapshot_lsn(marker), version, newest, applied, marker_layout(marker), table_id,  # type: ignore[arg-type]
-                    marker_chunks(marker),
+                    marker_chunks(marker), marker_columns(marker),
                 )
             if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
                 applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
@@ -230,7 +231,7 @@ def fold_table_log(
         return TableLog(None, None, newest, applied, None)
     return TableLog(
         known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout, table_id,
-        known.chunks,
+        known.chunks, known.columns,
     )
 
 
@@ -246,11 +247,13 @@ def snapshot_marker(
     layout: TableLayout | None = None,
     chunks: KeyRanges | None = None,
     copied_range: int | None = None,
+    columns: ColumnNumbers | None = None,
 ) -> str:
     """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``, bucketed by ``layout``.
 
     For a snapshot in key ranges, ``chunks`` says which ranges are done at which point (this commit
-    copied ``copied_range``) and ``snapshot_lsn`` is None until every range is done.
+    copied ``copied_range``) and ``snapshot_lsn`` is None until every range is done. ``columns``: the
+    published columns' attnums and the attribute count as of the copy's point.
     """
     marker: dict[str, Any] = {"kind": "snapshot"}
     if snapshot_lsn is not None:
@@ -260,6 +263,8 @@ def snapshot_marker(
         marker["layout"] = layout.to_json()
     if chunks is not None:
         marker["chunks"] = {**chunks.to_json(), "range": copied_range}
+    if columns is not None:
+        marker["columns"] = columns.to_json()
     return json.dumps({"pgcdc": marker})
 
 
@@ -279,6 +284,12 @@ def marker_layout(marker: dict[str, Any]) -> TableLayout | None:
     """The layout a snapshot marker recorded (None: unbucketed, as every marker written before layouts)."""
     layout = marker.get("layout")
     return TableLayout.from_json(layout) if layout else None
+
+
+def marker_columns(marker: dict[str, Any]) -> ColumnNumbers | None:
+    """The column numbers a snapshot marker recorded (None: a marker written before they were recorded)."""
+    columns = marker.get("columns")
+    return ColumnNumbers.from_json(columns) if columns else None
 
 
 def pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:

@@ -13,11 +13,13 @@ or wrong (a table deleted and written again) costs a longer log read, never a wr
 What a run uses a row for without that check: the refusal "no replicated table has a
 snapshot" (a wrong root has no state either) and the Delta version and applied LSN reported
 for tables without changes (which may lag behind after a crash until the table next changes).
-One thing a row holds that a log may lose: the layout of a bucketed table whose snapshot commit
-log cleanup removed, where the engine keeps no table property naming it (Delta on Spark; a table
-that adopted buckets by a re-snapshot on any engine). A row's layout counts then only for the
-table with the row's ``table_id`` (Delta's ``metaData.id``), which keeps its layout for life
-(``resources.delta.table_log.expired_layout``).
+Two things a row holds that a log may lose once log cleanup removed the snapshot commit: the layout
+of a bucketed table, where the engine keeps no table property naming it (Delta on Spark; a table
+that adopted buckets by a re-snapshot on any engine), and the column numbers the snapshot recorded
+(``resources/cdc/renames.py``). A row's layout counts then only for the table with the row's
+``table_id`` (Delta's ``metaData.id``), which keeps its layout for life
+(``resources.delta.table_log.expired_layout``); its column numbers only when the commits after the
+row's version are all there (no newer snapshot among them).
 
 Every write replaces the whole table (one file of one row per table), so what a run reads stays
 one small file (and the engine reads the log from its newest checkpoint) whatever the number of
@@ -35,6 +37,7 @@ from datetime import datetime, timezone
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
+from resources.column_numbers import ColumnNumbers
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.destination import TableLog
 from resources.delta.lake_storage import join_location
@@ -60,6 +63,7 @@ STATE_SCHEMA = pa.schema([
     pa.field("marker_seq", pa.int64()),
     pa.field("layout", pa.string()),  # TableLayout.to_json as JSON; null: unbucketed
     pa.field("table_id", pa.string()),  # Delta's metaData.id of the table the layout belongs to; null: not read
+    pa.field("columns", pa.string()),  # ColumnNumbers.to_json of the snapshot as JSON; null: not recorded
     pa.field("updated_at", pa.timestamp("us", tz="UTC")),
 ])
 
@@ -105,6 +109,7 @@ def read_state(spark: SparkSession, path: str) -> dict[str, StateRow]:
                 marker,
                 TableLayout.from_json(json.loads(record["layout"])) if record.get("layout") else None,
                 record.get("table_id"),  # absent from states written before table ids were recorded
+                columns=ColumnNumbers.from_json(json.loads(record["columns"])) if record.get("columns") else None,
             ),
             None if record["applied_lsn"] is None else LSN(record["applied_lsn"]),
         )
@@ -137,6 +142,7 @@ def write_state(
                 "marker_seq": None if row.log.applied_marker is None else row.log.applied_marker[1],
                 "layout": None if row.log.layout is None else json.dumps(row.log.layout.to_json()),
                 "table_id": row.log.table_id,
+                "columns": None if row.log.columns is None else json.dumps(row.log.columns.to_json()),
                 "updated_at": now,
             }
             for row in sorted(rows.values(), key=lambda row: row.table)

@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import storage_client
@@ -45,6 +46,7 @@ from resources.delta.markers import (
     LAYOUT_PROPERTY,
     layout_from_property,
     marker_chunks,
+    marker_columns,
     marker_layout,
     marker_snapshot_lsn,
     pgcdc_marker,
@@ -312,13 +314,18 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
             if metadata is None or known.table_id not in (None, metadata.table_id):
                 return None  # another table now lives at this path
             layout = expired_layout(metadata, known)
-            known = TableLog(EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, layout, metadata.table_id)
+            # The row's column numbers stay true: a newer snapshot would be among the commits read below.
+            columns = known.columns if known.table_id == metadata.table_id else None
+            known = TableLog(
+                EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, layout, metadata.table_id, None, columns
+            )
         else:
             recorded = None if snapshot_commit is None else _snapshot(snapshot_commit)
             if recorded is None or recorded[:2] != (known.snapshot_lsn, known.layout):
                 return None  # not this log's snapshot (another table now lives at this path)
-            # The state does not keep a snapshot's key ranges: they come from its commit, read here anyway.
-            known = replace(known, chunks=recorded[2])
+            # The state keeps neither a snapshot's key ranges nor its column numbers: they come from its
+            # commit, read here anyway.
+            known = replace(known, chunks=recorded[2], columns=recorded[3])
             if known.table_id is None:  # a row written before ids were recorded: learn it while the marker is here
                 metadata = log.metadata()
                 known = replace(known, table_id=metadata.table_id if metadata is not None else None)
@@ -354,10 +361,12 @@ def _from_listing(log: _Log, known: TableLog | None) -> TableLog:
     return replace(found, table_id=table_id)
 
 
-def _snapshot(commit: list[str | None]) -> tuple[LSN | None, TableLayout | None, KeyRanges | None] | None:
-    """The snapshot LSN, layout and key ranges of the snapshot marker in ``commit``; None without one."""
+def _snapshot(
+    commit: list[str | None],
+) -> tuple[LSN | None, TableLayout | None, KeyRanges | None, ColumnNumbers | None] | None:
+    """The snapshot LSN, layout, key ranges and column numbers of the snapshot marker in ``commit``; None without one."""
     for user_metadata in commit:
         marker = pgcdc_marker(user_metadata)
         if marker is not None and marker.get("kind") == "snapshot":
-            return marker_snapshot_lsn(marker), marker_layout(marker), marker_chunks(marker)
+            return marker_snapshot_lsn(marker), marker_layout(marker), marker_chunks(marker), marker_columns(marker)
     return None

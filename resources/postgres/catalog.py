@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import psycopg
 
+from resources.column_numbers import ColumnNumbers
 from resources.errors import ConfigurationError
 from resources.postgres.sql import quote_ident
 
@@ -117,6 +118,14 @@ class TableInfo:
     replica_identity: str  # 'd' default (primary key), 'i' index, 'f' full, 'n' nothing
     columns: tuple[ColumnInfo, ...]  # the published columns, in attnum order
     row_filter: str | None  # the publication's WHERE expression, PostgreSQL 15+
+    attribute_count: int | None = None  # pg_class.relnatts: attnums so far, dropped columns included
+
+    @property
+    def column_numbers(self) -> ColumnNumbers | None:
+        """The published columns' attnums and the attribute count (None: the count was not read)."""
+        if self.attribute_count is None:
+            return None
+        return ColumnNumbers({column.name: column.attnum for column in self.columns}, self.attribute_count)
 
     @property
     def key_columns(self) -> tuple[str, ...]:
@@ -164,10 +173,11 @@ def server_version_num(conn: psycopg.Connection) -> int:
     return conn.info.server_version
 
 
-def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str]:
-    """(oid, relkind, relreplident) of ``table``; fails naming the table if it does not exist."""
+def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str, int]:
+    """(oid, relkind, relreplident, relnatts) of ``table``; fails naming the table if it does not exist."""
     row = client_cursor(conn).execute(
-        "SELECT c.oid::pg_catalog.int8, c.relkind::pg_catalog.text, c.relreplident::pg_catalog.text"
+        "SELECT c.oid::pg_catalog.int8, c.relkind::pg_catalog.text, c.relreplident::pg_catalog.text,"
+        " c.relnatts::pg_catalog.int4"
         " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
         " WHERE n.nspname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
         " AND c.relname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
@@ -175,7 +185,7 @@ def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str
     ).fetchone()
     if row is None:
         raise ConfigurationError(f"table {table} does not exist", "fix the table name in the configuration")
-    return int(row[0]), str(row[1]), str(row[2])
+    return int(row[0]), str(row[1]), str(row[2]), int(row[3])
 
 
 def table_oid(conn: psycopg.Connection, table: TableName) -> int:
@@ -185,7 +195,7 @@ def table_oid(conn: psycopg.Connection, table: TableName) -> int:
 def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> TableInfo:
     """The relation as the publication publishes it; fails if the table is not published."""
     cursor = client_cursor(conn)
-    oid, relkind, replica_identity = _relation(conn, table)
+    oid, relkind, replica_identity, attribute_count = _relation(conn, table)
 
     published = cursor.execute(
         "SELECT attnames, rowfilter FROM pg_catalog.pg_publication_tables"
@@ -220,7 +230,18 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
         for name, attnum, type_oid, typmod, type_name, not_null, is_key in rows
         if (name in column_list if column_list is not None else True)
     )
-    return TableInfo(oid, table, relkind, replica_identity, columns, row_filter)
+    return TableInfo(oid, table, relkind, replica_identity, columns, row_filter, attribute_count)
+
+
+def table_attributes(conn: psycopg.Connection, oid: int) -> list[tuple[int, str, bool]]:
+    """(attnum, name, dropped) of every user column of the table, dropped ones included, as of now."""
+    rows = client_cursor(conn).execute(
+        "SELECT a.attnum::pg_catalog.int4, a.attname::pg_catalog.text, a.attisdropped FROM pg_catalog.pg_attribute a"
+        " WHERE a.attrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND a.attnum OPERATOR(pg_catalog.>) 0"
+        " ORDER BY a.attnum",
+        {"oid": oid},
+    ).fetchall()
+    return [(int(attnum), str(name), bool(dropped)) for attnum, name, dropped in rows]
 
 
 def primary_key_columns(conn: psycopg.Connection, oid: int) -> tuple[str, ...]:

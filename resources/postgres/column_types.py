@@ -8,7 +8,7 @@ import psycopg
 
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, PgColumnType
-from resources.postgres.catalog import primary_key_columns, TableInfo
+from resources.postgres.catalog import primary_key_columns, table_attributes, TableInfo
 
 
 class ColumnTypes(Protocol):
@@ -19,6 +19,8 @@ class ColumnTypes(Protocol):
     def primary_key(self, relation: Relation) -> tuple[str, ...]: ...
 
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]: ...
+
+    def attributes(self, relation: Relation) -> list[tuple[int, str, bool]]: ...
 
 
 class TypeResolver:
@@ -51,6 +53,11 @@ class TypeResolver:
         key (a MERGE) instead of per row value.
         """
         return primary_key_columns(self._conn, relation.oid)
+
+    def attributes(self, relation: Relation) -> list[tuple[int, str, bool]]:
+        """(attnum, name, dropped) of every user column of the relation, dropped ones included, as of now
+        (``resources/cdc/renames.py`` tells a renamed column from an added one with them)."""
+        return table_attributes(self._conn, relation.oid)
 
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
         """What PostgreSQL gave the existing rows of the named columns, per column: the set over

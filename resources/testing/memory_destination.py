@@ -53,6 +53,10 @@ class StaticTypes:
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
         return {name: self._added[name] for name in names if name in self._added}
 
+    def attributes(self, relation: Relation) -> list[tuple[int, str, bool]]:
+        """The relation's columns numbered in order, none dropped."""
+        return [(number, column.name, False) for number, column in enumerate(relation.columns, 1)]
+
 
 class InMemoryDestination:
     """Tables as Arrow tables in a dict, with each table's commit log of userMetadata."""
