@@ -178,3 +178,17 @@ def test_what_the_catalog_cannot_tell(pg: PgDatabase) -> None:
     )
     dropped_and_added = judge(pg, [], ["ALTER TABLE x DROP note", "ALTER TABLE x ADD memo text"], [])
     assert renamed == dropped_and_added and renamed[0] is None
+
+
+def test_without_recorded_numbers_a_column_gone_and_one_new_fails(pg: PgDatabase) -> None:
+    """A snapshot by an older pgcdc recorded no numbers: DROP and ADD cannot be told from a rename, so
+    both fail with the re-snapshot fix; an ADD alone is taken as one, as before."""
+    pg.execute("DROP TABLE IF EXISTS x; CREATE TABLE x (id int PRIMARY KEY, v int, note text)")
+    with pg.connect() as conn:
+        oid = int(conn.execute("SELECT 'x'::regclass::oid").fetchone()[0])  # type: ignore[index]
+        conn.execute("ALTER TABLE x DROP note, ADD memo text")
+        dropped_and_added = unproven_addition(None, ["id", "v", "note"], ["id", "v", "memo"], lambda: table_attributes(conn, oid))
+        conn.execute("ALTER TABLE x ADD z int")
+        added = unproven_addition(None, ["id", "v", "memo"], ["id", "v", "memo", "z"], lambda: table_attributes(conn, oid))
+    assert dropped_and_added is not None and "recorded no column numbers" in dropped_and_added
+    assert added is None

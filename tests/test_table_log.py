@@ -169,3 +169,19 @@ def test_a_path_without_table_has_no_log(tmp_path: Path) -> None:
     assert read_table_log(str(tmp_path / "nothing")) == NO_TABLE
     (tmp_path / "file").write_text("not a directory")
     assert read_table_log(str(tmp_path / "file" / "below")) == NO_TABLE
+
+
+def test_a_row_keeps_the_column_numbers_once_the_snapshot_commit_is_gone(tmp_path: Path) -> None:
+    """The state row's column numbers stand in for the removed snapshot marker's while every commit after
+    the row is there; after a gap, or for another table, nothing is known of them."""
+    history = [("snapshot", 40), ("merge",), ("merge",), ("merge",), ("merge",)]
+    row = truth(history, 2, 0, 0, None)
+    assert row.columns == numbers(40)
+    cleaned = tmp_path / "cleaned"
+    write_log(cleaned, history, 2, None, False)
+    assert read_table_log(str(cleaned), row).columns == numbers(40)
+    assert read_table_log(str(cleaned), replace(row, table_id="another-table")).columns is None
+    assert read_table_log(str(cleaned)).columns is None
+    gap = tmp_path / "gap"
+    write_log(gap, history, 4, None, False)
+    assert read_table_log(str(gap), row).columns is None
