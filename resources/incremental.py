@@ -194,7 +194,7 @@ def run_incremental(
             _holding(stream, hold)
             if end_lsn is None:
                 end_lsn = wal_position(conn)
-        state = read_state(spark, state_path(config.delta.root, config.slot))
+        state = read_state(state_path(config.delta.root, config.slot))
         destination = SparkDeltaDestination(spark)
         targets = _targets(config, destination, tables, state, say)
         for target in targets.values():  # snapshotted since the previous drain: its schema check is due
@@ -381,7 +381,7 @@ def _refuse_lost_slot(config: PgcdcConfig, spark: SparkSession, conn: psycopg.Co
     Returns when the lake holds nothing of this pipeline: the slot was never created.
     """
     open_lake(config.delta.root, config.delta.storage)
-    drained = read_state(spark, state_path(config.delta.root, config.slot))
+    drained = read_state(state_path(config.delta.root, config.slot))
     if not drained:
         try:
             tables = resolve_tables(conn, config.publication, config.tables)

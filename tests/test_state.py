@@ -58,7 +58,7 @@ def version_of(config: PgcdcConfig, table: str) -> int:
 
 
 def state_of(spark: SparkSession, config: PgcdcConfig) -> dict[str, StateRow]:
-    return read_state(spark, state_path(config.delta.root, config.slot))
+    return read_state(state_path(config.delta.root, config.slot))
 
 
 def resnapshot_without_state(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, table: str) -> None:
