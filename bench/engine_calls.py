@@ -98,6 +98,7 @@ def spark_sql_timings(directory: str) -> str:
     """Spark's own view from the event logs under ``directory``: each SQL execution's duration and
     jobs, summed per description (the statement's first words), largest total first."""
     import json
+    import re
     from pathlib import Path
 
     started: dict[int, tuple[str, int]] = {}
@@ -111,8 +112,9 @@ def spark_sql_timings(directory: str) -> str:
             event = json.loads(line)
             name = event.get("Event", "")
             if name.endswith("SQLExecutionStart"):
-                text = event.get("description") or event.get("details") or "?"
-                started[event["executionId"]] = (" ".join(text.split()[:3])[:60], event["time"])
+                text = " ".join((event.get("description") or event.get("details") or "?").split())
+                text = text.removeprefix("Spark Connect - ").removeprefix("Delta: Spark Connect - ")
+                started[event["executionId"]] = (re.sub(r"\d+", "N", text)[:60], event["time"])
             elif name == "SparkListenerJobStart":
                 execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
                 if execution is not None:

@@ -215,7 +215,7 @@ def run_incremental(
         written: dict[str, StateRow] = {}
 
         def record_state() -> None:
-            written.update(_record_state(spark, config, destination, targets, state))
+            written.update(_record_state(config, destination, targets, state))
 
         with TransactionAssembler(proto, spill_dir) as assembler:
             drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
@@ -305,7 +305,6 @@ def _targets(
 
 
 def _record_state(
-    spark: SparkSession,
     config: PgcdcConfig,
     destination: Destination,
     targets: dict[TableName, TableTarget],
@@ -333,7 +332,7 @@ def _record_state(
         rows[str(table)] = StateRow(str(table), target.path, log, applied)
     if rows or gone:
         fault_point("before_state_write")
-        write_state(spark, state_path(config.delta.root, config.slot), state, rows.values(), forget=gone)
+        write_state(state_path(config.delta.root, config.slot), state, rows.values(), forget=gone)
     return rows
 
 

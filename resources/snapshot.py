@@ -454,7 +454,7 @@ def snapshot_each(
     if finished:
         fault_point("before_snapshot_state_write")
         with clock.timed("state_write"):
-            write_state(spark, state, read_state(state), [
+            write_state(state, read_state(state), [
                 StateRow(
                     str(done.table), done.path,
                     TableLog(

@@ -28,6 +28,7 @@ from types import TracebackType
 from pyspark.sql import SparkSession
 
 from resources.config import SparkSettings
+from resources.delta.capabilities import SAIL_CAPABILITIES, set_engine_capabilities
 from resources.delta.spark_connect import connect_session
 from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
 from resources.errors import ConfigurationError
@@ -78,6 +79,7 @@ class SparkEngine:
         except BaseException:
             _stop_server(server)
             raise
+        set_engine_capabilities(spark, SAIL_CAPABILITIES)
         engine = cls(spark, server)
         engine.server_pid = server.pid
         return engine

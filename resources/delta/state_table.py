@@ -1,12 +1,11 @@
 """The pgcdc state table: one row per replicated table, so a run need not open the tables it does not change.
 
-A small Delta table per lake and slot, ``<delta.root>/_pgcdc/state/<slot>``, written through the
-engine. Each row records what a table's own log said (:class:`~resources.delta.destination.TableLog`)
+A small Delta table per lake and slot, ``<delta.root>/_pgcdc/state/<slot>``. Each row records what a table's own log said (:class:`~resources.delta.destination.TableLog`)
 as of the Delta version in the row, and the newest change pgcdc applied to it. The snapshot
 writes rows after its commits; an incremental run reads the table once at its start and
 rewrites it, before its final confirm, when it read any table's log.
 
-The engine writes it; pgcdc reads it itself (delta-rs), so a run's start needs no engine statement.
+pgcdc reads and writes it itself (delta-rs), so neither a run's start nor its end needs an engine statement.
 
 It is a cache, never the truth: skip and apply decisions come from each table's own log, read
 (from the row's version on) when a run meets a change for the table. A row that is missing,
@@ -35,9 +34,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import pyarrow as pa
-from pyspark.sql import SparkSession
 
-from resources.delta.dataframes import spark_dataframe
+from resources.delta.dataframes import nullable_schema
 from resources.delta.destination import TableLog
 from resources.delta.lake_storage import join_location, object_store_options
 from resources.delta.reads import delta_rs_rows
@@ -120,12 +118,14 @@ def read_state(path: str) -> dict[str, StateRow]:
     return {table: row for table, (_, row) in rows.items()}
 
 
-def write_state(
-    spark: SparkSession, path: str, previous: dict[str, StateRow], changed: Iterable[StateRow], forget: Iterable[str] = ()
-) -> None:
+def write_state(path: str, previous: dict[str, StateRow], changed: Iterable[StateRow], forget: Iterable[str] = ()) -> None:
     """Replace the state with ``previous`` updated by ``changed`` (rows of snapshotted tables only:
     a row saying "no snapshot" could hide a snapshot whose own state write was lost), without the
-    rows of the tables named in ``forget`` (found without a snapshot: their Delta table went away)."""
+    rows of the tables named in ``forget`` (found without a snapshot: their Delta table went away).
+
+    Written by delta-rs in this process, one file in one commit: no engine statement (on a fresh
+    engine the first statement costs 0.5-0.7 s on Sail and 2-3 s on Delta on Spark,
+    docs/engine-notes.md)."""
     forgotten = set(forget)
     rows = {table: row for table, row in previous.items() if table not in forgotten}
     rows.update((row.table, row) for row in changed if row.log.snapshot_lsn is not None and row.log.version is not None)
@@ -149,6 +149,11 @@ def write_state(
         ],
         schema=STATE_SCHEMA,
     )
-    spark_dataframe(spark, table).coalesce(1).write.format("delta").mode("overwrite").option(
-        "overwriteSchema", "true"
-    ).save(path)
+    from deltalake import PostCommitHookProperties, write_deltalake
+
+    write_deltalake(
+        path, table.cast(nullable_schema(table.schema)), mode="overwrite", schema_mode="overwrite",
+        storage_options=object_store_options(path) or None,
+        # a checkpoint at the table's interval keeps the read short; log clean-up is maintenance's (maintenance.py)
+        post_commithook_properties=PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False),
+    )  # fmt: skip
