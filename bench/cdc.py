@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--per-txn", type=int, default=1_000)
     parser.add_argument("--chunk", type=int, default=200_000)
     parser.add_argument("--merge-rows", type=int, default=DEFAULT_MERGE_ROWS, help="most source rows per MERGE")
+    parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for the managed Spark engine (repeatable), to compare settings in one session")
     parser.add_argument("--profile", action="store_true",
                         help="time each engine call of the drain (and Spark's own SQL executions, managed Spark only)")
     add_arguments(parser)
@@ -137,7 +139,9 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     event_log = work / "spark-events"
     event_log.mkdir()
     profiled = args.profile and args.engine == "spark"
-    extra = spark_event_log_config(str(event_log)) if profiled else None
+    extra = dict(setting.split("=", 1) for setting in args.spark_conf)
+    if profiled:
+        extra.update(spark_event_log_config(str(event_log)))
     with open_engine(args.engine, root, storage, extra) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
         with engine_calls() if args.profile else nullcontext([]) as calls:
             result = run_incremental(

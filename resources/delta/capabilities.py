@@ -63,6 +63,9 @@ SAIL_CAPABILITIES = EngineCapabilities(delta_commands=False, delta_rs_snapshots=
 """What embedded Sail 0.7.2 can do: an engine pgcdc started itself is known, not probed (the probe
 is a fresh engine's first statement: 0.3-0.6 s on Sail, 4-7 s on a fresh JVM)."""
 
+DELTA_SPARK_CAPABILITIES = EngineCapabilities(delta_commands=True, delta_rs_snapshots=False)
+"""What the managed Apache Spark with Delta's jars can do (declared like :data:`SAIL_CAPABILITIES`)."""
+
 
 def set_engine_capabilities(spark: SparkSession, capabilities: EngineCapabilities) -> None:
     """Use ``capabilities`` for ``spark`` instead of detecting them: an engine pgcdc starts itself

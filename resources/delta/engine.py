@@ -28,7 +28,7 @@ from types import TracebackType
 from pyspark.sql import SparkSession
 
 from resources.config import SparkSettings
-from resources.delta.capabilities import SAIL_CAPABILITIES, set_engine_capabilities
+from resources.delta.capabilities import DELTA_SPARK_CAPABILITIES, SAIL_CAPABILITIES, set_engine_capabilities
 from resources.delta.spark_connect import connect_session
 from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
 from resources.errors import ConfigurationError
@@ -123,6 +123,7 @@ class SparkEngine:
         except BaseException:
             _stop_server(server)
             raise
+        set_engine_capabilities(spark, DELTA_SPARK_CAPABILITIES)
         engine = cls(spark, server)
         engine.server_pid = int(fields[1])
         return engine
