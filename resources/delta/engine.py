@@ -72,6 +72,7 @@ class SparkEngine:
         )
         try:
             assert server.stdout is not None
+            _import_connect_client()  # while the server starts
             line = server.stdout.readline()
             if not line.strip().isdigit():
                 raise RuntimeError(f"the embedded Sail server did not start (exit status {server.wait()})")
@@ -109,6 +110,7 @@ class SparkEngine:
         )
         try:
             assert server.stdout is not None and server.stderr is not None
+            _import_connect_client()  # while the JVM starts
             fields = server.stdout.readline().split()
             if len(fields) != 2:
                 reason = server.stderr.read().decode(errors="replace").strip() or f"exit status {server.wait()}"
@@ -175,6 +177,14 @@ Sail's memory pool stays unbounded by default: a bounded one (``SAIL_RUNTIME__ME
 ``..._FAIR__MAX_SIZE``) makes a snapshot's final sort spill (10M narrow rows: 395 MiB instead of
 1.8 GiB) but failed a drain's sort with "Resources exhausted" at 256 MiB in the randomized test;
 set it in pgcdc's environment where memory matters more (docs/engine-notes.md, "Snapshot memory")."""
+
+
+def _import_connect_client() -> None:
+    """Import PySpark's Spark Connect client, which :func:`connect_session` needs, while the engine's
+    process starts: the imports took 0.5-2.2 s of a Dagster run's first engine start (a fresh
+    process), as long as Sail's own start, and ran after it."""
+    import pyspark.sql.connect.client  # noqa: F401
+    import pyspark.sql.connect.session  # noqa: F401
 
 
 def process_memory_mib(pid: int | str = "self") -> tuple[float, float]:

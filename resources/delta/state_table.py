@@ -1,11 +1,11 @@
 """The pgcdc state table: one row per replicated table, so a run need not open the tables it does not change.
 
-A small Delta table per lake and slot, ``<delta.root>/_pgcdc/state/<slot>``. Each row records what a table's own log said (:class:`~resources.delta.destination.TableLog`)
-as of the Delta version in the row, and the newest change pgcdc applied to it. The snapshot
-writes rows after its commits; an incremental run reads the table once at its start and
-rewrites it, before its final confirm, when it read any table's log.
-
-pgcdc reads and writes it itself (delta-rs), so neither a run's start nor its end needs an engine statement.
+A small Delta table per lake and slot, ``<delta.root>/_pgcdc/state/<slot>``, read and written by
+delta-rs in pgcdc's process (neither a run's start nor its end needs an engine statement). Each
+row records what a table's own log said (:class:`~resources.delta.destination.TableLog`) as of the
+Delta version in the row, and the newest change pgcdc applied to it. The snapshot writes rows
+after its commits; an incremental run reads the table once at its start and rewrites it, before
+its final confirm, when it read any table's log.
 
 It is a cache, never the truth: skip and apply decisions come from each table's own log, read
 (from the row's version on) when a run meets a change for the table. A row that is missing,
