@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import psycopg
@@ -35,6 +36,7 @@ import pyarrow.compute as pc
 from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
 from resources.delta.reads import delta_rs_rows
+from bench.engine_calls import engine_calls, spark_event_log_config, spark_sql_timings, summary
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.incremental import run_incremental
 from resources.pgoutput.options import highest_proto_version
@@ -92,6 +94,10 @@ def main() -> None:
     parser.add_argument("--per-txn", type=int, default=1_000)
     parser.add_argument("--chunk", type=int, default=200_000)
     parser.add_argument("--merge-rows", type=int, default=DEFAULT_MERGE_ROWS, help="most source rows per MERGE")
+    parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for the managed Spark engine (repeatable), to compare settings in one session")
+    parser.add_argument("--profile", action="store_true",
+                        help="time each engine call of the drain (and Spark's own SQL executions, managed Spark only)")
     add_arguments(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-cdc-"))
@@ -130,11 +136,22 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     print(f"pg_recvlogical: {before_run:.2f} s, {changes / before_run:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of this process before the incremental run (snapshot client, backlog): {before:,.0f} MiB")
-    with open_engine(args.engine, root, storage) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
-        result = run_incremental(
-            config, engine.spark, log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
-        )
+    event_log = work / "spark-events"
+    event_log.mkdir()
+    profiled = args.profile and args.engine == "spark"
+    extra = dict(setting.split("=", 1) for setting in args.spark_conf)
+    if profiled:
+        extra.update(spark_event_log_config(str(event_log)))
+    with open_engine(args.engine, root, storage, extra) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
+        with engine_calls() if args.profile else nullcontext([]) as calls:
+            result = run_incremental(
+                config, engine.spark, log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
+            )
         _, server_peak = engine.server_memory_mib()
+    if args.profile:
+        print(summary(calls))
+    if profiled:
+        print(spark_sql_timings(str(event_log)))
     ours = result.duration_s
     client_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     peak = client_peak + server_peak

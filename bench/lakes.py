@@ -51,13 +51,14 @@ def bench_lake(spec: str | None, work: Path) -> Iterator[tuple[str, dict[str, An
         yield spec, {}
 
 
-def open_engine(spec: str, root: str, storage: dict[str, Any]) -> SparkEngine:
-    """The engine named by ``--engine``, able to reach the lake; the lake is checked first."""
+def open_engine(spec: str, root: str, storage: dict[str, Any], config: dict[str, str] | None = None) -> SparkEngine:
+    """The engine named by ``--engine``, able to reach the lake; the lake is checked first.
+    ``config``: more settings for a managed Spark (e.g. its event log)."""
     lake = open_lake(root, StorageSettings(**storage))
     if spec == "sail":
         return SparkEngine.embedded(storage_environment=lake.engine_environment())
     if spec == "spark":
-        return SparkEngine.managed_spark(lake.spark_settings(), storage_environment=lake.engine_environment())
+        return SparkEngine.managed_spark({**lake.spark_settings(), **(config or {})}, storage_environment=lake.engine_environment())
     if spec.startswith("sc://"):
         return SparkEngine.remote(spec)
     raise SystemExit(f"--engine {spec}: use sail, spark or sc://host:port")

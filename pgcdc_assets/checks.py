@@ -67,7 +67,7 @@ def delta_columns(spark: SparkSession, path: str) -> list[tuple[str, str]]:
     return [(field.name, field.dataType.simpleString()) for field in spark.read.format("delta").load(path).schema]
 
 
-def table_log_reader(spark: SparkSession, config: PgcdcConfig) -> Callable[[TableName], TableLog]:
+def table_log_reader(config: PgcdcConfig) -> Callable[[TableName], TableLog]:
     """Each table's log as a drain reads it: from where the pgcdc state left it, so a bucketed
     table's layout is known on every engine after Delta's log cleanup removed its snapshot commit
     (the state row names it, docs/contracts.md). The state is read once, when first needed."""
@@ -76,7 +76,7 @@ def table_log_reader(spark: SparkSession, config: PgcdcConfig) -> Callable[[Tabl
     def read(table: TableName) -> TableLog:
         nonlocal state
         if state is None:
-            state = read_state(spark, state_path(config.delta.root, config.slot))
+            state = read_state(state_path(config.delta.root, config.slot))
         path = config.table_path(table.schema, table.name)
         return read_table_log(path, known_log(state, str(table), path))
 

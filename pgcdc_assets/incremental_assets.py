@@ -252,7 +252,7 @@ def build_incremental_assets(
                 result = None
             if due:
                 session = spark.spark_session
-                table_log = table_log_reader(session, postgres.config)
+                table_log = table_log_reader(postgres.config)
                 for table in due:
                     without_snapshot = result is not None and str(table) in result.tables_without_snapshot
                     yield check_event(

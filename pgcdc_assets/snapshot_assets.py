@@ -35,6 +35,7 @@ from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
 from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
+from resources.phases import describe_phases, phase_metadata, Phases
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
@@ -171,18 +172,26 @@ def build_snapshot_assets(
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
+        step = Phases()
         with user_facing():
             to_copy = _requested_tables(config, selected, tables, names)
-            settings = postgres.config
-            if _recover_lost_slot(postgres, to_copy, tables, names):
-                context.log.warning(
-                    f'replication slot "{settings.slot}" was lost: dropped it; recreating it and'
-                    f" re-snapshotting all {len(to_copy)} tables"
-                )
-            ensure_publication(settings)
-            refuse_partial_recopy(settings, spark.spark_session, to_copy, tables)
-            ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
-        yield from _copy_all(context, settings, spark, to_copy, key_of)
+            with step.timed("configuration"):
+                settings = postgres.config
+            with step.timed("slot_check"):
+                if _recover_lost_slot(postgres, to_copy, tables, names):
+                    context.log.warning(
+                        f'replication slot "{settings.slot}" was lost: dropped it; recreating it and'
+                        f" re-snapshotting all {len(to_copy)} tables"
+                    )
+            with step.timed("publication"):
+                ensure_publication(settings)
+            with step.timed("engine_start"):
+                session = spark.spark_session
+            with step.timed("recopy_check"):
+                refuse_partial_recopy(settings, session, to_copy, tables)
+            with step.timed("slot"):
+                ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
+        yield from _copy_all(context, settings, spark, to_copy, key_of, step)
 
     return snapshot_tables
 
@@ -193,22 +202,30 @@ def _copy_all(
     spark: SparkDeltaResource,
     tables: Sequence[TableName],
     key_of: Mapping[TableName, AssetKey],
+    step: Phases,
 ) -> Iterator[MaterializeResult]:
+    """Copy ``tables``; each materialization's ``pgcdc/phase_seconds/...`` metadata holds the step's
+    phases before the copies (``step``, the same for every table) and the table's own."""
     progress = _ProgressLog(context)
     with user_facing():
         session = spark.spark_session
     failures: list[BaseException] = []
-    context.log.info(f"snapshotting {len(tables)} table(s), {config.snapshot.parallel_tables} at a time")
-    for table, outcome in snapshot_each(config, session, tables, on_progress=progress):
+    context.log.info(
+        f"snapshotting {len(tables)} table(s), {config.snapshot.parallel_tables} at a time"
+        f" (start-up: {describe_phases(step.as_dict())})"
+    )
+    for table, outcome in snapshot_each(config, session, tables, on_progress=progress, phases=step):
         if isinstance(outcome, BaseException):
             context.log.error(f"snapshot {table} failed: {outcome}")
             failures.append(outcome)
             continue
         context.log.info(
             f"snapshot {table}: {outcome.rows:,} rows at LSN {outcome.snapshot_lsn} in {outcome.duration_s:.1f} s"
-            f" ({outcome.mode}) -> Delta version {outcome.delta_version}"
+            f" ({outcome.mode}) -> Delta version {outcome.delta_version}; {describe_phases(outcome.phases)}"
         )
-        yield MaterializeResult(asset_key=key_of[table], metadata=snapshot_metadata(outcome))
+        metadata = {**snapshot_metadata(outcome), **phase_metadata({**step.as_dict(), **outcome.phases})}
+        yield MaterializeResult(asset_key=key_of[table], metadata=metadata)
+    context.log.info(f"snapshot step phases: {describe_phases(step.as_dict())}")
     if failures:
         # Transient copy failures are retried by the policy; everything else needs a fix first.
         raise Failure(

@@ -14,6 +14,7 @@ marker writes them.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from resources.delta.layout import TableLayout
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.snapshot_writes import write_snapshot
 from resources.lsn import LSN
+from resources.phases import Phases
 from resources.pgtypes import arrow_schema, PgColumnType, SESSION_SETTINGS, spark_ddl_type
 from resources.postgres.catalog import read_table, TableInfo, table_oid, TableName
 from resources.postgres.copy import PieceParser, read_column_types
@@ -77,18 +79,34 @@ class ConsistentCopy:
         replace_where: str | None = None,
         deletion_vectors: bool = False,
         on_piece: Callable[[], None] | None = None,
+        phases: Phases | None = None,
     ) -> int:
         """Write ``read()``'s pieces into one commit carrying ``marker`` (replacing the table, or the rows
         ``replace_where`` selects); return its version. ``read`` is called once the write starts;
         ``on_piece`` runs on this thread after each piece is counted. ``deletion_vectors``: a write that
         creates the table turns them on when the table's rows are updated or deleted by key or by row
         value (:attr:`changes_rows`); a keyless append-only table is only ever appended to, so it
-        needs none and stays readable by every Delta reader."""
+        needs none and stays readable by every Delta reader. ``phases`` gets ``writer_start`` (until the
+        writer asks for rows), ``first_rows`` (until the first piece is parsed), ``copy`` (the rest of
+        the COPY, written as it arrives) and ``commit`` (from the COPY's end to the commit)."""
+        clock = phases or Phases()
+        mark = time.monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            clock.add(name, now - mark)
+            mark = now
 
         def pieces() -> Iterator[pa.RecordBatch]:
+            lap("writer_start")
             source = read()
+            first = True
             try:
                 for batch, nbytes in source:
+                    if first:
+                        lap("first_rows")
+                        first = False
                     self.rows += batch.num_rows
                     self.bytes += nbytes
                     if on_piece is not None:
@@ -98,13 +116,16 @@ class ConsistentCopy:
                 source.close()  # stops the reader threads before the connection closes
             self.conn.commit()  # the COPY is complete: end the transaction and free the slot before Delta finishes
             self.conn.drop_slot(self.temp_slot)
+            lap("copy")
 
         stream = pieces()
         try:
-            return write_snapshot(
+            version = write_snapshot(
                 spark, stream, self.schema, path, marker, chunk_bytes=chunk_bytes, layout=layout,
                 replace_where=replace_where, deletion_vectors=deletion_vectors and self.changes_rows,
             )  # fmt: skip
+            lap("commit")
+            return version
         finally:
             stream.close()
 

@@ -196,7 +196,7 @@ def run_incremental(
             _holding(stream, hold)
             if end_lsn is None:
                 end_lsn = wal_position(conn)
-        state = read_state(spark, state_path(config.delta.root, config.slot))
+        state = read_state(state_path(config.delta.root, config.slot))
         destination = SparkDeltaDestination(spark)
         targets = _targets(config, destination, tables, state, say)
         for target in targets.values():  # snapshotted since the previous drain: its schema check is due
@@ -217,7 +217,7 @@ def run_incremental(
         written: dict[str, StateRow] = {}
 
         def record_state() -> None:
-            written.update(_record_state(spark, config, destination, targets, state))
+            written.update(_record_state(config, destination, targets, state))
 
         with TransactionAssembler(proto, spill_dir) as assembler:
             drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
@@ -308,7 +308,6 @@ def _targets(
 
 
 def _record_state(
-    spark: SparkSession,
     config: PgcdcConfig,
     destination: Destination,
     targets: dict[TableName, TableTarget],
@@ -336,7 +335,7 @@ def _record_state(
         rows[str(table)] = StateRow(str(table), target.path, log, applied)
     if rows or gone:
         fault_point("before_state_write")
-        write_state(spark, state_path(config.delta.root, config.slot), state, rows.values(), forget=gone)
+        write_state(state_path(config.delta.root, config.slot), state, rows.values(), forget=gone)
     return rows
 
 
@@ -391,7 +390,7 @@ def _refuse_lost_slot(config: PgcdcConfig, spark: SparkSession, conn: psycopg.Co
     Returns when the lake holds nothing of this pipeline: the slot was never created.
     """
     open_lake(config.delta.root, config.delta.storage)
-    drained = read_state(spark, state_path(config.delta.root, config.slot))
+    drained = read_state(state_path(config.delta.root, config.slot))
     if not drained:
         try:
             tables = resolve_tables(conn, config.publication, config.tables)

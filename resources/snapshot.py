@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psycopg
 from pyspark.sql import SparkSession
@@ -56,6 +56,7 @@ from resources.key_range_copy import ColumnsChanged, copy_key_range, key_range_p
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
 from resources.pgtypes import PgValueError, SESSION_SETTINGS
+from resources.phases import Phases
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.connections import connect
 from resources.postgres.copy import (
@@ -139,6 +140,7 @@ class SnapshotResult:
     table_id: str | None = None  # Delta's metaData.id of the table written (what the state row's layout belongs to)
     key_ranges: bool = False  # copied in primary-key ranges, one short transaction each (``chunks`` of them)
     snapshot_version: int | None = None  # the version of the snapshot marker's commit, when not ``delta_version``
+    phases: dict[str, float] = field(default_factory=dict)  # where ``duration_s`` went (resources/phases.py)
 
     @property
     def rows_per_second(self) -> float:
@@ -249,8 +251,12 @@ def _snapshot_table(
     known: TableLog | None,
 ) -> SnapshotResult:
     chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
-    existing = existing_layout(table, path, read_table_log(path, known))
+    phases = Phases()
+    with phases.timed("log_read"):
+        existing = existing_layout(table, path, read_table_log(path, known))
+    opened = time.monotonic()
     with consistent_copy(dsn, publication, table, after_slot="after_snapshot_slot") as copy:
+        phases.add("slot_and_catalog", time.monotonic() - opened)
         layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets, existing)
         marker = snapshot_marker(copy.point, slot, str(table), layout, columns=copy.info.column_numbers)
         blocks, block_size = heap_blocks(copy.conn.connection, copy.info.oid)
@@ -285,8 +291,10 @@ def _snapshot_table(
         version = copy.write(
             spark, read, path, marker, layout=layout, chunk_bytes=chunk_bytes,
             on_piece=progress if on_progress is not None else None, deletion_vectors=deletion_vectors,
+            phases=phases,
         )  # fmt: skip
-        written = read_table_metadata(path)
+        with phases.timed("metadata_read"):
+            written = read_table_metadata(path)
     return SnapshotResult(
         table=table,
         snapshot_lsn=copy.point,
@@ -299,6 +307,7 @@ def _snapshot_table(
         workers=workers,
         layout=layout,
         table_id=written.table_id if written is not None else None,
+        phases=phases.as_dict(),
     )
 
 
@@ -375,6 +384,7 @@ def snapshot_each(
     spark: SparkSession,
     tables: Sequence[TableName],
     on_progress: Callable[[SnapshotProgress], None] | None = None,
+    phases: Phases | None = None,
 ) -> Iterator[tuple[TableName, SnapshotResult | BaseException]]:
     """Copy ``tables`` in parallel, yielding each table's result (or its failure) as it finishes.
 
@@ -382,10 +392,13 @@ def snapshot_each(
     instead of waiting for the slowest; the publication and slot must already be set up.
     Once all are done, the finished ones are recorded in the pgcdc state table in one write
     (``resources/delta/state_table.py``; a crash before it costs the next drain a log read).
+    ``phases`` gets the state table's read and write (``state_read``, ``state_write``).
     """
+    clock = phases or Phases()
     open_lake(config.delta.root, config.delta.storage)  # a wrong bucket fails here, before any copy
     state = state_path(config.delta.root, config.slot)
-    rows = read_state(spark, state)
+    with clock.timed("state_read"):
+        rows = read_state(state)
 
     def known(table: TableName) -> TableLog | None:
         return known_log(rows, str(table), config.table_path(table.schema, table.name))
@@ -440,17 +453,18 @@ def snapshot_each(
         yield table, result
     if finished:
         fault_point("before_snapshot_state_write")
-        write_state(spark, state, read_state(spark, state), [
-            StateRow(
-                str(done.table), done.path,
-                TableLog(
-                    done.snapshot_lsn, done.snapshot_version or done.delta_version, done.delta_version, None, done.layout,
-                    done.table_id,
-                ),
-                None,
-            )
-            for done in finished
-        ])  # fmt: skip
+        with clock.timed("state_write"):
+            write_state(state, read_state(state), [
+                StateRow(
+                    str(done.table), done.path,
+                    TableLog(
+                        done.snapshot_lsn, done.snapshot_version or done.delta_version, done.delta_version, None,
+                        done.layout, done.table_id,
+                    ),
+                    None,
+                )
+                for done in finished
+            ])  # fmt: skip
 
 
 def _choose_mode(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, bool]:

@@ -127,7 +127,7 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     pg.execute("UPDATE acct SET id = 301 WHERE id = 7; UPDATE acct SET v = 1 WHERE id = 43; DELETE FROM acct WHERE id = 8")
     drain_and_compare(pg, new, spark, {"acct": acct_layout})
     # the schema check expects the bucket column from the same record (pgcdc_assets/checks.py)
-    assert table_log_reader(spark, new)(TableName("public", "acct")).layout == acct_layout
+    assert table_log_reader(new)(TableName("public", "acct")).layout == acct_layout
 
     # schema changes rewrite the table: the partitioning and the buckets must survive them
     pg.execute("ALTER TABLE acct ALTER COLUMN v TYPE bigint; ALTER TABLE acct ADD COLUMN w int DEFAULT 7;"

@@ -265,6 +265,14 @@ def test_snapshot_job_copies_every_table_with_metadata(
         ]
     )  # fmt: skip
     assert orders["pgcdc/layout"] == "range buckets of 1,000,000 keys of id"
+    # where the step's time went: its own phases before the copies, then the table's (resources/phases.py)
+    phases = {key.removeprefix("pgcdc/phase_seconds/"): value for key, value in orders.items() if key.startswith("pgcdc/phase_seconds/")}
+    assert set(phases) == {
+        "configuration", "slot_check", "publication", "engine_start", "recopy_check", "slot", "state_read",
+        "log_read", "slot_and_catalog", "writer_start", "first_rows", "copy", "commit", "metadata_read",
+    }  # fmt: skip
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert any(line.startswith("snapshot step phases: configuration ") and "state write" in line for line in logged)
     slot = shop.execute("SELECT slot_type, plugin FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
     assert slot == [("logical", "pgoutput")]
     assert (1, "c1", Decimal("1.25"), [1, None], datetime(2024, 1, 1, 0, 0, 1)) in delta_rows(lake, "orders")

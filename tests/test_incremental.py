@@ -585,7 +585,7 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     assert same(pg, config, "public.journal", key=()) == 30  # keyless: exactly once across the crash
     assert same(pg, config, "public.ledger", key=()) == 60  # keyless, never truncated: a replay would show
     assert same(pg, config, "public.tally", key=()) == 2 + 30 - 7  # FULL identity, identical rows
-    state = read_state(spark, state_path(config.delta.root, SLOT))  # the rerun recorded what Delta holds
+    state = read_state(state_path(config.delta.root, SLOT))  # the rerun recorded what Delta holds
     assert {table: row.log.version for table, row in state.items()} == {
         table: delta_version(config, table) for table in ("public.acct", "public.journal", "public.ledger", "public.tally")
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.snapshot_writes import staged_source_sql
 from resources.delta.merge import (
     KEY_LIST_MOST_VALUES,
     merge_statement,
@@ -21,7 +22,11 @@ from resources.delta.merge import (
 PATH = "/lake/public/orders"
 STAGED = "/lake/public/orders/_pgcdc_staging/merge_source"
 TARGET = "delta.`/lake/public/orders`"
-SOURCE = "parquet.`/lake/public/orders/_pgcdc_staging/merge_source`"
+
+
+def source_sql(source: pa.Table) -> str:
+    """The staged source as the statement reads it: the staged Parquet files, cast to the batch's types."""
+    return f"({staged_source_sql(source.schema, STAGED)})"
 
 
 def batch(**columns: list[object]) -> pa.Table:
@@ -33,7 +38,7 @@ def batch(**columns: list[object]) -> pa.Table:
 def test_keyed_unbucketed() -> None:
     source = batch(id=[1, 2], name=["a", "b"], op=["U", "D"])
     assert merge_statement(PATH, STAGED, source, ["id"], delete_and_insert=False) == (
-        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (1, 2) "
+        f"MERGE INTO {TARGET} t USING {source_sql(source)} s ON t.`id` = s.`id` AND t.`id` IN (1, 2) "
         "WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE "
         "WHEN MATCHED THEN UPDATE SET `name` = s.`name` "
         "WHEN NOT MATCHED AND s._pgcdc_op <> 'D' THEN INSERT (`id`, `name`) VALUES (s.`id`, s.`name`)"
@@ -70,7 +75,7 @@ def test_every_column_a_key_has_no_update_clause() -> None:
     """Rows matched on all their columns (a key covering the whole row): a match is deleted or left as it is."""
     source = batch(a=[1], b=["x"], op=["I"])
     assert merge_statement(PATH, STAGED, source, ["a", "b"]) == (
-        f"MERGE INTO {TARGET} t USING {SOURCE} s ON t.`a` = s.`a` AND t.`b` = s.`b` AND t.`a` IN (1) "
+        f"MERGE INTO {TARGET} t USING {source_sql(source)} s ON t.`a` = s.`a` AND t.`b` = s.`b` AND t.`a` IN (1) "
         "WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE  "
         "WHEN NOT MATCHED AND s._pgcdc_op <> 'D' THEN INSERT (`a`, `b`) VALUES (s.`a`, s.`b`)"
     )
@@ -90,7 +95,7 @@ def test_path_with_a_backtick_is_quoted() -> None:
     source = batch(id=[1], op=["D"])
     statement = merge_statement("/lake/we`ird", "/lake/we`ird/_pgcdc_staging/merge_source", source, ["id"])
     assert statement.startswith(
-        "MERGE INTO delta.`/lake/we``ird` t USING parquet.`/lake/we``ird/_pgcdc_staging/merge_source` s ON"
+        f"MERGE INTO delta.`/lake/we``ird` t USING ({staged_source_sql(source.schema, '/lake/we`ird/_pgcdc_staging/merge_source')}) s ON"
     )
 
 
@@ -103,7 +108,7 @@ def test_unchanged_toast_keeps_the_target_value() -> None:
     ) in statement
     # without rows under old keys, an inserted row takes the source's values
     assert "INSERT (`id`, `doc`, `note`) VALUES (s.`id`, s.`doc`, s.`note`)" in statement
-    assert f"USING {SOURCE} s ON" in statement
+    assert f"USING {source_sql(source)} s ON" in statement
 
 
 def test_moved_key_with_unchanged_toast_reads_the_old_row() -> None:
@@ -118,7 +123,7 @@ def test_moved_key_with_unchanged_toast_reads_the_old_row() -> None:
     old_rows = f"(SELECT * FROM {TARGET} WHERE (`{BUCKET_COLUMN}` IN (7) OR `{BUCKET_COLUMN}` IS NULL))"
     assert (
         f"USING (SELECT s.*, o.`doc` AS `_pgcdc_carried_doc`, o.`id` IS NOT NULL AS _pgcdc_old_row_found "
-        f"FROM {SOURCE} s LEFT JOIN {old_rows} o ON o.`id` = s.`_pgcdc_oldkey_id`) s "
+        f"FROM {source_sql(source)} s LEFT JOIN {old_rows} o ON o.`id` = s.`_pgcdc_oldkey_id`) s "
         f"ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (0) OR t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (2) "
     ) in statement
     assert (
@@ -138,14 +143,14 @@ def test_moved_key_unpruned_reads_the_whole_table_for_old_rows() -> None:
         id=[2], doc=[None], **{unchanged_flag_column("doc"): [True], OLD_KEY_PREFIX + "id": [1]}, op=["U"]
     )
     statement = merge_statement(PATH, STAGED, source, ["id"])
-    assert f"FROM {SOURCE} s LEFT JOIN {TARGET} o ON o.`id` = s.`_pgcdc_oldkey_id`) s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
+    assert f"FROM {source_sql(source)} s LEFT JOIN {TARGET} o ON o.`id` = s.`_pgcdc_oldkey_id`) s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
 
 
 def test_old_keys_without_kept_values_need_no_join() -> None:
     """Old-key columns matter only for kept (unchanged-TOAST) values: without flags the source is used as staged."""
     source = batch(id=[2], doc=["d"], **{OLD_KEY_PREFIX + "id": [1]}, op=["U"])
     statement = merge_statement(PATH, STAGED, source, ["id"], delete_and_insert=False)
-    assert f"USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
+    assert f"USING {source_sql(source)} s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
     assert "UPDATE SET `doc` = s.`doc` WHEN NOT MATCHED" in statement
     assert "INSERT (`id`, `doc`) VALUES (s.`id`, s.`doc`)" in statement
 
@@ -172,10 +177,12 @@ def test_no_key_list_for_other_types_or_too_many_values() -> None:
 
 
 
-DOUBLED = (
-    f"(SELECT *, true AS _pgcdc_delete_row FROM {SOURCE} UNION ALL "
-    f"SELECT *, false AS _pgcdc_delete_row FROM {SOURCE} WHERE _pgcdc_op <> 'D')"
-)
+def doubled(source: pa.Table) -> str:
+    """The delete-and-insert MERGE's source: every change as a delete row, and all but deletes as an insert row."""
+    return (
+        f"(SELECT *, true AS _pgcdc_delete_row FROM {source_sql(source)} UNION ALL "
+        f"SELECT *, false AS _pgcdc_delete_row FROM {source_sql(source)} WHERE _pgcdc_op <> 'D')"
+    )
 
 
 def test_whole_row_changes_delete_and_insert() -> None:
@@ -183,7 +190,7 @@ def test_whole_row_changes_delete_and_insert() -> None:
     its insert row (none for a delete) inserts the new image."""
     source = batch(id=[1, 2, 3], name=["a", None, "c"], **{BUCKET_COLUMN: [0, 0, 4]}, op=["U", "D", "I"])
     assert merge_statement(PATH, STAGED, source, ["id"]) == (
-        f"MERGE INTO {TARGET} t USING {DOUBLED} s ON t.`id` = s.`id` AND s._pgcdc_delete_row "
+        f"MERGE INTO {TARGET} t USING {doubled(source)} s ON t.`id` = s.`id` AND s._pgcdc_delete_row "
         f"AND (t.`{BUCKET_COLUMN}` IN (0, 4) OR t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (1, 2, 3) "
         "WHEN MATCHED THEN DELETE "
         "WHEN NOT MATCHED AND NOT s._pgcdc_delete_row AND s._pgcdc_op <> 'D' "
@@ -198,7 +205,7 @@ def test_delete_and_insert_unpruned_composite_and_with_old_keys() -> None:
         op=["U"],
     )  # fmt: skip
     assert merge_statement(PATH, STAGED, source, ["tenant", "id"], prune_buckets=False) == (
-        f"MERGE INTO {TARGET} t USING {DOUBLED} s ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND s._pgcdc_delete_row "
+        f"MERGE INTO {TARGET} t USING {doubled(source)} s ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND s._pgcdc_delete_row "
         "AND t.`tenant` IN (9) AND t.`id` IN (2) "
         "WHEN MATCHED THEN DELETE "
         "WHEN NOT MATCHED AND NOT s._pgcdc_delete_row AND s._pgcdc_op <> 'D' "
@@ -209,7 +216,7 @@ def test_delete_and_insert_unpruned_composite_and_with_old_keys() -> None:
 def test_kept_values_or_key_only_rows_keep_the_update_form() -> None:
     """An update keeping a target value must read it; a row of key columns only has nothing to replace."""
     kept = batch(id=[1], doc=[None], **{unchanged_flag_column("doc"): [True]}, op=["U"])
-    assert f"USING {SOURCE} s ON t.`id` = s.`id` AND t.`id` IN (1) WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE " in (
+    assert f"USING {source_sql(kept)} s ON t.`id` = s.`id` AND t.`id` IN (1) WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE " in (
         merge_statement(PATH, STAGED, kept, ["id"])
     )
     key_only = batch(a=[1], b=["x"], op=["I"])

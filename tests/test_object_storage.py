@@ -168,7 +168,7 @@ def lifecycle(
     prefix = s3_root.removeprefix(f"s3://{BUCKET}/") + "/"
     assert staged_objects(s3_server, prefix) == []
     assert all(key.startswith((prefix + "public/", prefix + "_pgcdc/state/")) for key in s3_server.keys(prefix))
-    state = read_state(s3_spark, state_path(s3_root, SLOT))  # the state table lives on the store too
+    state = read_state(state_path(s3_root, SLOT))  # the state table lives on the store too
     assert {table: row.log.version for table, row in state.items()} == {
         table: deltalake.DeltaTable(config.table_path(*table.split(".")), storage_options=config.delta.lake().object_store_options()).version()
         for table in TABLES

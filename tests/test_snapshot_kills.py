@@ -151,7 +151,7 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
             killed_child(config, tmp_path / f"{point}.yaml", point, writer)
             assert state_left(big) == LEFT[writer, point], point
             assert state_left(flat) == ("snapshot" if point == "before_snapshot_state_write" else "nothing"), point
-            assert read_state(spark, state_path(config.delta.root, config.slot)) == {}, point
+            assert read_state(state_path(config.delta.root, config.slot)) == {}, point
             # Configured otherwise by now: a table the kill left without a snapshot gets the layout
             # configured now (its created table's layout property included), one with a snapshot keeps its own.
             with snapshot_writer(spark, writer):
@@ -161,7 +161,7 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
         assert_exact(pg, config)
         layout = assert_buckets_right(big)
         assert layout is not None and layout.size == (1000 if LEFT[writer, point] == "snapshot" else 700), point
-        rows = read_state(spark, state_path(config.delta.root, config.slot))
+        rows = read_state(state_path(config.delta.root, config.slot))
         assert {table: row.log.version for table, row in rows.items()} == {
             "public.big": read_table_log(big).version, "public.flat": read_table_log(flat).version,
         }, point

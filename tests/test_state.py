@@ -59,7 +59,7 @@ def version_of(config: PgcdcConfig, table: str) -> int:
 
 
 def state_of(spark: SparkSession, config: PgcdcConfig) -> dict[str, StateRow]:
-    return read_state(spark, state_path(config.delta.root, config.slot))
+    return read_state(state_path(config.delta.root, config.slot))
 
 
 def resnapshot_without_state(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, table: str) -> None:
@@ -142,10 +142,10 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     forged = real["public.acct"]
     (now,), = pg.execute("SELECT pg_current_wal_lsn()::text")
     lying = replace(forged.log, snapshot_lsn=LSN.parse(now) + 1_000_000, applied_marker=None)
-    write_state(spark, state_path(config.delta.root, SLOT), real, [StateRow(forged.table, forged.path, lying, None)])
+    write_state(state_path(config.delta.root, SLOT), real, [StateRow(forged.table, forged.path, lying, None)])
     # And a row one commit behind (a crash after an intermediate confirm, before the state write).
     behind = real["public.journal"]
-    write_state(spark, state_path(config.delta.root, SLOT), state_of(spark, config), [
+    write_state(state_path(config.delta.root, SLOT), state_of(spark, config), [
         StateRow(behind.table, behind.path, replace(behind.log, version=behind.log.version - 1, applied_marker=None), None)
     ])
     pg.execute("UPDATE acct SET n = 2 WHERE id = 2; INSERT INTO journal VALUES (4, 'four')")
@@ -169,7 +169,7 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     shutil.rmtree(path_of(config, "extra"))
     real = state_of(spark, config)
     other_layout = replace(real["public.acct"].log, layout=TableLayout(HASH, ("id",), 7))
-    write_state(spark, state_path(config.delta.root, SLOT), real, [StateRow("public.acct", path_of(config, "acct"), other_layout, None)])
+    write_state(state_path(config.delta.root, SLOT), real, [StateRow("public.acct", path_of(config, "acct"), other_layout, None)])
     pg.execute("INSERT INTO extra VALUES (3); UPDATE acct SET n = 3 WHERE id = 1")
     sixth = drained(pg, config, spark, {"acct": 2, "journal": 5})
     assert sixth.tables_without_snapshot == ["public.extra"] and sixth.tables["public.extra"].delta_version is None

@@ -59,9 +59,18 @@ def engine_capabilities(spark: SparkSession) -> EngineCapabilities:
     return known
 
 
+SAIL_CAPABILITIES = EngineCapabilities(delta_commands=False, delta_rs_snapshots=True)
+"""What embedded Sail 0.7.2 can do: an engine pgcdc started itself is known, not probed (the probe
+is a fresh engine's first statement: 0.3-0.6 s on Sail, 4-7 s on a fresh JVM)."""
+
+DELTA_SPARK_CAPABILITIES = EngineCapabilities(delta_commands=True, delta_rs_snapshots=False)
+"""What the managed Apache Spark with Delta's jars can do (declared like :data:`SAIL_CAPABILITIES`)."""
+
+
 def set_engine_capabilities(spark: SparkSession, capabilities: EngineCapabilities) -> None:
-    """Use ``capabilities`` for ``spark`` instead of detecting them: ``bench.snapshot`` measures both
-    snapshot writers on one engine this way."""
+    """Use ``capabilities`` for ``spark`` instead of detecting them: an engine pgcdc starts itself
+    (``resources/delta/engine.py``) declares them; ``bench.snapshot`` measures both snapshot writers
+    on one engine this way."""
     _DETECTED[spark] = capabilities
 
 

@@ -28,6 +28,7 @@ from types import TracebackType
 from pyspark.sql import SparkSession
 
 from resources.config import SparkSettings
+from resources.delta.capabilities import DELTA_SPARK_CAPABILITIES, SAIL_CAPABILITIES, set_engine_capabilities
 from resources.delta.spark_connect import connect_session
 from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
 from resources.errors import ConfigurationError
@@ -71,6 +72,7 @@ class SparkEngine:
         )
         try:
             assert server.stdout is not None
+            _import_connect_client()  # while the server starts
             line = server.stdout.readline()
             if not line.strip().isdigit():
                 raise RuntimeError(f"the embedded Sail server did not start (exit status {server.wait()})")
@@ -78,6 +80,7 @@ class SparkEngine:
         except BaseException:
             _stop_server(server)
             raise
+        set_engine_capabilities(spark, SAIL_CAPABILITIES)
         engine = cls(spark, server)
         engine.server_pid = server.pid
         return engine
@@ -107,6 +110,7 @@ class SparkEngine:
         )
         try:
             assert server.stdout is not None and server.stderr is not None
+            _import_connect_client()  # while the JVM starts
             fields = server.stdout.readline().split()
             if len(fields) != 2:
                 reason = server.stderr.read().decode(errors="replace").strip() or f"exit status {server.wait()}"
@@ -121,6 +125,7 @@ class SparkEngine:
         except BaseException:
             _stop_server(server)
             raise
+        set_engine_capabilities(spark, DELTA_SPARK_CAPABILITIES)
         engine = cls(spark, server)
         engine.server_pid = int(fields[1])
         return engine
@@ -172,6 +177,14 @@ Sail's memory pool stays unbounded by default: a bounded one (``SAIL_RUNTIME__ME
 ``..._FAIR__MAX_SIZE``) makes a snapshot's final sort spill (10M narrow rows: 395 MiB instead of
 1.8 GiB) but failed a drain's sort with "Resources exhausted" at 256 MiB in the randomized test;
 set it in pgcdc's environment where memory matters more (docs/engine-notes.md, "Snapshot memory")."""
+
+
+def _import_connect_client() -> None:
+    """Import PySpark's Spark Connect client, which :func:`connect_session` needs, while the engine's
+    process starts: the imports took 0.5-2.2 s of a Dagster run's first engine start (a fresh
+    process), as long as Sail's own start, and ran after it."""
+    import pyspark.sql.connect.client  # noqa: F401
+    import pyspark.sql.connect.session  # noqa: F401
 
 
 def process_memory_mib(pid: int | str = "self") -> tuple[float, float]:

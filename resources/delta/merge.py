@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
-from resources.delta.dataframes import spark_dataframe
+from resources.delta.dataframes import prepare_writes, spark_dataframe
 from resources.delta.lake_storage import remove_tree
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.snapshot_writes import STAGING_DIRECTORY
+from resources.delta.snapshot_writes import STAGE_FILE_BYTES, staged_source_sql, stage_parquet, STAGING_DIRECTORY
 
 
 OP_COLUMN = "_pgcdc_op"
@@ -66,7 +66,9 @@ def merge_batch(
     buckets. Rows are matched on the key alone, so a row found in the NULL bucket (written while
     its bucket could not be computed) moves to its own.
 
-    The source is staged as Parquet (:func:`_merge_source`) rather than shipped as a view:
+    The source is staged as Parquet (:func:`_merge_source`), written by this process with pyarrow
+    (no engine job, and no Arrow shipped over Spark Connect: on Delta on Spark the engine's
+    Parquet write cost 2-6 s per MERGE, docs/engine-notes.md), rather than shipped as a view:
     the engine builds its join's hash table from the side that looks smaller, and it sizes
     a file scan by its compressed bytes but an in-memory relation by its Arrow bytes. A view
     of a few tens of thousands of rows already "looks" bigger than a compressed table of
@@ -76,7 +78,9 @@ def merge_batch(
     (measured in docs/engine-notes.md).
     """
     staged = _merge_source(path)
-    spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
+    remove_tree(staged)  # what a crashed MERGE left where it cannot be removed (object stores)
+    stage_parquet(source, source.schema, staged, STAGE_FILE_BYTES)
+    prepare_writes(spark)
     try:
         spark.sql(merge_statement(path, staged, source, key_columns, prune_buckets)).collect()
     finally:
@@ -162,7 +166,7 @@ def merge_statement(
     old_keys = [name for name in source.column_names if name.startswith(OLD_KEY_PREFIX)]
     pruned = prune_buckets and BUCKET_COLUMN in value_columns
     matched_on = list(key_columns)
-    staged_source = f"parquet.{quote_column(staged)}"
+    staged_source = f"({staged_source_sql(source.schema, staged)})"
     target = f"delta.{quote_column(path)}"
     kept = [name for name in value_columns if unchanged_flag_column(name) in flags]
     if delete_and_insert and not kept and any(name not in matched_on for name in value_columns):

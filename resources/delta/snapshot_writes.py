@@ -118,7 +118,7 @@ def write_snapshot(
         new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path)
         staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
         try:
-            _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
+            stage_parquet(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
             fault_point("after_snapshot_staged")
             _overwrite(
                 _staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where, new_with_deletion_vectors
@@ -235,9 +235,10 @@ def _write_with_delta_rs(
         raise
 
 
-def _stage(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int) -> None:
-    """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging``; at
-    least one file, so the engine finds the schema of an empty table too."""
+def stage_parquet(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int) -> None:
+    """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging``, columns
+    named by position (``c0``, ``c1``, ...; :func:`staged_source_sql` names them back); at least one
+    file, so the engine finds the schema of an empty table too."""
     filesystem, directory = storage_client(staging)
     if not is_object_store(staging):  # an object store has no directories (creating one leaves marker objects)
         filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
@@ -262,6 +263,18 @@ def _staged_frame(spark: SparkSession, schema: pa.Schema, staging: str) -> DataF
     return spark.read.parquet(staging).select(
         *(F.col(f"c{i}").cast(field.dataType).alias(field.name) for i, field in enumerate(spark_schema.fields))
     )
+
+
+def staged_source_sql(schema: pa.Schema, staging: str) -> str:
+    """A SQL query of the files :func:`stage_parquet` wrote into ``staging``: :func:`_staged_frame`
+    as SQL text (the table's column names, exactly the Spark types of
+    :func:`~resources.delta.dataframes.spark_dataframe`), for a statement such as a MERGE's source."""
+    spark_schema = from_arrow_schema(nullable_schema(schema), prefer_timestamp_ntz=True)
+    columns = ", ".join(
+        f"CAST(c{i} AS {field.dataType.simpleString()}) AS `{field.name.replace('`', '``')}`"
+        for i, field in enumerate(spark_schema.fields)
+    )
+    return f"SELECT {columns} FROM parquet.`{staging.replace('`', '``')}`"
 
 
 def _overwrite(

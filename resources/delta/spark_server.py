@@ -62,6 +62,14 @@ SMALL_TABLE_CONFIG: dict[str, str] = {
 any of them through ``spark.config``."""
 
 
+DELTA_MERGE_CONFIG: dict[str, str] = {"spark.databricks.delta.merge.materializeSource": "none"}
+"""Delta materializes a MERGE's source (a job caching it on the executors) unless the source reads
+Delta tables only, in case its files change between the MERGE's two passes. pgcdc's source is a
+staged Parquet file no one changes before the MERGE ends (``merge.py``): the job (0.2-1.0 s of each
+MERGE on ``local[2]``, docs/engine-notes.md) buys nothing. Helps a cluster as much (set it there
+through ``spark.config``); users override it the same way."""
+
+
 def jar_cache_dir() -> Path:
     """Ivy's home for Delta's jars: ``$PGCDC_JAR_CACHE``, else ``~/.cache/pgcdc/ivy``.
 
@@ -132,7 +140,7 @@ def remember_resolved_jars(session_jars: str) -> None:
 def managed_server_config(user_config: Mapping[str, str] | None = None) -> dict[str, str]:
     """Everything a managed (or classic) Spark with Delta is started with; user settings win,
     except that a user's ``spark.jars`` is added to Delta's rather than replacing them."""
-    config = {**SMALL_TABLE_CONFIG, "spark.driver.memory": "1g", "spark.log.level": "WARN", **DELTA_SQL_CONFIG,
+    config = {**SMALL_TABLE_CONFIG, **DELTA_MERGE_CONFIG, "spark.driver.memory": "1g", "spark.log.level": "WARN", **DELTA_SQL_CONFIG,
               **delta_jar_config()}
     user = dict(user_config or {})
     if "spark.jars" in config and user.get("spark.jars"):

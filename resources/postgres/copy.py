@@ -46,6 +46,14 @@ PARSE_BYTES = 16 * 1024 * 1024
 reading PostgreSQL with writing Spark, large enough that per-piece overhead is noise."""
 
 
+FIRST_PIECE_BYTES = 1024 * 1024
+"""CSV bytes of a COPY's first piece; each next piece may be four times bigger, up to the piece
+size. A COPY's pieces pass through a reader, a parser and the writer in turn: with a full-size
+first piece the parser and the writer waited for 16 MiB to arrive before starting (the first
+200k rows of a 2M-row snapshot ran at a fifth of the steady rate); a small one fills the
+pipeline at once."""
+
+
 PREFETCH_PIECES = 2
 """Parsed pieces waiting for the writer; with the piece being parsed and the chunk being
 written this bounds memory to a few chunks."""
@@ -184,6 +192,7 @@ def copy_pieces(
     buffer = bytearray()
     rows = size = 0
     yielded = False
+    limit = min(piece_bytes, FIRST_PIECE_BYTES)  # growing to piece_bytes: see FIRST_PIECE_BYTES
     try:
         while True:
             nbytes, data = get_copy_data(1)
@@ -191,11 +200,12 @@ def copy_pieces(
                 buffer += data
                 rows += 1
                 size += nbytes
-                if size >= piece_bytes or rows >= piece_rows:
+                if size >= limit or rows >= piece_rows:
                     yield parse(buffer, rows), size
                     yielded = True
                     buffer = bytearray()
                     rows = size = 0
+                    limit = min(piece_bytes, limit * 4)
             elif nbytes == 0:
                 select.select([pgconn.socket], [], [], _POLL_SECONDS)
                 pgconn.consume_input()
