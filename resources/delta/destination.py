@@ -80,6 +80,12 @@ class Destination(Protocol):
     ) -> None:
         """Replace every row that may equal a row of ``probe`` by ``rewrite``'s answer (REPLICA IDENTITY FULL)."""
 
+    def replace_versions(
+        self, path: str, keys: pa.Table | None, rewrite: Callable[[pa.Table | None], pa.Table], user_metadata: str
+    ) -> None:
+        """Replace the versions of ``keys`` (every current version when None) of an SCD type 2 table by
+        ``rewrite``'s answer, in one commit carrying ``user_metadata`` (``resources/delta/versions.py``)."""
+
     def delete_all_rows(self, path: str) -> None:
         """Empty the table (TRUNCATE)."""
 

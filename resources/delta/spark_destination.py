@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log
+from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log, versions
 from resources.delta.destination import TableLog
 
 
@@ -34,6 +34,11 @@ class SparkDeltaDestination:
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
     ) -> None:
         merge.replace_rows(self.spark, path, probe, rewrite, user_metadata)
+
+    def replace_versions(
+        self, path: str, keys: pa.Table | None, rewrite: Callable[[pa.Table | None], pa.Table], user_metadata: str
+    ) -> None:
+        versions.replace_versions(self.spark, path, keys, rewrite, user_metadata)
 
     def delete_all_rows(self, path: str) -> None:
         merge.delete_all_rows(self.spark, path)

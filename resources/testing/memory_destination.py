@@ -154,6 +154,22 @@ class InMemoryDestination:
         kept = [row for row in self.tables[path].to_pylist() if not selected(row)] if path in self.tables else []
         return self._commit(path, pa.Table.from_pylist(kept + rows.to_pylist(), schema=rows.schema), user_metadata)
 
+    def replace_versions(
+        self, path: str, keys: pa.Table | None, rewrite: Callable[[pa.Table | None], pa.Table], user_metadata: str
+    ) -> None:
+        if path not in self.tables:
+            self._commit(path, rewrite(None), user_metadata)
+            return
+        target = self.tables[path]
+        names = [name for name in (keys.column_names if keys is not None else []) if name != BUCKET_COLUMN]
+        wanted = {tuple(row[n] for n in names) for row in keys.to_pylist()} if keys is not None else set()
+        selected, kept = [], []
+        for row in target.to_pylist():
+            chosen = row["_pgcdc_is_current"] if keys is None else tuple(row[n] for n in names) in wanted
+            (selected if chosen else kept).append(row)
+        replacement = rewrite(pa.Table.from_pylist(selected, schema=target.schema))
+        self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=replacement.schema), user_metadata)
+
     def delete_all_rows(self, path: str) -> None:
         self._commit(path, self.tables[path].schema.empty_table())
 
