@@ -293,6 +293,7 @@ class ChangeApplier:
         """(Writer thread.) The table's rows, as its snapshot wrote them, as the changelog's seed."""
         if target.history_scd2:
             scd2.write_seed(self._destination, target, snapshot_lsn, seed_marker(snapshot_lsn, str(target.table)))
+            fault_point("after_history_commit")
             return
         rows = seed_rows(self._destination.read_rows(target.path, None), snapshot_lsn)
         self._append_history(target, rows, None, seed_marker(snapshot_lsn, str(target.table)))

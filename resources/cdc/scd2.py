@@ -1,8 +1,10 @@
 """A table's SCD type 2 history: one row per version of each key, kept from the changes its MERGE applies (docs/history.md).
 
 A version is the row's values plus when it held: ``_pgcdc_valid_from_lsn`` (the commit end LSN of
-the change that opened it; the snapshot LSN for a snapshot's rows), ``_pgcdc_seq`` (that change's
-position in its transaction), ``_pgcdc_valid_to_lsn`` (the change that closed it; NULL while
+the change that opened it; the snapshot LSN for a snapshot's rows), ``_pgcdc_seq`` (where that change
+stands in its transaction: ``2 * position + 1``, or ``2 * position`` for the fill of columns added
+with a default right before the change at ``position``, as the changelog's markers count; -1 at a
+snapshot), ``_pgcdc_valid_to_lsn`` (the change that closed it; NULL while
 current), their commit times ``_pgcdc_valid_from`` / ``_pgcdc_valid_to`` (NULL at a snapshot),
 ``_pgcdc_is_current`` and ``_pgcdc_is_deleted`` (the version ended because its key stopped existing:
 a DELETE, a key moved away, a TRUNCATE, a row gone at a re-snapshot). The table as of an LSN X is
@@ -28,7 +30,16 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from resources.cdc.history import COMMIT_TIME_COLUMN, COMMIT_TIME_TYPE, KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN, with_schema
+from resources.cdc.history import (
+    COMMIT_TIME_COLUMN,
+    COMMIT_TIME_TYPE,
+    history_position,
+    KEY_COLUMN,
+    OLD_PREFIX,
+    OP_COLUMN,
+    SEQ_COLUMN,
+    with_schema,
+)
 from resources.cdc.tables import KEYED, TableTarget
 from resources.delta.destination import Destination
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
@@ -98,14 +109,16 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
             return
         filled = json.loads(changes.column(KEY_COLUMN)[0].as_py())
         values = _evolve(destination, target, changes.select(filled))
+        position = int(history_position(seq, before=True))
         destination.replace_versions(
-            target.history_path, None, lambda current: _refilled(current, values, filled, lsn, seq, time), marker
+            target.history_path, None, lambda current: _refilled(current, values, filled, lsn, position, time), marker
         )
         return
     key = target.history_key
     names = [name for name in changes.column_names if not name.startswith(_META_PREFIX)]
     opens = changes.filter(pc.is_in(ops, pa.array(["insert", "update"])))
-    opened = _versions(opens.select(names), opens.column(LSN_COLUMN), opens.column(SEQ_COLUMN), opens.column(COMMIT_TIME_COLUMN))
+    positions = pa.chunked_array([history_position(opens.column(SEQ_COLUMN).to_numpy())], pa.int64())
+    opened = _versions(opens.select(names), opens.column(LSN_COLUMN), positions, opens.column(COMMIT_TIME_COLUMN))
     if target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names:
         opened = opened.append_column(BUCKET_COLUMN, _buckets(target, opened))
     opened = _evolve(destination, target, opened)
