@@ -222,8 +222,12 @@ def assert_versions_chain(destination: InMemoryDestination) -> None:
     """Each key's versions, in order, each closed where or after it opened; only the last may be current,
     and a version closed without its key being deleted is followed by one opened at that very position."""
     by_key: dict[int, list[dict]] = {}
-    for row in destination.rows(VERSIONS):
-        by_key.setdefault(row["id"], []).append(row)
+    rows = destination.rows(VERSIONS)
+    markers = [row for row in rows if row["_pgcdc_marker"] is not None]
+    assert len(markers) == 1 and all(value is None for name, value in markers[0].items() if name != "_pgcdc_marker")
+    for row in rows:
+        if row["_pgcdc_marker"] is None:
+            by_key.setdefault(row["id"], []).append(row)
     for key, versions in by_key.items():
         versions.sort(key=lambda v: (v["_pgcdc_valid_from_lsn"], v["_pgcdc_seq"]))
         for version, following in zip(versions, versions[1:] + [None]):
@@ -249,6 +253,7 @@ def test_scd2_keeps_every_version_of_each_key_with_its_validity(tmp_path: Path) 
             (row["id"], row["body"], row["_pgcdc_valid_from_lsn"], row["_pgcdc_valid_to_lsn"], row["_pgcdc_is_current"],
              row["_pgcdc_is_deleted"])
             for row in destination.rows(VERSIONS)
+            if row["_pgcdc_marker"] is None
         )  # fmt: skip
         start, first, second, third = SNAPSHOT_LSN, SNAPSHOT_LSN + 10, SNAPSHOT_LSN + 20, SNAPSHOT_LSN + 30
         assert versions == [
@@ -263,7 +268,7 @@ def test_scd2_keeps_every_version_of_each_key_with_its_validity(tmp_path: Path) 
         assert as_of(destination, second, scd2=True) == [(3, "c"), (4, "a2")]
         assert as_of(destination, scd2=True) == table_rows(destination) == [(5, "e")]
     times = destination.tables[VERSIONS].column("_pgcdc_valid_from").to_pylist()
-    assert sum(time is None for time in times) == 2  # the snapshot's versions have no commit time
+    assert sum(time is None for time in times) == 2 + 1  # the snapshot's versions have no commit time, nor the marker row
 
 
 def test_scd2_opens_every_version_again_when_a_column_is_filled(tmp_path: Path) -> None:
@@ -279,7 +284,7 @@ def test_scd2_opens_every_version_again_when_a_column_is_filled(tmp_path: Path) 
         assert as_of(destination, SNAPSHOT_LSN + 10, scd2=True) == [(1, "a", None), (2, "b", None)]
         assert as_of(destination, scd2=True) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
         assert as_of(destination, scd2=True) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
-        assert destination.tables[VERSIONS].num_rows == 6  # 1 and 2, their filled versions, 3, and 1's update
+        assert destination.tables[VERSIONS].num_rows == 6 + 1  # 1 and 2, their filled versions, 3, 1's update; the marker row
 
 
 def test_scd2_refuses_a_table_without_a_key(tmp_path: Path) -> None:

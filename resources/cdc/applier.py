@@ -265,7 +265,8 @@ class ChangeApplier:
             )
         if log.snapshot_lsn is None:
             return  # no change applies to it: nothing to record
-        version, marker = self._destination.newest_marker(target.history_path)
+        read_marker_of = self._destination.versions_marker if target.history_scd2 else self._destination.newest_marker
+        version, marker = read_marker_of(target.history_path)
         if version is None:
             target.history_schema = pa.schema([])
         target.history_seed, target.history_marker = read_marker(target.table, marker)

@@ -11,10 +11,14 @@ a DELETE, a key moved away, a TRUNCATE, a row gone at a re-snapshot). The table 
 its versions with ``valid_from_lsn <= X < valid_to_lsn`` (or no ``valid_to_lsn``).
 
 The batch of changes is the changelog's (``resources/cdc/history.py``: commit order, unchanged TOAST
-values resolved), so a key changed several times in a batch gets every version. The batch is written
-by :meth:`Destination.replace_versions`: the versions of its keys are read (only their buckets: the
-history table is partitioned like its table), closed and followed by the new ones, in one commit
-carrying the changelog's marker (``changes_marker``), so a replay skips exactly what the table holds.
+values resolved), so a key changed several times in a batch gets every version: the versions opened
+and closed within the batch are written closed. It is one MERGE (``resources/delta/versions.py``):
+the current version of each key the batch closes is closed, the new versions are inserted and the
+marker row takes the changelog's marker (``changes_marker``), in one commit that reads and rewrites
+only the batch's buckets (the history table is partitioned like its table) and, with deletion
+vectors, marks the closed rows instead of rewriting their files. A replay skips exactly what the
+marker row says the table holds. A TRUNCATE, a fill and a snapshot's seed rewrite the current
+versions whole, with the marker row.
 
 Versions are per key: a table without one (REPLICA IDENTITY FULL without a primary key, or no
 identity) has no versions to tell apart and is refused (:func:`history_key`); its changelog keeps
@@ -24,7 +28,7 @@ its past.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 
 import pyarrow as pa
@@ -44,13 +48,14 @@ from resources.cdc.tables import KEYED, TableTarget
 from resources.delta.destination import Destination
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.versions import CURRENT_COLUMN
+from resources.delta.versions import CLOSE_COLUMN, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.errors import PgcdcError
 
 __all__ = [
     "CURRENT_COLUMN",
     "DELETED_COLUMN",
     "history_key",
+    "MARKER_COLUMN",
     "VALID_FROM_COLUMN",
     "VALID_FROM_LSN_COLUMN",
     "VALID_TO_COLUMN",
@@ -60,7 +65,6 @@ __all__ = [
 ]
 
 VALID_FROM_LSN_COLUMN = "_pgcdc_valid_from_lsn"
-VALID_TO_LSN_COLUMN = "_pgcdc_valid_to_lsn"
 VALID_FROM_COLUMN = "_pgcdc_valid_from"
 VALID_TO_COLUMN = "_pgcdc_valid_to"
 DELETED_COLUMN = "_pgcdc_is_deleted"
@@ -88,16 +92,21 @@ def write_seed(destination: Destination, target: TableTarget, snapshot_lsn: int,
     seed = _versions(rows.drop_columns([LSN_COLUMN]) if LSN_COLUMN in rows.column_names else rows, snapshot_lsn, -1, None)
     seed = _evolve(destination, target, seed)
     key = target.history_key
-    destination.replace_versions(
-        target.history_path, None, lambda current: seed if current is None else _reseed(current, seed, key, snapshot_lsn), marker
-    )
+
+    def rewrite(current: pa.Table | None) -> pa.Table:
+        if current is None:
+            return pa.concat_tables([seed, _marker_row(seed.schema, marker)])
+        versions = _without_marker(current)
+        return pa.concat_tables([_reseed(versions, seed, key, snapshot_lsn), _marker_row(current.schema, marker)])
+
+    destination.replace_versions(target.history_path, rewrite, target.history_deletion_vectors)
 
 
 def write_versions(destination: Destination, target: TableTarget, changes: pa.Table, marker: str) -> None:
     """(Writer thread.) Write a batch of changelog rows (``resources/cdc/history.py``) as versions: row
-    changes (close the current version of each changed key, open the new ones), or one whole-table
-    event (``truncate`` closes every current version; ``fill`` closes each and opens it again with the
-    values PostgreSQL gave the columns added with a default)."""
+    changes (close the current version of each changed key, open the new ones, one MERGE), or one
+    whole-table event (``truncate`` closes every current version; ``fill`` closes each and opens it
+    again with the values PostgreSQL gave the columns added with a default)."""
     assert target.history_path is not None
     ops = changes.column(OP_COLUMN)
     first = ops[0].as_py()
@@ -105,14 +114,18 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
         lsn, seq = int(changes.column(LSN_COLUMN)[0].as_py()), int(changes.column(SEQ_COLUMN)[0].as_py())
         time = changes.column(COMMIT_TIME_COLUMN)[0].as_py()
         if first == "truncate":
-            destination.replace_versions(target.history_path, None, lambda current: _closed_all(current, lsn, time, True), marker)
-            return
-        filled = json.loads(changes.column(KEY_COLUMN)[0].as_py())
-        values = _evolve(destination, target, changes.select(filled))
-        position = int(history_position(seq, before=True))
-        destination.replace_versions(
-            target.history_path, None, lambda current: _refilled(current, values, filled, lsn, position, time), marker
-        )
+            event: Callable[[pa.Table], pa.Table] = lambda current: _closed_all(current, lsn, time, True)
+        else:
+            filled = json.loads(changes.column(KEY_COLUMN)[0].as_py())
+            values = _evolve(destination, target, changes.select(filled))
+            position = int(history_position(seq, before=True))
+            event = lambda current: _refilled(current, values, filled, lsn, position, time)  # noqa: E731
+
+        def rewrite(current: pa.Table | None) -> pa.Table:
+            assert current is not None, "a history is seeded before its first change"
+            return pa.concat_tables([event(_without_marker(current)), _marker_row(current.schema, marker)])
+
+        destination.replace_versions(target.history_path, rewrite, target.history_deletion_vectors)
         return
     key = target.history_key
     names = [name for name in changes.column_names if not name.startswith(_META_PREFIX)]
@@ -122,8 +135,68 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
     if target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names:
         opened = opened.append_column(BUCKET_COLUMN, _buckets(target, opened))
     opened = _evolve(destination, target, opened)
-    keys = _probe(target, changes, key)
-    destination.replace_versions(target.history_path, keys, lambda existing: _changed(existing, changes, opened, key), marker)
+    opened, closes = _closes(changes, opened, key)
+    closes = _aligned(closes.append_column(BUCKET_COLUMN, _buckets(target, closes)), opened.schema)
+    flag = CLOSE_COLUMN
+    source = pa.concat_tables([
+        closes.append_column(flag, pa.repeat(pa.scalar(True), closes.num_rows)),
+        opened.append_column(flag, pa.repeat(pa.scalar(False), opened.num_rows)),
+        _marker_row(opened.schema, marker).append_column(flag, pa.array([True])),
+    ])  # fmt: skip
+    destination.merge_versions(target.history_path, source, key, target.prune_buckets)
+
+
+def _marker_row(schema: pa.Schema, marker: str) -> pa.Table:
+    """The marker row (``resources/delta/versions.py``): NULL everywhere but its marker."""
+    return pa.Table.from_arrays(
+        [pa.array([marker], field.type) if field.name == MARKER_COLUMN else pa.nulls(1, field.type) for field in schema], schema=schema
+    )
+
+
+def _without_marker(rows: pa.Table) -> pa.Table:
+    return rows.filter(pc.is_null(rows.column(MARKER_COLUMN)))
+
+
+def _closes(changes: pa.Table, opened: pa.Table, key: Sequence[str]) -> tuple[pa.Table, pa.Table]:
+    """The batch's new versions with those closed that a later change of the batch closes, and a close
+    row (key, closing LSN and time, deleted or not) per key whose version from before the batch a change
+    closes: the first change of each key in the batch. A delete, or a key moved away, closes its version
+    deleted (the key stopped existing)."""
+    ops = changes.column(OP_COLUMN).to_pylist()
+    lsns = changes.column(LSN_COLUMN).to_pylist()
+    times = changes.column(COMMIT_TIME_COLUMN).to_pylist()
+    new_keys = _key_rows(changes, key)
+    old_keys = _key_rows(changes, [OLD_PREFIX + name for name in key])
+    opened_now: dict[tuple, int] = {}
+    met: set[tuple] = set()
+    closes_opened: dict[int, tuple[int, datetime | None, bool]] = {}
+    close_rows: list[tuple[tuple, int, datetime | None, bool]] = []
+
+    def close(version_key: tuple, i: int, gone: bool) -> None:
+        at = opened_now.pop(version_key, None)
+        if at is not None:
+            closes_opened[at] = (lsns[i], times[i], gone)
+        elif version_key not in met:
+            close_rows.append((version_key, lsns[i], times[i], gone))
+        met.add(version_key)
+
+    opened_at = 0
+    for i, op in enumerate(ops):
+        if op != "insert" and old_keys[i] != new_keys[i] or op == "delete":
+            close(old_keys[i], i, True)
+        if op == "delete":
+            continue
+        close(new_keys[i], i, False)
+        opened_now[new_keys[i]] = opened_at
+        opened_at += 1
+    columns = {
+        name: pa.array([row[0][j] for row in close_rows], changes.schema.field(name).type) for j, name in enumerate(key)
+    }
+    columns[VALID_TO_LSN_COLUMN] = pa.array([row[1] for row in close_rows], pa.int64())
+    columns[VALID_TO_COLUMN] = pa.array([row[2] for row in close_rows], COMMIT_TIME_TYPE)
+    columns[CURRENT_COLUMN] = pa.array([False] * len(close_rows), pa.bool_())
+    columns[DELETED_COLUMN] = pa.array([row[3] for row in close_rows], pa.bool_())
+    return _with_closes(opened, closes_opened), pa.table(columns)
 
 
 def _versions(values: pa.Table, lsn: int | pa.ChunkedArray, seq: int | pa.ChunkedArray, time: pa.ChunkedArray | None) -> pa.Table:
@@ -135,7 +208,8 @@ def _versions(values: pa.Table, lsn: int | pa.ChunkedArray, seq: int | pa.Chunke
         .append_column(VALID_FROM_COLUMN, pa.nulls(n, COMMIT_TIME_TYPE) if time is None else time) \
         .append_column(VALID_TO_COLUMN, pa.nulls(n, COMMIT_TIME_TYPE)) \
         .append_column(CURRENT_COLUMN, pa.array([True] * n, pa.bool_())) \
-        .append_column(DELETED_COLUMN, pa.array([False] * n, pa.bool_()))  # fmt: skip
+        .append_column(DELETED_COLUMN, pa.array([False] * n, pa.bool_())) \
+        .append_column(MARKER_COLUMN, pa.nulls(n, pa.string()))  # fmt: skip
 
 
 def _buckets(target: TableTarget, values: pa.Table) -> pa.Array:
@@ -144,18 +218,6 @@ def _buckets(target: TableTarget, values: pa.Table) -> pa.Array:
     if layout is None or any(name not in values.column_names for name in layout.key):
         return pa.nulls(values.num_rows, pa.int64())
     return row_buckets(layout, {name: values.column(name).combine_chunks() for name in layout.key}, values.num_rows)
-
-
-def _probe(target: TableTarget, changes: pa.Table, key: Sequence[str]) -> pa.Table:
-    """The keys the batch touches (new keys and old keys), with their buckets when those locate every
-    version of a key (the table's MERGEs prune by them: the key holds the layout's key)."""
-    new = changes.filter(pc.is_in(changes.column(OP_COLUMN), pa.array(["insert", "update"]))).select(list(key))
-    old = changes.filter(pc.is_in(changes.column(OP_COLUMN), pa.array(["update", "delete"])))
-    old = pa.Table.from_arrays([old.column(OLD_PREFIX + name).cast(changes.schema.field(name).type) for name in key], list(key))
-    keys = pa.concat_tables([new, old]).group_by(list(key), use_threads=False).aggregate([])
-    if target.prune_buckets:
-        keys = keys.append_column(BUCKET_COLUMN, _buckets(target, keys))
-    return keys
 
 
 def _evolve(destination: Destination, target: TableTarget, rows: pa.Table) -> pa.Table:
@@ -206,46 +268,8 @@ def _key_rows(table: pa.Table, names: Sequence[str]) -> list[tuple]:
     return list(zip(*(table.column(name).to_pylist() for name in names))) if table.num_rows else []
 
 
-def _changed(existing: pa.Table | None, changes: pa.Table, opened: pa.Table, key: Sequence[str]) -> pa.Table:
-    """The versions of the batch's keys after the batch: ``existing`` (every version of those keys, and of
-    a few others on a hash collision, left as they are) with the current ones the changes close closed,
-    then ``opened`` (a version per insert and update, in order) with those closed that a later change
-    of the batch closes."""
-    ops = changes.column(OP_COLUMN).to_pylist()
-    lsns = changes.column(LSN_COLUMN).to_pylist()
-    times = changes.column(COMMIT_TIME_COLUMN).to_pylist()
-    new_keys = _key_rows(changes, key)
-    old_keys = _key_rows(changes, [OLD_PREFIX + name for name in key])
-    current: dict[tuple, tuple[bool, int]] = {}
-    if existing is not None:
-        for i, (version_key, is_current) in enumerate(zip(_key_rows(existing, key), existing.column(CURRENT_COLUMN).to_pylist())):
-            if is_current:
-                current[version_key] = (False, i)
-    closes: dict[bool, dict[int, tuple[int, datetime | None, bool]]] = {False: {}, True: {}}
-
-    def close(version_key: tuple, i: int, gone: bool) -> None:
-        at = current.pop(version_key, None)
-        if at is not None:
-            closes[at[0]][at[1]] = (lsns[i], times[i], gone)
-
-    opened_at = 0
-    for i, op in enumerate(ops):
-        if op != "insert" and old_keys[i] != new_keys[i] or op == "delete":
-            close(old_keys[i], i, True)  # a delete, or a key moved away: the old key stopped existing
-        if op == "delete":
-            continue
-        close(new_keys[i], i, False)
-        current[new_keys[i]] = (True, opened_at)
-        opened_at += 1
-    new_versions = _with_closes(opened, closes[True])
-    if existing is None:
-        return new_versions
-    return pa.concat_tables([_with_closes(existing, closes[False]), _aligned(new_versions, existing.schema)])
-
-
-def _closed_all(current: pa.Table | None, lsn: int, time: datetime | None, gone: bool) -> pa.Table:
+def _closed_all(current: pa.Table, lsn: int, time: datetime | None, gone: bool) -> pa.Table:
     """Every current version closed at ``lsn`` (a TRUNCATE: deleted)."""
-    assert current is not None, "a history is seeded before its first change"
     n = current.num_rows
     for name, values in (
         (VALID_TO_LSN_COLUMN, pa.array([lsn] * n, pa.int64())),
@@ -259,10 +283,9 @@ def _closed_all(current: pa.Table | None, lsn: int, time: datetime | None, gone:
 
 
 def _refilled(
-    current: pa.Table | None, values: pa.Table, filled_names: Sequence[str], lsn: int, seq: int, time: datetime | None
+    current: pa.Table, values: pa.Table, filled_names: Sequence[str], lsn: int, seq: int, time: datetime | None
 ) -> pa.Table:
     """Every current version closed at ``lsn``, and opened again with ``values`` (one row) in the columns ``filled_names``."""
-    assert current is not None, "a history is seeded before its first change"
     reopened = current
     n = current.num_rows
     for name in filled_names:
@@ -273,9 +296,10 @@ def _refilled(
     return pa.concat_tables([_closed_all(current, lsn, time, False), _aligned(opened, current.schema)])
 
 
-_VERSION_COLUMNS = frozenset(
-    {VALID_FROM_LSN_COLUMN, SEQ_COLUMN, VALID_TO_LSN_COLUMN, VALID_FROM_COLUMN, VALID_TO_COLUMN, CURRENT_COLUMN, DELETED_COLUMN}
-)
+_VERSION_COLUMNS = frozenset({
+    VALID_FROM_LSN_COLUMN, SEQ_COLUMN, VALID_TO_LSN_COLUMN, VALID_FROM_COLUMN, VALID_TO_COLUMN, CURRENT_COLUMN, DELETED_COLUMN,
+    MARKER_COLUMN,
+})  # fmt: skip
 
 
 def _reseed(current: pa.Table, seed: pa.Table, key: Sequence[str], snapshot_lsn: int) -> pa.Table:

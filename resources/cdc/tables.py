@@ -72,6 +72,8 @@ class TableTarget:
     history_scd2: bool = False
     #: SCD type 2: the key columns its versions are per (set with the relation).
     history_key: tuple[str, ...] = ()
+    #: SCD type 2: its table is created with deletion vectors (as the table's own ``delta.deletion_vectors`` says).
+    history_deletion_vectors: bool = True
     #: SCD type 2: the seed (or re-seed) is still to be written, before the table's first history write of the run.
     history_seed_due: bool = False
     #: The snapshot LSN the changelog's seed holds (read from its newest marker, or seeded by this run).

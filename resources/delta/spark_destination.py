@@ -35,10 +35,14 @@ class SparkDeltaDestination:
     ) -> None:
         merge.replace_rows(self.spark, path, probe, rewrite, user_metadata)
 
-    def replace_versions(
-        self, path: str, keys: pa.Table | None, rewrite: Callable[[pa.Table | None], pa.Table], user_metadata: str
-    ) -> None:
-        versions.replace_versions(self.spark, path, keys, rewrite, user_metadata)
+    def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
+        versions.merge_versions(self.spark, path, source, key_columns, prune_buckets)
+
+    def replace_versions(self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool) -> None:
+        versions.replace_versions(self.spark, path, rewrite, deletion_vectors)
+
+    def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        return versions.read_versions_marker(self.spark, path)
 
     def delete_all_rows(self, path: str) -> None:
         merge.delete_all_rows(self.spark, path)

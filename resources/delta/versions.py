@@ -1,60 +1,108 @@
-"""Rewriting some versions of an SCD type 2 table in one commit that carries a marker (docs/history.md).
+"""Writing an SCD type 2 table: a batch's versions in one MERGE, whole-table events in one overwrite (docs/history.md).
 
-An SCD type 2 table (``resources/cdc/scd2.py``) changes by closing versions and adding new ones.
-A SQL MERGE could do both, but a MERGE carries no ``userMetadata`` on Sail (``resources/delta/engine.py``),
-and the table's exactly-once discipline needs the marker in the same commit as its rows. So the
-versions a batch touches are selected by a predicate, read, rewritten in Arrow and written back
-with an overwrite whose ``replaceWhere`` is that same predicate: readers see the old versions or
-the new ones, and the commit carries the marker.
+An SCD type 2 table (``resources/cdc/scd2.py``) changes by closing versions and adding new ones,
+and its exactly-once discipline needs a marker in the same commit as the rows. A MERGE carries no
+``userMetadata`` on Sail (``resources/delta/engine.py``), so the marker is a row of the table: the
+**marker row**, all of whose columns are NULL but :data:`MARKER_COLUMN` (the changelog's marker
+JSON) and whose bucket is NULL. Every write updates it in the same commit as the versions. Queries
+of versions pass over it by themselves: its ``_pgcdc_is_current`` and ``_pgcdc_valid_from_lsn`` are
+NULL.
 
-The predicate names the batch's buckets (and the NULL bucket) when the rows carry
-:data:`~resources.delta.layout.BUCKET_COLUMN`, a partition column, so the engine reads and rewrites
-only those partitions, then the keys' ``xxhash64`` (the engine's own hash, as ``replace_rows`` uses):
-every version of a probed key is selected, and a few others on a hash collision, which the rewrite
-hands back unchanged.
+* A batch of changes is one MERGE (:func:`merge_versions`): its source holds a *close* row per key
+  whose current version the batch ends (matched on the key and ``_pgcdc_valid_to_lsn IS NULL``:
+  updated with the closing LSN and time), the batch's new versions (never matched: inserted), and the
+  new marker row (matched with the old one, null-safe on the NULL keys). The MERGE names the batch's
+  buckets and the NULL bucket, where the marker row lives, so the engine reads only those
+  partitions, and a table with deletion vectors marks the closed rows instead of rewriting files.
+* A TRUNCATE, the fill of columns added with a default and a snapshot's seed rewrite every current
+  version (:func:`replace_versions`): the current versions and the marker row are read, and written
+  back by the caller's rewrite with an overwrite whose ``replaceWhere`` selects the same rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import DataFrame, functions as F, SparkSession
+from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.dataframes import spark_dataframe
+from resources.delta.lake_storage import remove_tree
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.merge import quote_column
+from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY, STAGING_DIRECTORY
 from resources.delta.table_log import table_exists
 
 __all__ = [
+    "CLOSE_COLUMN",
+    "CLOSED_SET",
     "CURRENT_COLUMN",
+    "MARKER_COLUMN",
+    "merge_versions",
+    "read_versions_marker",
     "replace_versions",
+    "VALID_TO_LSN_COLUMN",
 ]
 
 CURRENT_COLUMN = "_pgcdc_is_current"
-"""Whether a version is its key's current one (the predicate of a rewrite of every current version)."""
+"""Whether a version is its key's current one."""
+VALID_TO_LSN_COLUMN = "_pgcdc_valid_to_lsn"
+"""The commit end LSN of the change that closed a version (NULL while current)."""
+MARKER_COLUMN = "_pgcdc_marker"
+"""The marker row's marker (the changelog's marker JSON); NULL in every version."""
+CLOSE_COLUMN = "_pgcdc_close"
+"""MERGE source only: the row closes the current version of its key (or is the marker row); else it is a new version."""
+CLOSED_SET = ("_pgcdc_valid_to_lsn", "_pgcdc_valid_to", CURRENT_COLUMN, "_pgcdc_is_deleted", MARKER_COLUMN)
+"""The columns a close row (or the marker row) sets on the row it matches."""
+
+
+def merge_versions(spark: SparkSession, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
+    """One MERGE of a batch's close rows, new versions and marker row (module docstring); with
+    ``prune_buckets`` (the key holds the layout's key), only the source's buckets and the NULL bucket."""
+    columns = [name for name in source.column_names if name != CLOSE_COLUMN]
+    on = " AND ".join(f"t.{quote_column(key)} <=> s.{quote_column(key)}" for key in key_columns)
+    on += f" AND t.{quote_column(VALID_TO_LSN_COLUMN)} IS NULL AND s.{quote_column(CLOSE_COLUMN)}"
+    if prune_buckets and BUCKET_COLUMN in columns:
+        buckets = sorted({int(bucket) for bucket in source.column(BUCKET_COLUMN).to_pylist() if bucket is not None})
+        bucket = f"t.{quote_column(BUCKET_COLUMN)}"
+        listed = f"{bucket} IN ({', '.join(map(str, buckets))}) OR " if buckets else ""
+        on += f" AND ({listed}{bucket} IS NULL)"
+    updates = ", ".join(f"{quote_column(name)} = s.{quote_column(name)}" for name in CLOSED_SET)
+    inserted = ", ".join(quote_column(name) for name in columns)
+    values = ", ".join(f"s.{quote_column(name)}" for name in columns)
+    # Staged as Parquet for the reason merge_batch gives: the engine then hashes the source, not the table.
+    staged = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/versions_source"
+    spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
+    try:
+        spark.sql(
+            f"MERGE INTO delta.{quote_column(path)} t USING parquet.{quote_column(staged)} s ON {on} "
+            f"WHEN MATCHED THEN UPDATE SET {updates} "
+            f"WHEN NOT MATCHED AND (NOT s.{quote_column(CLOSE_COLUMN)} OR s.{quote_column(MARKER_COLUMN)} IS NOT NULL) "
+            f"THEN INSERT ({inserted}) VALUES ({values})"
+        ).collect()
+    finally:
+        remove_tree(staged)
 
 
 def replace_versions(
-    spark: SparkSession,
-    path: str,
-    keys: pa.Table | None,
-    rewrite: Callable[[pa.Table | None], pa.Table],
-    user_metadata: str,
+    spark: SparkSession, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool
 ) -> None:
-    """Replace, in one commit carrying ``user_metadata``, the versions of the keys in ``keys`` (its key
-    columns, plus the bucket column to prune by when the table is bucketed), or every current version
-    when ``keys`` is None, by ``rewrite``'s answer for them. A path holding no table gets a new one
-    holding ``rewrite(None)``, partitioned by the bucket column when the rows have it."""
+    """Replace every current version and the marker row by ``rewrite``'s answer for them, in one commit.
+    A path holding no table gets a new one holding ``rewrite(None)``, partitioned by the bucket column
+    when the rows have it, with deletion vectors when ``deletion_vectors``."""
     if not table_exists(path):
         rows = rewrite(None)
-        writer = spark_dataframe(spark, rows).write.format("delta").mode("overwrite").option("userMetadata", user_metadata)
+        writer = spark_dataframe(spark, rows).write.format("delta").mode("overwrite")
+        if deletion_vectors:
+            writer = writer.option(DELETION_VECTORS_PROPERTY, "true")
         if BUCKET_COLUMN in rows.column_names:
             writer = writer.partitionBy(BUCKET_COLUMN)
         writer.save(path)
         return
     scan = spark.read.format("delta").load(path)
-    predicate = quote_column(CURRENT_COLUMN) if keys is None else _key_predicate(spark, scan, keys)
+    predicate = f"{quote_column(CURRENT_COLUMN)} OR {quote_column(MARKER_COLUMN)} IS NOT NULL"
     replacement = rewrite(scan.where(predicate).toArrow())
     (
         scan.where(F.lit(False))
@@ -62,23 +110,18 @@ def replace_versions(
         .write.format("delta")
         .mode("overwrite")
         .option("replaceWhere", predicate)
-        .option("userMetadata", user_metadata)
         .save(path)
     )
 
 
-def _key_predicate(spark: SparkSession, scan: DataFrame, keys: pa.Table) -> str:
-    """The versions of ``keys``: their buckets (and NULL's) when the table has them, then the keys' hashes
-    (of the keys in the table's own types: the probe goes through a union with the empty scan)."""
-    key_columns = [name for name in keys.column_names if name != BUCKET_COLUMN]
-    quoted = [quote_column(name) for name in key_columns]
-    columns = [F.col(name) for name in quoted]
-    probe = scan.select(*columns).where(F.lit(False)).unionByName(spark_dataframe(spark, keys.select(key_columns)))
-    hashes = probe.select(F.xxhash64(*columns).alias("hash")).distinct().toArrow()
-    predicate = f"xxhash64({', '.join(quoted)}) IN ({', '.join(map(str, sorted(hashes.column('hash').to_pylist())))})"
-    if BUCKET_COLUMN in keys.column_names and BUCKET_COLUMN in scan.columns:
-        buckets = sorted({int(bucket) for bucket in keys.column(BUCKET_COLUMN).to_pylist() if bucket is not None})
-        bucket = quote_column(BUCKET_COLUMN)
-        listed = f"{bucket} IN ({', '.join(map(str, buckets))}) OR " if buckets else ""
-        predicate = f"({listed}{bucket} IS NULL) AND {predicate}"
-    return predicate
+def read_versions_marker(spark: SparkSession, path: str) -> tuple[int | None, dict[str, Any] | None]:
+    """(0, the marker row's pgcdc marker) of the SCD type 2 table at ``path``, (None, None) without a
+    table: the shape of :meth:`Destination.newest_marker`. Reads the NULL bucket only, when bucketed."""
+    if not table_exists(path):
+        return None, None
+    scan = spark.read.format("delta").load(path)
+    where = F.col(quote_column(MARKER_COLUMN)).isNotNull()
+    if BUCKET_COLUMN in scan.columns:
+        where = F.col(quote_column(BUCKET_COLUMN)).isNull() & where
+    markers = scan.where(where).select(quote_column(MARKER_COLUMN)).toArrow().column(0).to_pylist()
+    return 0, (json.loads(markers[0])["pgcdc"] if markers else None)

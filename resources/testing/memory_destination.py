@@ -9,6 +9,7 @@ tests compare the two on the same batches, so this stays honest.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import fold_table_log, pgcdc_marker
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
+from resources.delta.versions import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
 
@@ -154,21 +156,44 @@ class InMemoryDestination:
         kept = [row for row in self.tables[path].to_pylist() if not selected(row)] if path in self.tables else []
         return self._commit(path, pa.Table.from_pylist(kept + rows.to_pylist(), schema=rows.schema), user_metadata)
 
-    def replace_versions(
-        self, path: str, keys: pa.Table | None, rewrite: Callable[[pa.Table | None], pa.Table], user_metadata: str
-    ) -> None:
+    def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
+        """As the Delta MERGE of ``resources/delta/versions.py``, bucket pruning included."""
+        target = self.tables[path]
+        rows = target.to_pylist()
+        buckets = set(source.column(BUCKET_COLUMN).to_pylist()) | {None} if prune_buckets and BUCKET_COLUMN in target.column_names else None
+        open_at = {
+            tuple(row[k] for k in key_columns): i
+            for i, row in enumerate(rows)
+            if row[VALID_TO_LSN_COLUMN] is None and (buckets is None or row[BUCKET_COLUMN] in buckets)
+        }
+        matched: set[int] = set()
+        for change in source.to_pylist():
+            at = open_at.get(tuple(change[k] for k in key_columns)) if change[CLOSE_COLUMN] else None
+            if at is not None:
+                if at in matched:
+                    raise ValueError("two source rows match one version")
+                matched.add(at)
+                rows[at].update({name: change[name] for name in CLOSED_SET})
+            elif not change[CLOSE_COLUMN] or change[MARKER_COLUMN] is not None:
+                rows.append({name: change.get(name) for name in target.column_names})
+        self._commit(path, pa.Table.from_pylist(rows, schema=target.schema))
+
+    def replace_versions(self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool) -> None:
         if path not in self.tables:
-            self._commit(path, rewrite(None), user_metadata)
+            self._commit(path, rewrite(None))
             return
         target = self.tables[path]
-        names = [name for name in (keys.column_names if keys is not None else []) if name != BUCKET_COLUMN]
-        wanted = {tuple(row[n] for n in names) for row in keys.to_pylist()} if keys is not None else set()
         selected, kept = [], []
         for row in target.to_pylist():
-            chosen = row["_pgcdc_is_current"] if keys is None else tuple(row[n] for n in names) in wanted
-            (selected if chosen else kept).append(row)
+            (selected if row[CURRENT_COLUMN] or row[MARKER_COLUMN] is not None else kept).append(row)
         replacement = rewrite(pa.Table.from_pylist(selected, schema=target.schema))
-        self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=replacement.schema), user_metadata)
+        self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=replacement.schema))
+
+    def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        if path not in self.tables:
+            return None, None
+        markers = [row[MARKER_COLUMN] for row in self.tables[path].to_pylist() if row[MARKER_COLUMN] is not None]
+        return 0, (json.loads(markers[0])["pgcdc"] if markers else None)
 
     def delete_all_rows(self, path: str) -> None:
         self._commit(path, self.tables[path].schema.empty_table())
