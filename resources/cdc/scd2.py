@@ -89,8 +89,8 @@ def write_seed(destination: Destination, target: TableTarget, snapshot_lsn: int,
     vanished or changed and open the rows that appeared or changed, at ``snapshot_lsn``."""
     assert target.history_path is not None
     rows = destination.read_rows(target.path, None)
-    seed = _versions(rows.drop_columns([LSN_COLUMN]) if LSN_COLUMN in rows.column_names else rows, snapshot_lsn, -1, None)
-    seed = _evolve(destination, target, seed)
+    rows = rows.drop_columns([name for name in (LSN_COLUMN, BUCKET_COLUMN) if name in rows.column_names])
+    seed = _without_bucket(_evolve(destination, target, _versions(rows, snapshot_lsn, -1, None)))
     key = target.history_key
 
     def rewrite(current: pa.Table | None) -> pa.Table:
@@ -99,7 +99,8 @@ def write_seed(destination: Destination, target: TableTarget, snapshot_lsn: int,
         versions = _without_marker(current)
         return pa.concat_tables([_reseed(versions, seed, key, snapshot_lsn), _marker_row(current.schema, marker)])
 
-    destination.replace_versions(target.history_path, rewrite, target.history_deletion_vectors)
+    destination.replace_versions(target.history_path, rewrite, target.history_deletion_vectors, target.layout)
+    target.history_schema = None  # read again: the write added the bucket column
 
 
 def write_versions(destination: Destination, target: TableTarget, changes: pa.Table, marker: str) -> None:
@@ -117,7 +118,7 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
             event: Callable[[pa.Table], pa.Table] = lambda current: _closed_all(current, lsn, time, True)
         else:
             filled = json.loads(changes.column(KEY_COLUMN)[0].as_py())
-            values = _evolve(destination, target, changes.select(filled))
+            values = _without_bucket(_evolve(destination, target, changes.select(filled)))
             position = int(history_position(seq, before=True))
             event = lambda current: _refilled(current, values, filled, lsn, position, time)  # noqa: E731
 
@@ -125,25 +126,27 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
             assert current is not None, "a history is seeded before its first change"
             return pa.concat_tables([event(_without_marker(current)), _marker_row(current.schema, marker)])
 
-        destination.replace_versions(target.history_path, rewrite, target.history_deletion_vectors)
+        destination.replace_versions(target.history_path, rewrite, target.history_deletion_vectors, target.layout)
+        target.history_schema = None  # read again: the write keeps the bucket column
         return
     key = target.history_key
     names = [name for name in changes.column_names if not name.startswith(_META_PREFIX)]
     opens = changes.filter(pc.is_in(ops, pa.array(["insert", "update"])))
     positions = pa.chunked_array([history_position(opens.column(SEQ_COLUMN).to_numpy())], pa.int64())
     opened = _versions(opens.select(names), opens.column(LSN_COLUMN), positions, opens.column(COMMIT_TIME_COLUMN))
-    if target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names:
-        opened = opened.append_column(BUCKET_COLUMN, _buckets(target, opened))
     opened = _evolve(destination, target, opened)
     opened, closes = _closes(changes, opened, key)
-    closes = _aligned(closes.append_column(BUCKET_COLUMN, _buckets(target, closes)), opened.schema)
+    if BUCKET_COLUMN in opened.column_names:  # bucketed as the table is, by the table's own layout
+        opened = opened.set_column(opened.column_names.index(BUCKET_COLUMN), BUCKET_COLUMN, _buckets(target, opened))
+        closes = closes.append_column(BUCKET_COLUMN, _buckets(target, closes))
+    closes = _aligned(closes, opened.schema)
     flag = CLOSE_COLUMN
     source = pa.concat_tables([
         closes.append_column(flag, pa.repeat(pa.scalar(True), closes.num_rows)),
         opened.append_column(flag, pa.repeat(pa.scalar(False), opened.num_rows)),
         _marker_row(opened.schema, marker).append_column(flag, pa.array([True])),
     ])  # fmt: skip
-    destination.merge_versions(target.history_path, source, key, target.prune_buckets)
+    destination.merge_versions(target.history_path, source, key, target.prune_buckets and BUCKET_COLUMN in opened.column_names)
 
 
 def _marker_row(schema: pa.Schema, marker: str) -> pa.Table:
@@ -151,6 +154,11 @@ def _marker_row(schema: pa.Schema, marker: str) -> pa.Table:
     return pa.Table.from_arrays(
         [pa.array([marker], field.type) if field.name == MARKER_COLUMN else pa.nulls(1, field.type) for field in schema], schema=schema
     )
+
+
+def _without_bucket(rows: pa.Table) -> pa.Table:
+    """Rows for :meth:`Destination.replace_versions`, which buckets them by the table's layout itself."""
+    return rows.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in rows.column_names else rows
 
 
 def _without_marker(rows: pa.Table) -> pa.Table:
@@ -213,7 +221,8 @@ def _versions(values: pa.Table, lsn: int | pa.ChunkedArray, seq: int | pa.Chunke
 
 
 def _buckets(target: TableTarget, values: pa.Table) -> pa.Array:
-    """Each row's bucket, as the table's own layout puts its key (NULL where it cannot be computed)."""
+    """Each row's bucket, as the table's own layout puts its key (NULL where it cannot be computed; the
+    history table is bucketed only when the layout is known, so only NULL's own rows lack it)."""
     layout = target.layout
     if layout is None or any(name not in values.column_names for name in layout.key):
         return pa.nulls(values.num_rows, pa.int64())

@@ -16,7 +16,8 @@ NULL.
   partitions, and a table with deletion vectors marks the closed rows instead of rewriting files.
 * A TRUNCATE, the fill of columns added with a default and a snapshot's seed rewrite every current
   version (:func:`replace_versions`): the current versions and the marker row are read, and written
-  back by the caller's rewrite with an overwrite whose ``replaceWhere`` selects the same rows.
+  back by the caller's rewrite with an overwrite whose ``replaceWhere`` selects the same rows (the
+  commit also carries the marker as its ``userMetadata``, as a snapshot's does).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.lake_storage import remove_tree
-from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.merge import quote_column
-from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY, STAGING_DIRECTORY
+from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.delta.table_log import table_exists
 
 __all__ = [
@@ -87,30 +89,32 @@ def merge_versions(spark: SparkSession, path: str, source: pa.Table, key_columns
 
 
 def replace_versions(
-    spark: SparkSession, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool
+    spark: SparkSession,
+    path: str,
+    rewrite: Callable[[pa.Table | None], pa.Table],
+    deletion_vectors: bool,
+    layout: TableLayout | None,
 ) -> None:
     """Replace every current version and the marker row by ``rewrite``'s answer for them, in one commit.
-    A path holding no table gets a new one holding ``rewrite(None)``, partitioned by the bucket column
-    when the rows have it, with deletion vectors when ``deletion_vectors``."""
-    if not table_exists(path):
-        rows = rewrite(None)
-        writer = spark_dataframe(spark, rows).write.format("delta").mode("overwrite")
-        if deletion_vectors:
-            writer = writer.option(DELETION_VECTORS_PROPERTY, "true")
-        if BUCKET_COLUMN in rows.column_names:
-            writer = writer.partitionBy(BUCKET_COLUMN)
-        writer.save(path)
-        return
-    scan = spark.read.format("delta").load(path)
-    predicate = f"{quote_column(CURRENT_COLUMN)} OR {quote_column(MARKER_COLUMN)} IS NOT NULL"
-    replacement = rewrite(scan.where(predicate).toArrow())
-    (
-        scan.where(F.lit(False))
-        .unionByName(spark_dataframe(spark, replacement))
-        .write.format("delta")
-        .mode("overwrite")
-        .option("replaceWhere", predicate)
-        .save(path)
+    A path holding no table gets a new one holding ``rewrite(None)``, with deletion vectors when
+    ``deletion_vectors``. Bucketed by ``layout`` (partitioned by the bucket column, as the table is):
+    ``rewrite`` sees and returns rows without the bucket column, which the write computes.
+
+    The rows may be the whole table (a seed of millions of rows): they go through
+    ``write_snapshot``, which stages them (or streams them into delta-rs for a new table on an
+    engine without Delta's commands) instead of sending them through the engine's client."""
+    current = None
+    predicate = None
+    if table_exists(path):
+        scan = spark.read.format("delta").load(path)
+        predicate = f"{quote_column(CURRENT_COLUMN)} OR {quote_column(MARKER_COLUMN)} IS NOT NULL"
+        current = scan.where(predicate).toArrow()
+        current = current.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in current.column_names else current
+    rows = rewrite(current)
+    rows = rows.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in rows.column_names else rows
+    marker = rows.filter(pc.is_valid(rows.column(MARKER_COLUMN))).column(MARKER_COLUMN)[0].as_py()
+    write_snapshot(
+        spark, rows, rows.schema, path, marker, layout=layout, replace_where=predicate, deletion_vectors=deletion_vectors
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 
 from resources.delta.destination import NO_TABLE, TableLog
-from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import fold_table_log, pgcdc_marker
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.delta.versions import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
@@ -178,15 +178,21 @@ class InMemoryDestination:
                 rows.append({name: change.get(name) for name in target.column_names})
         self._commit(path, pa.Table.from_pylist(rows, schema=target.schema))
 
-    def replace_versions(self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool) -> None:
+    def replace_versions(
+        self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
+    ) -> None:
         if path not in self.tables:
-            self._commit(path, rewrite(None))
+            created = rewrite(None)
+            self._commit(path, with_buckets(layout, created) if layout is not None else created)
             return
         target = self.tables[path]
         selected, kept = [], []
         for row in target.to_pylist():
             (selected if row[CURRENT_COLUMN] or row[MARKER_COLUMN] is not None else kept).append(row)
-        replacement = rewrite(pa.Table.from_pylist(selected, schema=target.schema))
+        chosen = pa.Table.from_pylist(selected, schema=target.schema)
+        replacement = rewrite(chosen.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in chosen.column_names else chosen)
+        if layout is not None:
+            replacement = with_buckets(layout, replacement.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in replacement.column_names else replacement)
         self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=replacement.schema))
 
     def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
