@@ -16,7 +16,9 @@ Decisions:
   materialization as an output (``MaterializeResult``); one it did not select (a changed table
   under the schedule's job) as a runtime ``AssetMaterialization``: the same record on the asset's
   page, without the planning, the output handling and the data-version lookups. So a table's
-  latest materialization is its latest change, and the slot asset's is the latest drain.
+  latest materialization is its latest change, and the slot asset's is the latest drain. A table
+  that keeps history (docs/history.md) has a history asset downstream of it, materialized the same
+  way by the drains that wrote to its history (``history_metadata``).
 * **Tables without a snapshot are not materialized.** The drain skips their changes
   (nothing to apply them to); the step logs them and records an ``AssetObservation`` with
   ``pgcdc/skipped`` so the asset page says why, instead of a materialization claiming data.
@@ -116,6 +118,18 @@ def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, obj
     return metadata
 
 
+def history_metadata(result: IncrementalResult, table: TableName) -> dict[str, object]:
+    """A history asset's materialization metadata: the changes the drain recorded and up to where."""
+    stats = result.tables[str(table)]
+    metadata: dict[str, object] = {
+        "pgcdc/history_rows": MetadataValue.int(stats.history_rows or 0),
+        "pgcdc/confirmed_flush_lsn": MetadataValue.text(str(result.confirmed_flush_lsn)),
+    }
+    if stats.applied_lsn is not None:
+        metadata["pgcdc/applied_lsn"] = MetadataValue.text(str(stats.applied_lsn))
+    return metadata
+
+
 def recorded_position(instance: DagsterInstance, slot_key: AssetKey) -> LSN | None:
     """The slot's confirmed position at the last drain Dagster recorded (None: none recorded yet)."""
     event = instance.get_latest_materialization_event(slot_key)
@@ -193,9 +207,11 @@ def drain_events(
     names: PipelineNames,
     log_warning: Callable[[str], None],
     recorded: LSN | None,
+    history_key_of: Mapping[TableName, AssetKey] | None = None,
 ) -> Iterator[DrainEvent]:
-    """What one drain records: its changed tables' materializations, why any table was skipped, and the slot's;
-    ``recorded`` is the slot's position at the last recorded drain (``recorded_position``)."""
+    """What one drain records: its changed tables' materializations (and their histories', when it wrote
+    to them: ``history_key_of``), why any table was skipped, and the slot's; ``recorded`` is the slot's
+    position at the last recorded drain (``recorded_position``)."""
     changed = {table: key_of[table] for table in changed_tables(result, tables, recorded)}
     for table in tables:
         reason = _skip_reason(result, table, names)
@@ -204,6 +220,9 @@ def drain_events(
             yield AssetObservation(asset_key=key_of[table], metadata={"pgcdc/skipped": reason})
         elif table in changed:
             yield materialization(selected, key_of[table], drain_metadata(result, table))
+            history_key = (history_key_of or {}).get(table)
+            if history_key is not None and result.tables[str(table)].history_rows:
+                yield materialization(selected, history_key, history_metadata(result, table))
     yield materialization(selected, slot_key, slot_metadata(result, changed))
 
 
@@ -212,12 +231,17 @@ def build_incremental_assets(
 ) -> AssetsDefinition:
     props = {table: PgcdcTableProps.of(config, table, names) for table in tables}
     key_of: Mapping[TableName, AssetKey] = {t: translator.get_table_asset_key(p) for t, p in props.items()}
+    history_key_of = {t: translator.get_history_asset_key(p) for t, p in props.items() if p.history_path is not None}
     slot_props = PgcdcSlotProps.of(config, names)
     slot_key = translator.get_slot_asset_key(slot_props)
 
     @multi_asset(
         name=names.scoped("drain_slot"),
-        specs=[translator.get_slot_asset_spec(slot_props), *(translator.get_table_asset_spec(p) for p in props.values())],
+        specs=[
+            translator.get_slot_asset_spec(slot_props),
+            *(translator.get_table_asset_spec(p) for p in props.values()),
+            *(translator.get_history_asset_spec(p) for p in props.values() if p.history_path is not None),
+        ],
         check_specs=[*slot_check_specs(slot_key), *(spec for key in key_of.values() for spec in table_check_specs(key))],
         can_subset=True,
         pool=slot_pool(config.slot),
@@ -239,7 +263,7 @@ def build_incremental_assets(
                     schedule_gap=schedule_interval(postgres.config.schedule.cron),
                 )  # fmt: skip
                 yield from drain_events(
-                    result, tables, key_of, slot_key, selected, names, context.log.warning, recorded
+                    result, tables, key_of, slot_key, selected, names, context.log.warning, recorded, history_key_of
                 )
                 yield check_event(checked, evaluate_lag_check(postgres.config, slot_key, result.lag_bytes_after, names))
                 due = [table for table in tables if schema_check_due(table, result)]

@@ -61,10 +61,17 @@ class PgcdcTableProps:
     slot: str
     #: The Component pipeline's name; None on the single-file (PGCDC_CONFIG) path.
     pipeline: str | None = None
+    #: Where the table's history lives (docs/history.md); None: it keeps none.
+    history_path: str | None = None
+    #: ``changelog`` or ``scd2`` (``none`` without history).
+    history_mode: str = "none"
 
     @classmethod
     def of(cls, config: PgcdcConfig, table: TableName, names: PipelineNames = PipelineNames()) -> PgcdcTableProps:
-        return cls(table, config.table_path(table.schema, table.name), config.publication, config.slot, names.pipeline)
+        return cls(
+            table, config.table_path(table.schema, table.name), config.publication, config.slot, names.pipeline,
+            config.history_path(table.schema, table.name), config.history.mode(table),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,10 @@ class PgcdcTranslator:
 
     def get_table_asset_key(self, props: PgcdcTableProps) -> AssetKey:
         return AssetKey([*self._prefix(props), props.table.schema, props.table.name])
+
+    def get_history_asset_key(self, props: PgcdcTableProps) -> AssetKey:
+        """``pgcdc/history/<schema>/<table>``: the table's changelog or SCD type 2 table."""
+        return AssetKey([*self._prefix(props), "history", props.table.schema, props.table.name])
 
     def get_slot_asset_key(self, props: PgcdcSlotProps) -> AssetKey:
         """``pgcdc/slot`` or ``pgcdc/<pipeline>/slot``: one part fewer than any table's key, so never a table's."""
@@ -155,6 +166,29 @@ class PgcdcTranslator:
             group_name=self.get_group_name(props),
             kinds=KINDS,
             metadata=self._metadata(props),
+            skippable=True,
+        )
+
+    def get_history_asset_spec(self, props: PgcdcTableProps) -> AssetSpec:
+        """The table's history (``props.history_path`` must be set), downstream of the table; skippable as
+        the table is: materialized by the drains that wrote to it."""
+        assert props.history_path is not None, "only a table that keeps history has a history asset"
+        what = "SCD type 2 table (a row per version of each key)" if props.history_mode == "scd2" else "changelog (a row per row change)"
+        return AssetSpec(
+            key=self.get_history_asset_key(props),
+            deps=[self.get_table_asset_key(props)],
+            description=(
+                f"The {what} of PostgreSQL table {props.table} at {props.history_path}, written with the table's own"
+                " changes by each drain, exactly once (docs/history.md). Materialized by the drains that wrote to it."
+            ),
+            group_name=self.get_group_name(props),
+            kinds=KINDS,
+            metadata={
+                **self._metadata(props),
+                "pgcdc/history_mode": props.history_mode,
+                "pgcdc/delta_path": MetadataValue.path(props.history_path),
+                "dagster/uri": f"file://{props.history_path}" if "://" not in props.history_path else props.history_path,
+            },
             skippable=True,
         )
 

@@ -81,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     changes.add_argument("--end-lsn", type=_lsn, help="stop at this X/Y (default: the WAL position at start)")
     changes.add_argument("--advance", action="store_true", help="confirm what was printed, moving the slot")
     as_of = commands.add_parser(
-        "as-of", help="print a table as it was at an LSN, from its changelog, as JSON lines (docs/history.md)"
+        "as-of", help="print a table as it was at an LSN, from its history, as JSON lines (docs/history.md)"
     )
-    as_of.add_argument("--table", required=True, help="schema.table, with history: changelog in the configuration")
+    as_of.add_argument("--table", required=True, help="schema.table, with history: changelog or scd2 in the configuration")
     moment = as_of.add_mutually_exclusive_group()
     moment.add_argument("--lsn", type=_lsn, help="X/Y: the table once every transaction ending at or before it applied "
-                        "(default: its whole changelog)")
+                        "(default: now, as its Delta table holds it)")
     moment.add_argument("--time", type=_time, help="an ISO 8601 time with its zone: the table before the first "
                         "transaction committed after it")
     as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
-    """Fold the table's changelog up to ``--lsn`` and print its rows; returns the number printed.
+    """Read the table as of ``--lsn`` (or ``--time``) from its history and print its rows; returns the number printed.
 
     The engine and the lake are imported here: ``pgcdc changes`` needs neither."""
     from resources.config import load_config

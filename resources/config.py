@@ -208,14 +208,17 @@ class MaintenanceSettings(_Section):
     )  # fmt: skip
 
 
-HistoryMode = Literal["none", "changelog"]
+HistoryMode = Literal["none", "changelog", "scd2"]
 
 HISTORY_SUFFIX = "__changes"
 """The changelog of ``schema.table`` lives beside its table, at ``<root>/<schema>/<table>__changes``."""
 
+SCD2_SUFFIX = "__history"
+"""The SCD type 2 table of ``schema.table`` lives beside its table, at ``<root>/<schema>/<table>__history``."""
+
 
 class HistorySettings(_Section):
-    """``history``: which tables keep a changelog (docs/history.md)."""
+    """``history``: which tables keep a changelog or an SCD type 2 table (docs/history.md)."""
 
     default: HistoryMode = Field(default="none", description="every table's history unless tables names it")
     tables: dict[str, HistoryMode] = Field(default_factory=dict, description="schema.table -> its own history mode")
@@ -296,10 +299,13 @@ class PgcdcConfig(_Section):
         return join_location(self.delta.root, _path_component(schema), _path_component(table))
 
     def history_path(self, schema: str, table: str) -> str | None:
-        """Where the changelog of ``schema.table`` lives (``<table path>__changes``); None: no history kept."""
-        if self.history.mode(TableName(schema, table)) == "none":
+        """Where the history of ``schema.table`` lives: its changelog (``<table path>__changes``) or its SCD
+        type 2 table (``<table path>__history``); None: no history kept."""
+        mode = self.history.mode(TableName(schema, table))
+        if mode == "none":
             return None
-        return join_location(self.delta.root, _path_component(schema), _path_component(table) + HISTORY_SUFFIX)
+        suffix = SCD2_SUFFIX if mode == "scd2" else HISTORY_SUFFIX
+        return join_location(self.delta.root, _path_component(schema), _path_component(table) + suffix)
 
 
 _PLAIN_PATH_CHARACTER = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")

@@ -1,4 +1,7 @@
-"""As-of reads: a table as it was at an LSN, folded from its changelog (docs/history.md).
+"""As-of reads: a table as it was at an LSN, from its SCD type 2 table or folded from its changelog (docs/history.md).
+
+An SCD type 2 table (``resources/cdc/scd2.py``) holds the answer directly: the versions with
+``_pgcdc_valid_from_lsn <= X`` and no ``_pgcdc_valid_to_lsn`` or one above X (:func:`versions_as_of`).
 
 The changelog holds, in commit order, a seed (``reset``, then the table's rows as its snapshot
 wrote them) and every row change after it. Folding the rows up to an LSN replays them on an
@@ -22,6 +25,13 @@ import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
 from resources.cdc.history import COMMIT_TIME_COLUMN, COMMIT_TIME_TYPE, KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN
+from resources.cdc.scd2 import (
+    CURRENT_COLUMN,
+    VALID_FROM_COLUMN,
+    VALID_FROM_LSN_COLUMN,
+    VALID_TO_COLUMN,
+    VALID_TO_LSN_COLUMN,
+)
 from resources.config import PgcdcConfig
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.reads import read_rows
@@ -35,6 +45,8 @@ __all__ = [
     "lsn_at_time",
     "read_as_of",
     "value_columns",
+    "version_lsn_at_time",
+    "versions_as_of",
 ]
 
 _META_PREFIX = "_pgcdc_"
@@ -50,9 +62,44 @@ def read_as_of(
 ) -> pa.Table:
     """``table`` as it was once every transaction ending at or before ``lsn`` was applied (None: all of
     its changelog, which is the table as its Delta table holds it now); or, with ``time``, before the
-    first transaction committed after it (:func:`lsn_at_time`)."""
-    changes = read_rows(spark, _changelog_path(config, table), None)
-    return fold_changelog(changes, lsn_at_time(changes, time) if time is not None else lsn)
+    first transaction committed after it (:func:`lsn_at_time`). Read from the table's SCD type 2 table
+    when its history is ``scd2``, else folded from its changelog."""
+    rows = read_rows(spark, _changelog_path(config, table), None)
+    if config.history.mode(table) == "scd2":
+        return versions_as_of(rows, version_lsn_at_time(rows, time) if time is not None else lsn)
+    return fold_changelog(rows, lsn_at_time(rows, time) if time is not None else lsn)
+
+
+def versions_as_of(versions: pa.Table, lsn: int | None = None) -> pa.Table:
+    """The table's columns as of ``lsn`` from its SCD type 2 versions (None: the current versions)."""
+    if lsn is None:
+        alive = pc.fill_null(versions.column(CURRENT_COLUMN), False)
+    else:
+        at = pa.scalar(int(lsn), pa.int64())
+        valid_to = versions.column(VALID_TO_LSN_COLUMN)
+        alive = pc.and_(
+            pc.less_equal(versions.column(VALID_FROM_LSN_COLUMN), at),
+            pc.or_(pc.is_null(valid_to), pc.greater(pc.fill_null(valid_to, 0), at)),
+        )
+    return versions.filter(alive).select(value_columns(versions.schema))
+
+
+def version_lsn_at_time(versions: pa.Table, time: datetime) -> int | None:
+    """:func:`lsn_at_time` for an SCD type 2 table: the LSN just before the first transaction after
+    ``time`` that opened or closed a version (None: none did)."""
+    _require_zone(time)
+    at = pa.scalar(time, COMMIT_TIME_TYPE)
+    lsns = [
+        pc.min(versions.column(lsn_column).filter(pc.fill_null(pc.greater(versions.column(time_column), at), False))).as_py()
+        for lsn_column, time_column in ((VALID_FROM_LSN_COLUMN, VALID_FROM_COLUMN), (VALID_TO_LSN_COLUMN, VALID_TO_COLUMN))
+    ]
+    after = [lsn for lsn in lsns if lsn is not None]
+    return int(min(after)) - 1 if after else None
+
+
+def _require_zone(time: datetime) -> None:
+    if time.tzinfo is None:
+        raise ConfigurationError(f"the time {time.isoformat()} has no time zone", "give one, e.g. 2026-11-25T18:00:00+00:00")
 
 
 def lsn_at_time(changes: pa.Table, time: datetime) -> int | None:
@@ -62,8 +109,7 @@ def lsn_at_time(changes: pa.Table, time: datetime) -> int | None:
     Commit times follow commit order only as far as the server's clock does, so an LSN is the exact
     way to name a moment. The seed has no commit time: a time before the snapshot gives the seed.
     """
-    if time.tzinfo is None:
-        raise ConfigurationError(f"the time {time.isoformat()} has no time zone", "give one, e.g. 2026-11-25T18:00:00+00:00")
+    _require_zone(time)
     after = changes.filter(pc.greater(changes.column(COMMIT_TIME_COLUMN), pa.scalar(time, COMMIT_TIME_TYPE)))
     return int(pc.min(after.column(LSN_COLUMN)).as_py()) - 1 if after.num_rows else None
 
@@ -72,10 +118,10 @@ def _changelog_path(config: PgcdcConfig, table: TableName) -> str:
     path = config.history_path(table.schema, table.name)
     if path is None:
         raise ConfigurationError(
-            f"{table} keeps no history", f"set history.tables.{table}: changelog, then snapshot the table again"
+            f"{table} keeps no history", f"set history.tables.{table}: changelog (or scd2), then snapshot the table again"
         )
     if not table_exists(path):
-        raise PgcdcError(f"{table} has no changelog yet at {path}", "it starts with the first drain that meets a change of the table")
+        raise PgcdcError(f"{table} has no history yet at {path}", "it starts with the first drain that meets a change of the table")
     return path
 
 

@@ -291,6 +291,8 @@ def _targets(
             targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
             targets[table].stats.version_read = targets[table].log.version  # type: ignore[union-attr]
         targets[table].history_path = config.history_path(table.schema, table.name)
+        targets[table].history_scd2 = config.history.mode(table) == "scd2"
+        targets[table].history_deletion_vectors = config.delta.deletion_vectors_for(table)
     without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted]
     if targets and len(without_snapshot) == len(targets):
         # Every change would be skipped and the slot confirmed past it: with a mistyped or

@@ -422,3 +422,31 @@ def test_materializing_one_table_drains_the_slot_and_records_what_changed(
     assert set(materializations(result)) == {SLOT, ORDERS}  # notes did not change: no output for it
     assert materializations(result)[ORDERS]["pgcdc/updated"] == 1
     assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+
+
+def test_history_assets_are_downstream_of_their_tables_and_materialized_when_written(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    history = {"default": "none", "tables": {"public.orders": "scd2", "public.notes": "changelog"}}
+    defs = build_definitions(write_config(tmp_path, shop, history=history))
+    orders_history, notes_history = AssetKey(["pgcdc", "history", "public", "orders"]), AssetKey(["pgcdc", "history", "public", "notes"])
+    graph = defs.resolve_asset_graph()
+    assert graph.get(orders_history).parent_keys == {ORDERS} and graph.get(notes_history).parent_keys == {NOTES}
+    run_job(defs, instance, "pgcdc_snapshot")
+    make_changes(shop)
+
+    first = run_job(defs, instance, "pgcdc_incremental")
+
+    meta = materializations(first)
+    assert set(meta) == {SLOT, ORDERS, NOTES, orders_history, notes_history}
+    assert meta[orders_history]["pgcdc/history_rows"] == 6 and meta[notes_history]["pgcdc/history_rows"] == 2
+    assert meta[orders_history]["pgcdc/applied_lsn"] == meta[ORDERS]["pgcdc/applied_lsn"]
+    assert meta[orders_history]["pgcdc/confirmed_flush_lsn"] == str(slot_position(shop))
+    assert planned(instance, first) == ["pgcdc/slot", "pgcdc/slot:slot_lag_within_bound"]
+
+    shop.execute("INSERT INTO notes VALUES ('only notes')")
+    second = run_job(defs, instance, "pgcdc_incremental")
+
+    assert set(materializations(second)) == {SLOT, NOTES, notes_history}
+    assert materializations(second)[notes_history]["pgcdc/history_rows"] == 1
+    assert instance.get_latest_materialization_event(orders_history).run_id == first.run_id

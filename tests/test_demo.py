@@ -67,6 +67,8 @@ def test_demo_runs_and_verifies_every_run(demo_dir: Path) -> None:
     assert "while the load wrote on: checks 10/10 passed" in out.split("shop reconciled")[1].splitlines()[0]
     assert "while the load wrote on: checks 4/4 passed" in out.split("inventory reconciled")[1].splitlines()[0]
     assert "all verifications passed" in out
+    # shop.orders keeps SCD type 2 versions: read back as of its snapshot, it has the snapshot's rows.
+    assert "$ pgcdc as-of --table shop.orders --lsn " in out and "rows, as many as the snapshot copied at " in out
     assert "dagster dev -m pgcdc_demo_project.definitions" in out  # --no-dagster prints the command
     # The project and Dagster history stay; the PostgreSQL server and the lake are gone without --keep.
     defs_file = demo_dir / "project" / "pgcdc_demo_project" / "defs" / "pipelines" / "defs.yaml"

@@ -9,6 +9,11 @@ last drain, the as-of read at each recorded position equals that copy exactly (a
 for value), and the changelog folded whole equals the table. Drains killed right after a changelog
 commit (before the table's), before a chunk's writes, after a table's commit and before the run's
 state is written converge on a re-run with no changelog row twice or missing.
+
+Each test runs twice: with a changelog for every table, and with ``orders`` keeping SCD type 2
+versions instead (the other two have no key to keep versions of). With versions, a re-snapshot of
+``orders`` midway must close what vanished and open what appeared, and every captured moment must
+still read back exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 import deltalake
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from pyspark.sql import SparkSession
 
@@ -58,13 +64,19 @@ DDL = """
 """
 
 
-def history_config(pg: PgDatabase, tmp_path: Path, name: str = "lake", slot: str = "pgcdc_slot") -> PgcdcConfig:
+MODES = ("changelog", "scd2")
+"""The history of ``orders`` in each run of the tests (the others keep changelogs)."""
+
+
+def history_config(
+    pg: PgDatabase, tmp_path: Path, name: str = "lake", slot: str = "pgcdc_slot", orders: str = "changelog"
+) -> PgcdcConfig:
     return parse_config({
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
         "slot": slot,
         "delta": {"root": str(tmp_path / name)},
-        "history": {"default": "changelog", "tables": {"public.events": "changelog"}},
+        "history": {"default": "changelog", "tables": {"public.events": "changelog", "public.orders": orders}},
     })  # fmt: skip
 
 
@@ -140,14 +152,54 @@ def changelog(config: PgcdcConfig, table: str, spark: SparkSession) -> pa.Table:
     return read_rows(spark, config.history_path(schema, name), None)
 
 
+def keeps_versions(config: PgcdcConfig, table: str) -> bool:
+    return config.history.mode(TableName.parse(table)) == "scd2"
+
+
 def change_rows(config: PgcdcConfig, table: str, spark: SparkSession) -> Counter:
-    """The changelog's rows after its seed, as a multiset."""
-    rows = changelog(config, table, spark)
-    return Counter(json.dumps(row, sort_keys=True, default=str) for row in rows.to_pylist() if row["_pgcdc_op"] not in SEED)
+    """The changelog's rows after its seed (or every version), as a multiset."""
+    rows = changelog(config, table, spark).to_pylist()
+    if keeps_versions(config, table):  # the snapshot's versions open at its own LSN, the changes' at theirs
+        seed = {"_pgcdc_valid_from_lsn": "snapshot"}
+        return Counter(
+            json.dumps(row | seed if row["_pgcdc_seq"] == -1 else row, sort_keys=True, default=str)
+            for row in rows
+            if row["_pgcdc_marker"] is None
+        )
+    return Counter(json.dumps(row, sort_keys=True, default=str) for row in rows if row["_pgcdc_op"] not in SEED)
+
+
+def assert_versions_once(config: PgcdcConfig, table: str, spark: SparkSession) -> None:
+    """Each version once; per key, in order, each closed where the next opens unless its key was deleted,
+    only the last current."""
+    rows = changelog(config, table, spark).to_pylist()
+    markers = [row for row in rows if row["_pgcdc_marker"] is not None]
+    assert len(markers) == 1 and all(value is None for name, value in markers[0].items() if name != "_pgcdc_marker")
+    rows = [row for row in rows if row["_pgcdc_marker"] is None]
+    key = TABLE_KEYS[table]
+    opened = Counter((row[key], row["_pgcdc_valid_from_lsn"], row["_pgcdc_seq"]) for row in rows)
+    repeated = {version: n for version, n in opened.items() if n > 1}
+    assert not repeated, f"{table}: versions twice: {repeated}"
+    by_key: dict[object, list[dict]] = {}
+    for row in rows:
+        by_key.setdefault(row[key], []).append(row)
+    for versions in by_key.values():
+        versions.sort(key=lambda v: (v["_pgcdc_valid_from_lsn"], v["_pgcdc_seq"]))
+        for version, following in zip(versions, versions[1:]):
+            assert not version["_pgcdc_is_current"], versions
+            if not version["_pgcdc_is_deleted"]:
+                assert version["_pgcdc_valid_to_lsn"] == following["_pgcdc_valid_from_lsn"], versions
+        assert versions[-1]["_pgcdc_is_current"] == (versions[-1]["_pgcdc_valid_to_lsn"] is None), versions
+
+
+TABLE_KEYS = {"public.orders": "id"}
 
 
 def assert_each_change_once(config: PgcdcConfig, spark: SparkSession) -> None:
     for table in TABLES:
+        if keeps_versions(config, table):
+            assert_versions_once(config, table, spark)
+            continue
         rows = changelog(config, table, spark)
         ops = rows.column("_pgcdc_op").to_pylist()
         positions = Counter(  # a fill shares the position of the change it comes right before
@@ -161,9 +213,12 @@ def assert_each_change_once(config: PgcdcConfig, spark: SparkSession) -> None:
         assert not repeated, f"{table}: changelog rows twice: {repeated}"
 
 
-def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+@pytest.mark.parametrize("orders_history", MODES)
+def test_as_of_reads_equal_postgres_at_every_captured_moment(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, orders_history: str
+) -> None:
     pg.execute(DDL)
-    config = history_config(pg, tmp_path)
+    config = history_config(pg, tmp_path, orders=orders_history)
     snapshot_tables(config, spark, None)
     rng = random.Random(pg.major * 1000 + 24)
     moments: list[tuple[LSN, datetime]] = []
@@ -172,15 +227,66 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp
             workload_step(conn, rng, step)
             moments.append(capture(conn, step))
             if step in (1, 3):
-                run_incremental(config, spark, max_chunk_changes=7)  # small chunks: many changelog commits
+                run_incremental(config, spark, max_chunk_changes=7)  # small chunks: many history commits
+            if step == 4 and orders_history == "scd2":
+                # Changes only a re-snapshot sees: the versions of the rows it no longer holds as they were
+                # close at its LSN, and the rows it holds anew open there.
+                run_incremental(config, spark, max_chunk_changes=7)
+                conn.execute("UPDATE orders SET status = 'resnapshotted' WHERE id IN (SELECT id FROM orders ORDER BY id LIMIT 3)")
+                conn.execute("DELETE FROM orders WHERE id = (SELECT max(id) FROM orders)")
+                snapshot_tables(config, spark, [TableName("public", "orders")])
     run_incremental(config, spark, max_chunk_changes=7)
     for table in TABLES:
         assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
         for k, (lsn, time) in enumerate(moments):
             assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
-            assert_as_of_equals(pg, spark, config, table, None, f"public.past_{k}_{table.split('.')[1]}", time)
+            if not (k == 4 and keeps_versions(config, table)):  # a re-snapshot follows: it has no commit time
+                assert_as_of_equals(pg, spark, config, table, None, f"public.past_{k}_{table.split('.')[1]}", time)
         assert_as_of_equals(pg, spark, config, table, None, table)
     assert_each_change_once(config, spark)
+    if orders_history == "scd2":
+        assert_versions_of_orders(config, spark, moments)
+    else:
+        assert_orders_changelog(config, spark)
+    # Maintenance compacts the history tables and cleans their logs; drains go on from their newest marker.
+    lake = open_lake(config.delta.root)
+    for table in TABLES:
+        maintain_table(config.history_path(*table.split(".")), lake, retention_hours=1, target_file_bytes=1 << 20)
+    with pg.connect() as conn:
+        workload_step(conn, rng, 6)
+        moments.append(capture(conn, 6))
+    run_incremental(config, spark, max_chunk_changes=7)
+    for table in TABLES:
+        for k, (lsn, _) in enumerate(moments):
+            assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
+        assert_as_of_equals(pg, spark, config, table, None, table)
+    assert_each_change_once(config, spark)
+
+
+def assert_versions_of_orders(config: PgcdcConfig, spark: SparkSession, moments: list[tuple[LSN, datetime]]) -> None:
+    """Unchanged TOAST values resolved in every version, several versions per key, and docs/history.md's
+    queries of a key's versions (Spark SQL) give what the versions hold."""
+    versions = changelog(config, "public.orders", spark)
+    versions = versions.filter(pc.is_null(versions.column("_pgcdc_marker")))
+    assert all(body is not None and len(body) == 3200 for body in versions.column("body").to_pylist())
+    assert Counter(versions.column("id").to_pylist()).most_common(1)[0][1] > 2
+    deleted = versions.column("_pgcdc_is_deleted").to_pylist()
+    assert any(deleted) and not all(deleted)
+    path = config.history_path("public", "orders")
+    current = spark.sql(f"SELECT id, status FROM delta.`{path}` WHERE _pgcdc_is_current").collect()
+    assert sorted((row["id"], row["status"]) for row in current) == sorted(
+        (row["id"], row["status"]) for row in read_rows(spark, config.table_path("public", "orders"), None).to_pylist()
+    )
+    lsn = int(moments[2][0])
+    at = spark.sql(
+        f"SELECT id, status FROM delta.`{path}` WHERE _pgcdc_valid_from_lsn <= {lsn} "
+        f"AND (_pgcdc_valid_to_lsn IS NULL OR _pgcdc_valid_to_lsn > {lsn})"
+    ).collect()
+    expected = read_as_of(spark, config, TableName("public", "orders"), LSN(lsn))
+    assert sorted((row["id"], row["status"]) for row in at) == sorted(zip(expected.column("id").to_pylist(), expected.column("status").to_pylist()))
+
+
+def assert_orders_changelog(config: PgcdcConfig, spark: SparkSession) -> None:
     orders = changelog(config, "public.orders", spark).sort_by([("_pgcdc_lsn", "ascending"), ("_pgcdc_seq", "ascending")])
     ops = orders.column("_pgcdc_op").to_pylist()
     bodies = [body for op, body in zip(ops, orders.column("body").to_pylist()) if op in ("snapshot", "insert", "update")]
@@ -197,28 +303,16 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(pg: PgDatabase, tmp
     expected = [(op, status) for op, i, status in zip(ops, orders.column("id").to_pylist(), orders.column("status").to_pylist())
                 if op in ("snapshot", "insert", "update") and i == 1]  # fmt: skip
     assert [(row["_pgcdc_op"], row["status"]) for row in statuses] == expected and expected
-    # Maintenance compacts the changelogs and cleans their logs; drains go on from their newest marker.
-    lake = open_lake(config.delta.root)
-    for table in TABLES:
-        maintain_table(config.history_path(*table.split(".")), lake, retention_hours=1, target_file_bytes=1 << 20)
-    with pg.connect() as conn:
-        workload_step(conn, rng, 6)
-        moments.append(capture(conn, 6))
-    run_incremental(config, spark, max_chunk_changes=7)
-    for table in TABLES:
-        for k, (lsn, _) in enumerate(moments):
-            assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
-        assert_as_of_equals(pg, spark, config, table, None, table)
-    assert_each_change_once(config, spark)
 
 
+@pytest.mark.parametrize("orders_history", MODES)
 def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
-    pg: PgDatabase, tmp_path: Path, spark: SparkSession, capsys: pytest.CaptureFixture[str]
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, capsys: pytest.CaptureFixture[str], orders_history: str
 ) -> None:
     pg.execute(DDL)
-    config = history_config(pg, tmp_path)
+    config = history_config(pg, tmp_path, orders=orders_history)
     snapshot_tables(config, spark, None)
-    reference = history_config(pg, tmp_path, "reference", "reference_slot")  # drained without faults
+    reference = history_config(pg, tmp_path, "reference", "reference_slot", orders_history)  # drained without faults
     snapshot_tables(reference, spark, None)
     rng = random.Random(pg.major)
     moments: list[tuple[LSN, datetime]] = []
@@ -248,6 +342,10 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     for table in TABLES:  # the same change rows as a drain that was never interrupted, no more, no fewer
         assert change_rows(config, table, spark) == change_rows(reference, table, spark), table
     # The command line prints the same rows as the Python read.
+    assert cli_main(["as-of", "--table", "public.orders", "--lsn", str(moments[1][0]), "--config", str(config_file)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = read_as_of(spark, config, TableName.parse("public.orders"), moments[1][0]).to_pylist()
+    assert Counter(json.dumps(row, sort_keys=True) for row in printed) == Counter(json.dumps(row, sort_keys=True) for row in expected)
     assert cli_main(["as-of", "--table", "public.dups", "--lsn", str(moments[0][0]), "--config", str(config_file)]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     expected = read_as_of(spark, config, TableName.parse("public.dups"), moments[0][0]).to_pylist()

@@ -19,17 +19,18 @@ from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.errors import PgcdcError
-from resources.history import fold_changelog
+from resources.history import fold_changelog, versions_as_of
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
 from tests.pgoutput_messages import delete, insert, relation, truncate, UNCHANGED, update
 from tests.test_applier_memory import destination_with_snapshot, keyed_relation, OID, PATH, SNAPSHOT_LSN, TABLE, transactions
 
 HISTORY = PATH + "__changes"
+VERSIONS = PATH + "__history"
 
 
 def apply_with_history(destination: InMemoryDestination, txns: list[CommittedTransaction], *, max_changes: int = 1000,
-                       primary_key: tuple[str, ...] = (), types: StaticTypes | None = None) -> ChangeApplier:
-    target = TableTarget(TABLE, PATH, history_path=HISTORY)
+                       primary_key: tuple[str, ...] = (), types: StaticTypes | None = None, scd2: bool = False) -> ChangeApplier:
+    target = TableTarget(TABLE, PATH, history_path=VERSIONS if scd2 else HISTORY, history_scd2=scd2)
     applier = ChangeApplier(destination, types or StaticTypes(primary_key=primary_key), {TABLE: target},
                             max_changes=max_changes, max_bytes=1 << 30, log=lambda _: None)
     try:
@@ -44,7 +45,9 @@ def apply_with_history(destination: InMemoryDestination, txns: list[CommittedTra
         applier.close()
 
 
-def as_of(destination: InMemoryDestination, lsn: int | None = None) -> list[tuple]:
+def as_of(destination: InMemoryDestination, lsn: int | None = None, scd2: bool = False) -> list[tuple]:
+    if scd2:
+        return sorted(tuple(row.values()) for row in versions_as_of(destination.tables[VERSIONS], lsn).to_pylist())
     return sorted(tuple(row.values()) for row in fold_changelog(destination.tables[HISTORY], lsn).to_pylist())
 
 
@@ -161,11 +164,12 @@ OPS = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(ops=OPS, sizes=st.lists(st.integers(1, 5), min_size=1, max_size=12), max_changes=st.integers(1, 12),
-       full=st.booleans())
+       full=st.booleans(), scd2=st.booleans())
 def test_random_changes_fold_back_to_the_model_at_every_lsn(tmp_path_factory: pytest.TempPathFactory, ops: list,
-                                                              sizes: list[int], max_changes: int, full: bool) -> None:
-    """Keyed or REPLICA IDENTITY FULL (with a primary key, so still matched per key); every
-    transaction's end is checked, then a replay of everything must append no changelog row."""
+                                                              sizes: list[int], max_changes: int, full: bool, scd2: bool) -> None:
+    """Keyed or REPLICA IDENTITY FULL (with a primary key, so still matched per key), with a changelog or
+    SCD type 2 versions; every transaction's end is checked, then a replay of everything must change no
+    history row."""
     tmp_path = tmp_path_factory.mktemp("history")
     destination = destination_with_snapshot([(1, "a"), (2, "b")])
     model: dict[int, str] = {1: "a", 2: "b"}
@@ -201,12 +205,92 @@ def test_random_changes_fold_back_to_the_model_at_every_lsn(tmp_path_factory: py
         bodies.append(body)
         states.append(sorted(model.items()))
     txns = transactions(bodies, tmp_path)
-    apply_with_history(destination, txns, max_changes=max_changes, primary_key=("id",) if full else ())
-    assert as_of(destination, SNAPSHOT_LSN) == [(1, "a"), (2, "b")]
+    apply_with_history(destination, txns, max_changes=max_changes, primary_key=("id",) if full else (), scd2=scd2)
+    assert as_of(destination, SNAPSHOT_LSN, scd2) == [(1, "a"), (2, "b")]
     for index, state in enumerate(states):
-        assert as_of(destination, SNAPSHOT_LSN + 10 + 10 * index) == state
-    assert as_of(destination) == table_rows(destination) == states[-1]
-    written = destination.tables[HISTORY]
+        assert as_of(destination, SNAPSHOT_LSN + 10 + 10 * index, scd2) == state
+    assert as_of(destination, None, scd2) == table_rows(destination) == states[-1]
+    if scd2:
+        assert_versions_chain(destination)
+    written = destination.tables[VERSIONS if scd2 else HISTORY]
     apply_with_history(destination, transactions(bodies, tmp_path / "replay"), max_changes=max_changes,
-                       primary_key=("id",) if full else ())
-    assert destination.tables[HISTORY].equals(written)
+                       primary_key=("id",) if full else (), scd2=scd2)
+    assert destination.tables[VERSIONS if scd2 else HISTORY].equals(written)
+
+
+def assert_versions_chain(destination: InMemoryDestination) -> None:
+    """Each key's versions, in order, each closed where or after it opened; only the last may be current,
+    and a version closed without its key being deleted is followed by one opened at that very position."""
+    by_key: dict[int, list[dict]] = {}
+    rows = destination.rows(VERSIONS)
+    markers = [row for row in rows if row["_pgcdc_marker"] is not None]
+    assert len(markers) == 1 and all(value is None for name, value in markers[0].items() if name != "_pgcdc_marker")
+    for row in rows:
+        if row["_pgcdc_marker"] is None:
+            by_key.setdefault(row["id"], []).append(row)
+    for key, versions in by_key.items():
+        versions.sort(key=lambda v: (v["_pgcdc_valid_from_lsn"], v["_pgcdc_seq"]))
+        for version, following in zip(versions, versions[1:] + [None]):
+            if following is None:
+                assert version["_pgcdc_is_current"] == (version["_pgcdc_valid_to_lsn"] is None), (key, version)
+                continue
+            assert not version["_pgcdc_is_current"] and version["_pgcdc_valid_to_lsn"] is not None, (key, versions)
+            assert version["_pgcdc_valid_from_lsn"] <= version["_pgcdc_valid_to_lsn"] <= following["_pgcdc_valid_from_lsn"]
+            if not version["_pgcdc_is_deleted"]:
+                assert version["_pgcdc_valid_to_lsn"] == following["_pgcdc_valid_from_lsn"], (key, versions)
+
+
+def test_scd2_keeps_every_version_of_each_key_with_its_validity(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a"), (2, "b")])
+    txns = transactions([
+        [keyed_relation(), insert(OID, b"3", b"c"), update(OID, (b"1", UNCHANGED)), update(OID, (b"1", b"a2"))],
+        [update(OID, (b"4", UNCHANGED), key=(b"1", None)), delete(OID, key=(b"2", None))],
+        [truncate(OID), insert(OID, b"5", b"e")],
+    ], tmp_path)  # fmt: skip
+    for replay in range(2):  # the second time: a replay changes nothing
+        apply_with_history(destination, txns, max_changes=2, scd2=True)
+        versions = sorted(
+            (row["id"], row["body"], row["_pgcdc_valid_from_lsn"], row["_pgcdc_valid_to_lsn"], row["_pgcdc_is_current"],
+             row["_pgcdc_is_deleted"])
+            for row in destination.rows(VERSIONS)
+            if row["_pgcdc_marker"] is None
+        )  # fmt: skip
+        start, first, second, third = SNAPSHOT_LSN, SNAPSHOT_LSN + 10, SNAPSHOT_LSN + 20, SNAPSHOT_LSN + 30
+        assert versions == [
+            (1, "a", start, first, False, False),
+            (1, "a", first, first, False, False),  # the intermediate version of the same transaction
+            (1, "a2", first, second, False, True),  # moved away to 4
+            (2, "b", start, second, False, True),
+            (3, "c", first, third, False, True),  # truncated
+            (4, "a2", second, third, False, True),  # the moved row kept its TOASTed body
+            (5, "e", third, None, True, False),
+        ], replay
+        assert as_of(destination, second, scd2=True) == [(3, "c"), (4, "a2")]
+        assert as_of(destination, scd2=True) == table_rows(destination) == [(5, "e")]
+    times = destination.tables[VERSIONS].column("_pgcdc_valid_from").to_pylist()
+    assert sum(time is None for time in times) == 2 + 1  # the snapshot's versions have no commit time, nor the marker row
+
+
+def test_scd2_opens_every_version_again_when_a_column_is_filled(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    widened = relation(OID, "t", [("id", 23, True), ("body", 25, False), ("extra", 23, False)])
+    txns = transactions([
+        [keyed_relation(), insert(OID, b"2", b"b")],
+        [widened, insert(OID, b"3", b"c", b"9"), update(OID, (b"1", b"a", None))],
+    ], tmp_path)  # fmt: skip
+    types = StaticTypes(added={"extra": {(23, True, "5", True)}})
+    for _ in range(2):
+        apply_with_history(destination, txns, types=types, scd2=True)
+        assert as_of(destination, SNAPSHOT_LSN + 10, scd2=True) == [(1, "a", None), (2, "b", None)]
+        assert as_of(destination, scd2=True) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
+        assert as_of(destination, scd2=True) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
+        assert destination.tables[VERSIONS].num_rows == 6 + 1  # 1 and 2, their filled versions, 3, 1's update; the marker row
+
+
+def test_scd2_refuses_a_table_without_a_key(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    rel = relation(OID, "t", [("id", 23, True), ("body", 25, False)], replident=b"f")
+    txns = transactions([[rel, insert(OID, b"2", b"b")]], tmp_path)
+    with pytest.raises(PgcdcError, match="set history.tables.public.t: changelog"):
+        apply_with_history(destination, txns, scd2=True)
+    assert VERSIONS not in destination.tables

@@ -56,11 +56,14 @@ class DagsterDriver:
 
 
 def materialized(result: Any) -> dict[str, dict[str, Any]]:
-    """Per asset (``schema.table``, or ``slot`` for the pipeline's slot asset): its materialization metadata as plain values."""
+    """Per asset (``schema.table``, or ``slot`` for the pipeline's slot asset; history assets left out): its
+    materialization metadata as plain values."""
     found = {}
     for event in result.get_asset_materialization_events():
         materialization = event.materialization
         path = materialization.asset_key.path
+        if len(path) == 5 and path[2] == "history":  # a table's history asset: shown with its table
+            continue
         name = "slot" if path[-1] == "slot" and len(path) == 3 else f"{path[-2]}.{path[-1]}"
         found[name] = {key: value.value for key, value in materialization.metadata.items()}
     return found

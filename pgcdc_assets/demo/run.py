@@ -38,6 +38,9 @@ from resources.names import INCREMENTAL_JOB, PipelineNames, RECONCILE_JOB, SNAPS
 LOAD_SECONDS = 3.0
 
 
+#: The table whose past the demo keeps (an SCD type 2 table, docs/history.md) and reads back as of its snapshot.
+HISTORY_TABLE = f"{shop.SCHEMA}.orders"
+
 #: The demo project's package; ``dagster dev -m`` loads its definitions module.
 PROJECT_PACKAGE = "pgcdc_demo_project"
 
@@ -147,6 +150,7 @@ def write_project(directory: Path, pipelines: Sequence[DemoPipeline]) -> Path:
                     "schedule": {"cron": "* * * * *"},
                     "sensors": {"lag_bytes": 1024 * 1024},
                     "checks": {"max_lag_bytes": 64 * 1024 * 1024},
+                    **({"history": {"tables": {HISTORY_TABLE: "scd2"}}} if p.name == "shop" else {}),
                 }
                 for p in pipelines
             }
@@ -388,9 +392,12 @@ def _demo(args: argparse.Namespace, directory: Path, server: Any, started: float
             with _verify_connection(pipeline.dsn) as conn:
                 rows = verify_all(conn, pipeline)
             say(f"snapshot run {result.run_id[:8]} in {time.monotonic() - t0:.1f} s; {verified(pipeline, rows)}")
+            if pipeline.name == "shop":
+                snapshot_of_history = snapshots[HISTORY_TABLE]
 
         _incremental_runs(args, driver, pipelines)
         _final_runs(driver, pipelines)
+        as_of_read(directory, pipelines[0], snapshot_of_history)
     finally:
         driver.close()
     say(f"\nall verifications passed; demo took {time.monotonic() - started:.0f} s so far")
@@ -457,6 +464,32 @@ def _final_runs(driver: DagsterDriver, pipelines: Sequence[DemoPipeline]) -> Non
                 (pipeline.slot,),
             ).fetchone()  # type: ignore[misc]
         say(f"  {verified(pipeline, rows)}; {check_summary(result)}; slot lag now {lag} bytes")
+
+
+def as_of_read(directory: Path, pipeline: DemoPipeline, snapshot: dict[str, Any]) -> None:
+    """``pgcdc as-of`` of the table that keeps its past, at its snapshot's LSN: after every drain since,
+    the read gives back exactly the snapshot's rows (as many as it copied)."""
+    import yaml
+
+    step(f"History: {HISTORY_TABLE} as of its snapshot, read back from its SCD type 2 table")
+    config = directory / "shop-pgcdc.yaml"
+    config.write_text(yaml.safe_dump({
+        "postgres": {"dsn": pipeline.dsn}, "publication": pipeline.publication, "slot": pipeline.slot,
+        "delta": {"root": str(pipeline.lake)}, "history": {"tables": {HISTORY_TABLE: "scd2"}},
+    }))  # fmt: skip
+    lsn = snapshot["pgcdc/snapshot_lsn"]
+    args = [*pgcdc_script(), "as-of", "--table", HISTORY_TABLE, "--lsn", lsn, "--config", str(config)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        raise DemoFailure(f"pgcdc as-of failed (exit {done.returncode}): {done.stderr.strip()}")
+    rows = done.stdout.splitlines()
+    say(f"$ pgcdc as-of --table {HISTORY_TABLE} --lsn {lsn} --config {config}")
+    for line in rows[:3]:
+        say("  " + _clip(line))
+    if len(rows) != snapshot["dagster/row_count"]:
+        raise DemoFailure(f"as-of read FAILED: {len(rows):,} rows as of {lsn}, the snapshot copied {snapshot['dagster/row_count']:,}")
+    say(f"  ... {len(rows):,} rows, as many as the snapshot copied at {lsn}; the versions since are in"
+        f" {pipeline.lake / shop.SCHEMA / 'orders__history'}")  # fmt: skip
 
 
 def _finish(server: Any, directory: Path, *, keep: bool) -> None:

@@ -62,6 +62,7 @@ from resources.cdc.history import (
     seed_rows,
     with_schema,
 )
+from resources.cdc import scd2
 from resources.cdc.row_batches import gather, PendingRows, RowBatch
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
 from resources.cdc.schema import ChangeValueError, RESNAPSHOT_FIX, SchemaChangeError, SchemaReconciler
@@ -265,7 +266,8 @@ class ChangeApplier:
             )
         if log.snapshot_lsn is None:
             return  # no change applies to it: nothing to record
-        version, marker = self._destination.newest_marker(target.history_path)
+        read_marker_of = self._destination.versions_marker if target.history_scd2 else self._destination.newest_marker
+        version, marker = read_marker_of(target.history_path)
         if version is None:
             target.history_schema = pa.schema([])
         target.history_seed, target.history_marker = read_marker(target.table, marker)
@@ -284,10 +286,17 @@ class ChangeApplier:
                 "snapshot the table again (pgcdc_snapshot) to start its changelog, or set its history to none",
             )
         target.history_seed, target.history_marker = int(log.snapshot_lsn), None
+        if target.history_scd2:
+            target.history_seed_due = True  # once the relation names its key: before its first history write
+            return
         self._writer.write(self._seed_history, target, target.history_seed)
 
     def _seed_history(self, target: TableTarget, snapshot_lsn: int) -> None:
         """(Writer thread.) The table's rows, as its snapshot wrote them, as the changelog's seed."""
+        if target.history_scd2:
+            scd2.write_seed(self._destination, target, snapshot_lsn, seed_marker(snapshot_lsn, str(target.table)))
+            fault_point("after_history_commit")
+            return
         rows = seed_rows(self._destination.read_rows(target.path, None), snapshot_lsn)
         self._append_history(target, rows, None, seed_marker(snapshot_lsn, str(target.table)))
 
@@ -300,6 +309,7 @@ class ChangeApplier:
         kept = np.flatnonzero(keep)
         if not len(kept):
             return
+        self._seed_if_due(target)
         batch, lookups = changelog_rows(target, rows, keep, self._transactions, functools.partial(self._convert, target))
         end, position = int(rows.lsns[kept[-1]]), int(history_position(rows.seqs[kept[-1]]))
         self._writer.write(self._append_history, target, batch, lookups, self._history_marker(target, end, position))
@@ -320,10 +330,16 @@ class ChangeApplier:
         """Queue a changelog row for the whole table (a truncate, a fill) unless the changelog has it."""
         if target.history_path is None or (target.history_marker is not None and (end, position) <= target.history_marker):
             return
+        self._seed_if_due(target)
         row = event_row(op, values, end, seq, self._transactions[end])
         self._writer.write(self._append_history, target, row, None, self._history_marker(target, end, position))
         target.history_marker = (end, position)
         target.stats.history_rows += 1
+
+    def _seed_if_due(self, target: TableTarget) -> None:
+        if target.history_seed_due:
+            target.history_seed_due = False
+            self._writer.write(self._seed_history, target, target.history_seed)
 
     @staticmethod
     def _history_marker(target: TableTarget, end: int, seq: int) -> str:
@@ -337,6 +353,10 @@ class ChangeApplier:
         path = target.history_path
         if lookups is not None:
             batch = resolve_lookups(batch, lookups, self._destination.read_rows(target.path, lookups.keys), target.table)
+        if target.history_scd2:
+            scd2.write_versions(self._destination, target, batch, marker)
+            fault_point("after_history_commit")
+            return
         schema = target.history_schema
         if schema is None:
             schema = self._destination.table_schema(path)
@@ -400,6 +420,8 @@ class ChangeApplier:
             target.mode, target.key_index = KEYED, key_index
         else:
             target.mode, target.key_index = APPEND, ()
+        if target.history_scd2:
+            target.history_key = scd2.history_key(target, [column.column for column in columns])
         if self._schema.reconcile(target, columns, previous, relation, end, seq):
             target.stats.schema_changed = True
         target.relation = relation

@@ -35,7 +35,8 @@ class TableStats:
     #: Why this run's MERGEs of a bucketed table read every bucket, and what restores the pruning
     #: (None: they read only their batches' buckets, or the table is not bucketed).
     unpruned: str | None = None
-    #: Change rows this run appended to the table's changelog (a seed's rows not counted).
+    #: Change rows this run appended to the table's changelog, or versions it opened in its SCD type 2
+    #: table (a seed's rows not counted).
     history_rows: int = 0
     #: The table's version when this run first read its log: the run's own commits are the ones after it.
     version_read: int | None = None
@@ -67,8 +68,16 @@ class TableTarget:
     pending: list[tuple] = field(default_factory=list)
     pending_bytes: int = 0
     warned: bool = False
-    #: Where the table's changelog lives (docs/history.md); None: no history kept.
+    #: Where the table's changelog (or SCD type 2 table) lives (docs/history.md); None: no history kept.
     history_path: str | None = None
+    #: The history is an SCD type 2 table (``resources/cdc/scd2.py``) rather than a changelog.
+    history_scd2: bool = False
+    #: SCD type 2: the key columns its versions are per (set with the relation).
+    history_key: tuple[str, ...] = ()
+    #: SCD type 2: its table is created with deletion vectors (as the table's own ``delta.deletion_vectors`` says).
+    history_deletion_vectors: bool = True
+    #: SCD type 2: the seed (or re-seed) is still to be written, before the table's first history write of the run.
+    history_seed_due: bool = False
     #: The snapshot LSN the changelog's seed holds (read from its newest marker, or seeded by this run).
     history_seed: int | None = None
     #: (commit end LSN, position) of the newest change in the changelog (its log's marker, then this run's).

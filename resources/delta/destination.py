@@ -85,6 +85,18 @@ class Destination(Protocol):
     ) -> None:
         """Replace every row that may equal a row of ``probe`` by ``rewrite``'s answer (REPLICA IDENTITY FULL)."""
 
+    def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
+        """One MERGE of an SCD type 2 table's close rows, new versions and marker row (``resources/delta/versions.py``)."""
+
+    def replace_versions(
+        self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
+    ) -> None:
+        """Replace every current version and the marker row of an SCD type 2 table by ``rewrite``'s answer
+        for them, in one commit; a new table (with ``deletion_vectors``) holding ``rewrite(None)`` where none is."""
+
+    def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        """:meth:`newest_marker` for an SCD type 2 table: its marker row's marker."""
+
     def delete_all_rows(self, path: str) -> None:
         """Empty the table (TRUNCATE)."""
 

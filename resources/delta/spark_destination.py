@@ -8,8 +8,9 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
-from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log
+from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log, versions
 from resources.delta.destination import TableLog
+from resources.delta.layout import TableLayout
 
 
 class SparkDeltaDestination:
@@ -34,6 +35,17 @@ class SparkDeltaDestination:
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
     ) -> None:
         merge.replace_rows(self.spark, path, probe, rewrite, user_metadata)
+
+    def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
+        versions.merge_versions(self.spark, path, source, key_columns, prune_buckets)
+
+    def replace_versions(
+        self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
+    ) -> None:
+        versions.replace_versions(self.spark, path, rewrite, deletion_vectors, layout)
+
+    def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        return versions.read_versions_marker(self.spark, path)
 
     def delete_all_rows(self, path: str) -> None:
         merge.delete_all_rows(self.spark, path)

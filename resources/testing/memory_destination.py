@@ -9,15 +9,17 @@ tests compare the two on the same batches, so this stays honest.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
 from resources.delta.destination import NO_TABLE, TableLog
-from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import fold_table_log, pgcdc_marker
 from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
+from resources.delta.versions import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
 
@@ -157,6 +159,51 @@ class InMemoryDestination:
         ``resources/delta/snapshot_writes.py: write_snapshot(replace_where=...)`` writes it); a new table at a new path."""
         kept = [row for row in self.tables[path].to_pylist() if not selected(row)] if path in self.tables else []
         return self._commit(path, pa.Table.from_pylist(kept + rows.to_pylist(), schema=rows.schema), user_metadata)
+
+    def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
+        """As the Delta MERGE of ``resources/delta/versions.py``, bucket pruning included."""
+        target = self.tables[path]
+        rows = target.to_pylist()
+        buckets = set(source.column(BUCKET_COLUMN).to_pylist()) | {None} if prune_buckets and BUCKET_COLUMN in target.column_names else None
+        open_at = {
+            tuple(row[k] for k in key_columns): i
+            for i, row in enumerate(rows)
+            if row[VALID_TO_LSN_COLUMN] is None and (buckets is None or row[BUCKET_COLUMN] in buckets)
+        }
+        matched: set[int] = set()
+        for change in source.to_pylist():
+            at = open_at.get(tuple(change[k] for k in key_columns)) if change[CLOSE_COLUMN] else None
+            if at is not None:
+                if at in matched:
+                    raise ValueError("two source rows match one version")
+                matched.add(at)
+                rows[at].update({name: change[name] for name in CLOSED_SET})
+            elif not change[CLOSE_COLUMN] or change[MARKER_COLUMN] is not None:
+                rows.append({name: change.get(name) for name in target.column_names})
+        self._commit(path, pa.Table.from_pylist(rows, schema=target.schema))
+
+    def replace_versions(
+        self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
+    ) -> None:
+        if path not in self.tables:
+            created = rewrite(None)
+            self._commit(path, with_buckets(layout, created) if layout is not None else created)
+            return
+        target = self.tables[path]
+        selected, kept = [], []
+        for row in target.to_pylist():
+            (selected if row[CURRENT_COLUMN] or row[MARKER_COLUMN] is not None else kept).append(row)
+        chosen = pa.Table.from_pylist(selected, schema=target.schema)
+        replacement = rewrite(chosen.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in chosen.column_names else chosen)
+        if layout is not None:
+            replacement = with_buckets(layout, replacement.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in replacement.column_names else replacement)
+        self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=replacement.schema))
+
+    def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
+        if path not in self.tables:
+            return None, None
+        markers = [row[MARKER_COLUMN] for row in self.tables[path].to_pylist() if row[MARKER_COLUMN] is not None]
+        return 0, (json.loads(markers[0])["pgcdc"] if markers else None)
 
     def delete_all_rows(self, path: str) -> None:
         self._commit(path, self.tables[path].schema.empty_table())
