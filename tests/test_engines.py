@@ -461,6 +461,7 @@ DELETION_VECTORS_DDL = """
 """
 
 
+@pytest.mark.timeout(1800)  # the engine's start, five drains and three maintenance runs on a JVM: 3 minutes idle, 12 under load 20
 def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
 ) -> None:
