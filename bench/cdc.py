@@ -1,7 +1,7 @@
 """CDC throughput: pgcdc's incremental run against pg_recvlogical on the same backlog.
 
 Run ``python -m bench.cdc [--major 18] [--inserts N] [--updates N] [--deletes N] [--chunk N] [--merge-rows N]
-[--engine E] [--lake L]`` (``bench/lakes.py``: the engine and where the lake lives).
+[--engine E] [--lake L] [--profile] [--spark-conf KEY=VALUE]`` (``bench/lakes.py``: the engine and where the lake lives).
 It starts a throwaway PostgreSQL, snapshots a table into Delta (which creates pgcdc's slot),
 creates two more slots at the same point for pg_recvlogical, then builds the backlog in many
 transactions: inserts of new rows, updates of existing ones, deletes. Then:
@@ -13,6 +13,10 @@ transactions: inserts of new rows, updates of existing ones, deletes. Then:
   after the backlog is written the server is still busy flushing and checkpointing);
 * pgcdc: ``run_incremental`` drains pgcdc's slot end to end (decode, assemble, fold,
   convert to Arrow, MERGE into Delta through the embedded Sail engine, confirm).
+
+With ``--profile`` it also prints every engine call of the drain, timed in the client
+(``bench/engine_calls.py``), and on the managed Spark Spark's own SQL timings from its event log;
+``--spark-conf KEY=VALUE`` adds settings to the managed Spark, to compare them.
 
 It prints changes/s for both, the ratio, and the peak memory of the run: this process's peak RSS
 (ru_maxrss) plus the peak RSS (VmHWM) of the embedded Sail server process the run used, then
