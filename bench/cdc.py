@@ -36,9 +36,9 @@ from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
 from resources.delta.reads import delta_rs_rows
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.pgoutput.options import highest_proto_version
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import bin_dir_for, LocalPostgres, start_local_postgres
 
 PUBLICATION = "bench_pub"

@@ -38,7 +38,7 @@ from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
-from resources.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
+from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 
 #: Seconds between progress lines per table: often enough to show life, rare enough to read.
 PROGRESS_INTERVAL_S = 2.0

@@ -18,8 +18,8 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.maintenance import maintain_table
 from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY
-from resources.incremental import run_incremental
-from resources.snapshot import snapshot_tables
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 
