@@ -42,9 +42,9 @@ from resources.config import parse_config
 from resources.delta.reads import delta_rs_rows
 from bench.engine_calls import engine_calls, spark_event_log_config, spark_sql_timings, summary
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.pgoutput.options import highest_proto_version
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import bin_dir_for, LocalPostgres, start_local_postgres
 
 PUBLICATION = "bench_pub"

@@ -34,9 +34,9 @@ from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
 from resources.delta.reads import read_rows
 from resources.history import read_as_of
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
 
 

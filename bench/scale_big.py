@@ -49,8 +49,8 @@ from resources.delta.engine import SparkEngine
 from resources.delta.reads import delta_rs_rows
 from resources.delta import merge
 from resources.delta.layout import DEFAULT_TARGET_ROWS
-from resources.incremental import run_incremental
-from resources.snapshot import snapshot_tables
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
 
 DEFAULT_SIZES = (100_000, 1_000_000, 10_000_000)

@@ -49,8 +49,8 @@ from bench.lakes import add_arguments, bench_lake, lake_storage
 from pgcdc_assets.builder import build_definitions
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.engine import EMBEDDED_ENVIRONMENT, SparkEngine
-from resources.incremental import run_incremental
-from resources.snapshot import snapshot_tables
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres

@@ -49,8 +49,8 @@ from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.maintenance import deleted_rows, maintain_table
 from resources.delta.state_table import state_path
-from resources.incremental import run_incremental
-from resources.snapshot import snapshot_tables
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
 

@@ -54,7 +54,7 @@ from resources.delta.capabilities import engine_capabilities, EngineCapabilities
 from resources.delta.lake_storage import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
-from resources.snapshot import SnapshotResult, snapshot_table, snapshot_tables
+from resources.runs.snapshot import SnapshotResult, snapshot_table, snapshot_tables
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 
 PUBLICATION = "bench_pub"

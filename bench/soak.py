@@ -33,9 +33,9 @@ import psycopg
 
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.engine import SparkEngine, process_memory_mib
-from resources.incremental import IncrementalResult, run_incremental
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.testing.local_postgres import bin_dir_for, start_local_postgres
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres, delta_rows
 
 PUBLICATION = "soak_pub"

@@ -35,7 +35,7 @@ from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.state_table import known_log, read_state, state_path, StateRow
 from resources.delta.table_log import read_table_log
-from resources.incremental import IncrementalResult
+from resources.runs.incremental import IncrementalResult
 from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.pgtypes import spark_ddl_type
 from resources.postgres.catalog import read_table, TableName

@@ -65,7 +65,7 @@ from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcSlotProps, PgcdcTableProps, PgcdcTranslator, schedule_interval
 from resources.config import PgcdcConfig
-from resources.incremental import IncrementalResult, run_incremental
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.names import PipelineNames, SCHEMA_CHECK, slot_pool, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.postgres.catalog import TableName

@@ -4,7 +4,7 @@
 * ``rows_match_postgres``: every key range holds the same rows (count and hash per range);
   a failure names the ranges and, when they are small, the differing keys.
 
-Both come from one comparison at one fixed LSN (``resources/reconcile.py``): the drain up to
+Both come from one comparison at one fixed LSN (``resources/runs/reconcile.py``): the drain up to
 that LSN and PostgreSQL's snapshot at it see the same transactions, so they are exact under
 live writes and are errors, not warnings. The op drains the slot first, so it runs in the
 slot's concurrency pool like the drain step; its drain is recorded as a drain step's is
@@ -37,7 +37,7 @@ from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import drain_events, DrainEvent, recorded_position
 from resources.names import PipelineNames, RECONCILE_JOB, ROW_COUNT_CHECK, ROWS_MATCH_CHECK, slot_pool
 from resources.postgres.catalog import TableName
-from resources.reconcile import RANGE_ROWS, ReconcileResult, reconcile, TableReconciliation
+from resources.runs.reconcile import RANGE_ROWS, ReconcileResult, reconcile, TableReconciliation
 
 SHOWN_RANGES = 20
 

@@ -39,7 +39,7 @@ from resources.phases import describe_phases, phase_metadata, Phases
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
-from resources.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
+from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 
 #: Seconds between progress lines per table: often enough to show life, rare enough to read.
 PROGRESS_INTERVAL_S = 2.0

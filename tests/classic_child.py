@@ -23,8 +23,8 @@ from resources.config import load_config
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.maintenance import maintain_table
-from resources.incremental import run_incremental
-from resources.snapshot import snapshot_tables
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
 
 
 def main() -> None:

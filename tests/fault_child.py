@@ -23,9 +23,9 @@ from resources.config import load_config
 from resources.delta.capabilities import EngineCapabilities, engine_capabilities, set_engine_capabilities
 from resources.delta.engine import SparkEngine
 from resources.errors import PgcdcError
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 
 EXIT_PGCDC_ERROR = 2
 SNAPSHOT_WRITER_ENV = "FAULT_CHILD_SNAPSHOT_WRITER"

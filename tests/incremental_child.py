@@ -11,7 +11,7 @@ import sys
 from resources.cdc.applier import DEFAULT_REPLACE_VALUES
 from resources.config import load_config
 from resources.delta.engine import SparkEngine
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 
 
 def main() -> None:

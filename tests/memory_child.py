@@ -30,9 +30,9 @@ import pyarrow as pa
 
 from resources.config import load_config
 from resources.delta.engine import process_memory_mib, SparkEngine
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_table, SnapshotProgress
+from resources.runs.snapshot import snapshot_table, SnapshotProgress
 
 RESET_PEAK = "5"
 """Written to /proc/self/clear_refs: resets VmHWM to the current resident memory (Linux 4.0+)."""

@@ -29,12 +29,12 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.postgres.connections import CONNECT_TIMEOUT_SECONDS
 from resources.postgres.preflight import MIN_SERVER_VERSION_NUM, check_server
 from resources.postgres.replication import ReplicationConnection
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest_plugins = ["tests.spark_fixtures"]

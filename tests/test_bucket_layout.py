@@ -26,9 +26,9 @@ from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
 from pgcdc_assets.checks import table_log_reader
 from resources.delta.state_table import state_path
 from resources.errors import ConfigurationError
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 

@@ -24,13 +24,13 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-import resources.snapshot as snapshot_module
+import resources.runs.snapshot as snapshot_module
 from resources.config import CONFIG_ENV_VAR, parse_config
 from resources.delta.markers import read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.errors import ConnectionFailure, SnapshotError
-from resources.key_range_copy import copy_key_range, RangeCopy
+from resources.runs.key_range_copy import copy_key_range, RangeCopy
 from resources.lsn import LSN
 from resources.testing.verify import assert_buckets_right
 from tests.conftest import PgDatabase
@@ -394,7 +394,7 @@ def test_a_stopped_snapshot_in_key_ranges_resumes_in_the_next_run(
     shop.execute("DELETE FROM orders WHERE id = 7")
     shop.execute("INSERT INTO orders VALUES (900, 'new', 1.00, NULL, NULL)")
 
-    with caplog.at_level(logging.INFO, logger="resources.snapshot"):
+    with caplog.at_level(logging.INFO, logger="resources.runs.snapshot"):
         resumed = run_snapshot(defs, instance)
     assert "resuming its snapshot in key ranges of id: 2 of 4 done" in caplog.text
     assert materializations(resumed)[ORDERS_KEY]["pgcdc/mode"] == "4 primary-key ranges, one short transaction each"

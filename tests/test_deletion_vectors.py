@@ -24,9 +24,9 @@ from resources.delta.maintenance import maintain_table
 from resources.delta.markers import LAYOUT_PROPERTY, pgcdc_marker
 from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY, write_snapshot
 from resources.delta.state_table import state_path
-from resources.incremental import run_incremental
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_tables
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase
 

@@ -47,9 +47,9 @@ from resources.delta.maintenance import (
     describe, file_deletions, maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance,
 )
 from resources.testing.faults import FAULT_POINT_ENV
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
-from resources.snapshot import snapshot_tables, SnapshotProgress
+from resources.runs.snapshot import snapshot_tables, SnapshotProgress
 from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc_marker
 from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION

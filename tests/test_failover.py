@@ -25,13 +25,13 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.builder import build_definitions
 from resources.config import parse_config, PgcdcConfig
 from resources.errors import ConfigurationError, PgcdcError, SlotError
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
 from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.slots import read_slot
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import free_port, LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import PgDatabase, TEST_SERVER_SETTINGS

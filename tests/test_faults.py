@@ -30,10 +30,10 @@ from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
 from resources.delta.reads import delta_rs_rows
 from resources.errors import SlotError
 from resources.testing.faults import FAULT_POINT_ENV
-from resources.incremental import IncrementalResult, run_incremental
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 from tests.tcp_proxy import TcpProxy
 

@@ -32,16 +32,16 @@ import pyarrow.compute as pc
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.cli import main as cli_main
+from resources.runs.cli import main as cli_main
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import maintain_table
 from resources.delta.reads import read_rows
 from resources.history import read_as_of
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.conftest import PgDatabase

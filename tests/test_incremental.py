@@ -1,6 +1,6 @@
 """Incremental runs against real PostgreSQL 15 and 18 and the embedded Sail engine.
 
-Every test snapshots its tables with ``resources.snapshot``, changes them in PostgreSQL,
+Every test snapshots its tables with ``resources.runs.snapshot``, changes them in PostgreSQL,
 drains the slot with ``run_incremental`` and ends with the oracle: the Delta table, read
 with delta-rs, equals the PostgreSQL table value for value.
 """
@@ -24,13 +24,13 @@ from resources.config import parse_config, PgcdcConfig
 from resources.delta.reads import delta_rs_rows
 from resources.delta.state_table import read_state, state_path
 from resources.errors import ConfigurationError, SlotError
-from resources.incremental import IncrementalResult, run_incremental
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.pgoutput.options import PgOutputOptions
 from resources.postgres.catalog import TableName
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase

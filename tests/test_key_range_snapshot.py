@@ -29,8 +29,8 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config
 from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
-from resources.incremental import run_incremental
-from resources.snapshot import snapshot_tables, SnapshotProgress
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables, SnapshotProgress
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase

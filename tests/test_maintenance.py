@@ -33,10 +33,10 @@ from resources.delta.markers import EXPIRED_SNAPSHOT_LSN, read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.history import read_as_of
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.conftest import POSTGRES_VERSIONS, PgDatabase

@@ -31,9 +31,9 @@ from resources.delta.markers import read_commit_metadata
 from resources.delta.state_table import read_state, state_path
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.errors import ConfigurationError
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.delta.lake_storage import open_lake, remove_tree
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.s3_fixtures import BUCKET, TEST_SECRET, S3Server

@@ -36,9 +36,9 @@ from pyspark.sql import SparkSession
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.postgres.connections import libpq_options
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.pgtypes import SESSION_SETTINGS
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from tests.workload import DDL, Step, generate
 

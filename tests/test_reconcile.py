@@ -25,11 +25,11 @@ import pyarrow.compute as pc
 
 import pgcdc_assets.checks
 import resources.cdc.applier
-import resources.reconcile
+import resources.runs.reconcile
 from pgcdc_assets.builder import build_definitions
 from resources.lsn import LSN
 from resources.pgtypes import PgColumnType, to_arrow
-from resources.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
+from resources.runs.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
 from resources.testing.verify import compare_table
 from tests.conftest import PgDatabase
 from tests.test_dagster_incremental import slot_position
@@ -85,7 +85,7 @@ def oracle_beside_reconcile(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | 
     which holds the snapshot at the reconcile LSN while Delta holds exactly the changes up to it.
     Returns, per table, the oracle's row count or its failure, filled in as the job runs."""
     outcomes: dict[str, int | AssertionError] = {}
-    reconcile_table = resources.reconcile._compare_table
+    reconcile_table = resources.runs.reconcile._compare_table
 
     def with_oracle(reader: psycopg.Connection, publication: str, spark: SparkSession, table: object, path: str,
                     range_rows: int) -> TableReconciliation:
@@ -95,7 +95,7 @@ def oracle_beside_reconcile(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | 
             outcomes[str(table)] = failure
         return reconcile_table(reader, publication, spark, table, path, range_rows)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(resources.reconcile, "_compare_table", with_oracle)
+    monkeypatch.setattr(resources.runs.reconcile, "_compare_table", with_oracle)
     return outcomes
 
 

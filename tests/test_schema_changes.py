@@ -15,7 +15,7 @@ from pyspark.sql import SparkSession
 from resources.cdc.renames import unproven_addition
 from resources.delta.reads import delta_rs_rows
 from resources.postgres.catalog import read_table, table_attributes, TableName
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from tests.test_incremental import assert_refused_with_the_resnapshot_fix, drain, path_of, same, setup
 

@@ -29,7 +29,7 @@ from dagster import DagsterInstance, RunRequest, SkipReason, instance_for_test
 
 import resources.postgres.connections
 from pgcdc_assets.builder import build_definitions
-from resources.cli import build_parser, print_changes
+from resources.runs.cli import build_parser, print_changes
 from resources.postgres.connections import connect
 from resources.testing.verify import assert_delta_equals_postgres, delta_rows
 from tests.conftest import PgDatabase

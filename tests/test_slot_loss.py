@@ -23,7 +23,7 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.builder import build_definitions
 from resources.config import load_config
 from resources.errors import SlotError
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.postgres.preflight import ensure_slot
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres

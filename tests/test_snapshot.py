@@ -33,8 +33,8 @@ from resources.postgres.connections import libpq_options
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.replication import CreatedSlot
-from resources import snapshot
-from resources.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
+from resources.runs import snapshot
+from resources.runs.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
 from tests.conftest import PgDatabase
 from tests.memory_child import measured
 
@@ -561,7 +561,7 @@ def make_config_from_dsn(dsn: str, root: Path, **overrides: Any) -> PgcdcConfig:
 
 
 def test_a_table_named_with_spaces_and_percent_replicates(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
-    from resources.incremental import run_incremental
+    from resources.runs.incremental import run_incremental
     from resources.testing.verify import assert_delta_equals_postgres
 
     pg.execute(

@@ -26,8 +26,8 @@ from resources.postgres import connections
 from resources.postgres.connections import connect
 from resources.postgres.copy import block_ranges
 from resources.postgres.preflight import ensure_slot
-from resources.incremental import run_incremental
-from resources.snapshot import snapshot_table, snapshot_tables
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
 from tests.conftest import PgDatabase
 from tests.memory_child import measured

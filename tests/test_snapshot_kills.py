@@ -37,10 +37,10 @@ from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.delta.state_table import read_state, state_path
 from resources.delta.table_log import read_table_log, table_exists, unfinished_create
 from resources.errors import ConfigurationError
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.conftest import PgDatabase

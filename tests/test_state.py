@@ -30,10 +30,10 @@ from resources.delta.destination import TableLog
 from resources.delta.layout import HASH, TableLayout
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import read_state, state_path, StateRow, write_state
-from resources.incremental import IncrementalResult, run_incremental
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
-from resources.snapshot import snapshot_table, snapshot_tables
+from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.faults import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.conftest import PgDatabase
@@ -199,7 +199,7 @@ def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(
         log_files.append(log.directory)
         return real_read(log, name)
 
-    monkeypatch.setattr("resources.incremental.SparkDeltaDestination", CountingDestination)
+    monkeypatch.setattr("resources.runs.incremental.SparkDeltaDestination", CountingDestination)
     monkeypatch.setattr(table_log._Log, "read", counted_read)
     log_files.clear()
     versions = {t: version_of(config, t) for t in tables}

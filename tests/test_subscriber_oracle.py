@@ -22,10 +22,10 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig, parse_config
-from resources.incremental import run_incremental
+from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres
 from resources.lsn import LSN
-from resources.snapshot import snapshot_tables
+from resources.runs.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from tests.subscriber_oracle import Subscriber, SubscriberError
 from tests.workload import value

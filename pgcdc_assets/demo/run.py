@@ -179,9 +179,9 @@ def write_dagster_yaml(dagster_home: Path) -> Path:
 
 
 def pgcdc_script() -> list[str]:
-    """The ``pgcdc`` console script of this environment (``python -m resources.cli`` if not installed)."""
+    """The ``pgcdc`` console script of this environment (``python -m resources.runs.cli`` if not installed)."""
     script = Path(sys.executable).parent / "pgcdc"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "resources.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "resources.runs.cli"]
 
 
 def peek_with_cli(dsn: str) -> None:

@@ -2,7 +2,7 @@
 
 A table too big for one snapshot transaction (``snapshot.chunked_above_mb``) is copied as ranges
 R_0..R_{n-1} of its single integer primary key, each at its own consistent point C_k
-(``resources/key_range_copy.py``). Which ranges are done, and at which C_k, is recorded in the
+(``resources/runs/key_range_copy.py``). Which ranges are done, and at which C_k, is recorded in the
 snapshot marker of every commit that copies a range (``resources/delta/markers.py``), cumulatively,
 so the newest such marker is the whole truth, as a plain snapshot marker is. The drain rule that
 makes the table exact (docs/contracts.md, "Chunked snapshots in primary-key ranges") is

@@ -156,7 +156,7 @@ def expired_layout(metadata: TableMetadata | None, known: TableLog | None) -> Ta
 
     ``known``'s layout is trusted without its snapshot commit because a table keeps its layout for
     as long as it keeps its id: a snapshot of a bucketed table writes the layout the table has
-    (``resources/snapshot.py``), and only a snapshot of an unbucketed one chooses a layout. So any
+    (``resources/runs/snapshot.py``), and only a snapshot of an unbucketed one chooses a layout. So any
     layout recorded for this id, by the snapshot that wrote it or by a log read that found it in the
     snapshot marker, is still the table's, however stale the row otherwise is. A row recorded
     before a table adopted buckets by a re-snapshot says "unbucketed" and is not taken for a layout.

@@ -5,7 +5,7 @@ streams nothing, without an error, for a publication that does not exist, and a
 slot of another output plugin fails only after streaming has begun.
 
 The one set of checks (and messages) for every reader of a slot: ``pgcdc changes`` and
-the incremental run (``resources/incremental.py``) both call :func:`check_server`,
+the incremental run (``resources/runs/incremental.py``) both call :func:`check_server`,
 :func:`check_publications` and :func:`check_slot`, in that order.
 """
 

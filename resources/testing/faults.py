@@ -6,7 +6,7 @@ incremental drain in a child process with ``PGCDC_FAULT_POINT`` set; the first t
 drain reaches that point the process sends itself SIGKILL. Unset (always, in production)
 the check is one dictionary lookup per chunk.
 
-Points (see ``resources/incremental.py``):
+Points (see ``resources/runs/incremental.py``):
 
 * ``before_merge``: changes are decoded and batched, nothing of the chunk is in Delta yet.
 * ``after_history_commit``: a changelog commit (docs/history.md) is durable, the table's commit of
@@ -15,12 +15,12 @@ Points (see ``resources/incremental.py``):
 * ``after_confirm``: the slot has been told the chunk's end position.
 * ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
   (``resources/delta/state_table.py``) not yet written, the last chunk not confirmed.
-* ``after_range_slot``: a snapshot in key ranges (``resources/key_range_copy.py``) created the
+* ``after_range_slot``: a snapshot in key ranges (``resources/runs/key_range_copy.py``) created the
   temporary slot of its next range, nothing of the range is in Delta yet.
 * ``after_range_commit``: the range's Delta commit (with its marker) is durable, the drain that
   follows it has not started.
 
-Snapshot points (``resources/snapshot.py``, ``resources/delta/snapshot_writes.py``; docs/contracts.md,
+Snapshot points (``resources/runs/snapshot.py``, ``resources/delta/snapshot_writes.py``; docs/contracts.md,
 "Snapshot crash points", says what each leaves and how the next run recovers):
 
 * ``after_snapshot_slot``: a snapshot's temporary slot and transaction exist, nothing is in Delta.

@@ -7,7 +7,7 @@ the progress survives a crash. Range k is copied as the whole-table snapshot is,
 consistent point C_k of a temporary slot created with ``SNAPSHOT 'use'`` in a ``READ ONLY
 REPEATABLE READ`` transaction, then written in one Delta commit that replaces the range's rows
 and carries the cumulative marker (which ranges are done, at which points). The caller must hold
-the permanent slot meanwhile (``resources/snapshot.py`` runs it inside a drain run; the drain's
+the permanent slot meanwhile (``resources/runs/snapshot.py`` runs it inside a drain run; the drain's
 re-copy is inside one by construction): that is what makes C_k >= the slot's confirmed position
 when the range becomes done.
 """
@@ -22,7 +22,7 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, SnapshotSettings
-from resources.consistent_copy import consistent_copy, Pieces
+from resources.runs.consistent_copy import consistent_copy, Pieces
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
@@ -32,7 +32,7 @@ from resources.errors import SnapshotError
 from resources.lsn import LSN
 from resources.postgres.catalog import key_range, primary_key_columns, TableInfo, TableName
 from resources.postgres.copy import copied_batches, DEFAULT_CHUNK_ROWS, PARSE_BYTES
-from resources.snapshot_layout import existing_layout, table_layout
+from resources.runs.snapshot_layout import existing_layout, table_layout
 from resources.testing.faults import fault_point
 
 __all__ = ["ColumnsChanged", "copy_key_range", "key_range_plan", "RangeCopy"]

@@ -54,7 +54,7 @@ from resources.delta.destination import Destination, TableLog
 from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
-from resources.key_range_copy import copy_key_range
+from resources.runs.key_range_copy import copy_key_range
 from resources.delta.lake_storage import open_lake
 from resources.delta.markers import read_snapshot_lsn
 from resources.delta.spark_connect import reports_dead_engine

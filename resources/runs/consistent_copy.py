@@ -1,11 +1,11 @@
 """A table copied at a temporary slot's consistent point into one Delta commit: what both snapshot modes share.
 
-PostgreSQL's own table sync (``resources/snapshot.py`` describes it): on a replication connection
+PostgreSQL's own table sync (``resources/runs/snapshot.py`` describes it): on a replication connection
 of its own, ``BEGIN READ ONLY ISOLATION LEVEL REPEATABLE READ``, then a *temporary* slot created
 with ``SNAPSHOT 'use'``, whose consistent point is exactly what the transaction sees. A snapshot
-of the whole table (``resources/snapshot.py``) reads all of it there (one COPY, or ctid chunks on
+of the whole table (``resources/runs/snapshot.py``) reads all of it there (one COPY, or ctid chunks on
 sessions importing the transaction's snapshot); a snapshot in key ranges
-(``resources/key_range_copy.py``) reads one range. Either way the pieces are counted as they
+(``resources/runs/key_range_copy.py``) reads one range. Either way the pieces are counted as they
 pass, the transaction ends and the slot is dropped as soon as the COPY is complete (before Delta
 finishes: no snapshot is held while the engine writes), and one commit carrying the caller's
 marker writes them.

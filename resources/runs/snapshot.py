@@ -40,7 +40,7 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS, PgcdcConfig
-from resources.consistent_copy import consistent_copy, Pieces
+from resources.runs.consistent_copy import consistent_copy, Pieces
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
@@ -51,8 +51,8 @@ from resources.delta.spark_connect import reports_dead_engine
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.delta.table_log import read_table_log, read_table_metadata
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError, SnapshotError
-from resources.incremental import run_incremental
-from resources.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
+from resources.runs.incremental import run_incremental
+from resources.runs.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
 from resources.pgtypes import PgValueError, SESSION_SETTINGS
@@ -72,7 +72,7 @@ from resources.postgres.preflight import ensure_slot
 from resources.postgres.slots import read_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.sql import quote_ident
-from resources.snapshot_layout import existing_layout, table_layout
+from resources.runs.snapshot_layout import existing_layout, table_layout
 from resources.testing.faults import fault_point
 
 __all__ = [
@@ -492,7 +492,7 @@ def _choose_mode(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | Non
 
 
 def _plan(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, str]:
-    """:func:`~resources.key_range_copy.key_range_plan` for the table as it is now."""
+    """:func:`~resources.runs.key_range_copy.key_range_plan` for the table as it is now."""
     try:
         with connect(config.postgres.dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
             info = read_table(conn, config.publication, table)
@@ -514,8 +514,8 @@ def snapshot_in_key_ranges(
 ) -> SnapshotResult:
     """Walk the table's key ranges, one per drain run of the slot, until every range is done.
 
-    Each step is one :func:`~resources.incremental.run_incremental` whose ``hold`` copies the next
-    range (:func:`~resources.key_range_copy.copy_key_range`) while the run holds the permanent slot,
+    Each step is one :func:`~resources.runs.incremental.run_incremental` whose ``hold`` copies the next
+    range (:func:`~resources.runs.key_range_copy.copy_key_range`) while the run holds the permanent slot,
     then drains every table from the slot's confirmed position, this one by the drain rule of key
     ranges. ``plan`` starts a new snapshot (its first range replaces the whole table) or, with ranges
     to copy again (``redo``), a re-snapshot in place (each range replaced on its own, the others

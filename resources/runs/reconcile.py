@@ -56,7 +56,7 @@ from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
 from resources.delta.reads import delta_batches, delta_schema
 from resources.delta.spark_connect import reports_dead_engine
 from resources.errors import explain
-from resources.incremental import IncrementalResult, run_incremental
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.names import SNAPSHOT_JOB
 from resources.pgtypes import arrow_type, PgColumnType, SESSION_SETTINGS

@@ -1,7 +1,7 @@
 """Which layout a snapshot writes a table in: the one it has, else one chosen from PostgreSQL's size estimate.
 
-Both snapshot modes (one snapshot, ``resources/snapshot.py``; key ranges,
-``resources/key_range_copy.py``) ask here. A table keeps its layout for as long as it keeps its
+Both snapshot modes (one snapshot, ``resources/runs/snapshot.py``; key ranges,
+``resources/runs/key_range_copy.py``) ask here. A table keeps its layout for as long as it keeps its
 Delta id: a drain whose snapshot marker has left the log trusts a layout recorded for the table's
 id (its table property, the pgcdc state row), so that record must stay true (docs/contracts.md,
 "Table layout").
