@@ -37,7 +37,7 @@ from pyspark.sql import SparkSession
 
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.destination import TableLog
-from resources.delta.lake_storage import join_location
+from resources.locations import join_location
 from resources.delta.layout import TableLayout
 from resources.delta.table_log import table_exists
 from resources.lsn import LSN
