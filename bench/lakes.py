@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from resources.delta.engine import SparkEngine
-from resources.delta.lake_storage import LakeStorage, StorageSettings, open_lake
+from resources.delta.lake_storage import LakeStorage, open_lake
+from resources.locations import StorageSettings
 
 LOCAL_S3 = "s3"
 BUCKET = "bench"

@@ -47,8 +47,8 @@ import pyarrow.compute as pc
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
 from resources.delta.reads import delta_rs_rows
+from resources.config import DEFAULT_TARGET_ROWS
 from resources.delta import merge
-from resources.delta.layout import DEFAULT_TARGET_ROWS
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres

@@ -51,7 +51,7 @@ from bench.lakes import add_arguments, bench_lake, open_engine
 from resources.config import parse_config
 from resources.delta.engine import SparkEngine
 from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
-from resources.delta.lake_storage import join_location
+from resources.locations import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.runs.snapshot import SnapshotResult, snapshot_table, snapshot_tables

@@ -23,7 +23,8 @@ from pgcdc_assets.pipelines_file import load_pipeline_config
 from resources.config import load_config, PgcdcConfig
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.errors import ConfigurationError, explain, mask_dsn
-from resources.delta.lake_storage import LakeStorage, StorageSettings
+from resources.delta.lake_storage import LakeStorage
+from resources.locations import StorageSettings
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect

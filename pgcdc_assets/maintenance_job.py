@@ -39,7 +39,8 @@ from dagster import (
 from pgcdc_assets.common import user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.config import HISTORY_SUFFIX, PgcdcConfig
-from resources.delta.lake_storage import join_location, open_lake
+from resources.delta.lake_storage import open_lake
+from resources.locations import join_location
 from resources.delta.maintenance import (
     delta_tables_under,
     describe,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,10 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, ValidationError
 
 from resources.errors import ConfigurationError, mask_dsn
-from resources.delta.lake_storage import LakeStorage, StorageSettings, join_location
-from resources.delta.layout import BucketOverride, DEFAULT_TARGET_ROWS
-from resources.postgres.catalog import TableName
-from resources.postgres.slots import SLOT_NAME
+from resources.locations import join_location, StorageSettings
+from resources.names import SLOT_NAME, TableName
 
 CONFIG_ENV_VAR = "PGCDC_CONFIG"
 
@@ -42,6 +41,18 @@ class PostgresSettings(_Section):
         return f"PostgresSettings(dsn={mask_dsn(self.dsn)!r}{standby})"
 
     __str__ = __repr__
+
+
+DEFAULT_TARGET_ROWS = 1_000_000
+"""Rows per bucket a snapshot's layout aims at (at most 128 MB of PostgreSQL heap: ``resources.delta.layout``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketOverride:
+    """A table's configured layout (``delta.buckets.tables``): a range ``width``, a hash ``count``, or neither (no buckets)."""
+
+    width: int | None = None
+    count: int | None = None
 
 
 class TableBuckets(_Section):
@@ -115,10 +126,6 @@ class DeltaSettings(_Section):
             if TableName.parse(name) == table:
                 return enabled
         return self.deletion_vectors
-
-    def lake(self) -> LakeStorage:
-        """The lake at ``root``, with what each client needs to reach it (``resources.delta.lake_storage``)."""
-        return LakeStorage(self.root, self.storage)
 
 
 class SparkSettings(_Section):

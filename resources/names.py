@@ -1,4 +1,5 @@
-"""Names of pgcdc's Dagster jobs, schedule, sensors, checks and pools: plain strings, no Dagster import.
+"""Names: pgcdc's Dagster jobs, schedule, sensors, checks and pools (plain strings, no Dagster
+import), PostgreSQL table names as PostgreSQL reads them, and what a slot name may be.
 
 Both pgcdc_assets/ and sensors/ define or target these, and the engines' error messages name
 the jobs in their fixes, so they live below all three.
@@ -6,7 +7,11 @@ the jobs in their fixes, so they live below all three.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from resources.errors import ConfigurationError
+from resources.sql import quote_ident
 
 
 SNAPSHOT_JOB = "pgcdc_snapshot"
@@ -69,3 +74,80 @@ class PipelineNames:
     @property
     def spark_key(self) -> str:
         return self.scoped("spark")
+
+
+SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+"""What PostgreSQL accepts as a replication slot name."""
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+@dataclass(frozen=True, slots=True)
+class TableName:
+    schema: str
+    name: str
+
+    @classmethod
+    def parse(cls, qualified: str) -> TableName:
+        """``schema.table`` read as PostgreSQL reads it.
+
+        A double-quoted part keeps its case, dots and spaces (``""`` inside stands for one
+        quote); an unquoted part is folded to lower case (ASCII letters only, as PostgreSQL
+        does in UTF-8 databases). Whitespace around the parts is ignored.
+        """
+        parts: list[str] = []
+        position, length = 0, len(qualified)
+        while True:
+            while position < length and qualified[position].isspace():
+                position += 1
+            if position < length and qualified[position] == '"':
+                chars: list[str] = []
+                position += 1
+                while True:
+                    end = qualified.find('"', position)
+                    if end < 0:
+                        raise ConfigurationError(
+                            f"table name {qualified!r} has an unterminated quote", 'close it: "Odd Name"'
+                        )
+                    chars.append(qualified[position:end])
+                    position = end + 1
+                    if qualified.startswith('"', position):  # "" is a quote inside the name
+                        chars.append('"')
+                        position += 1
+                    else:
+                        break
+                part = "".join(chars)
+            else:
+                end = position
+                while end < length and qualified[end] not in '."' and not qualified[end].isspace():
+                    end += 1
+                part = qualified[position:end].translate(_ASCII_LOWER)
+                position = end
+            if not part:
+                raise ConfigurationError(
+                    f"table name {qualified!r} has an empty part", "write schema.table, e.g. public.orders"
+                )
+            parts.append(part)
+            while position < length and qualified[position].isspace():
+                position += 1
+            if position == length:
+                break
+            if qualified[position] != ".":
+                raise ConfigurationError(
+                    f"table name {qualified!r} is not schema.table (unexpected {qualified[position]!r})",
+                    'quote names with spaces, dots or capitals: "My Schema"."My Table"',
+                )
+            position += 1
+        if len(parts) != 2:
+            raise ConfigurationError(
+                f"table name {qualified!r} is not schema.table", "write schema.table, e.g. public.orders"
+            )
+        return cls(parts[0], parts[1])
+
+    def __str__(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def quoted(self) -> str:
+        return f"{quote_ident(self.schema)}.{quote_ident(self.name)}"

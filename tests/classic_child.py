@@ -19,6 +19,7 @@ import sys
 
 from dagster import build_init_resource_context
 
+from resources.delta.lake_storage import LakeStorage
 from resources.config import load_config
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.delta.capabilities import engine_capabilities
@@ -43,7 +44,7 @@ def main() -> None:
             elif command.strip() == "maintain":
                 done = [
                     dataclasses.asdict(maintain_table(
-                        path, config.delta.lake(), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark
+                        path, LakeStorage(config.delta.root, config.delta.storage), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark
                     ))  # fmt: skip
                     for path in sys.argv[2].split(",")
                 ]

@@ -27,7 +27,8 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.delta.engine import SparkEngine
-from resources.delta.lake_storage import LakeStorage, StorageSettings
+from resources.delta.lake_storage import LakeStorage
+from resources.locations import StorageSettings
 
 BUCKET = "lake"
 REGION = "us-east-1"

@@ -44,7 +44,7 @@ from resources.config import PgcdcConfig
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import libpq_options
-from resources.postgres.sql import quote_ident
+from resources.sql import quote_ident
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import compare_table
 from tests.conftest import PgDatabase

@@ -18,6 +18,7 @@ from dagster import MetadataValue
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.incremental_assets import drain_metadata
+from resources.delta.lake_storage import LakeStorage
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN, bucket_values, HASH, TableLayout, TEXT_CAST_HASH
 from resources.delta.maintenance import maintain_table
@@ -192,7 +193,7 @@ def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
     # (compaction bins leave a file alone in its bucket as it is)
     pg.execute("DELETE FROM acct WHERE id % 10 = 0")
     run_incremental(config, spark)
-    lake = config.delta.lake()
+    lake = LakeStorage(config.delta.root, config.delta.storage)
     kept = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5)
     assert kept.deleted_before == kept.deleted_after and kept.deleted_before.rows == ROWS
     assert kept.deleted_before.deleted == ROWS // 10 and round(kept.deleted_before.fraction, 3) == 0.1

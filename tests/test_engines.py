@@ -40,6 +40,7 @@ import deltalake
 import pytest
 import yaml
 
+from resources.delta.lake_storage import LakeStorage
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.capabilities import engine_capabilities
@@ -255,7 +256,7 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     time.sleep(max(0.0, newest_commit_s + 1.5 - time.time()))  # the replaced files are older than the retention
     maintained: list[TableMaintenance] = []
     step("maintenance", lambda: maintained.extend(
-        maintain_table(path, config.delta.lake(), retention_hours=1 / 3600, target_file_bytes=1 << 27, spark=spark)
+        maintain_table(path, LakeStorage(config.delta.root, config.delta.storage), retention_hours=1 / 3600, target_file_bytes=1 << 27, spark=spark)
         for path in maintained_paths
     ))  # fmt: skip
     for done in maintained:
@@ -476,7 +477,7 @@ def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     snapshot_tables(config, spark)
     acct = config.table_path("public", "acct")
     assert "deletionVectors" in (deltalake.DeltaTable(acct).protocol().reader_features or [])
-    lake = config.delta.lake()
+    lake = LakeStorage(config.delta.root, config.delta.storage)
 
     # deletes only: each bucket's one file gets a deletion vector deleting a tenth of its rows; the
     # drain reports what its commits wrote (deletion vectors only), as the log records it

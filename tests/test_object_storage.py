@@ -32,7 +32,7 @@ from resources.delta.state_table import read_state, state_path
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.errors import ConfigurationError
 from resources.runs.incremental import run_incremental
-from resources.delta.lake_storage import open_lake, remove_tree
+from resources.delta.lake_storage import LakeStorage, open_lake, remove_tree
 from resources.runs.snapshot import snapshot_tables
 from tests.conftest import PgDatabase
 from resources.testing.verify import assert_delta_equals_postgres
@@ -60,7 +60,7 @@ def settings(pg: PgDatabase, root: str, storage: dict[str, Any]) -> dict[str, An
 
 def all_same(pg: PgDatabase, s3: S3Server, root: str) -> None:
     config = parse_config(settings(pg, root, s3.storage()))
-    options = config.delta.lake().object_store_options()
+    options = LakeStorage(config.delta.root, config.delta.storage).object_store_options()
     for table, key in TABLES.items():
         schema, _, name = table.partition(".")
         assert_delta_equals_postgres(pg.dsn, table, config.table_path(schema, name), key=key, storage_options=options)
@@ -170,7 +170,7 @@ def lifecycle(
     assert all(key.startswith((prefix + "public/", prefix + "_pgcdc/state/")) for key in s3_server.keys(prefix))
     state = read_state(state_path(s3_root, SLOT))  # the state table lives on the store too
     assert {table: row.log.version for table, row in state.items()} == {
-        table: deltalake.DeltaTable(config.table_path(*table.split(".")), storage_options=config.delta.lake().object_store_options()).version()
+        table: deltalake.DeltaTable(config.table_path(*table.split(".")), storage_options=LakeStorage(config.delta.root, config.delta.storage).object_store_options()).version()
         for table in TABLES
     }
     orders = config.table_path("public", "orders")
@@ -233,7 +233,7 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
 
     def state() -> tuple[object, ...]:
         slot = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
-        options = good.delta.lake().object_store_options()
+        options = LakeStorage(good.delta.root, good.delta.storage).object_store_options()
         versions = tuple(
             deltalake.DeltaTable(good.table_path("public", name), storage_options=options).version()
             for name in ("orders", "dups", "events")

@@ -44,11 +44,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from resources.config import BucketOverride, DEFAULT_TARGET_ROWS
+
 BUCKET_COLUMN = "_pgcdc_bucket"
 """The partition column of a bucketed table (BIGINT): a function of the row's key only."""
-
-DEFAULT_TARGET_ROWS = 1_000_000
-"""Rows per bucket :func:`choose_layout` aims at (at most :data:`TARGET_BYTES` of PostgreSQL heap)."""
 
 TARGET_BYTES = 128 * 1024 * 1024
 """Heap bytes per bucket :func:`choose_layout` aims at: wide rows get fewer rows per bucket."""
@@ -110,14 +109,6 @@ class TableLayout:
         if self.kind == RANGE:
             return f"range buckets of {self.size:,} keys of {self.key[0]}"
         return f"{self.size} hash bucket(s) of ({', '.join(self.key)})"
-
-
-@dataclass(frozen=True, slots=True)
-class BucketOverride:
-    """A table's configured layout (``delta.buckets.tables``): a range ``width``, a hash ``count``, or neither (no buckets)."""
-
-    width: int | None = None
-    count: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,8 @@ from pyspark.sql import SparkSession
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import session_settings
-from resources.delta.lake_storage import is_object_store, join_location, LakeStorage, parse_object_location
+from resources.delta.lake_storage import LakeStorage
+from resources.locations import is_object_store, join_location, parse_object_location
 from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, LSN_COLUMN
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
 

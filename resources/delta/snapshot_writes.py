@@ -13,7 +13,8 @@ from pyarrow.fs import FileType
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from resources.delta.lake_storage import is_object_store, object_store_options, remove_tree, storage_client
+from resources.delta.lake_storage import object_store_options, remove_tree, storage_client
+from resources.locations import is_object_store
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets

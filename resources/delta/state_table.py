@@ -40,8 +40,9 @@ import pyarrow as pa
 from resources.column_numbers import ColumnNumbers
 from resources.delta.dataframes import nullable_schema
 from resources.delta.destination import TableLog
-from resources.delta.lake_storage import join_location, object_store_options
+from resources.delta.lake_storage import object_store_options
 from resources.delta.reads import delta_rs_rows
+from resources.locations import join_location
 from resources.delta.layout import TableLayout
 from resources.delta.table_log import table_exists
 from resources.lsn import LSN

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from resources.errors import ConfigurationError
-from resources.postgres.sql import quote_ident, quote_literal
+from resources.sql import quote_ident, quote_literal
 
 
 StreamingMode = Literal["off", "on", "parallel"]

@@ -34,7 +34,7 @@ from resources.pgtypes import (
 from resources.postgres.catalog import TableInfo
 from resources.postgres.connections import connect
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.sql import quote_literal
+from resources.sql import quote_literal
 
 
 DEFAULT_CHUNK_ROWS = 1_000_000

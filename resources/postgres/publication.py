@@ -11,7 +11,7 @@ from resources.errors import ConfigurationError, explain
 from resources.postgres.catalog import client_cursor, TableName
 from resources.postgres.connections import connect
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.sql import quote_ident, quote_literal
+from resources.sql import quote_ident, quote_literal
 
 
 def publication_exists(conn: psycopg.Connection, publication: str) -> bool:

@@ -42,7 +42,7 @@ from resources.postgres.slots import (
     SlotState,
     validate_slot_name,
 )
-from resources.postgres.sql import quote_ident, quote_literal
+from resources.sql import quote_ident, quote_literal
 
 __all__ = [
     "CreatedSlot",

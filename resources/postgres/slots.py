@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,10 +9,9 @@ import psycopg
 
 from resources.errors import ConfigurationError, SlotError
 from resources.lsn import LSN
-from resources.postgres.sql import quote_literal
+from resources.names import SLOT_NAME
+from resources.sql import quote_literal
 
-
-SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 
 
 def validate_slot_name(name: str) -> str:

@@ -32,7 +32,7 @@ from resources.postgres.frames import (
 )
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import validate_slot_name
-from resources.postgres.sql import quote_ident
+from resources.sql import quote_ident
 
 
 def _resumed(stream: ReplicationStream, received: int) -> float:

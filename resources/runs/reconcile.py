@@ -65,7 +65,7 @@ from resources.postgres.column_types import published_column_types
 from resources.postgres.connections import connect
 from resources.postgres.copy import copy_pieces, DEFAULT_CHUNK_ROWS, PARSE_BYTES, PieceParser
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.sql import quote_ident, quote_literal
+from resources.sql import quote_ident, quote_literal
 
 __all__ = ["RangeMismatch", "ReconcileResult", "TableReconciliation", "reconcile"]
 

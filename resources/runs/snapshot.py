@@ -71,7 +71,7 @@ from resources.postgres.copy import (
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.slots import read_slot
 from resources.postgres.publication import ensure_publication
-from resources.postgres.sql import quote_ident
+from resources.sql import quote_ident
 from resources.runs.snapshot_layout import existing_layout, table_layout
 from resources.testing.faults import fault_point
 

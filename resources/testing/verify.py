@@ -29,7 +29,7 @@ from resources.delta.markers import LAYOUT_PROPERTY
 from resources.delta.reads import delta_rs_rows
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import connect
-from resources.postgres.sql import quote_ident
+from resources.sql import quote_ident
 
 __all__ = ["arrow_rows", "assert_buckets_right", "assert_delta_equals_postgres", "compare_rows", "compare_table", "delta_rows"]
 
