@@ -8,27 +8,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
+from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.lake_storage import remove_tree
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
-
-
-OP_COLUMN = "_pgcdc_op"
-"""Merge source column holding 'I', 'U' or 'D' for each change."""
-
-
-UNCHANGED_PREFIX = "_pgcdc_unchanged_"
-"""Merge source columns ``_pgcdc_unchanged_<col>``: True keeps the target's value (unchanged TOAST)."""
-
-
-OLD_KEY_PREFIX = "_pgcdc_oldkey_"
-"""Merge source columns ``_pgcdc_oldkey_<key>``: the row's key before a key-changing update, whose
-target row supplies unchanged-TOAST values when the new key has no target row yet."""
-
-
-def unchanged_flag_column(column: str) -> str:
-    return f"{UNCHANGED_PREFIX}{column}"
 
 
 def quote_column(identifier: str) -> str:

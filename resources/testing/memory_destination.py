@@ -17,7 +17,7 @@ import pyarrow as pa
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import fold_table_log, pgcdc_marker
-from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
+from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
 
