@@ -113,7 +113,7 @@ def build_new_tables_sensor(
         description="Snapshots published tables that have no Delta snapshot; reports tables needing a reload.",
     )
     def pgcdc_new_tables_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> SensorResult | SkipReason:
-        from resources.delta.markers import read_snapshot_lsn
+        from resources.delta.marker_reads import read_snapshot_lsn
 
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)

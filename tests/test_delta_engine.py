@@ -18,8 +18,9 @@ from resources.delta.capabilities import engine_capabilities, EngineCapabilities
 from resources.delta.dataframes import nullable_schema
 from resources.delta.layout import TableLayout
 from resources.delta.engine import classic_delta_config, SparkEngine
-from resources.delta.markers import read_commit_metadata
-from resources.delta.merge import delete_all_rows, merge_batch, OP_COLUMN, replace_rows, unchanged_flag_column
+from resources.delta.marker_reads import read_commit_metadata
+from resources.delta.batch_columns import OP_COLUMN, unchanged_flag_column
+from resources.delta.merge import delete_all_rows, merge_batch, replace_rows
 from resources.delta.schema_changes import add_columns
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow

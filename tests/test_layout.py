@@ -7,17 +7,21 @@ checks keep the data-flow order of the packages true as the code changes.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def imports(package: str) -> dict[str, set[str]]:
-    """Module path -> the modules it imports (top level or inside functions)."""
+    """Module path -> the modules it imports (top level or inside functions), for a package or one ``.py`` file."""
     found: dict[str, set[str]] = {}
-    for path in (ROOT / package.replace(".", "/")).rglob("*.py"):
+    target = ROOT / package if package.endswith(".py") else ROOT / package.replace(".", "/")
+    for path in [target] if package.endswith(".py") else target.rglob("*.py"):
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -37,23 +41,58 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
     )
 
 
-def test_postgres_and_pgoutput_know_nothing_of_cdc_delta_spark_or_dagster() -> None:
-    forbidden = ("resources.cdc", "resources.delta", "pyspark", "dagster")
-    assert offenders("resources.postgres", forbidden) == []
-    assert offenders("resources.pgoutput", forbidden) == []
+VOCABULARY = ("resources.config", "resources.errors", "resources.locations", "resources.lsn", "resources.names", "resources.sql")
+"""The shared vocabulary at the top of ``resources/``: every layer may import it, it imports only itself."""
+
+LAYERS: dict[str, tuple[str, ...]] = {
+    "resources.postgres": ("resources.cdc", "resources.delta", "resources.runs", "pyspark", "dagster"),
+    "resources.pgoutput": ("resources.postgres", "resources.cdc", "resources.delta", "resources.runs", "pyspark", "dagster"),
+    "resources.delta": ("resources.postgres", "resources.pgoutput", "resources.cdc", "resources.runs", "dagster"),
+    "resources.cdc": (
+        "resources.delta.engine", "resources.delta.spark_destination", "resources.delta.snapshot_writes",
+        "resources.runs", "pyspark", "dagster",
+    ),
+    "resources": ("pgcdc_assets", "sensors"),
+}
+"""Package -> what no module in it may import, directly or through what it imports (docs/architecture.md,
+"Layering rules")."""
 
 
-def test_delta_knows_nothing_of_postgres_pgoutput_or_cdc() -> None:
-    assert offenders("resources.delta", ("resources.postgres", "resources.pgoutput", "resources.cdc")) == []
+def test_the_vocabulary_imports_only_the_vocabulary() -> None:
+    below = sorted(
+        f"{module} imports {name}"
+        for vocabulary in VOCABULARY
+        for module, names in imports(vocabulary.replace(".", "/") + ".py").items()
+        for name in names
+        if name.startswith("resources") and name not in VOCABULARY
+    )
+    assert below == []
 
 
-def test_cdc_writes_only_through_the_destination() -> None:
-    forbidden = ("resources.delta.engine", "resources.delta.spark_destination", "resources.delta.snapshot_writes", "pyspark")
-    assert offenders("resources.cdc", forbidden) == []
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_no_layer_imports_what_its_rule_forbids(package: str) -> None:
+    assert offenders(package, LAYERS[package]) == []
 
 
-def test_resources_import_neither_assets_nor_sensors_and_the_runtime_only_faults_from_testing() -> None:
-    assert offenders("resources", ("pgcdc_assets", "sensors")) == []
+@pytest.mark.parametrize("package", [package for package in sorted(LAYERS) if package != "resources"])
+def test_no_layer_loads_what_its_rule_forbids_through_its_imports(package: str) -> None:
+    """Importing every module of the package in a fresh interpreter loads nothing its rule forbids:
+    a direct import check misses ``cdc/`` loading pyspark through a delta module it may import."""
+    modules = sorted(
+        module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for module in imports(package)
+    )
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        f"forbidden = {LAYERS[package]!r}\n"
+        "print(json.dumps(sorted(m for m in sys.modules if any(m == bad or m.startswith(bad + '.') for bad in forbidden))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    assert json.loads(done.stdout) == []
+
+
+def test_the_runtime_imports_only_faults_from_testing() -> None:
     runtime = {module: names for module, names in imports("resources").items() if not module.startswith("resources/testing/")}
     testing = sorted(f"{module} imports {name}" for module, names in runtime.items() for name in names
                      if name.startswith("resources.testing") and name != "resources.testing.faults")

@@ -72,7 +72,7 @@ from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination, TableLog
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
 from resources.delta.markers import APPEND_MARKER, applied_marker, EXPIRED_SNAPSHOT_LSN, LSN_COLUMN, REPLACE_MARKER
-from resources.delta.merge import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
+from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation, UNCHANGED_TOAST

@@ -34,7 +34,7 @@ from resources.cdc.schema import RESNAPSHOT_FIX
 from resources.cdc.tables import FULL, TableTarget
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.schema_changes import is_safe_widening
+from resources.delta.delta_types import is_safe_widening
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.pgoutput.messages import UNCHANGED_TOAST

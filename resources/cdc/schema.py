@@ -11,7 +11,7 @@ from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.schema_changes import delta_type_name, is_safe_widening
+from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB

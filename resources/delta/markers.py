@@ -13,10 +13,10 @@ Every pgcdc commit that the next run must be able to find carries a JSON marker 
   changes of one transaction up to position ``applied_seq`` of the commit ending at
   ``applied_lsn``; a replay skips exactly those.
 
-Other writers' metadata (free text, other JSON) is ignored. Reading the whole log through the engine
-is one Spark query over ``_delta_log`` (:func:`read_commit_metadata`), newest commit first; the
-incremental run reads only the commits it needs with ``resources/delta/table_log.py`` instead, and
-folds them with :func:`fold_table_log`.
+Other writers' metadata (free text, other JSON) is ignored. Markers are built and parsed here, with
+no engine: ``resources/delta/marker_reads.py`` reads them back through the engine, the incremental run
+reads only the commits it needs with ``resources/delta/table_log.py`` and folds them with
+:func:`fold_table_log`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pyspark.errors import AnalysisException
-from pyspark.sql import DataFrame, functions as F, SparkSession
-
 from resources.column_numbers import ColumnNumbers
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import TableLayout
@@ -53,92 +49,8 @@ class CommitRecord:
     user_metadata: str | None
 
 
-_COMMIT_INFO_SCHEMA = "commitInfo STRUCT<timestamp: BIGINT, operation: STRING, userMetadata: STRING>"
-
-
-def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = None) -> list[CommitRecord]:
-    """Commits of the table at ``path``, newest first, read from its log through the engine.
-
-    Commits removed by log cleanup (after a checkpoint and ``delta.logRetentionDuration``)
-    are gone; keep that retention longer than the longest a table may sit idle. Delta on
-    Spark reads them with ``DESCRIBE HISTORY`` (the capability seam); other engines scan the
-    log's JSON files: the same records.
-    """
-    if engine_capabilities(spark).delta_commands:
-        table = "`" + path.replace("`", "``") + "`"
-        try:
-            history = spark.sql(f"DESCRIBE HISTORY delta.{table}" + (f" LIMIT {int(limit)}" if limit else ""))
-        except AnalysisException as error:
-            if error.getCondition() == "DELTA_TABLE_ONLY_OPERATION":  # no table (yet): no commits, as the log scan says
-                return []
-            raise
-        return [
-            CommitRecord(row["version"], row["timestamp_ms"], row["operation"], row["userMetadata"])
-            for row in history.select(
-                "version", F.unix_millis("timestamp").alias("timestamp_ms"), "operation", "userMetadata"
-            ).orderBy(F.desc("version")).collect()
-        ]
-    commits = _log_actions(spark, path, "commitInfo", _COMMIT_INFO_SCHEMA).select("version", "action.commitInfo.*")
-    if limit is not None:
-        commits = commits.limit(limit)
-    return [
-        CommitRecord(row["version"], row["timestamp"], row["operation"], row["userMetadata"])
-        for row in commits.collect()
-    ]
-
-
-def _log_actions(spark: SparkSession, path: str, action: str, schema: str) -> DataFrame:
-    """The ``action`` actions (parsed by ``schema`` as column ``action``) of the JSON commits left in
-    the table's log, with their ``version``, newest first: a scan of the log's JSON files."""
-    return (
-        spark.read.format("binaryFile")
-        .option("pathGlobFilter", "*.json")
-        .load(f"{path.rstrip('/')}/_delta_log")
-        .select(
-            F.regexp_extract("path", r"(\d+)\.json$", 1).cast("bigint").alias("version"),
-            F.explode(F.split(F.col("content").cast("string"), "\n")).alias("line"),
-        )
-        .where(F.col("line").startswith('{"' + action + '"'))
-        .select("version", F.from_json("line", schema).alias("action"))
-        .orderBy(F.desc("version"))
-    )
-
-
 EXPIRED_SNAPSHOT_LSN = LSN(0)
-"""What :func:`read_snapshot_lsn` answers for a table whose snapshot commit has left the log."""
-
-
-def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
-    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker."""
-    return read_snapshot_marker(spark, path)[0]
-
-
-def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, TableLayout | None]:
-    """The snapshot LSN of the newest snapshot commit at ``path`` (None without table or marker)
-    and the layout it recorded (None: unbucketed, or the marker is gone, see below).
-
-    Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a
-    newer checkpoint covers them, so a table replicated for longer than that has lost its
-    snapshot commit, and with it the marker. The LSN no longer matters by then: every
-    incremental run confirms the slot past the WAL position at its start, so the slot passed the
-    snapshot LSN with the first run after the snapshot, long before the commit expired. A table
-    whose log no longer starts at version 0 and holds no marker is therefore snapshotted at
-    :data:`EXPIRED_SNAPSHOT_LSN` (nothing of what the slot sends is skipped) rather than treated as
-    never snapshotted, which would skip all its changes.
-    """
-    try:
-        commits = read_commit_metadata(spark, path)
-    except AnalysisException as exc:
-        if exc.getCondition() == "PATH_NOT_FOUND":  # JVM Spark; Sail lists no commits instead
-            return None, None
-        raise
-    for commit in commits:
-        marker = pgcdc_marker(commit.user_metadata)
-        if marker is not None and marker.get("kind") == "snapshot":
-            return marker_snapshot_lsn(marker), marker_layout(marker)
-    if commits and min(commit.version for commit in commits) > 0:
-        return EXPIRED_SNAPSHOT_LSN, layout_from_property(read_layout_property(spark, path))
-    return None, None
+"""What ``marker_reads.read_snapshot_lsn`` answers for a table whose snapshot commit has left the log."""
 
 
 LAYOUT_PROPERTY = "delta.pgcdc.layout"
@@ -159,50 +71,6 @@ def layout_property(layout: TableLayout | None) -> str:
 def layout_from_property(value: str | None) -> TableLayout | None:
     """The layout a :data:`LAYOUT_PROPERTY` value names (None: absent, or ``none``)."""
     return TableLayout.from_json(json.loads(value)) if value and value != "none" else None
-
-
-def read_layout_property(spark: SparkSession, path: str) -> str | None:
-    """:data:`LAYOUT_PROPERTY` in the table's newest metadata (None: no table, or created by an earlier
-    pgcdc): from the newest ``metaData`` action of the commits left in the log, or the newest
-    checkpoint's when that is newer. A scan of the log through the engine: read by a re-snapshot (and
-    :func:`read_snapshot_marker` once the snapshot marker is gone); drains read it through the storage
-    client instead (``resources/delta/table_log.py``)."""
-    try:
-        return _layout_property(spark, path)
-    except AnalysisException as exc:
-        if exc.getCondition() == "PATH_NOT_FOUND":  # no table yet (JVM Spark; Sail finds no files)
-            return None
-        raise
-
-
-def _layout_property(spark: SparkSession, path: str) -> str | None:
-    log = f"{path.rstrip('/')}/_delta_log"
-    configuration = "metaData STRUCT<configuration: MAP<STRING, STRING>>"
-    newest = (
-        _log_actions(spark, path, "metaData", configuration)
-        .select("version", F.col("action.metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
-        .limit(1)
-        .collect()
-    )
-    checkpoint = (
-        spark.read.format("binaryFile")
-        .option("pathGlobFilter", "*.checkpoint.parquet")
-        .load(log)
-        .select(F.regexp_extract("path", r"(\d+)\.checkpoint\.parquet$", 1).cast("bigint").alias("version"))
-        .orderBy(F.desc("version"))
-        .limit(1)
-        .collect()
-    )
-    value = newest[0]["layout"] if newest else None
-    if checkpoint and (not newest or checkpoint[0]["version"] >= newest[0]["version"]):
-        rows = (
-            spark.read.parquet(f"{log}/{int(checkpoint[0]['version']):020d}.checkpoint.parquet")
-            .where(F.col("metaData").isNotNull())
-            .select(F.col("metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
-            .collect()
-        )
-        value = rows[0]["layout"] if rows else value
-    return value
 
 
 def fold_table_log(

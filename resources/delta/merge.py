@@ -8,32 +8,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
+from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.delta.dataframes import prepare_writes, spark_dataframe
 from resources.delta.lake_storage import remove_tree
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.snapshot_writes import STAGE_FILE_BYTES, staged_source_sql, stage_parquet, STAGING_DIRECTORY
 
 
-OP_COLUMN = "_pgcdc_op"
-"""Merge source column holding 'I', 'U' or 'D' for each change."""
-
-
-UNCHANGED_PREFIX = "_pgcdc_unchanged_"
-"""Merge source columns ``_pgcdc_unchanged_<col>``: True keeps the target's value (unchanged TOAST)."""
-
-
 DELETE_ROW_COLUMN = "_pgcdc_delete_row"
 """Column a delete-and-insert MERGE adds to its source (:func:`merge_statement`): True on the row that
 deletes its key's target row, False on the row that inserts the change's new image."""
-
-
-OLD_KEY_PREFIX = "_pgcdc_oldkey_"
-"""Merge source columns ``_pgcdc_oldkey_<key>``: the row's key before a key-changing update, whose
-target row supplies unchanged-TOAST values when the new key has no target row yet."""
-
-
-def unchanged_flag_column(column: str) -> str:
-    return f"{UNCHANGED_PREFIX}{column}"
 
 
 def quote_column(identifier: str) -> str:

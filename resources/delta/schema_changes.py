@@ -7,7 +7,6 @@ from collections.abc import Mapping
 import pyarrow as pa
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
-from pyspark.sql.types import DecimalType
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes, spark_dataframe
@@ -95,22 +94,3 @@ def fill_columns(spark: SparkSession, path: str, values: pa.Table, lsn_column: s
         F.when(lsn_column_le, F.col(fill_names[name])).alias(name) for name in values.column_names if name not in existing.names
     ]
     _rewrite(joined.select(*columns), existing, path)
-
-
-_SAFE_WIDENINGS = {("smallint", "int"), ("smallint", "bigint"), ("int", "bigint"), ("float", "double")}
-
-
-def delta_type_name(arrow: pa.DataType) -> str:
-    return from_arrow_type(arrow).simpleString()
-
-
-def is_safe_widening(old: pa.DataType, new: pa.DataType) -> bool:
-    old_spark, new_spark = from_arrow_type(old), from_arrow_type(new)
-    if (old_spark.simpleString(), new_spark.simpleString()) in _SAFE_WIDENINGS:
-        return True
-    return (
-        isinstance(old_spark, DecimalType)
-        and isinstance(new_spark, DecimalType)
-        and new_spark.scale == old_spark.scale
-        and new_spark.precision >= old_spark.precision
-    )

@@ -56,7 +56,7 @@ from resources.delta.state_table import known_log, read_state, state_path, State
 from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
 from resources.runs.key_range_copy import copy_key_range
 from resources.delta.lake_storage import open_lake
-from resources.delta.markers import read_snapshot_lsn
+from resources.delta.marker_reads import read_snapshot_lsn
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB

@@ -52,7 +52,8 @@ from pyspark.sql import SparkSession
 
 from resources.cdc.row_multiset import comparable_rows
 from resources.config import PgcdcConfig
-from resources.delta.markers import LSN_COLUMN, read_snapshot_lsn
+from resources.delta.markers import LSN_COLUMN
+from resources.delta.marker_reads import read_snapshot_lsn
 from resources.delta.reads import delta_batches, delta_schema
 from resources.delta.spark_connect import reports_dead_engine
 from resources.errors import explain

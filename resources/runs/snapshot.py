@@ -46,7 +46,8 @@ from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import open_lake
 from resources.delta.layout import TableLayout
-from resources.delta.markers import read_snapshot_lsn, snapshot_marker
+from resources.delta.markers import snapshot_marker
+from resources.delta.marker_reads import read_snapshot_lsn
 from resources.delta.spark_connect import reports_dead_engine
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.delta.table_log import read_table_log, read_table_metadata
