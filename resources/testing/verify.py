@@ -4,7 +4,7 @@ Delta is read with delta-rs (``deltalake``), an engine independent of the Sail w
 its DataFusion reader, which applies deletion vectors (``resources.delta.reads.delta_rs_rows``),
 and PostgreSQL with psycopg. The type Delta must hold each column in is derived from the
 PostgreSQL catalog by the documented mapping (docs/type-mapping.md, written out here, not taken
-from the writer's ``resources/pgtypes.py``), and Delta's schema is checked against it. Columns
+from the writer's ``resources/pgtypes/``), and Delta's schema is checked against it. Columns
 mapped to strings (numeric without a Spark precision, intervals, json, ...) are compared with
 PostgreSQL's text output; timestamps as int64 microseconds since the epoch (infinity at the
 int64 limits); every other type as Python values (Decimal, date, bytes, lists, ...).
@@ -81,7 +81,7 @@ def arrow_rows(table: pa.Table) -> tuple[pa.Schema, list[dict]]:
     return schema, table.to_pylist()
 
 
-#: docs/type-mapping.md's table, written out here rather than taken from ``resources/pgtypes.py``, so
+#: docs/type-mapping.md's table, written out here rather than taken from ``resources/pgtypes/``, so
 #: that a regression of the writer's mapping (numeric written as string, say) fails the comparison.
 #: Every type not named here, nor numeric, nor an array, is a string.
 _DOCUMENTED_TYPES: dict[str, pa.DataType] = {
@@ -136,7 +136,7 @@ def _documented_type(conn: psycopg.Connection, type_oid: int, typmod: int) -> pa
 
 def expected_types(conn: psycopg.Connection, schema_name: str, table_name: str) -> dict[str, tuple[str, pa.DataType]]:
     """Each column of the PostgreSQL table: its type as PostgreSQL names it, and the Arrow type Delta
-    must hold it in by the documented mapping (independent of the writer's ``resources/pgtypes.py``)."""
+    must hold it in by the documented mapping (independent of the writer's ``resources/pgtypes/``)."""
     rows = conn.execute(
         "SELECT attname::pg_catalog.text, atttypid::pg_catalog.int8, atttypmod, pg_catalog.format_type(atttypid, atttypmod)"
         " FROM pg_catalog.pg_attribute WHERE attrelid OPERATOR(pg_catalog.=) %s::pg_catalog.regclass"
