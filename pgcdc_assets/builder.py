@@ -108,13 +108,7 @@ def build_pipeline_definitions(
             " (counts and per-key-range hashes). Reads every table: run it on its own schedule, not per drain.",
         ),
     ]
-    schedule = ScheduleDefinition(
-        name=names.scoped(INCREMENTAL_SCHEDULE),
-        cron_schedule=config.schedule.cron,
-        job=incremental_job,
-        default_status=DefaultScheduleStatus.STOPPED,
-        description="Drains the slot on schedule.cron from the pgcdc configuration.",
-    )
+    schedule = _incremental_schedule(config, names, incremental_job)
     snapshot_keys = {table: translator.get_snapshot_asset_key(p) for table, p in props.items()}
     maintenance_job, maintenance_schedule = build_maintenance(
         config, {p.delta_path: translator.get_table_asset_key(p) for p in props.values()}, names
@@ -133,6 +127,19 @@ def build_pipeline_definitions(
             names.postgres_key: postgres,
             names.spark_key: SparkDeltaResource.from_pgcdc_config(config),
         },
+    )
+
+
+def _incremental_schedule(
+    config: PgcdcConfig, names: PipelineNames, incremental_job: UnresolvedAssetJobDefinition
+) -> ScheduleDefinition:
+    """The drain on ``schedule.cron``, stopped until an operator starts it."""
+    return ScheduleDefinition(
+        name=names.scoped(INCREMENTAL_SCHEDULE),
+        cron_schedule=config.schedule.cron,
+        job=incremental_job,
+        default_status=DefaultScheduleStatus.STOPPED,
+        description="Drains the slot on schedule.cron from the pgcdc configuration.",
     )
 
 

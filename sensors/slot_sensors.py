@@ -26,7 +26,7 @@ from dagster import (
     SkipReason,
 )
 
-from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.dagster_resources import PostgresResource
 from pgcdc_assets.translator import schedule_interval
 from resources.errors import SlotError
 from resources.names import (
@@ -100,8 +100,9 @@ def build_new_tables_sensor(
     Assets are fixed when the code location loads, so a table added to the publication
     afterwards has no asset until the location is reloaded; the sensor can only report it.
     Once defined (after the reload), a table with no snapshot in Dagster's records and no
-    snapshot marker in its Delta log gets a snapshot run for just that table. Spark is
-    started only when Dagster has no record of a table's snapshot, so quiet ticks stay cheap.
+    snapshot marker in its Delta log gets a snapshot run for just that table. The log is read
+    through the lake's storage client (``resources/delta/table_log.py``), never through an engine,
+    and only when Dagster has no record of a table's snapshot, so quiet ticks stay cheap.
     """
 
     @sensor(
@@ -109,14 +110,14 @@ def build_new_tables_sensor(
         job_name=names.scoped(SNAPSHOT_JOB),
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=DefaultSensorStatus.STOPPED,
-        required_resource_keys={names.postgres_key, names.spark_key},
+        required_resource_keys={names.postgres_key},
         description="Snapshots published tables that have no Delta snapshot; reports tables needing a reload.",
     )
     def pgcdc_new_tables_sensor(context: SensorEvaluationContext, **_invoked_with: object) -> SensorResult | SkipReason:
-        from resources.delta.marker_reads import read_snapshot_lsn
+        from resources.delta.lake_storage import open_lake
+        from resources.delta.table_log import read_table_log
 
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
-        spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
 
         config = postgres.config
         published = postgres.publication_tables()
@@ -132,10 +133,10 @@ def build_new_tables_sensor(
             for table in published
             if table in snapshot_keys and context.instance.get_latest_materialization_event(snapshot_keys[table]) is None
         ]
+        if unrecorded:
+            open_lake(config.delta.root, config.delta.storage)
         missing = [
-            table
-            for table in unrecorded
-            if read_snapshot_lsn(spark.spark_session, config.table_path(table.schema, table.name)) is None
+            table for table in unrecorded if read_table_log(config.table_path(table.schema, table.name)).snapshot_lsn is None
         ]
         if not missing:
             return SkipReason(reload_note or "every published table has a snapshot")

@@ -368,6 +368,8 @@ def test_new_tables_sensor_snapshots_defined_tables_and_names_the_rest(
 ) -> None:
     config = write_config(tmp_path, shop)
     defs = build_definitions(config)
+    # The sensor reads snapshot markers through the lake's storage client: a tick starts no engine.
+    assert defs.resolve_sensor_def("pgcdc_new_tables_sensor").required_resource_keys == {"postgres"}
     run_job(defs, instance, "pgcdc_snapshot", asset_selection=[NOTES_KEY])
     shop.execute("CREATE TABLE extra (id int PRIMARY KEY)")
     shop.execute("ALTER PUBLICATION pgcdc_pub ADD TABLE extra")

@@ -47,15 +47,10 @@ from datetime import datetime
 
 import numpy as np
 
-from resources.cdc.apply_batches import BatchAssembly
-from resources.cdc.apply_history import HistoryHandOff
-from resources.cdc.apply_key_ranges import KeyRangeRule
-from resources.cdc.apply_keyed import KeyedFold
-from resources.cdc.apply_marked import MarkedWrites
 from resources.cdc.apply_relations import RelationHandling
-from resources.cdc.row_batches import gather, RowBatch
+from resources.cdc.row_batches import RowBatch
 from resources.cdc.schema import SchemaReconciler
-from resources.cdc.tables import APPEND, FULL, MARKED_MODES, TableTarget
+from resources.cdc.tables import APPEND, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.delta.destination import Destination, TableLog
@@ -64,7 +59,6 @@ from resources.pgoutput.messages import Relation
 from resources.pgoutput.tags import INSERT
 from resources.postgres.catalog import TableName
 from resources.postgres.column_types import ColumnTypes
-from resources.testing.faults import fault_point
 
 __all__ = [
     "ChangeApplier",
@@ -80,7 +74,7 @@ DEFAULT_MERGE_ROWS = 200_000
 by default a chunk (200k changes) is still one MERGE per table."""
 
 
-class ChangeApplier(HistoryHandOff, RelationHandling, KeyRangeRule, KeyedFold, MarkedWrites, BatchAssembly):
+class ChangeApplier(RelationHandling):
     """Routes committed transactions into per-table batches and writes them to Delta.
 
     :meth:`durable_lsn` is the end LSN of the newest transaction all of whose changes are in
@@ -250,28 +244,4 @@ class ChangeApplier(HistoryHandOff, RelationHandling, KeyRangeRule, KeyedFold, M
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
         self._writer.close()
-
-    # -- writing
-
-    def _flush_target(self, target: TableTarget) -> None:
-        pending, target.pending = target.pending, []
-        self.pending_changes -= sum(len(taken) for _, taken, _, _ in pending)
-        self.pending_bytes -= target.pending_bytes
-        target.pending_bytes = 0
-        for gathered in gather(pending):
-            assert target.log is not None, "the table's log is read before its changes are queued"
-            pieces = self._key_range_pieces(target, gathered) if target.log.chunks is not None else (gathered,)
-            for rows in pieces:
-                fault_point("before_merge")
-                if target.history_path is not None:
-                    self._write_history(target, rows)
-                if target.mode == APPEND:
-                    self._append(target, rows)
-                elif target.mode == FULL:
-                    self._replace_full(target, rows)
-                elif not self._merge_columnar(target, rows):
-                    self._merge_by_row(target, rows)
-                self._writer.next_behind(False)  # spent by the table's write, if the batch needed one
-                self.changes_applied += len(rows)
-                target.stats.applied_lsn = LSN(max(int(rows.lsns.max()), target.stats.applied_lsn or 0))
 

@@ -20,7 +20,7 @@ from resources.cdc.history import (
     with_schema,
 )
 from resources.cdc import scd2
-from resources.cdc.apply_state import ApplierState
+from resources.cdc.apply_batches import BatchAssembly
 from resources.cdc.row_batches import PendingRows
 from resources.cdc.tables import TableTarget
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
@@ -28,7 +28,7 @@ from resources.errors import PgcdcError
 from resources.testing.faults import fault_point
 
 
-class HistoryHandOff(ApplierState):
+class HistoryHandOff(BatchAssembly):
     """Changelog rows of the pending changes, written through the destination before the table's own commit."""
 
     # -- changelogs (docs/history.md)

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from resources.cdc.apply_state import ApplierState
+from resources.cdc.apply_batches import BatchAssembly
 from resources.cdc.row_batches import PendingRows
 from resources.cdc.tables import TableTarget
 from resources.delta.batch_columns import OP_COLUMN
@@ -15,7 +15,7 @@ from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 from resources.pgoutput.tuples import row_values, tuple_columns_at
 
 
-class KeyedFold(ApplierState):
+class KeyedFold(BatchAssembly):
     """Keyed tables' pending changes folded per key and merged."""
 
     def _merge(self, target: TableTarget, batch: pa.Table, key_columns: list[str]) -> None:

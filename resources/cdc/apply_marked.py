@@ -6,7 +6,7 @@ import functools
 
 import pyarrow as pa
 
-from resources.cdc.apply_state import ApplierState
+from resources.cdc.apply_batches import BatchAssembly
 from resources.cdc.row_batches import PendingRows
 from resources.cdc.row_multiset import apply_row_deltas, fold_row_changes, NET_COLUMN, RowDelta
 from resources.cdc.schema import RESNAPSHOT_FIX
@@ -18,7 +18,7 @@ from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 from resources.pgoutput.tuples import row_values, tuple_columns_at
 
 
-class MarkedWrites(ApplierState):
+class MarkedWrites(BatchAssembly):
     """Appends and REPLICA IDENTITY FULL rewrites, exactly once through their markers."""
 
     def _append(self, target: TableTarget, rows: PendingRows) -> None:

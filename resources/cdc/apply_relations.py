@@ -7,7 +7,7 @@ from resources.cdc.history import (
     history_position,
 )
 from resources.cdc import scd2
-from resources.cdc.apply_state import ApplierState
+from resources.cdc.apply_flush import TableFlush
 from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
 from resources.delta.layout import BUCKET_COLUMN
@@ -17,7 +17,7 @@ from resources.pgtypes import arrow_type
 from resources.testing.faults import fault_point
 
 
-class RelationHandling(ApplierState):
+class RelationHandling(TableFlush):
     """What a Relation message or a TRUNCATE changes for a table, in order with its other changes."""
 
     # -- schema

@@ -170,25 +170,7 @@ def run_incremental(
     with conn, ReplicationConnection(
         dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS
     ) as rc:
-        check_server(rc)
-        check_publications(rc, [config.publication])
-        if rc.read_slot(config.slot) is None:
-            _refuse_lost_slot(config, spark, conn)
-        slot_state = check_slot(rc, config.slot)
-        start_lsn = slot_state.confirmed_flush_lsn
-        assert start_lsn is not None  # check_slot refuses a slot without one
-        for warning in _slot_risks(config, conn, rc, slot_state, schedule_gap):
-            caution(warning)
-        open_lake(config.delta.root, config.delta.storage)
-        try:
-            tables = resolve_tables(conn, config.publication, config.tables)
-        except psycopg.Error as exc:
-            raise explain(exc, dsn) from None
-        if end_lsn is not None and end_lsn < start_lsn:
-            raise SlotError(
-                f'replication slot "{config.slot}" is confirmed at {start_lsn}, beyond the requested end {end_lsn}',
-                f"a drain ran outside the {slot_pool(config.slot)} pool meanwhile: give it a limit of 1, then retry",
-            )
+        start_lsn, tables = _checked_start(config, spark, conn, rc, end_lsn, schedule_gap, caution)
         stream = ReplicationStream(rc)
         options = PgOutputOptions([config.publication], streaming="on")
         if hold is not None:
@@ -198,11 +180,7 @@ def run_incremental(
                 end_lsn = wal_position(conn)
         state = read_state(state_path(config.delta.root, config.slot))
         destination = SparkDeltaDestination(spark)
-        targets = _targets(config, destination, tables, state, say)
-        for target in targets.values():  # snapshotted since the previous drain: its schema check is due
-            recorded = target.log or target.known
-            if recorded is not None and recorded.snapshot_lsn is not None and recorded.snapshot_lsn > start_lsn:
-                target.stats.schema_changed = True
+        targets = _targets(config, destination, tables, state, start_lsn, say)
         applier = ChangeApplier(
             destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
@@ -224,18 +202,33 @@ def run_incremental(
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = wal_position(conn)
-    duration = time.monotonic() - started
+    return _summary(applier, destination, targets, {**state, **written}, start_lsn, end_lsn, confirmed, flush_now, started, say)
+
+
+def _summary(
+    applier: ChangeApplier,
+    destination: Destination,
+    targets: dict[TableName, TableTarget],
+    state: dict[str, StateRow],
+    start_lsn: LSN,
+    end_lsn: LSN,
+    confirmed: LSN,
+    flush_now: LSN,
+    started: float,
+    say: Callable[[str], None],
+) -> IncrementalResult:
+    """What the run did, reported in one line and returned."""
     result = IncrementalResult(
         start_lsn=start_lsn,
         end_lsn=end_lsn,
         confirmed_flush_lsn=confirmed,
-        tables=_table_results(destination, targets, {**state, **written}),
+        tables=_table_results(destination, targets, state),
         transactions=applier.transactions,
         changes=applier.changes_applied,
         changes_skipped=applier.changes_skipped,
         lag_bytes_before=max(0, end_lsn - start_lsn),
         lag_bytes_after=max(0, flush_now - confirmed),
-        duration_s=duration,
+        duration_s=time.monotonic() - started,
         # Read before the run (not listed by the state) or during it (a listed table whose log has no snapshot now).
         tables_without_snapshot=[str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted],
     )
@@ -244,6 +237,39 @@ def run_incremental(
         f"({result.changes_per_second:,.0f}/s), {result.changes_skipped} skipped, slot confirmed at {confirmed}"
     )
     return result
+
+
+def _checked_start(
+    config: PgcdcConfig,
+    spark: SparkSession,
+    conn: psycopg.Connection,
+    rc: ReplicationConnection,
+    end_lsn: LSN | None,
+    schedule_gap: timedelta | None,
+    caution: Callable[[str], None],
+) -> tuple[LSN, list[TableName]]:
+    """The checks before a drain touches anything (server, publication, slot, lake), the warnings that
+    do not stop it, and where it starts: the slot's confirmed position and the published tables."""
+    check_server(rc)
+    check_publications(rc, [config.publication])
+    if rc.read_slot(config.slot) is None:
+        _refuse_lost_slot(config, spark, conn)
+    slot_state = check_slot(rc, config.slot)
+    start_lsn = slot_state.confirmed_flush_lsn
+    assert start_lsn is not None  # check_slot refuses a slot without one
+    for warning in _slot_risks(config, conn, rc, slot_state, schedule_gap):
+        caution(warning)
+    open_lake(config.delta.root, config.delta.storage)
+    try:
+        tables = resolve_tables(conn, config.publication, config.tables)
+    except psycopg.Error as exc:
+        raise explain(exc, config.postgres.dsn) from None
+    if end_lsn is not None and end_lsn < start_lsn:
+        raise SlotError(
+            f'replication slot "{config.slot}" is confirmed at {start_lsn}, beyond the requested end {end_lsn}',
+            f"a drain ran outside the {slot_pool(config.slot)} pool meanwhile: give it a limit of 1, then retry",
+        )
+    return start_lsn, tables
 
 
 def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:
@@ -272,9 +298,11 @@ def _targets(
     destination: Destination,
     tables: list[TableName],
     state: dict[str, StateRow],
+    start_lsn: LSN,
     say: Callable[[str], None],
 ) -> dict[TableName, TableTarget]:
-    """The run's tables; refuses when none has a snapshot.
+    """The run's tables; refuses when none has a snapshot. A table snapshotted after ``start_lsn`` (since
+    the previous drain) has its schema check due.
 
     A table the state lists as snapshotted is not read here: its own log is read when the drain
     meets a change for it. Any other table's log is read now (through the lake's storage client,
@@ -293,6 +321,9 @@ def _targets(
         targets[table].history_path = config.history_path(table.schema, table.name)
         targets[table].history_scd2 = config.history.mode(table) == "scd2"
         targets[table].history_deletion_vectors = config.delta.deletion_vectors_for(table)
+        recorded = targets[table].log or targets[table].known
+        if recorded is not None and recorded.snapshot_lsn is not None and recorded.snapshot_lsn > start_lsn:
+            targets[table].stats.schema_changed = True
     without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted]
     if targets and len(without_snapshot) == len(targets):
         # Every change would be skipped and the slot confirmed past it: with a mistyped or

@@ -453,19 +453,24 @@ def snapshot_each(
         finished.append(result)
         yield table, result
     if finished:
-        fault_point("before_snapshot_state_write")
         with clock.timed("state_write"):
-            write_state(state, read_state(state), [
-                StateRow(
-                    str(done.table), done.path,
-                    TableLog(
-                        done.snapshot_lsn, done.snapshot_version or done.delta_version, done.delta_version, None,
-                        done.layout, done.table_id,
-                    ),
-                    None,
-                )
-                for done in finished
-            ])  # fmt: skip
+            _record_snapshots(state, finished)
+
+
+def _record_snapshots(state: str, finished: list[SnapshotResult]) -> None:
+    """The finished tables' snapshots in the pgcdc state table, in one write."""
+    fault_point("before_snapshot_state_write")
+    write_state(state, read_state(state), [
+        StateRow(
+            str(done.table), done.path,
+            TableLog(
+                done.snapshot_lsn, done.snapshot_version or done.delta_version, done.delta_version, None, done.layout,
+                done.table_id,
+            ),
+            None,
+        )
+        for done in finished
+    ])  # fmt: skip
 
 
 def _choose_mode(config: PgcdcConfig, table: TableName) -> tuple[KeyRanges | None, bool]:
