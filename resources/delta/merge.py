@@ -71,46 +71,6 @@ def merge_batch(
         remove_tree(staged)
 
 
-def _delete_and_insert_statement(
-    target: str, staged_source: str, source: pa.Table, key_columns: Sequence[str], pruned: bool, value_columns: Sequence[str]
-) -> str:
-    """:func:`merge_statement`'s MERGE for changes that replace whole rows: each change's first source
-    row deletes its key's target row, the second (none for a delete) inserts the new image."""
-    doubled = (
-        f"(SELECT *, true AS {DELETE_ROW_COLUMN} FROM {staged_source} UNION ALL "
-        f"SELECT *, false AS {DELETE_ROW_COLUMN} FROM {staged_source} WHERE {OP_COLUMN} <> 'D')"
-    )
-    columns = ", ".join(quote_column(name) for name in value_columns)
-    values = ", ".join(f"s.{quote_column(name)}" for name in value_columns)
-    return (
-        f"MERGE INTO {target} t USING {doubled} s ON {_match(source, key_columns, pruned, f's.{DELETE_ROW_COLUMN}')} "
-        f"WHEN MATCHED THEN DELETE "
-        f"WHEN NOT MATCHED AND NOT s.{DELETE_ROW_COLUMN} AND s.{OP_COLUMN} <> 'D' THEN INSERT ({columns}) VALUES ({values})"
-    )
-
-
-def _match(source: pa.Table, key_columns: Sequence[str], pruned: bool, condition: str | None = None) -> str:
-    """A MERGE's ON clause: the key's equality, then ``condition``, the bucket predicate (``pruned``)
-    and the key lists."""
-    terms = [f"t.{quote_column(key)} = s.{quote_column(key)}" for key in key_columns]
-    if condition is not None:
-        terms.append(condition)
-    if pruned:
-        terms.append(_in_buckets(source, BUCKET_COLUMN, "t."))
-    return " AND ".join(terms + _key_lists(source, key_columns))
-
-
-def _value_columns(source: pa.Table) -> list[str]:
-    """The columns of ``source`` that are the table's (not the merge's own)."""
-    return [
-        name
-        for name in source.column_names
-        if name != OP_COLUMN
-        and not name.startswith(UNCHANGED_PREFIX)
-        and not name.startswith(OLD_KEY_PREFIX)
-    ]
-
-
 def merge_statement(
     path: str,
     staged: str,
@@ -132,18 +92,7 @@ def merge_statement(
     for a short batch it lists the batch's integer keys as well (:func:`_key_lists`).
 
     With ``delete_and_insert``, where every change replaces whole rows (no kept value) and a row has
-    columns besides the key, the MERGE deletes and inserts instead of updating: its source is each
-    change as a row that deletes its key's target row (:data:`DELETE_ROW_COLUMN` true, the only rows
-    the ON clause matches) and, unless it is a delete, as a row that inserts its new image (false).
-    Nothing then reads a target row's values, only its key, and Sail 0.7.2 reads only the key and
-    bucket columns of the target in two of the three scans its MERGE plan makes (an update reads
-    every column in all three). On deletion-vector tables that cut the MERGE of 200 random updates
-    to 0.43x at 3M rows and 0.78x at 100k; 20,000 and 200,000 updates into 3M rows 0.72x and 0.64x;
-    on copy-on-write tables 0.75x (docs/engine-notes.md). The outcome is the update's: the old row is
-    gone, the new image is in the table, which is also what an update writes on a deletion-vector
-    table (the old row marked deleted, the new image in a new file). The two source rows come from
-    a ``UNION ALL`` of the staged file with itself, not from a staged copy twice as long: that copy
-    held twice the batch in this process.
+    columns besides the key, the MERGE deletes and inserts instead (:func:`_delete_and_insert_statement`).
     """
     value_columns = _value_columns(source)
     flags = {name for name in source.column_names if name.startswith(UNCHANGED_PREFIX)}
@@ -204,6 +153,57 @@ def merge_statement(
         f"{matched_update} "
         f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
     )
+
+
+def _delete_and_insert_statement(
+    target: str, staged_source: str, source: pa.Table, key_columns: Sequence[str], pruned: bool, value_columns: Sequence[str]
+) -> str:
+    """:func:`merge_statement`'s MERGE for changes that replace whole rows: its source is each change
+    as a row that deletes its key's target row (:data:`DELETE_ROW_COLUMN` true, the only rows the ON
+    clause matches) and, unless it is a delete, as a row that inserts its new image (false).
+
+    Nothing then reads a target row's values, only its key, and Sail 0.7.2 reads only the key and
+    bucket columns of the target in two of the three scans its MERGE plan makes (an update reads
+    every column in all three). On deletion-vector tables that cut the MERGE of 200 random updates
+    to 0.43x at 3M rows and 0.78x at 100k; 20,000 and 200,000 updates into 3M rows 0.72x and 0.64x;
+    on copy-on-write tables 0.75x (docs/engine-notes.md). The outcome is the update's: the old row is
+    gone, the new image is in the table, which is also what an update writes on a deletion-vector
+    table (the old row marked deleted, the new image in a new file). The two source rows come from
+    a ``UNION ALL`` of the staged file with itself, not from a staged copy twice as long: that copy
+    held twice the batch in this process."""
+    doubled = (
+        f"(SELECT *, true AS {DELETE_ROW_COLUMN} FROM {staged_source} UNION ALL "
+        f"SELECT *, false AS {DELETE_ROW_COLUMN} FROM {staged_source} WHERE {OP_COLUMN} <> 'D')"
+    )
+    columns = ", ".join(quote_column(name) for name in value_columns)
+    values = ", ".join(f"s.{quote_column(name)}" for name in value_columns)
+    return (
+        f"MERGE INTO {target} t USING {doubled} s ON {_match(source, key_columns, pruned, f's.{DELETE_ROW_COLUMN}')} "
+        f"WHEN MATCHED THEN DELETE "
+        f"WHEN NOT MATCHED AND NOT s.{DELETE_ROW_COLUMN} AND s.{OP_COLUMN} <> 'D' THEN INSERT ({columns}) VALUES ({values})"
+    )
+
+
+def _match(source: pa.Table, key_columns: Sequence[str], pruned: bool, condition: str | None = None) -> str:
+    """A MERGE's ON clause: the key's equality, then ``condition``, the bucket predicate (``pruned``)
+    and the key lists."""
+    terms = [f"t.{quote_column(key)} = s.{quote_column(key)}" for key in key_columns]
+    if condition is not None:
+        terms.append(condition)
+    if pruned:
+        terms.append(_in_buckets(source, BUCKET_COLUMN, "t."))
+    return " AND ".join(terms + _key_lists(source, key_columns))
+
+
+def _value_columns(source: pa.Table) -> list[str]:
+    """The columns of ``source`` that are the table's (not the merge's own)."""
+    return [
+        name
+        for name in source.column_names
+        if name != OP_COLUMN
+        and not name.startswith(UNCHANGED_PREFIX)
+        and not name.startswith(OLD_KEY_PREFIX)
+    ]
 
 
 def _merge_source(path: str) -> str:
