@@ -48,7 +48,7 @@ from resources.cdc.tables import KEYED, TableTarget
 from resources.delta.destination import Destination
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.versions import CLOSE_COLUMN, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
+from resources.delta.batch_columns import CLOSE_COLUMN, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.errors import PgcdcError
 
 __all__ = [

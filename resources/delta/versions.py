@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
+from resources.delta.batch_columns import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.delta.dataframes import spark_dataframe
 from resources.delta.lake_storage import remove_tree
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
@@ -48,16 +49,6 @@ __all__ = [
     "VALID_TO_LSN_COLUMN",
 ]
 
-CURRENT_COLUMN = "_pgcdc_is_current"
-"""Whether a version is its key's current one."""
-VALID_TO_LSN_COLUMN = "_pgcdc_valid_to_lsn"
-"""The commit end LSN of the change that closed a version (NULL while current)."""
-MARKER_COLUMN = "_pgcdc_marker"
-"""The marker row's marker (the changelog's marker JSON); NULL in every version."""
-CLOSE_COLUMN = "_pgcdc_close"
-"""MERGE source only: the row closes the current version of its key (or is the marker row); else it is a new version."""
-CLOSED_SET = ("_pgcdc_valid_to_lsn", "_pgcdc_valid_to", CURRENT_COLUMN, "_pgcdc_is_deleted", MARKER_COLUMN)
-"""The columns a close row (or the marker row) sets on the row it matches."""
 
 
 def merge_versions(spark: SparkSession, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
