@@ -24,7 +24,7 @@ from pyspark.sql import SparkSession
 import pyarrow.compute as pc
 
 import pgcdc_assets.checks
-import resources.cdc.applier
+import resources.cdc.apply_batches
 import resources.runs.reconcile
 from pgcdc_assets.builder import build_definitions
 from resources.lsn import LSN
@@ -231,7 +231,7 @@ def test_a_conversion_broken_in_the_writer_only_fails_the_oracle_and_rows_match_
 
     with instance_for_test() as instance:
         run(defs, instance, "pgcdc_snapshot")
-        monkeypatch.setattr(resources.cdc.applier, "to_arrow", placed_an_hour_late)
+        monkeypatch.setattr(resources.cdc.apply_batches, "to_arrow", placed_an_hour_late)
         pg.execute("UPDATE orders SET placed = placed + interval '1 day' WHERE id IN (7, 300); INSERT INTO notes VALUES ('n')")
         oracle = oracle_beside_reconcile(monkeypatch)
         checks = evaluations(run(defs, instance, "pgcdc_reconcile"))
