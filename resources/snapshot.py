@@ -72,7 +72,7 @@ from resources.postgres.slots import read_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.sql import quote_ident
 from resources.snapshot_layout import existing_layout, table_layout
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 __all__ = [
     "SnapshotProgress",

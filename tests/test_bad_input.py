@@ -35,9 +35,9 @@ from resources.postgres.connections import CONNECT_TIMEOUT_SECONDS
 from resources.postgres.preflight import MIN_SERVER_VERSION_NUM, check_server
 from resources.postgres.replication import ReplicationConnection
 from resources.snapshot import snapshot_tables
-from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).with_name("pgcdc"))

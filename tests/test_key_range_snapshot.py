@@ -31,12 +31,12 @@ from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.incremental import run_incremental
 from resources.snapshot import snapshot_tables, SnapshotProgress
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from tests.test_faults import Child
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 ROWS = 4000
 DDL = f"""

@@ -56,7 +56,7 @@ def test_resources_import_neither_assets_nor_sensors_and_the_runtime_only_faults
     assert offenders("resources", ("pgcdc_assets", "sensors")) == []
     runtime = {module: names for module, names in imports("resources").items() if not module.startswith("resources/testing/")}
     testing = sorted(f"{module} imports {name}" for module, names in runtime.items() for name in names
-                     if name.startswith("resources.testing") and name != "resources.testing.faults")
+                     if name.startswith("resources.testing") and name != "resources.crash_points")
     assert testing == []
 
 

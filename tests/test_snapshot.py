@@ -35,10 +35,10 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.replication import CreatedSlot
 from resources import snapshot
 from resources.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
-from tests.conftest import PgDatabase
-from tests.memory_child import measured
+from tests.support.postgres import PgDatabase
+from tests.support.memory_child import measured
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 SLOT = "pgcdc_slot"
 PUB = "pub"

@@ -80,7 +80,7 @@ from resources.pgoutput.tuples import row_values, tuple_columns_at
 from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
 from resources.postgres.catalog import TableName
 from resources.postgres.column_types import ColumnTypes
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 __all__ = [
     "ChangeApplier",

@@ -12,7 +12,7 @@ from resources.lsn import LSN
 from resources.pgoutput.options import PgOutputOptions
 from resources.postgres.slots import slot_in_use
 from resources.postgres.stream import ReplicationStream
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 
 def drain(
