@@ -20,8 +20,12 @@ from collections.abc import Iterator
 
 import pytest
 
+pytest.register_assert_rewrite("tests.support")  # helpers that assert, imported by test modules before pytest sees them
+
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase, fresh_database
+from tests.support.tiers import assign_tier, COLLECTED_TIERS, named_tiers, refuse_servers
+
 
 @pytest.fixture(scope="session", params=POSTGRES_VERSIONS, ids=lambda v: f"pg{v}")
 def pg_server(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
@@ -51,3 +55,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="randomized workloads (tests/test_randomized.py): many fresh seeds, more operations each "
         "(same as PGCDC_LONG=1)",
     )
+
+
+# --------------------------------------------------------------------------- tiers (docs/testing.md, "Tiers")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test exactly one tier marker, from the fixtures it uses (tests/support/tiers.py).
+
+    Runs before ``-m`` deselects, so ``-m unit`` selects on these markers; what every collected test
+    got is kept for tests/test_tiers.py."""
+    for item in items:
+        assign_tier(item)
+    config.stash[COLLECTED_TIERS] = {item.nodeid: named_tiers(item) for item in items}
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test of the unit tier that starts PostgreSQL or an engine fails at once, naming the fix."""
+    if request.node.get_closest_marker("unit") is not None:
+        refuse_servers(request.node.nodeid, monkeypatch)

@@ -409,6 +409,7 @@ def test_misspelled_keys_fail_the_schema_at_their_file_and_line(
     assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()") == [(0,)]
 
 
+@pytest.mark.slow  # `dg` commands in child processes, each loading Dagster
 def test_scaffolded_project_validates(tmp_path: Path) -> None:
     """``dg scaffold defs`` writes a two-pipeline defs.yaml that Dagster validates (tables listed: no server needed)."""
     project = tmp_path / "project"

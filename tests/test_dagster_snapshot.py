@@ -156,6 +156,7 @@ def test_spark_resource_modes() -> None:
     assert SparkDeltaResource.from_pgcdc_config(remote).mode == "remote"  # a named server wins
 
 
+@pytest.mark.sail  # the Dagster resource starts the embedded engine itself
 def test_embedded_spark_resource_starts_and_stops_sail() -> None:
     with SparkDeltaResource().yield_for_execution(_init_context()) as ready:
         assert ready._engine is None  # nothing starts until a session is asked for

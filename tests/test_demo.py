@@ -36,6 +36,7 @@ def demo_dir() -> Iterator[Path]:
         yield Path(directory) / "demo"
 
 
+@pytest.mark.slow  # PostgreSQL and Sail in the demo's own process
 @pytest.mark.timeout(300)
 def test_demo_runs_and_verifies_every_run(demo_dir: Path) -> None:
     done = subprocess.run(
