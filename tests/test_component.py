@@ -40,6 +40,8 @@ from resources.testing.local_postgres import LocalPostgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.postgres import fresh_database, PgDatabase
 
+pytestmark = pytest.mark.slow  # Dagster runs and `dg` commands; tiers: docs/testing.md
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 COMPONENT_TYPE = "pgcdc_assets.component.PgcdcComponent"
@@ -409,7 +411,6 @@ def test_misspelled_keys_fail_the_schema_at_their_file_and_line(
     assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()") == [(0,)]
 
 
-@pytest.mark.slow  # `dg` commands in child processes, each loading Dagster
 def test_scaffolded_project_validates(tmp_path: Path) -> None:
     """``dg scaffold defs`` writes a two-pipeline defs.yaml that Dagster validates (tables listed: no server needed)."""
     project = tmp_path / "project"

@@ -49,6 +49,7 @@ from tests.test_dagster_snapshot import (
 )
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
 
 ORDERS = AssetKey(["pgcdc", "public", "orders"])
 NOTES = AssetKey(["pgcdc", "public", "notes"])

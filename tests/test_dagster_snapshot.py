@@ -37,6 +37,7 @@ from tests.support.postgres import PgDatabase
 from tests.support.engine_fixtures import assert_delta_jars
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
 
 REPO = Path(__file__).resolve().parent.parent
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
@@ -156,7 +157,6 @@ def test_spark_resource_modes() -> None:
     assert SparkDeltaResource.from_pgcdc_config(remote).mode == "remote"  # a named server wins
 
 
-@pytest.mark.sail  # the Dagster resource starts the embedded engine itself
 def test_embedded_spark_resource_starts_and_stops_sail() -> None:
     with SparkDeltaResource().yield_for_execution(_init_context()) as ready:
         assert ready._engine is None  # nothing starts until a session is asked for

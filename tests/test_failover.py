@@ -39,6 +39,7 @@ from tests.test_dagster_incremental import evaluate
 from tests.test_faults import assert_one_line_failure, Child, confirmed, wait_mid_drain, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # standbys promoted and slots synchronized; tiers: docs/testing.md
 
 SLOT = "pgcdc_slot"
 STANDBY_SLOT = "pgcdc_standby"

@@ -40,6 +40,7 @@ from tests.support.tcp_proxy import TcpProxy
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # drains killed, servers restarted, network cut, in child processes; tiers: docs/testing.md
 
 REPO = Path(__file__).resolve().parent.parent
 DAGSTER = str(Path(sys.executable).with_name("dagster"))

@@ -42,6 +42,7 @@ from tests.support.postgres import PgDatabase
 from tests.test_faults import Child, confirmed, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # crash points in child processes around changelog commits; tiers: docs/testing.md
 
 TABLES = ("public.orders", "public.dups", "public.events")
 SEED = ("reset", "snapshot")

@@ -45,6 +45,7 @@ from tests.support.workload import DDL, Step, generate
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, compare_table
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # long seeded workloads; tiers: docs/testing.md
 
 DEFAULT_SEEDS = [20240601, 7]
 DEFAULT_OPS = 350

@@ -37,6 +37,7 @@ from tests.test_dagster_incremental import check_outcomes, evaluate, run_job
 from tests.test_dagster_snapshot import write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs under hostile search paths; tiers: docs/testing.md
 
 PLANTED_IN = ("public", "evil")
 

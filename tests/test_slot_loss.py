@@ -32,6 +32,7 @@ from tests.test_dagster_incremental import evaluate, run_job
 from tests.test_dagster_snapshot import create_shop, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs against a lost slot; tiers: docs/testing.md
 
 SLOT = "pgcdc_slot"
 

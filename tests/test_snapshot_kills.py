@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from tests.support.s3_fixtures import S3Server
 
 pytest_plugins = ["tests.support.spark_fixtures", "tests.support.s3_fixtures"]
+pytestmark = pytest.mark.slow  # snapshots SIGKILLed at each phase, in child processes; tiers: docs/testing.md
 
 WRITERS = ("delta-rs", "engine")
 

@@ -31,6 +31,7 @@ from tests.support.subscriber_oracle import Subscriber, SubscriberError
 from tests.support.workload import value
 
 pytest_plugins = ["tests.support.spark_fixtures", "tests.support.subscriber_oracle"]
+pytestmark = pytest.mark.slow  # PostgreSQL subscribers beside each workload; tiers: docs/testing.md
 
 #: Transactions between two drains, and drains per test: a few seconds of Sail per drain.
 TRANSACTIONS_PER_DRAIN = 25
