@@ -85,7 +85,7 @@ class ConsistentCopy:
         value (:attr:`changes_rows`); a keyless append-only table is only ever appended to, so it
         needs none and stays readable by every Delta reader."""
 
-        def pieces() -> Iterator[pa.RecordBatch]:
+        def pieces() -> Generator[pa.RecordBatch, None, None]:
             source = read()
             try:
                 for batch, nbytes in source:

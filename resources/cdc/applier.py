@@ -43,7 +43,7 @@ snapshotted in primary-key ranges decides per row image instead, by its range's 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 
 import numpy as np
@@ -311,7 +311,7 @@ class ChangeApplier:
 
         ``seq`` is the position of the change that brought the Relation message into use: the fill
         comes right before that change (a Relation message has no position of its own)."""
-        self._write_event_history(target, "fill", values, end, seq, history_position(seq, before=True))
+        self._write_event_history(target, "fill", values, end, seq, int(history_position(seq, before=True)))
 
     def _write_event_history(
         self, target: TableTarget, op: str, values: pa.Table | None, end: int, seq: int, position: int
@@ -472,7 +472,7 @@ class ChangeApplier:
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
-        self._write_event_history(target, "truncate", None, end, seq, history_position(seq))
+        self._write_event_history(target, "truncate", None, end, seq, int(history_position(seq)))
         self._writer.write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)
@@ -563,7 +563,7 @@ class ChangeApplier:
             )
         self._log(f"{target.table}: copying key range {k + 1} of {target.log.chunks.count} again: {why}")
         self._writer.call(self._recopy_range, target.table, target.path, target.log, k)
-        target.log = self._writer.call(self._destination.read_table_log, target.path, target.log)  # type: ignore[assignment]
+        target.log = self._writer.call(self._destination.read_table_log, target.path, target.log)
         chunks = target.log.chunks if target.log is not None else None
         point = chunks.points[k] if chunks is not None else None
         if point is None or point < lsn:
@@ -695,6 +695,7 @@ class ChangeApplier:
         unchanged = UNCHANGED_TOAST
         final: dict[tuple, tuple] = {}
         old_key_of: dict[tuple, tuple] = {}
+        values: Sequence[object]  # a row image: a tuple as decoded, a list once unchanged TOAST is filled in
         inserted = updated = deleted = 0
         ops = [chr(op) for op in rows.ops.tolist()]
         for op, old_start, end, new, old in zip(ops, rows.old.tolist(), rows.lsns.tolist(), new_images, old_images):

@@ -45,7 +45,7 @@ def drain(
 
     try:
         for item in stream.drain_batches(end_lsn, stop=False):
-            if type(item) is list:  # row changes inside a transaction: kept undecoded
+            if isinstance(item, list):  # row changes inside a transaction: kept undecoded
                 feed_rows(item)
                 continue
             txn = feed(item.payload, item.wal_start)
