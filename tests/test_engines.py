@@ -80,6 +80,7 @@ from tests.test_faults import (
 )
 
 pytest_plugins = ["tests.support.engine_fixtures", "tests.support.s3_fixtures"]
+pytestmark = pytest.mark.spark  # the JVM engines, Sail's standalone server and a classic session in a child; tiers: docs/testing.md
 
 LIFECYCLE_DDL = NEVER_TRUNCATED_DDL + """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text, seen timestamptz);

@@ -4,8 +4,9 @@ The tier of a test is the most expensive thing its fixtures start, found in the 
 fixtures it uses (``item.fixturenames``), so a new test is classified without a thought:
 
 * a fixture named in :data:`FIXTURE_TIERS` (the suite's shared servers and engines), or
-* any fixture whose own source starts a server (:data:`SERVER_CALLS`: a fixture of one module that
-  starts a PostgreSQL of its own, say);
+* any fixture, or the test function itself, whose own source starts a server (:data:`SERVER_CALLS`:
+  a fixture of one module that starts a PostgreSQL of its own, a test that runs a classic Spark
+  session in a child, say);
 * neither: ``unit``.
 
 A test may name its tier itself (``pytestmark = pytest.mark.slow`` or a decorator) when its fixtures
@@ -35,13 +36,14 @@ FIXTURE_TIERS = {
     "engine": "spark",  # tests/support/engine_fixtures.py: the JVM engines and Sail's standalone server
 }
 
-#: Calls in a fixture's source that start a server (its tier).
+#: Calls in a fixture's or a test's source that start a server (its tier).
 SERVER_CALLS = {
     "start_local_postgres(": "pg",
     "LocalPostgres(": "pg",
     "SparkEngine.embedded(": "sail",
     "resources.delta.sail_server": "sail",
     "start_jvm(": "spark",
+    "tests.support.classic_child": "spark",  # a classic Spark session: a JVM in the child
 }
 
 
@@ -50,7 +52,7 @@ def rank(tier: str) -> int:
 
 
 @cache
-def _fixture_tier(function: object) -> str:
+def _source_tier(function: object) -> str:
     try:
         source = inspect.getsource(function)  # type: ignore[arg-type]
     except (OSError, TypeError):
@@ -60,14 +62,16 @@ def _fixture_tier(function: object) -> str:
 
 
 def fixture_tier(item: pytest.Item) -> str:
-    """The most expensive tier among the fixtures ``item`` uses, directly or through other fixtures."""
+    """The most expensive tier among the fixtures ``item`` uses (directly or through other fixtures) and its own body."""
     tiers = ["unit"]
     definitions = getattr(item, "_fixtureinfo", None)
     for name in getattr(item, "fixturenames", ()):
         if name in FIXTURE_TIERS:
             tiers.append(FIXTURE_TIERS[name])
         for definition in definitions.name2fixturedefs.get(name, ()) if definitions is not None else ():
-            tiers.append(_fixture_tier(definition.func))
+            tiers.append(_source_tier(definition.func))
+    if isinstance(item, pytest.Function):
+        tiers.append(_source_tier(item.function))
     return max(tiers, key=rank)
 
 
