@@ -561,6 +561,7 @@ def tally_changes(conn: psycopg.Connection, i: int) -> None:
 
 
 @pytest.mark.parametrize("fault", ["after_delta_commit", "before_merge", "after_confirm"])
+@pytest.mark.slow  # a child SIGKILLed at each crash point
 def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, fault: str
 ) -> None:
@@ -603,6 +604,7 @@ DRAIN_PEAK_MIB = 150
 DRAIN_GROWTH_MIB = 32
 
 
+@pytest.mark.slow  # two backlogs drained in children to measure memory
 def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:

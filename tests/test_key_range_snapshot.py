@@ -96,6 +96,7 @@ class Writer(threading.Thread):
         self.join()
 
 
+@pytest.mark.slow  # children SIGKILLed at three points
 def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact(
     pg: PgDatabase, spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

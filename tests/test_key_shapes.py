@@ -32,6 +32,7 @@ from tests.support.postgres import PgDatabase
 from tests.support.subscriber_oracle import Subscriber
 
 pytest_plugins = ["tests.support.spark_fixtures", "tests.support.subscriber_oracle"]
+pytestmark = pytest.mark.slow  # PostgreSQL subscribers beside each key shape; tiers: docs/testing.md
 
 KEYS = 40
 """Key values 0..KEYS-1 per table (the first 30 exist after the set-up)."""

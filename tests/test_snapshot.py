@@ -410,6 +410,7 @@ SNAPSHOT_PEAK_MIB = 384
 SNAPSHOT_GROWTH_MIB = 96
 
 
+@pytest.mark.slow  # two table sizes copied in children to measure memory
 def test_large_table_copies_with_bounded_memory(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
     """Peak resident memory of a process that snapshots a 150k-row and a 450k-row table (1 KB rows,
     145 and 435 MiB): below a stated bound smaller than the larger table, and about the same for

@@ -1,0 +1,206 @@
+"""Keeping a table's Delta schema in step with its Relation messages, and the errors when it cannot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from resources.cdc.tables import MARKED_MODES, TableTarget
+from resources.cdc.writer import OrderedWriter
+from resources.delta.destination import Destination
+from resources.delta.markers import LSN_COLUMN
+from resources.delta.schema_changes import delta_type_name, is_safe_widening
+from resources.errors import PgcdcError
+from resources.lsn import LSN
+from resources.names import RESNAPSHOT_JOB
+from resources.pgoutput.messages import Relation
+from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
+from resources.postgres.column_types import ColumnTypes
+
+
+RESNAPSHOT_FIX = f"re-snapshot the table (materialize its snapshot asset or run the {RESNAPSHOT_JOB} job)"
+
+
+class SchemaChangeError(PgcdcError):
+    """A column changed in a way Delta cannot follow in place."""
+
+
+class ChangeValueError(PgcdcError):
+    """A changed value does not fit its Delta column."""
+
+
+class SchemaReconciler:
+    """Adds, widens and back-fills Delta columns as Relation messages change a table.
+
+    Every call goes through the applier's :class:`~resources.cdc.writer.OrderedWriter`, behind
+    the writes already queued, so schema changes land in order with the rows.
+    """
+
+    def __init__(
+        self,
+        destination: Destination,
+        writer: OrderedWriter,
+        types: ColumnTypes,
+        log: Callable[[str], None],
+        before_fill: Callable[[TableTarget, pa.Table, int, int], None] | None = None,
+    ) -> None:
+        """``before_fill(target, values, end, seq)`` runs right before added columns are back-filled
+        (the table's changelog records the fill first)."""
+        self._destination = destination
+        self._writer = writer
+        self._types = types
+        self._log = log
+        self._before_fill = before_fill
+
+    @staticmethod
+    def _refuse_renamed(target: TableTarget, names: list[str], seen: set[str]) -> None:
+        """Refuse a column new to Delta that stands before a column Delta has: a Relation message lists
+        columns in attnum order and ADD COLUMN takes the next attnum, so such a column was renamed (or
+        published by a changed column list), and its existing rows' values never reached Delta. Taking it
+        for an added column would leave them NULL. (A rename of the last column looks like DROP and ADD
+        to the stream: docs/guarantees.md, "Schema changes".)"""
+        for position, name in enumerate(names):
+            if name not in seen and any(later in seen for later in names[position + 1 :]):
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} appeared before columns Delta already has (a RENAME COLUMN, or a "
+                    "column newly published by a changed column list): its existing values are not in the stream",
+                    RESNAPSHOT_FIX,
+                )
+
+    def reconcile(
+        self,
+        target: TableTarget,
+        columns: list[PgColumnType],
+        previous: Relation | None,
+        relation: Relation,
+        end: int,
+        seq: int,
+    ) -> bool:
+        """Adopt ``columns`` (of ``relation``, at position ``seq`` of the transaction ending at ``end``):
+        add, widen and back-fill columns in Delta, refuse what Delta cannot follow, note dropped ones.
+
+        Returns whether the table's schema differs from what Delta held or the previous Relation
+        message said (``previous`` is None for the run's first one): the drain evaluates the schema
+        check only then. Columns dropped in PostgreSQL but kept in Delta count every time, since
+        one run cannot tell a drop since the previous run from an older one."""
+        if target.delta_schema is None:
+            target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
+        existing = {f.name: f.type for f in target.delta_schema}
+        added: list[pa.Field] = []
+        widened: dict[str, pa.DataType] = {}
+        for column in columns:
+            wanted = arrow_type(column)
+            current = existing.get(column.column)
+            if current is None:
+                added.append(pa.field(column.column, wanted))
+            elif delta_type_name(current) != delta_type_name(wanted):
+                if not is_safe_widening(current, wanted):
+                    raise SchemaChangeError(
+                        f"column {column.column!r} of {target.table} changed type from "
+                        f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
+                        RESNAPSHOT_FIX,
+                    )
+                widened[column.column] = wanted
+        # Columns new since the previous Relation message (or, for the first one of the run, new
+        # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows.
+        seen = {c.name for c in previous.columns} if previous is not None else set(existing)
+        self._refuse_renamed(target, [c.column for c in columns], seen)
+        fills = self._fills(target, relation, columns, [c for c in columns if c.column not in seen], end, seq)
+        added = [f for f in added if f.name not in fills]
+        if widened:
+            self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
+            self._writer.call(self._destination.widen_columns, target.path, widened)
+        if added:
+            self._log(f"{target.table}: adding column(s) {', '.join(f.name for f in added)}")
+            self._writer.call(self._destination.add_columns, target.path, pa.schema(added))
+        if fills:
+            self._log(
+                f"{target.table}: setting {', '.join(fills)} in the rows written up to {LSN(end)} to the value "
+                "PostgreSQL gave the rows that existed when the column was added (rewrites the Delta table)"
+            )
+            values = pa.table({name: value for name, value in fills.items()})
+            if self._before_fill is not None:
+                self._before_fill(target, values, end, seq)
+            self._writer.call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
+        if widened or added or fills:
+            target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
+        names = {column.column for column in columns}
+        target.dropped = [
+            f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
+        ]
+        return previous is not None or bool(widened or added or fills or target.dropped)
+
+    def _fills(
+        self,
+        target: TableTarget,
+        relation: Relation,
+        columns: list[PgColumnType],
+        new: list[PgColumnType],
+        end: int,
+        seq: int,
+    ) -> dict[str, pa.Array]:
+        """The value (one-element typed array) each newly appearing column must get in the rows
+        already in Delta, for the columns that need one.
+
+        ``ALTER TABLE ... ADD COLUMN c ... DEFAULT x`` gives existing rows ``x`` without any row
+        change in the WAL: PostgreSQL 11+ stores a non-volatile default once as the column's
+        missing value (pg_attribute.attmissingval). A volatile default, or one set after the
+        column was added, is in the rows themselves and cannot be told from the catalog.
+        """
+        if not new:
+            return {}
+        if target.mode in MARKED_MODES and target.applied_marker is not None and target.applied_marker >= (end, seq):
+            return {}  # a replay: changes after this Relation message are in Delta, so it was handled before
+        facts = self._types.added_columns(relation, [c.column for c in new])
+        in_delta = {f.name for f in target.delta_schema or []}
+        fills: dict[str, pa.Array] = {}
+        for column, attribute in zip(columns, relation.columns):
+            if column not in new:
+                continue
+            name = column.column
+            seen = facts.get(name)
+            if not seen:
+                # Gone again (dropped or renamed) before we looked, which also clears its missing value.
+                # It is a dropped column in Delta from here on; only the rows written before it was
+                # added lack what PostgreSQL gave them there (NULL instead), which no longer exists in
+                # PostgreSQL. Refusing would stop every ADD COLUMN ... DROP COLUMN between two runs.
+                self._log(
+                    f"warning: {target.table}: column {name} was added and is gone again (dropped or renamed) "
+                    "before this run: rows written before it was added hold NULL in it in Delta"
+                )
+                continue
+            if len(seen) > 1:
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} differs between its partitions: "
+                    "what its existing rows hold cannot be told from the catalog",
+                    RESNAPSHOT_FIX,
+                )
+            ((type_oid, has_missing, missing, has_default),) = seen
+            if has_missing and type_oid != attribute.type_oid:
+                # A type change rewrites the table and clears the missing value: this one belongs to
+                # a column of the same name added again since.
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} was added and has since been dropped and added again: "
+                    "what its existing rows held cannot be read any more",
+                    RESNAPSHOT_FIX,
+                )
+            if has_missing:
+                try:
+                    fills[name] = to_arrow(pa.array([missing], pa.string()), column)
+                except PgValueError as exc:
+                    raise ChangeValueError(
+                        f"cannot apply the default of the added column {name!r} to {target.table}: {exc}",
+                        "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
+                    ) from exc
+            elif has_default:
+                raise SchemaChangeError(
+                    f"column {name!r} of {target.table} was added with a default that PostgreSQL wrote into the "
+                    "existing rows without logging them (a volatile default, or a default set after the column "
+                    "was added)",
+                    RESNAPSHOT_FIX,
+                )
+            elif name in in_delta:
+                # Added again under the name of a column dropped earlier (kept in Delta): existing rows are NULL.
+                fills[name] = pa.nulls(1, arrow_type(column))
+        return fills

@@ -1,0 +1,177 @@
+"""The ``pgcdc`` console script.
+
+``pgcdc changes`` is how a user looks into a slot: like ``pg_recvlogical``, but
+decoded, one JSON object per pgoutput message. Looking must be safe, so the slot
+only moves with ``--advance``. ``pgcdc as-of`` prints a table as it was at an LSN,
+folded from its changelog (docs/history.md). Every failure is one line on stderr
+naming the fix, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TextIO
+
+import psycopg
+
+from resources.errors import explain, PgcdcError
+from resources.lsn import LSN
+from resources.pgoutput.decoder import PgOutputDecoder
+from resources.pgoutput.messages import Commit, CommitPrepared, Prepare, RollbackPrepared, StreamCommit, StreamPrepare
+from resources.pgoutput.options import PgOutputOptions
+from resources.pgoutput.to_json import message_to_json
+from resources.pgtypes import SESSION_SETTINGS
+from resources.postgres.preflight import check_server, check_slot
+from resources.postgres.publication import check_publications
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.stream import ReplicationStream
+
+EXIT_USAGE_OR_SETUP = 2
+
+#: Messages after which no transaction of the stream is open; their end LSN is safe to confirm.
+_ENDS_OF_TRANSACTIONS = (Commit, Prepare, CommitPrepared, RollbackPrepared, StreamCommit, StreamPrepare)
+
+
+def _end_of(message: object) -> LSN:
+    if isinstance(message, RollbackPrepared):
+        return message.rollback_end_lsn
+    return message.end_lsn  # type: ignore[attr-defined]
+
+
+def _lsn(text: str) -> LSN:
+    try:
+        return LSN.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _time(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if moment.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text} has no time zone (write e.g. {text}+00:00)")
+    return moment
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pgcdc", description="PostgreSQL change data capture into Delta Lake")
+    commands = parser.add_subparsers(dest="command", required=True)
+    changes = commands.add_parser(
+        "changes", help="print a slot's changes, decoded, as JSON lines (the slot moves only with --advance)"
+    )
+    changes.add_argument("--dsn", required=True, help="libpq DSN or postgresql:// URL of the source database")
+    changes.add_argument("--slot", required=True, help="the logical replication slot (pgoutput) to read")
+    changes.add_argument(
+        "--publication", action="append", required=True, help="publication to decode (repeat for several)"
+    )
+    changes.add_argument("--create-slot", action="store_true", help="create the slot (pgoutput) when it is missing")
+    changes.add_argument("--proto-version", type=int, choices=(1, 2, 3, 4), help="default: the highest the server has")
+    changes.add_argument("--streaming", action="store_true", help="stream large in-progress transactions")
+    changes.add_argument("--messages", action="store_true", help="include logical decoding messages")
+    changes.add_argument("--binary", action="store_true", help="values in binary send format (printed as \\x hex)")
+    changes.add_argument(
+        "--two-phase", action="store_true", help="decode prepared transactions at PREPARE (slot created with TWO_PHASE)"
+    )
+    changes.add_argument("--end-lsn", type=_lsn, help="stop at this X/Y (default: the WAL position at start)")
+    changes.add_argument("--advance", action="store_true", help="confirm what was printed, moving the slot")
+    as_of = commands.add_parser(
+        "as-of", help="print a table as it was at an LSN, from its changelog, as JSON lines (docs/history.md)"
+    )
+    as_of.add_argument("--table", required=True, help="schema.table, with history: changelog in the configuration")
+    moment = as_of.add_mutually_exclusive_group()
+    moment.add_argument("--lsn", type=_lsn, help="X/Y: the table once every transaction ending at or before it applied "
+                        "(default: its whole changelog)")
+    moment.add_argument("--time", type=_time, help="an ISO 8601 time with its zone: the table before the first "
+                        "transaction committed after it")
+    as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
+    return parser
+
+
+def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
+    """Fold the table's changelog up to ``--lsn`` and print its rows; returns the number printed.
+
+    The engine and the lake are imported here: ``pgcdc changes`` needs neither."""
+    from resources.config import load_config
+    from resources.delta.engine import SparkEngine
+    from resources.delta.lake_storage import open_lake
+    from resources.history import read_as_of
+    from resources.postgres.catalog import TableName
+
+    config = load_config(args.config)
+    open_lake(config.delta.root, config.delta.storage)
+    with SparkEngine.from_config(config.spark) as engine:
+        rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn, args.time)
+    for row in rows.to_pylist():
+        out.write(json.dumps(row, ensure_ascii=False, default=str))
+        out.write("\n")
+    out.flush()
+    return rows.num_rows
+
+
+def print_changes(args: argparse.Namespace, out: TextIO) -> int:
+    """Stream the slot to ``end`` and print every message; returns the number printed."""
+    with ReplicationConnection(args.dsn, application_name="pgcdc changes", session_settings=SESSION_SETTINGS) as conn:
+        check_server(conn)
+        check_publications(conn, args.publication)
+        if args.create_slot and conn.read_slot(args.slot) is None:
+            conn.create_slot(args.slot, two_phase=args.two_phase)
+        slot_state = check_slot(conn, args.slot)
+        end = args.end_lsn if args.end_lsn is not None else conn.identify_system().xlogpos
+
+        options = PgOutputOptions(
+            publication_names=args.publication,
+            proto_version=args.proto_version,
+            binary=args.binary,
+            messages=args.messages,
+            streaming="on" if args.streaming else "off",
+            two_phase=args.two_phase,
+        )
+        stream = ReplicationStream(conn)
+        stream.start(args.slot, options=options)
+        decoder_version = options.validate(conn.server_version_num)
+        decoder = PgOutputDecoder(decoder_version)
+        printed = 0
+        last_end = slot_state.confirmed_flush_lsn or LSN(0)
+        for frame in stream.drain(end, stop=False):
+            message = decoder.decode(frame.payload, frame.wal_start)
+            out.write(json.dumps(message_to_json(message, decoder), ensure_ascii=False))
+            out.write("\n")
+            printed += 1
+            if isinstance(message, _ENDS_OF_TRANSACTIONS):
+                last_end = max(last_end, _end_of(message))
+        if args.advance:
+            # The drain stopped at a transaction boundary at or past `end`: every
+            # transaction committed before `end` has been printed, so `end` (or the
+            # last printed commit beyond it) is safe to confirm.
+            stream.confirm(max(end, last_end))
+        stream.stop()
+        out.flush()
+        return printed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "changes":
+            print_changes(args, sys.stdout)
+        elif args.command == "as-of":
+            print_as_of(args, sys.stdout)
+        return 0
+    except (PgcdcError, psycopg.Error) as error:
+        slot = getattr(args, "slot", None)
+        print(f"pgcdc: {explain(error, getattr(args, 'dsn', None), slot=slot)}", file=sys.stderr)
+        return EXIT_USAGE_OR_SETUP
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Crash points, the one fault-injection seam: ``PGCDC_FAULT_POINT`` names a point where the process kills itself.
+
+The only piece of test machinery the runtime carries: a named point costs one environment lookup
+when reached, and a test can then crash a real run exactly there.
+
+Exactly-once has to survive a crash at any instant, and the only honest test of that is a
+real SIGKILL (no ``finally`` blocks, no flushing, no goodbye to PostgreSQL). Tests run an
+incremental drain in a child process with ``PGCDC_FAULT_POINT`` set; the first time the
+drain reaches that point the process sends itself SIGKILL. Unset (always, in production)
+the check is one dictionary lookup per chunk.
+
+Points (see ``resources/incremental.py``):
+
+* ``before_merge``: changes are decoded and batched, nothing of the chunk is in Delta yet.
+* ``after_history_commit``: a changelog commit (docs/history.md) is durable, the table's commit of
+  the same changes is not.
+* ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
+* ``after_confirm``: the slot has been told the chunk's end position.
+* ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
+  (``resources/delta/state_table.py``) not yet written, the last chunk not confirmed.
+* ``after_range_slot``: a snapshot in key ranges (``resources/key_range_copy.py``) created the
+  temporary slot of its next range, nothing of the range is in Delta yet.
+* ``after_range_commit``: the range's Delta commit (with its marker) is durable, the drain that
+  follows it has not started.
+
+Snapshot points (``resources/snapshot.py``, ``resources/delta/snapshot_writes.py``; docs/contracts.md,
+"Snapshot crash points", says what each leaves and how the next run recovers):
+
+* ``after_snapshot_slot``: a snapshot's temporary slot and transaction exist, nothing is in Delta.
+* ``before_snapshot_create``: delta-rs's writer made the table's directory, not yet the table.
+* ``after_snapshot_create``: delta-rs's writer created the empty table (commit 0), no snapshot commit.
+* ``during_snapshot_write``: the writer holds the first piece of the rows (either writer, also a key
+  range's), nothing of them is committed.
+* ``after_snapshot_staged``: the engine's writer staged every piece as Parquet, the engine has not
+  written the table.
+* ``after_snapshot_commit``: the snapshot commit (or a key range's) is durable; the pgcdc state is not
+  written, a staging directory is removed.
+* ``before_snapshot_state_write``: every table of the snapshot run is committed, the pgcdc state is not
+  written.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
+FAULT_POINTS = (
+    "before_merge", "after_history_commit", "after_delta_commit", "after_confirm", "before_state_write",
+    "after_range_slot", "after_range_commit",
+    "after_snapshot_slot", "before_snapshot_create", "after_snapshot_create", "during_snapshot_write",
+    "after_snapshot_staged", "after_snapshot_commit", "before_snapshot_state_write",
+)
+
+
+def fault_point(name: str) -> None:
+    """Kill this process with SIGKILL if ``PGCDC_FAULT_POINT`` names ``name``."""
+    if os.environ.get(FAULT_POINT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

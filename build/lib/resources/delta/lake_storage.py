@@ -1,0 +1,452 @@
+"""Where the lake lives: a local directory or an object store URL (``s3://bucket/prefix``).
+
+pgcdc must not assume the engine shares its filesystem, so everything that touches the lake
+outside the engine goes through this module: the table locations (``PgcdcConfig.table_path``),
+the settings each party needs to reach the store (the engine's environment, delta-rs
+``storage_options``), a storage client (``pyarrow.fs``) for clean-up, and the preflight that
+turns a wrong bucket, missing credentials or an unreachable endpoint into one line naming the
+key to fix before anything is written.
+
+Credentials never live in the configuration file: ``delta.storage.access_key_id`` and friends
+are references to environment variables (``${NAME}``), resolved when used, or absent (then the
+usual ``AWS_*`` variables and AWS credential sources apply). Resolved secrets go only into the
+engine child's environment and the storage clients, never into logs, metadata or errors.
+
+Each party reads the store with its own client (Sail and delta-rs use Rust's ``object_store``,
+pgcdc's clean-up uses Arrow's C++ S3 client); the settings below are the ones all of them honour.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from resources.errors import ConfigurationError
+
+OBJECT_STORE_SCHEMES = ("s3", "s3a")
+"""Both name the same S3 store: Sail and delta-rs accept either, classic Spark's S3A client
+takes ``s3a://`` (and ``s3://`` once ``fs.s3.impl`` points to it)."""
+
+_ENV_REFERENCE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+_CREDENTIAL_SOURCES_IN_ENVIRONMENT = (
+    "AWS_PROFILE",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
+"""Other AWS credential sources than a key pair: with one of these set, the clients find
+credentials themselves and the preflight does not ask for a key pair."""
+CONNECT_TIMEOUT_S = 3.0
+REQUEST_TIMEOUT_S = 10.0
+
+
+class StorageSettings(BaseModel):
+    """``delta.storage``: how to reach an object-store lake; ignored for a local ``delta.root``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str | None = Field(
+        default=None, description="http(s)://host:port of an S3-compatible server; null = AWS S3 (or AWS_ENDPOINT_URL)"
+    )
+    region: str | None = Field(default=None, description="S3 region; null = AWS_REGION / AWS_DEFAULT_REGION")
+    path_style: bool = Field(default=True, description="bucket in the URL path (S3-compatible servers) vs in the host name")
+    allow_http: bool = Field(default=False, description="must be true for an http:// endpoint")
+    access_key_id: str | None = Field(default=None, description="${ENV_VAR} holding the access key id")
+    secret_access_key: str | None = Field(default=None, description="${ENV_VAR} holding the secret access key")
+    session_token: str | None = Field(default=None, description="${ENV_VAR} holding a session token")
+    instance_credentials: bool = Field(
+        default=False, description="credentials come from the machine (EC2 instance role); no key pair needed"
+    )
+
+    @field_validator("access_key_id", "secret_access_key", "session_token")
+    @classmethod
+    def _environment_reference(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_REFERENCE.match(value):
+            # The value itself is not echoed: it may be the secret.
+            raise ValueError("must name an environment variable as ${NAME}; secrets do not belong in the file")
+        return value
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_url(cls, value: str | None) -> str | None:
+        if value is not None and (urlsplit(value).scheme not in ("http", "https") or not urlsplit(value).hostname):
+            raise ValueError("must be a URL like https://s3.example.com or http://127.0.0.1:9000")
+        return value
+
+    @model_validator(mode="after")
+    def _http_allowed(self) -> StorageSettings:
+        if self.endpoint is not None and self.endpoint.startswith("http://") and not self.allow_http:
+            raise ValueError("endpoint uses http://: set delta.storage.allow_http: true (or use https://)")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("set both access_key_id and secret_access_key, or neither")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectLocation:
+    """An object-store URL split into its parts; ``prefix`` has no leading or trailing '/'."""
+
+    scheme: str
+    bucket: str
+    prefix: str
+
+    @property
+    def store_path(self) -> str:
+        """``bucket/prefix``: the path Arrow's filesystem takes."""
+        return f"{self.bucket}/{self.prefix}".rstrip("/")
+
+
+def is_object_store(location: str) -> bool:
+    return urlsplit(location).scheme in OBJECT_STORE_SCHEMES
+
+
+def parse_object_location(location: str) -> ObjectLocation:
+    parts = urlsplit(location)
+    if parts.scheme not in OBJECT_STORE_SCHEMES or not parts.netloc:
+        raise ConfigurationError(
+            f"delta.root {location} is not a supported lake location",
+            "use a local directory or s3://bucket/prefix (s3a:// also works)",
+        )
+    return ObjectLocation(parts.scheme, parts.netloc, parts.path.strip("/"))
+
+
+def join_location(root: str, *components: str) -> str:
+    """``root`` with path components appended: a URL stays a URL (joined with '/'), a local
+    root is resolved against pgcdc's working directory, as it always was."""
+    if "://" in root and not root.startswith("file://"):
+        if not is_object_store(root):
+            parse_object_location(root)  # raises, naming the schemes that work
+        return "/".join([root.rstrip("/"), *components])
+    return os.path.join(_resolved_root(root.removeprefix("file://"), os.getcwd()), *components)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_root(root: str, working_directory: str) -> str:
+    """``root`` resolved against ``working_directory``: once per root, not once per table of a
+    run (resolving walks the path with a system call per component)."""
+    return str((Path(working_directory) / root).resolve())
+
+
+@dataclass(frozen=True, slots=True)
+class _Credentials:
+    access_key_id: str
+    secret_access_key: str
+    session_token: str | None
+
+    def __repr__(self) -> str:  # never the values
+        return "_Credentials(<hidden>)"
+
+
+class LakeStorage:
+    """The lake at ``root`` with its ``delta.storage`` settings: what each client needs to reach it."""
+
+    def __init__(self, root: str, settings: StorageSettings | None = None) -> None:
+        self.root = root
+        self.settings = settings or StorageSettings()
+        self.location = parse_object_location(root) if is_object_store(root) else None
+        self._filesystem: object | None = None
+
+    def __repr__(self) -> str:
+        return f"LakeStorage(root={self.root!r})"
+
+    @property
+    def is_object_store(self) -> bool:
+        return self.location is not None
+
+    def _region(self) -> str | None:
+        return self.settings.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+
+    def _endpoint(self) -> str | None:
+        return self.settings.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+    def _credentials(self) -> _Credentials | None:
+        """The configured key pair (from its environment variables), else AWS_* from the
+        environment, else None (another credential source)."""
+        references = {
+            "access_key_id": (self.settings.access_key_id, "AWS_ACCESS_KEY_ID"),
+            "secret_access_key": (self.settings.secret_access_key, "AWS_SECRET_ACCESS_KEY"),
+            "session_token": (self.settings.session_token, "AWS_SESSION_TOKEN"),
+        }
+        values: dict[str, str | None] = {}
+        for key, (reference, default_variable) in references.items():
+            if reference is None:
+                values[key] = os.environ.get(default_variable) or None
+                continue
+            variable = _ENV_REFERENCE.match(reference).group(1)  # type: ignore[union-attr]  # validated
+            value = os.environ.get(variable)
+            if not value:
+                raise ConfigurationError(
+                    f"delta.storage.{key} names ${{{variable}}}, which is not set in pgcdc's environment",
+                    f"export {variable}, or change delta.storage.{key}",
+                )
+            values[key] = value
+        if values["access_key_id"] and values["secret_access_key"]:
+            return _Credentials(values["access_key_id"], values["secret_access_key"], values["session_token"])
+        return None
+
+    def _has_other_credential_source(self) -> bool:
+        return (
+            self.settings.instance_credentials
+            or any(os.environ.get(name) for name in _CREDENTIAL_SOURCES_IN_ENVIRONMENT)
+            or Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", Path.home() / ".aws" / "credentials")).is_file()
+        )
+
+    def object_store_options(self) -> dict[str, str]:
+        """The store settings as ``object_store`` names them: the environment of a Sail server and
+        delta-rs ``storage_options``. Empty for a local lake. Holds secrets: pass on, never print."""
+        if self.location is None:
+            return {}
+        options: dict[str, str] = {}
+        endpoint, region = self._endpoint(), self._region()
+        if endpoint:
+            options["AWS_ENDPOINT_URL"] = endpoint
+        if region:
+            options["AWS_REGION"] = region
+        if self.settings.allow_http:
+            options["AWS_ALLOW_HTTP"] = "true"
+        options["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] = "false" if self.settings.path_style else "true"
+        credentials = self._credentials()
+        if credentials is not None:
+            options["AWS_ACCESS_KEY_ID"] = credentials.access_key_id
+            options["AWS_SECRET_ACCESS_KEY"] = credentials.secret_access_key
+            if credentials.session_token:
+                options["AWS_SESSION_TOKEN"] = credentials.session_token
+        return options
+
+    def engine_environment(self) -> dict[str, str]:
+        """What an embedded Sail server's environment needs: Sail reads its storage settings
+        only from its own process environment, never from the Spark session's settings."""
+        return self.object_store_options()
+
+    def spark_settings(self) -> dict[str, str]:
+        """Settings for a JVM Spark (Hadoop's S3A client) to reach the store under the same
+        ``s3://`` URL as the other clients: S3A's jars (:func:`s3a_jars`, fetched once into the jar
+        cache) and ``fs.s3.impl`` pointing at S3A. Credentials are not among them: S3A takes them
+        from the server's environment (``engine_environment``), never from its command line."""
+        if self.location is None:
+            return {}
+        settings = {
+            "spark.jars": ",".join(str(path) for path in s3a_jars()),
+            "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+            "spark.hadoop.fs.s3a.path.style.access": str(self.settings.path_style).lower(),
+            "spark.hadoop.fs.s3a.connection.establish.timeout": f"{CONNECT_TIMEOUT_S:.0f}s",
+            "spark.hadoop.fs.s3a.attempts.maximum": "2",
+            "spark.hadoop.fs.s3a.retry.limit": "2",
+        }
+        endpoint, region = self._endpoint(), self._region()
+        if endpoint:
+            settings["spark.hadoop.fs.s3a.endpoint"] = endpoint
+            settings["spark.hadoop.fs.s3a.connection.ssl.enabled"] = str(endpoint.startswith("https://")).lower()
+        if region:
+            settings["spark.hadoop.fs.s3a.endpoint.region"] = region
+        if self._credentials() is not None:
+            settings["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
+                "software.amazon.awssdk.auth.credentials.EnvironmentVariableCredentialsProvider"
+            )
+        return settings
+
+    def filesystem(self) -> object:
+        """A ``pyarrow.fs.S3FileSystem`` on the store, with short time-outs so a wrong endpoint
+        fails in seconds (the AWS SDK's defaults retry for minutes); made once per lake."""
+        if self._filesystem is None:
+            self._filesystem = self._new_filesystem()
+        return self._filesystem
+
+    def _new_filesystem(self) -> object:
+        from pyarrow import fs
+
+        if self.location is None:
+            return fs.LocalFileSystem()
+        arguments: dict[str, object] = {
+            "region": self._region(),
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "request_timeout": REQUEST_TIMEOUT_S,
+            "force_virtual_addressing": not self.settings.path_style,
+            "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=2),
+        }
+        endpoint = self._endpoint()
+        if endpoint:
+            parts = urlsplit(endpoint)
+            arguments["endpoint_override"] = parts.netloc
+            arguments["scheme"] = parts.scheme
+        credentials = self._credentials()
+        if credentials is not None:
+            arguments["access_key"] = credentials.access_key_id
+            arguments["secret_key"] = credentials.secret_access_key
+            arguments["session_token"] = credentials.session_token
+        return fs.S3FileSystem(**arguments)
+
+    def check(self) -> None:
+        """Preflight, read-only: the store is reachable, the bucket exists and can be listed with
+        the credentials pgcdc has. Raises a one-line ``ConfigurationError`` naming the key to fix.
+        A local lake needs no check (the engine creates its directories)."""
+        if self.location is None:
+            return
+        from pyarrow import fs
+
+        if not self._region():
+            raise ConfigurationError(
+                f"no S3 region for delta.root {self.root}", "set delta.storage.region (or AWS_REGION)"
+            )
+        if self._credentials() is None and not self._has_other_credential_source():
+            raise ConfigurationError(
+                f"no S3 credentials for delta.root {self.root}",
+                "set delta.storage.access_key_id and secret_access_key to ${ENV_VAR} references, export "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set delta.storage.instance_credentials: true",
+            )
+        filesystem = self.filesystem()
+        endpoint = self._endpoint() or "AWS S3"
+        try:
+            bucket = filesystem.get_file_info(self.location.bucket)  # type: ignore[attr-defined]
+            if bucket.type == fs.FileType.NotFound:
+                raise ConfigurationError(
+                    f"bucket {self.location.bucket!r} of delta.root {self.root} does not exist at {endpoint}",
+                    "fix delta.root (or delta.storage.endpoint), or create the bucket",
+                )
+            filesystem.get_file_info(fs.FileSelector(self.location.store_path, allow_not_found=True))  # type: ignore[attr-defined]
+        except OSError as error:
+            raise _explain_store_error(error, self.root, endpoint) from None
+
+    def remove_tree(self, location: str, keep_parent: bool = False) -> None:
+        """Delete everything at ``location`` (inside this lake) and, locally, its parent directory
+        when it is left empty (unless ``keep_parent``). Missing is fine: this is clean-up of pgcdc's
+        own data."""
+        if self.location is None or not is_object_store(location):
+            _remove_local_tree(location, keep_parent)
+            return
+        try:
+            # Arrow's client then leaves an empty marker object for the emptied parent (the
+            # ``_pgcdc_staging/`` "directory"), which Delta readers ignore like the directory itself.
+            self.filesystem().delete_dir(parse_object_location(location).store_path)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            pass
+
+
+S3A_JARS = (
+    "org/apache/hadoop/hadoop-aws/3.4.2/hadoop-aws-3.4.2.jar",
+    "software/amazon/awssdk/bundle/2.29.52/bundle-2.29.52.jar",
+    "software/amazon/s3/analyticsaccelerator/analyticsaccelerator-s3/1.2.1/analyticsaccelerator-s3-1.2.1.jar",
+)
+"""Hadoop's S3A client for the Hadoop 3.4.2 inside pyspark 4.1, the AWS SDK v2 bundle that Hadoop
+release is built against (612 MiB) and S3A's one further compile dependency. Passed as plain
+jars: resolving hadoop-aws through Ivy or Maven fails on a ``provided`` dependency that is not
+on Maven Central (docs/engine-notes.md)."""
+MAVEN_CENTRAL = "https://repo1.maven.org/maven2/"
+
+
+def s3a_jars() -> list[Path]:
+    """The S3A jars in the jar cache (``$PGCDC_JAR_CACHE/s3a``), downloaded from Maven Central the
+    first time: a fresh machine pays the bundle's download once."""
+    from urllib.request import urlopen
+
+    from resources.delta.spark_server import jar_cache_dir
+
+    directory = jar_cache_dir() / "s3a"
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for relative in S3A_JARS:
+        path = directory / relative.rsplit("/", 1)[1]
+        if not path.is_file():
+            partial = path.with_suffix(".part")
+            with urlopen(MAVEN_CENTRAL + relative, timeout=60) as response, open(partial, "wb") as out:
+                shutil.copyfileobj(response, out, 1024 * 1024)
+            partial.rename(path)
+        paths.append(path)
+    return paths
+
+
+def _remove_local_tree(location: str, keep_parent: bool = False) -> None:
+    local = location.removeprefix("file://")
+    if "://" in local:
+        return  # a store pgcdc has no client for: left to the store's lifecycle rules
+    shutil.rmtree(local, ignore_errors=True)
+    if keep_parent:
+        return
+    try:
+        Path(local).parent.rmdir()  # the staging directory, unless another write uses it
+    except OSError:
+        pass
+
+
+def _explain_store_error(error: OSError, root: str, endpoint: str) -> ConfigurationError:
+    """Arrow's S3 errors as one line naming the key to fix (the message holds no secrets:
+    the AWS SDK does not echo credentials)."""
+    text = " ".join(str(error).split())
+    if "NETWORK_CONNECTION" in text or "curlCode" in text or "Could not connect" in text or "resolve" in text:
+        return ConfigurationError(
+            f"S3 endpoint {endpoint} of delta.root {root} is unreachable",
+            "fix delta.storage.endpoint (or AWS_ENDPOINT_URL), or start the server",
+        )
+    if "ACCESS_DENIED" in text or "403" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+        return ConfigurationError(
+            f"S3 refused access to delta.root {root}",
+            "fix the credentials (delta.storage.access_key_id / secret_access_key, or AWS_*)",
+        )
+    return ConfigurationError(f"cannot reach delta.root {root} ({text[:200]})", "check delta.root and delta.storage")
+
+
+_OPEN_LAKES: dict[str, LakeStorage] = {}
+"""Lakes pgcdc has checked, by root. The Delta writers take a session and a table path only; the
+clean-up of their staging data finds the store's client here by the path's root."""
+
+
+def open_lake(root: str, settings: StorageSettings | None = None) -> LakeStorage:
+    """Check the lake (``LakeStorage.check``) and remember it for clean-up by location."""
+    lake = LakeStorage(root, settings)
+    lake.check()
+    if lake.is_object_store:
+        _OPEN_LAKES[root.rstrip("/")] = lake
+    return lake
+
+
+def storage_client(location: str) -> tuple[object, str]:
+    """A ``pyarrow.fs`` filesystem reaching ``location`` and the path it takes there: the opened
+    lake's client for an object-store location, the local filesystem otherwise. pgcdc reads
+    Delta logs with it (``resources/delta/table_log.py``) without a round trip through the engine."""
+    from pyarrow import fs
+
+    lake = _opened_object_store(location)
+    if lake is not None:
+        return lake.filesystem(), parse_object_location(location).store_path
+    return fs.LocalFileSystem(), location.removeprefix("file://")
+
+
+def object_store_options(location: str) -> dict[str, str]:
+    """The ``object_store`` settings (delta-rs ``storage_options``) of the opened lake holding
+    ``location``; empty for a local path. Holds secrets: pass on, never print."""
+    lake = _opened_object_store(location)
+    return {} if lake is None else lake.object_store_options()
+
+
+def _opened_object_store(location: str) -> LakeStorage | None:
+    """The opened object-store lake holding ``location``; None for a local path. An object-store
+    location of a lake this process has not opened (checked, with its credentials) is refused."""
+    for root, lake in _OPEN_LAKES.items():
+        if location == root or location.startswith(root + "/"):
+            return lake
+    if is_object_store(location):
+        raise ConfigurationError(
+            f"{location} is on an object store pgcdc has not opened", "open the lake first (open_lake(delta.root, delta.storage))"
+        )
+    return None
+
+
+def remove_tree(location: str, keep_parent: bool = False) -> None:
+    """Delete pgcdc's own data at ``location`` (staging data, or a table it created and could not
+    fill), on whatever store holds it: a local directory
+    directly, an object-store location through the client of the opened lake containing it (one
+    not opened by this process is left to the store's lifecycle rules). A local parent directory
+    left empty goes too (a staging directory), unless ``keep_parent``."""
+    for root, lake in _OPEN_LAKES.items():
+        if location.startswith(root + "/"):
+            lake.remove_tree(location, keep_parent)
+            return
+    _remove_local_tree(location, keep_parent)
+

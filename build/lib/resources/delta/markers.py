@@ -1,0 +1,295 @@
+"""What pgcdc keeps in Delta besides the rows: the LSN column, commit markers and the commit log reads.
+
+Every pgcdc commit that the next run must be able to find carries a JSON marker in its Delta
+``userMetadata``, ``{"pgcdc": {"kind": ...}}``:
+
+* ``snapshot``: the table was (re)written from a COPY at ``snapshot_lsn``; changes at or below
+  it are already in the rows. ``layout`` (absent: unbucketed, as every table written before
+  pgcdc chose layouts) is the table's bucketing (``resources/delta/layout.py``). A table copied in
+  primary-key ranges has ``chunks`` (``resources/delta/key_ranges.py``: the ranges, and the
+  consistent point of each one done so far, ``range``: the one this commit copied) and a
+  ``snapshot_lsn`` only once every range is done.
+* ``append`` / ``replace``: a keyless append or a REPLICA IDENTITY FULL rewrite applied the
+  changes of one transaction up to position ``applied_seq`` of the commit ending at
+  ``applied_lsn``; a replay skips exactly those.
+
+Other writers' metadata (free text, other JSON) is ignored. Reading the whole log through the engine
+is one Spark query over ``_delta_log`` (:func:`read_commit_metadata`), newest commit first; the
+incremental run reads only the commits it needs with ``resources/delta/table_log.py`` instead, and
+folds them with :func:`fold_table_log`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.errors import AnalysisException
+from pyspark.sql import DataFrame, functions as F, SparkSession
+
+from resources.delta.capabilities import engine_capabilities
+from resources.delta.destination import TableLog
+from resources.delta.key_ranges import KeyRanges
+from resources.delta.layout import TableLayout
+from resources.lsn import LSN
+
+LSN_COLUMN = "_pgcdc_lsn"
+"""The column every Delta table gets: the commit end LSN of the change that wrote the row (the snapshot LSN for copied rows)."""
+
+APPEND_MARKER, REPLACE_MARKER = "append", "replace"
+"""Marker kinds of the commits that apply changes without a key (keyless append, REPLICA IDENTITY FULL rewrite)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """One Delta commit as recorded in ``_delta_log``."""
+
+    version: int
+    timestamp_ms: int
+    operation: str
+    user_metadata: str | None
+
+
+_COMMIT_INFO_SCHEMA = "commitInfo STRUCT<timestamp: BIGINT, operation: STRING, userMetadata: STRING>"
+
+
+def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = None) -> list[CommitRecord]:
+    """Commits of the table at ``path``, newest first, read from its log through the engine.
+
+    Commits removed by log cleanup (after a checkpoint and ``delta.logRetentionDuration``)
+    are gone; keep that retention longer than the longest a table may sit idle. Delta on
+    Spark reads them with ``DESCRIBE HISTORY`` (the capability seam); other engines scan the
+    log's JSON files: the same records.
+    """
+    if engine_capabilities(spark).delta_commands:
+        table = "`" + path.replace("`", "``") + "`"
+        try:
+            history = spark.sql(f"DESCRIBE HISTORY delta.{table}" + (f" LIMIT {int(limit)}" if limit else ""))
+        except AnalysisException as error:
+            if error.getCondition() == "DELTA_TABLE_ONLY_OPERATION":  # no table (yet): no commits, as the log scan says
+                return []
+            raise
+        return [
+            CommitRecord(row["version"], row["timestamp_ms"], row["operation"], row["userMetadata"])
+            for row in history.select(
+                "version", F.unix_millis("timestamp").alias("timestamp_ms"), "operation", "userMetadata"
+            ).orderBy(F.desc("version")).collect()
+        ]
+    commits = _log_actions(spark, path, "commitInfo", _COMMIT_INFO_SCHEMA).select("version", "action.commitInfo.*")
+    if limit is not None:
+        commits = commits.limit(limit)
+    return [
+        CommitRecord(row["version"], row["timestamp"], row["operation"], row["userMetadata"])
+        for row in commits.collect()
+    ]
+
+
+def _log_actions(spark: SparkSession, path: str, action: str, schema: str) -> DataFrame:
+    """The ``action`` actions (parsed by ``schema`` as column ``action``) of the JSON commits left in
+    the table's log, with their ``version``, newest first: a scan of the log's JSON files."""
+    return (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.json")
+        .load(f"{path.rstrip('/')}/_delta_log")
+        .select(
+            F.regexp_extract("path", r"(\d+)\.json$", 1).cast("bigint").alias("version"),
+            F.explode(F.split(F.col("content").cast("string"), "\n")).alias("line"),
+        )
+        .where(F.col("line").startswith('{"' + action + '"'))
+        .select("version", F.from_json("line", schema).alias("action"))
+        .orderBy(F.desc("version"))
+    )
+
+
+EXPIRED_SNAPSHOT_LSN = LSN(0)
+"""What :func:`read_snapshot_lsn` answers for a table whose snapshot commit has left the log."""
+
+
+def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
+    """The snapshot LSN of the newest snapshot commit at ``path``; None without table or marker."""
+    return read_snapshot_marker(spark, path)[0]
+
+
+def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, TableLayout | None]:
+    """The snapshot LSN of the newest snapshot commit at ``path`` (None without table or marker)
+    and the layout it recorded (None: unbucketed, or the marker is gone, see below).
+
+    Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a
+    newer checkpoint covers them, so a table replicated for longer than that has lost its
+    snapshot commit, and with it the marker. The LSN no longer matters by then: every
+    incremental run confirms the slot past the WAL position at its start, so the slot passed the
+    snapshot LSN with the first run after the snapshot, long before the commit expired. A table
+    whose log no longer starts at version 0 and holds no marker is therefore snapshotted at
+    :data:`EXPIRED_SNAPSHOT_LSN` (nothing of what the slot sends is skipped) rather than treated as
+    never snapshotted, which would skip all its changes.
+    """
+    try:
+        commits = read_commit_metadata(spark, path)
+    except AnalysisException as exc:
+        if exc.getCondition() == "PATH_NOT_FOUND":  # JVM Spark; Sail lists no commits instead
+            return None, None
+        raise
+    for commit in commits:
+        marker = pgcdc_marker(commit.user_metadata)
+        if marker is not None and marker.get("kind") == "snapshot":
+            return marker_snapshot_lsn(marker), marker_layout(marker)
+    if commits and min(commit.version for commit in commits) > 0:
+        return EXPIRED_SNAPSHOT_LSN, layout_from_property(read_layout_property(spark, path))
+    return None, None
+
+
+LAYOUT_PROPERTY = "delta.pgcdc.layout"
+"""The table property the snapshot that creates a table records its layout in (``none``: created
+unbucketed), where the writer takes it (Sail, and delta-rs's create of a new table; Delta on Spark
+refuses unknown ``delta.*`` names, delta-rs's writes refuse unknown names).
+Table properties live in the table's metadata, which every checkpoint repeats, so the layout
+outlives the snapshot commit's marker when log cleanup removes it. Engines set it only when the
+table is created (writer options do not change an existing table's properties), so a table that
+adopted buckets later still says ``none``: its layout outlives the marker in the pgcdc state, under
+the table's Delta id (``resources/delta/table_log.py: expired_layout``, docs/contracts.md, "Table layout")."""
+
+
+def layout_property(layout: TableLayout | None) -> str:
+    return json.dumps(layout.to_json()) if layout is not None else "none"
+
+
+def layout_from_property(value: str | None) -> TableLayout | None:
+    """The layout a :data:`LAYOUT_PROPERTY` value names (None: absent, or ``none``)."""
+    return TableLayout.from_json(json.loads(value)) if value and value != "none" else None
+
+
+def read_layout_property(spark: SparkSession, path: str) -> str | None:
+    """:data:`LAYOUT_PROPERTY` in the table's newest metadata (None: no table, or created by an earlier
+    pgcdc): from the newest ``metaData`` action of the commits left in the log, or the newest
+    checkpoint's when that is newer. A scan of the log through the engine: read by a re-snapshot (and
+    :func:`read_snapshot_marker` once the snapshot marker is gone); drains read it through the storage
+    client instead (``resources/delta/table_log.py``)."""
+    try:
+        return _layout_property(spark, path)
+    except AnalysisException as exc:
+        if exc.getCondition() == "PATH_NOT_FOUND":  # no table yet (JVM Spark; Sail finds no files)
+            return None
+        raise
+
+
+def _layout_property(spark: SparkSession, path: str) -> str | None:
+    log = f"{path.rstrip('/')}/_delta_log"
+    configuration = "metaData STRUCT<configuration: MAP<STRING, STRING>>"
+    newest = (
+        _log_actions(spark, path, "metaData", configuration)
+        .select("version", F.col("action.metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
+        .limit(1)
+        .collect()
+    )
+    checkpoint = (
+        spark.read.format("binaryFile")
+        .option("pathGlobFilter", "*.checkpoint.parquet")
+        .load(log)
+        .select(F.regexp_extract("path", r"(\d+)\.checkpoint\.parquet$", 1).cast("bigint").alias("version"))
+        .orderBy(F.desc("version"))
+        .limit(1)
+        .collect()
+    )
+    value = newest[0]["layout"] if newest else None
+    if checkpoint and (not newest or checkpoint[0]["version"] >= newest[0]["version"]):
+        rows = (
+            spark.read.parquet(f"{log}/{int(checkpoint[0]['version']):020d}.checkpoint.parquet")
+            .where(F.col("metaData").isNotNull())
+            .select(F.col("metaData.configuration").getItem(LAYOUT_PROPERTY).alias("layout"))
+            .collect()
+        )
+        value = rows[0]["layout"] if rows else value
+    return value
+
+
+def fold_table_log(
+    commits_newest_first: Iterable[tuple[int, Iterable[str | None]]], newest: int, known: TableLog | None
+) -> TableLog:
+    """The :class:`TableLog` of a log whose newest version is ``newest``, from its commits'
+    userMetadata, newest first: the newest snapshot marker (its LSN and layout), and the newest append/replace marker
+    after it (the rows a marker vouches for went with a later snapshot). Where the commits given
+    hold no snapshot marker, ``known`` says what was true at the commit before the oldest of them
+    (None: nothing before them). The commits continue ``known``'s log, so its table id carries over
+    (an overwrite keeps the id; a table created again restarts its versions)."""
+    applied: tuple[int, int] | None = None
+    table_id = known.table_id if known is not None else None
+    for version, commit in commits_newest_first:
+        for user_metadata in commit:
+            marker = pgcdc_marker(user_metadata)
+            if marker is None:
+                continue
+            kind = marker.get("kind")
+            if kind == "snapshot":
+                return TableLog(
+                    marker_snapshot_lsn(marker), version, newest, applied, marker_layout(marker), table_id,
+                    marker_chunks(marker),
+                )
+            if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
+                applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])
+    if known is None:
+        return TableLog(None, None, newest, applied, None)
+    return TableLog(
+        known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout, table_id,
+        known.chunks,
+    )
+
+
+def applied_marker(kind: str, end: int, seq: int) -> str:
+    """The marker of an append or replace commit: changes up to ``seq`` of the transaction ending at ``end``."""
+    return json.dumps({"pgcdc": {"kind": kind, "applied_lsn": str(LSN(end)), "applied_seq": seq}})
+
+
+def snapshot_marker(
+    snapshot_lsn: LSN | None,
+    slot: str,
+    table: str,
+    layout: TableLayout | None = None,
+    chunks: KeyRanges | None = None,
+    copied_range: int | None = None,
+) -> str:
+    """The marker of a snapshot commit: the rows are the table as of ``snapshot_lsn``, bucketed by ``layout``.
+
+    For a snapshot in key ranges, ``chunks`` says which ranges are done at which point (this commit
+    copied ``copied_range``) and ``snapshot_lsn`` is None until every range is done.
+    """
+    marker: dict[str, Any] = {"kind": "snapshot"}
+    if snapshot_lsn is not None:
+        marker["snapshot_lsn"] = str(snapshot_lsn)
+    marker.update(slot=slot, table=table)
+    if layout is not None:
+        marker["layout"] = layout.to_json()
+    if chunks is not None:
+        marker["chunks"] = {**chunks.to_json(), "range": copied_range}
+    return json.dumps({"pgcdc": marker})
+
+
+def marker_snapshot_lsn(marker: dict[str, Any]) -> LSN | None:
+    """A snapshot marker's LSN; None for a snapshot in key ranges not complete yet."""
+    value = marker.get("snapshot_lsn")
+    return LSN.parse(value) if value else None
+
+
+def marker_chunks(marker: dict[str, Any]) -> KeyRanges | None:
+    """The key ranges a snapshot marker recorded (None: a snapshot of the whole table at once)."""
+    chunks = marker.get("chunks")
+    return KeyRanges.from_json(chunks) if chunks else None
+
+
+def marker_layout(marker: dict[str, Any]) -> TableLayout | None:
+    """The layout a snapshot marker recorded (None: unbucketed, as every marker written before layouts)."""
+    layout = marker.get("layout")
+    return TableLayout.from_json(layout) if layout else None
+
+
+def pgcdc_marker(user_metadata: str | None) -> dict[str, Any] | None:
+    """The ``pgcdc`` object of a commit's userMetadata; None for no metadata or another writer's."""
+    if not user_metadata:
+        return None
+    try:
+        marker = json.loads(user_metadata)
+    except ValueError:
+        return None  # another writer's free-form metadata
+    pgcdc = marker.get("pgcdc") if isinstance(marker, dict) else None
+    return pgcdc if isinstance(pgcdc, dict) else None

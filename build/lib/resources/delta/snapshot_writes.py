@@ -1,0 +1,321 @@
+"""Writing a snapshot into Delta as one atomic commit: streamed into delta-rs while COPY still runs (an
+engine without Delta's commands, e.g. embedded Sail), or staged as Parquet files, then one engine overwrite
+(Delta on Spark, and every key range of a snapshot in key ranges)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyarrow.fs import FileType
+from pyspark.sql import DataFrame, functions as F, SparkSession
+from pyspark.sql.pandas.types import from_arrow_schema
+
+from resources.delta.lake_storage import is_object_store, object_store_options, remove_tree, storage_client
+from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
+from resources.delta.capabilities import engine_capabilities
+from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
+from resources.delta.markers import LAYOUT_PROPERTY, layout_property
+from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
+from resources.crash_points import fault_point
+
+
+STAGING_DIRECTORY = "_pgcdc_staging"
+"""Inside a table directory; Delta readers and VACUUM ignore directories starting with '_'."""
+
+
+STAGE_FILE_BYTES = 16 * 1024 * 1024
+"""Most Arrow bytes per staged Parquet file (and at most ``chunk_bytes``); smaller batches are
+gathered to :data:`STAGE_FILE_MIN_BYTES` first, so a table of many small batches is not a
+file each."""
+
+
+STAGE_FILE_MIN_BYTES = 4 * 1024 * 1024
+
+
+DICTIONARY_PAGE_BYTES = 64 * 1024
+"""delta-rs's Parquet writer gives up dictionary encoding for a column chunk once its dictionary
+outgrows this (1 MiB by default): measured with 200k rows × 33 columns, 64 KiB cut the write's CPU
+from 0.72-0.85 s to 0.31 s and the files from 24.0 to 20.2 MB (1M narrow rows: 0.32-0.40 → 0.23 s,
+18.3 → 19.3 MB); columns with few distinct values keep their dictionaries."""
+
+
+ROW_GROUP_ROWS = 128 * 1024
+"""Most rows per Parquet row group delta-rs writes (its default: about 1M), which it buffers, encoded,
+per open file: a streamed 10M-row narrow snapshot (10 range buckets) peaked at 655 MiB RSS with
+the default, 358 MiB with this."""
+
+
+STAGE_COMPRESSION = "snappy"
+"""Staged files are read once, by the engine, right after they are written: no dictionaries or
+statistics (CPU the final write does not use), and snappy, the cheapest codec every engine
+reads, which keeps an object-store lake's staging upload near the table's compressed size."""
+
+
+def write_snapshot(
+    spark: SparkSession,
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    path: str,
+    user_metadata: str,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    layout: TableLayout | None = None,
+    replace_where: str | None = None,
+    deletion_vectors: bool = False,
+) -> int:
+    """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
+
+    ``deletion_vectors``: a write that creates the table creates it with
+    :data:`DELETION_VECTORS_PROPERTY` on, so MERGEs then mark changed rows deleted instead of
+    rewriting their files (docs/contracts.md, "Deletion vectors"); an existing table keeps its
+    protocol and properties either way.
+
+    With a ``layout``, every row gets its :data:`~resources.delta.layout.BUCKET_COLUMN` value
+    (computed here, on the batches, by the same function a drain uses) and the table is
+    partitioned by it: the bucket bounds the file's size. ``user_metadata`` must then be the
+    marker recording that layout; the table property :data:`~resources.delta.markers.LAYOUT_PROPERTY`
+    records it too when the write creates the table (it outlives the marker), where the engine
+    takes it.
+
+    Readers see the old table or the whole new one, never a prefix, and the commit carries
+    ``user_metadata`` (e.g. the snapshot LSN), so the marker cannot exist without the data.
+    Which writer, the capability seam says (``delta_rs_snapshots``):
+
+    * **delta-rs** (an engine without Delta's commands, e.g. embedded Sail; not for
+      ``replace_where``): the batches stream into delta-rs's writer in this process as they
+      arrive (:func:`_write_with_delta_rs`), rows in arrival order within a bucket (COPY's heap
+      order): 1.6-2x the engine path's speed on 2 cores (docs/engine-notes.md, "Snapshots
+      written by delta-rs").
+    * **the engine** (Delta on Spark; key ranges): one file per bucket, sorted by key (the sort
+      clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
+      the batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
+      each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
+      staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
+      the engine reads the staged files and overwrites the table in the one commit; the staging
+      directory is removed afterwards (a crash leaves only staging debris). Against shipping each
+      piece as a Spark Connect temporary view (docs/engine-notes.md, "Staged Parquet and a bounded
+      engine pool"): about 0.2 CPU-seconds less per million narrow rows and one engine operation
+      per snapshot. The staged files name their columns by position (``c0``, ``c1``, ...), so no
+      column name can trip a Parquet reader, and are cast back to exactly the types
+      :func:`spark_dataframe` would give.
+
+    ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
+    range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
+    removed or added (an empty range), so its marker is never lost.
+    """
+    data = _watched(data)
+    if layout is not None:
+        data = (with_buckets(layout, batch) for batch in data)
+        schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
+    if replace_where is None and unfinished_create(path):
+        discard_unfinished_create(path)
+    if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
+        _write_with_delta_rs(data, schema, path, user_metadata, layout, deletion_vectors)
+    else:
+        new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path)
+        staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
+        try:
+            _stage(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
+            fault_point("after_snapshot_staged")
+            _overwrite(
+                _staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where, new_with_deletion_vectors
+            )
+        finally:
+            remove_tree(staging)
+    fault_point("after_snapshot_commit")
+    return version_with_metadata(path, user_metadata)
+
+
+def _watched(data: pa.Table | Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``data``'s batches, with the fault point ``during_snapshot_write`` once the writer holds the
+    first one and asks for more (``resources/crash_points.py``)."""
+    for number, batch in enumerate(data.to_batches() if isinstance(data, pa.Table) else data):
+        yield batch
+        if number == 0:
+            fault_point("during_snapshot_write")
+
+
+def discard_unfinished_create(path: str) -> None:
+    """Take away the table at ``path`` that :func:`~resources.delta.table_log.unfinished_create`
+    recognises (the empty table a killed snapshot created and never committed to), so the path
+    holds no table and the snapshot creates it as new, with the layout it chooses now (its layout
+    property is set at creation only, so the one left behind could be stale).
+
+    Only the log goes: its commit 0 first (from then on there is no table), then the rest of
+    ``_delta_log`` (a killed writer's temporary files). Nothing else in the directory is touched: it
+    may be a directory pgcdc did not create; Parquet files a killed write left are referenced by no
+    commit, and the maintenance job's full vacuum deletes them once older than the retention."""
+    filesystem, directory = storage_client(path)
+    log = f"{directory.rstrip('/')}/{LOG_DIRECTORY}"
+    filesystem.delete_file(f"{log}/{0:020d}.json")  # type: ignore[attr-defined]
+    try:
+        filesystem.delete_dir(log)  # type: ignore[attr-defined]
+    except FileNotFoundError:  # an object store: no directory object once its last file is gone
+        pass
+
+
+def _write_with_delta_rs(
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    path: str,
+    user_metadata: str,
+    layout: TableLayout | None,
+    deletion_vectors: bool,
+) -> None:
+    """Overwrite the table at ``path`` with ``data`` in one delta-rs commit carrying ``user_metadata``.
+
+    The batches stream from the COPY straight into delta-rs's Parquet writer (in Rust, outside the
+    GIL), so encoding overlaps the copy and nothing is staged or read again.
+
+    A new table is created first, empty (version 0), with :data:`LAYOUT_PROPERTY` (and
+    :data:`DELETION_VECTORS_PROPERTY` when ``deletion_vectors``): delta-rs 1.6
+    refuses table properties it does not know in a write, but takes them in a create. So the
+    snapshot commit of a new table is version 1. When the write fails, the created table is taken
+    away again (the whole directory when this write made it, else only the log); a process killed in
+    between leaves it, which :func:`~resources.delta.table_log.unfinished_create` recognises: the
+    table counts as not snapshotted and the next snapshot creates it again
+    (:func:`discard_unfinished_create`). An existing table keeps its properties, as with the engine.
+    """
+    from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, write_deltalake, WriterProperties
+
+    target = nullable_schema(schema)
+    failures: list[BaseException] = []
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        """``data`` as ``target`` batches, keeping what the source raised: delta-rs reports it as
+        a DeltaError naming it, and callers tell a refused value from a lost connection by type."""
+        try:
+            for batch in data.to_batches() if isinstance(data, pa.Table) else data:
+                yield pa.RecordBatch.from_arrays(batch.columns, schema=target)
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    reader = pa.RecordBatchReader.from_batches(target, batches())
+    storage_options = object_store_options(path) or None
+    partition_by = [BUCKET_COLUMN] if layout is not None else []  # [], not None: None keeps old partitioning
+    created = not table_exists(path)
+    filesystem, directory = storage_client(path)
+    new_directory = created and filesystem.get_file_info(directory).type == FileType.NotFound  # type: ignore[attr-defined]
+    if created and not is_object_store(path):
+        # Through the lake's storage client, as staging does: a path it cannot create fails with the
+        # OSError naming the cause (delta-rs says only "Could not create local directory").
+        filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
+    if created:
+        configuration = {LAYOUT_PROPERTY: layout_property(layout)}
+        if deletion_vectors:
+            configuration[DELETION_VECTORS_PROPERTY] = "true"
+        fault_point("before_snapshot_create")
+        DeltaTable.create(
+            path, target, partition_by=partition_by, configuration=configuration,
+            storage_options=storage_options, raise_if_key_not_exists=False,
+        )  # fmt: skip
+        fault_point("after_snapshot_create")
+    try:
+        write_deltalake(
+            path, reader, mode="overwrite", schema_mode="overwrite", partition_by=partition_by,
+            storage_options=storage_options, commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
+            writer_properties=WriterProperties(
+                compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES, max_row_group_size=ROW_GROUP_ROWS
+            ),
+            # no checkpoint or log cleanup of delta-rs's choosing: the engine and maintenance.py decide those
+            post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
+        )  # fmt: skip
+    except BaseException:
+        if created and not has_commit(path, 1):  # only the empty table created above: take it away again
+            if new_directory:
+                remove_tree(path, keep_parent=True)  # the directory was made here: all of it is this write's
+            else:
+                discard_unfinished_create(path)  # a directory that was there before keeps everything else
+        if failures:
+            raise failures[0]  # noqa: B904 (the writer's own failure; the one caught here is its consequence)
+        raise
+
+
+def _stage(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int) -> None:
+    """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging``; at
+    least one file, so the engine finds the schema of an empty table too."""
+    filesystem, directory = storage_client(staging)
+    if not is_object_store(staging):  # an object store has no directories (creating one leaves marker objects)
+        filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
+    positional = pa.schema([field.with_name(f"c{i}") for i, field in enumerate(nullable_schema(schema))])
+    for number, piece in enumerate(chunks(data, schema, file_bytes, min(file_bytes, STAGE_FILE_MIN_BYTES))):
+        pq.write_table(
+            piece.rename_columns(positional.names).cast(positional),
+            f"{directory}/part-{number:05d}.parquet",
+            filesystem=filesystem,
+            compression=STAGE_COMPRESSION,
+            use_dictionary=False,
+            write_statistics=False,
+            row_group_size=max(1, piece.num_rows),
+        )
+
+
+def _staged_frame(spark: SparkSession, schema: pa.Schema, staging: str) -> DataFrame:
+    """The staged files with the table's column names and exactly the Spark types that
+    :func:`~resources.delta.dataframes.spark_dataframe` gives ``schema``."""
+    prepare_writes(spark)
+    spark_schema = from_arrow_schema(nullable_schema(schema), prefer_timestamp_ntz=True)
+    return spark.read.parquet(staging).select(
+        *(F.col(f"c{i}").cast(field.dataType).alias(field.name) for i, field in enumerate(spark_schema.fields))
+    )
+
+
+def _overwrite(
+    frame: DataFrame,
+    path: str,
+    user_metadata: str,
+    layout: TableLayout | None,
+    replace_where: str | None = None,
+    deletion_vectors: bool = False,
+) -> None:
+    """Overwrite the table (schema too), or only the rows ``replace_where`` selects; bucketed by
+    ``layout``: one task, so one file, per bucket, sorted by key. ``deletion_vectors``: the write
+    creates the table, with :data:`DELETION_VECTORS_PROPERTY` on (a writer option every engine
+    records as the table property when it creates the table; never given for an existing table,
+    whose protocol stays as it is)."""
+    delta_commands = engine_capabilities(frame.sparkSession).delta_commands
+    if replace_where is not None:
+        # Through a union with the (empty) table scan: Sail's replaceWhere refuses type details the
+        # scan irons out (resources/delta/merge.py: replace_rows).
+        scan = frame.sparkSession.read.format("delta").load(path)
+        frame = scan.where(F.lit(False)).unionByName(frame)
+    if layout is not None:
+        key = [F.col("`" + name.replace("`", "``") + "`") for name in layout.key]
+        frame = frame.repartition(BUCKET_COLUMN).sortWithinPartitions(BUCKET_COLUMN, *key)
+    writer = frame.write.format("delta").mode("overwrite")
+    if replace_where is not None:
+        writer = writer.option("replaceWhere", replace_where)
+    if replace_where is None or not delta_commands:
+        # Sail skips the commit of a write that adds and removes nothing unless the schema is
+        # (re)written, which keeps the same schema here; Delta on Spark, see below.
+        writer = writer.option("overwriteSchema", "true")
+    if layout is not None:
+        writer = writer.partitionBy(BUCKET_COLUMN)
+    writer = writer.option("userMetadata", user_metadata)
+    if deletion_vectors:
+        writer = writer.option(DELETION_VECTORS_PROPERTY, "true")
+    if not delta_commands:
+        # Sail records delta.* writer options as table properties; Delta on Spark refuses
+        # property names it does not know, so there the layout lives in the marker only.
+        # (Sail creates tables through here only when told to: bench.snapshot --writers engine.)
+        writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))
+    if replace_where is not None and delta_commands:
+        # Delta on Spark skips the commit of a write that adds and removes nothing unless told not
+        # to (a session setting: the session's writes are serialised while a range is replaced).
+        with session_settings(frame.sparkSession, RECORD_EMPTY_COMMITS):
+            writer.save(path)
+    else:
+        writer.save(path)
+
+
+RECORD_EMPTY_COMMITS = {"spark.databricks.delta.skipRecordingEmptyCommits": "false"}
+"""Delta on Spark's setting that makes it record a commit without actions (an empty key range's)."""
+
+
+DELETION_VECTORS_PROPERTY = "delta.enableDeletionVectors"
+"""The Delta table property that makes MERGE, UPDATE and DELETE write deletion vectors (Sail, Delta on
+Spark 3.1+); set when pgcdc creates a table, never later: Sail cannot set a property on a path."""

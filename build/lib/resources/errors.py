@@ -1,0 +1,149 @@
+"""Errors a user can act on.
+
+Every failure that reaches a user (CLI, Dagster step) is a ``PgcdcError`` whose
+message is one line naming the cause and the fix. Lower layers raise the
+specific subclasses; ``explain`` turns driver errors into them.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+
+
+class PgcdcError(Exception):
+    """A one-line, actionable failure: ``cause: fix``."""
+
+    def __init__(self, cause: str, fix: str) -> None:
+        self.cause = cause
+        self.fix = fix
+        super().__init__(f"{cause}: {fix}")
+
+
+class ConfigurationError(PgcdcError):
+    """The server or the pgcdc configuration is not set up for replication."""
+
+
+class SlotError(PgcdcError):
+    """The replication slot is missing, busy, invalidated, or of the wrong kind."""
+
+
+class ConnectionFailure(PgcdcError):
+    """PostgreSQL could not be reached or dropped the connection; retrying may help."""
+
+
+class ProtocolError(PgcdcError):
+    """The replication stream carried something the client does not understand."""
+
+
+def mask_dsn(dsn: str) -> str:
+    """The DSN as ``user@host:port/dbname`` with no password, safe for logs and metadata."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(dsn)
+    except Exception:
+        return "<unparseable DSN>"
+    user = parts.get("user") or os.environ.get("PGUSER") or getpass.getuser()
+    host = parts.get("host") or os.environ.get("PGHOST") or "localhost"
+    port = parts.get("port") or os.environ.get("PGPORT") or "5432"
+    dbname = parts.get("dbname") or os.environ.get("PGDATABASE") or user
+    return f"{user}@{host}:{port}/{dbname}"
+
+
+def _scrub(text: str, dsn: str | None) -> str:
+    """First line of a server message, with any password from the DSN removed."""
+    line = text.strip().splitlines()[0] if text.strip() else type(text).__name__
+    if dsn:
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            password = conninfo_to_dict(dsn).get("password")
+        except Exception:
+            password = None
+        if password:
+            line = line.replace(str(password), "****")
+    return line
+
+
+def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = None) -> PgcdcError:
+    """Turn a psycopg error into an actionable ``PgcdcError``; a ``PgcdcError`` passes through."""
+    import psycopg
+
+    if isinstance(error, PgcdcError):
+        return error
+    message = _scrub(str(error), dsn)
+    sqlstate = getattr(error, "sqlstate", None)
+    if isinstance(error, psycopg.ProgrammingError) and not sqlstate:
+        return ConfigurationError(f"invalid connection string ({message})", "pass a libpq DSN or postgresql:// URL")
+    if isinstance(error, psycopg.OperationalError) and not sqlstate and "FATAL" not in message:
+        where = mask_dsn(dsn) if dsn else "the server"
+        return ConnectionFailure(
+            f"cannot reach PostgreSQL at {where} ({message})",
+            "check host, port and that the server is running and accepts connections; retry",
+        )
+    return explain_server_error(sqlstate, message, dsn=dsn, slot=slot)
+
+
+def explain_server_error(
+    sqlstate: str | None, message: str, *, dsn: str | None = None, slot: str | None = None
+) -> PgcdcError:
+    """The one place that maps a server error (SQLSTATE and message) to its cause and fix."""
+    where = mask_dsn(dsn) if dsn else "the server"
+    message = _scrub(message, dsn) or "unknown server error"
+    lowered = message.lower()
+    slot_name = f'"{slot}"' if slot else ""
+    if sqlstate == "28P01" or "password authentication failed" in lowered:
+        return ConfigurationError(
+            f"password authentication failed for {where}", "fix the password in the DSN or in PGPASSWORD/.pgpass"
+        )
+    if "no password supplied" in lowered:
+        return ConfigurationError(f"{where} requires a password", "set it in the DSN or in PGPASSWORD/.pgpass")
+    if sqlstate == "3D000" or ("database" in lowered and "does not exist" in lowered):
+        return ConfigurationError(f"database missing on {where} ({message})", "fix dbname in the DSN")
+    if "pg_hba.conf" in lowered:
+        return ConfigurationError(
+            f"{where} refuses this connection ({message})",
+            "add a pg_hba.conf entry for this user (replication connections need their own) and reload PostgreSQL",
+        )
+    if "wal_level" in lowered:
+        return ConfigurationError(
+            f"logical decoding is off on {where} ({message})",
+            "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL",
+        )
+    if sqlstate == "42501" or "replication role" in lowered or "permission denied" in lowered:
+        return ConfigurationError(
+            f"missing privilege on {where} ({message})",
+            "grant it: ALTER ROLE <user> WITH REPLICATION, and SELECT on the published tables",
+        )
+    if sqlstate == "55006" or ("replication slot" in lowered and "is active" in lowered):
+        return SlotError(
+            f"replication slot {slot_name} is in use by another consumer ({message})",
+            "stop the other consumer (or wait for its run to finish) and retry",
+        )
+    if "replication slot" in lowered and "does not exist" in lowered:
+        return SlotError(
+            f"replication slot {slot_name} does not exist on {where}",
+            "create it (pgcdc changes --create-slot, or run the snapshot job) or fix the slot name",
+        )
+    if sqlstate == "42710" and "replication slot" in lowered:
+        return SlotError(message, "drop the existing slot or choose another name")
+    if sqlstate == "55000" and slot is not None:
+        return SlotError(message, "recreate the slot (it was invalidated or has the wrong kind) and re-snapshot")
+    if "publication" in lowered and "does not exist" in lowered:
+        return ConfigurationError(
+            f"{message} on {where}", "CREATE PUBLICATION <name> FOR TABLE ... or fix the publication name"
+        )
+    if sqlstate == "53400":
+        return ConfigurationError(message, "raise max_replication_slots / max_wal_senders or drop unused slots")
+    if sqlstate in ("22023", "0A000", "42601"):
+        return ConfigurationError(message, "fix the replication options for this server version")
+    if sqlstate is None or sqlstate.startswith(("08", "57P")):
+        return ConnectionFailure(
+            f"connection to {where} failed ({message})", "check that PostgreSQL is running and reachable, then retry"
+        )
+    return PgcdcError(f"PostgreSQL error on {where} ({message})", "see the PostgreSQL server log for details")
+
+
+class SnapshotError(PgcdcError):
+    """A table could not be copied: a value the mapping refuses, or the Delta write failed."""

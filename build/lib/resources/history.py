@@ -1,0 +1,189 @@
+"""As-of reads: a table as it was at an LSN, folded from its changelog (docs/history.md).
+
+The changelog holds, in commit order, a seed (``reset``, then the table's rows as its snapshot
+wrote them) and every row change after it. Folding the rows up to an LSN replays them on an
+empty table: ``reset`` and ``truncate`` empty it, ``snapshot`` and ``insert`` add their new
+image, ``delete`` removes one row whose ``_pgcdc_key`` columns equal its old image, ``update``
+removes that row and adds its new image, ``fill`` sets the ``_pgcdc_key`` columns of every row
+to its values (columns added with a default). A table under REPLICA IDENTITY FULL is a multiset
+(its key names every column), so one copy goes per change, as in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import SparkSession
+
+from resources.cdc.history import COMMIT_TIME_COLUMN, COMMIT_TIME_TYPE, KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN
+from resources.config import PgcdcConfig
+from resources.delta.markers import LSN_COLUMN
+from resources.delta.reads import read_rows
+from resources.delta.table_log import table_exists
+from resources.errors import ConfigurationError, PgcdcError
+from resources.lsn import LSN
+from resources.postgres.catalog import TableName
+
+__all__ = [
+    "fold_changelog",
+    "lsn_at_time",
+    "read_as_of",
+    "value_columns",
+]
+
+_META_PREFIX = "_pgcdc_"
+
+
+def value_columns(changes: pa.Schema) -> list[str]:
+    """The table's own columns in a changelog (those of every time: added ones too, dropped ones kept)."""
+    return [name for name in changes.names if not name.startswith(_META_PREFIX)]
+
+
+def read_as_of(
+    spark: SparkSession, config: PgcdcConfig, table: TableName, lsn: LSN | None = None, time: datetime | None = None
+) -> pa.Table:
+    """``table`` as it was once every transaction ending at or before ``lsn`` was applied (None: all of
+    its changelog, which is the table as its Delta table holds it now); or, with ``time``, before the
+    first transaction committed after it (:func:`lsn_at_time`)."""
+    changes = read_rows(spark, _changelog_path(config, table), None)
+    return fold_changelog(changes, lsn_at_time(changes, time) if time is not None else lsn)
+
+
+def lsn_at_time(changes: pa.Table, time: datetime) -> int | None:
+    """The LSN just before the first transaction in the changelog that committed after ``time`` (None:
+    none did, the whole changelog).
+
+    Commit times follow commit order only as far as the server's clock does, so an LSN is the exact
+    way to name a moment. The seed has no commit time: a time before the snapshot gives the seed.
+    """
+    if time.tzinfo is None:
+        raise ConfigurationError(f"the time {time.isoformat()} has no time zone", "give one, e.g. 2026-11-25T18:00:00+00:00")
+    after = changes.filter(pc.greater(changes.column(COMMIT_TIME_COLUMN), pa.scalar(time, COMMIT_TIME_TYPE)))
+    return int(pc.min(after.column(LSN_COLUMN)).as_py()) - 1 if after.num_rows else None
+
+
+def _changelog_path(config: PgcdcConfig, table: TableName) -> str:
+    path = config.history_path(table.schema, table.name)
+    if path is None:
+        raise ConfigurationError(
+            f"{table} keeps no history", f"set history.tables.{table}: changelog, then snapshot the table again"
+        )
+    if not table_exists(path):
+        raise PgcdcError(f"{table} has no changelog yet at {path}", "it starts with the first drain that meets a change of the table")
+    return path
+
+
+def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
+    """The table's columns as of ``lsn`` (None: everything), by replaying ``changes`` in commit order."""
+    names = value_columns(changes.schema)
+    if lsn is not None:
+        changes = changes.filter(pc.less_equal(changes.column(LSN_COLUMN), pa.scalar(int(lsn), pa.int64())))
+    # A fill shares the position of the change it comes before (commits may be read in any order).
+    after_fill = pc.not_equal(changes.column(OP_COLUMN), "fill")
+    order = pa.table({"lsn": changes.column(LSN_COLUMN), "seq": changes.column(SEQ_COLUMN), "after_fill": after_fill})
+    changes = changes.take(pc.sort_indices(order, [("lsn", "ascending"), ("seq", "ascending"), ("after_fill", "ascending")]))
+    ops = changes.column(OP_COLUMN).to_pylist()
+    keys = changes.column(KEY_COLUMN).to_pylist()
+    lsns = changes.column(LSN_COLUMN).to_pylist()
+    new = [[_canonical(value) for value in changes.column(name).to_pylist()] for name in names]
+    old = [
+        [_canonical(value) for value in changes.column(OLD_PREFIX + name).to_pylist()]
+        if OLD_PREFIX + name in changes.column_names else [None] * changes.num_rows
+        for name in names
+    ]  # fmt: skip
+    rows = _Rows(new)
+    positions_of: dict[str, tuple[int, ...]] = {}
+    for i, op in enumerate(ops):
+        if op in ("insert", "snapshot"):
+            rows.add(i)
+        elif op in ("update", "delete"):
+            key = keys[i]
+            positions = positions_of.get(key)
+            if positions is None:
+                positions = positions_of[key] = tuple(names.index(name) for name in json.loads(key))
+            if not rows.remove(positions, tuple([old[p][i] for p in positions])):
+                raise PgcdcError(
+                    f"the changelog's {op} at {LSN(lsns[i])} finds no row with its old values",
+                    "the changelog does not start at a snapshot of the table; snapshot the table again",
+                )
+            if op == "update":
+                rows.add(i)
+        elif op in ("reset", "truncate"):
+            rows.clear()
+        elif op == "fill":
+            rows.fill(tuple(names.index(name) for name in json.loads(keys[i])), i)
+        else:
+            raise PgcdcError(f"the changelog holds an unknown operation {op!r} at {LSN(lsns[i])}", "it was written by another writer")
+    return pa.table({name: changes.column(name).take(pa.array(rows.sources(p), pa.int64())) for p, name in enumerate(names)})
+
+
+class _Rows:
+    """The rows alive and lookups by column subsets. A row is the changelog row whose new image it is
+    (its number), with the changelog rows of the fills that set some of its columns since."""
+
+    def __init__(self, new: list[list[Any]]) -> None:
+        self._new = new
+        self._alive: dict[int, dict[int, int] | None] = {}
+        self._by: dict[tuple[int, ...], dict[tuple, list[int]]] = {}
+
+    def _values(self, i: int, positions: tuple[int, ...]) -> tuple:
+        filled = self._alive[i]
+        if filled is None:
+            return tuple([self._new[p][i] for p in positions])
+        return tuple([self._new[p][filled.get(p, i)] for p in positions])
+
+    def add(self, i: int) -> None:
+        self._alive[i] = None
+        for positions, index in self._by.items():
+            index.setdefault(self._values(i, positions), []).append(i)
+
+    def remove(self, positions: tuple[int, ...], values: tuple) -> bool:
+        index = self._by.get(positions)
+        if index is None:
+            index = self._by[positions] = {}
+            for i in self._alive:
+                index.setdefault(self._values(i, positions), []).append(i)
+        found = index.get(values)
+        if not found:
+            return False
+        i = found.pop()
+        for other, other_index in self._by.items():
+            if other != positions:
+                other_index[self._values(i, other)].remove(i)
+        del self._alive[i]
+        return True
+
+    def fill(self, positions: tuple[int, ...], j: int) -> None:
+        """Every row takes changelog row ``j``'s values in the columns at ``positions``."""
+        for i, filled in self._alive.items():
+            self._alive[i] = {**(filled or {}), **dict.fromkeys(positions, j)}
+        self._by.clear()  # lookups are built again on use
+
+    def sources(self, p: int) -> list[int]:
+        """For each row alive, the changelog row holding its value of column ``p``."""
+        return [i if filled is None else filled.get(p, i) for i, filled in self._alive.items()]
+
+    def clear(self) -> None:
+        self._alive.clear()
+        self._by.clear()
+
+
+
+def _canonical(value: Any) -> Any:
+    """A hashable value equal exactly when PostgreSQL prints the values alike, as the applier compares
+    REPLICA IDENTITY FULL rows: NaN equals NaN, ``-0.0`` differs from ``0.0``, ``1.0`` from ``1.00``."""
+    if isinstance(value, float):
+        return ("float", "nan" if math.isnan(value) else value.hex())
+    if isinstance(value, Decimal):
+        return ("numeric", str(value))
+    if isinstance(value, list):
+        return tuple(_canonical(item) for item in value)
+    if isinstance(value, dict):
+        return tuple((key, _canonical(item)) for key, item in value.items())
+    return value

@@ -1,0 +1,444 @@
+"""COPY a table out of PostgreSQL into Arrow record batches: pieces read with non-blocking libpq, parsed as CSV in a thread, prefetched.
+
+A big table is read as several ctid (heap block) ranges by worker connections that all
+import the one exported snapshot (:func:`parallel_copy`), so the parts add up to exactly the
+table as that snapshot sees it.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import select
+import struct
+import threading
+from collections.abc import Callable, Generator, Sequence
+from typing import TypeVar
+
+import psycopg
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+from psycopg import pq
+
+from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SnapshotError
+from resources.lsn import LSN
+from resources.pgtypes import (
+    column_type_from_catalog,
+    csv_direct_type,
+    pg_type_catalog_params,
+    pg_type_catalog_query,
+    PgColumnType,
+    SESSION_SETTINGS,
+    to_arrow,
+)
+from resources.postgres.catalog import TableInfo
+from resources.postgres.connections import connect
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.sql import quote_literal
+
+
+DEFAULT_CHUNK_ROWS = 1_000_000
+"""Rows per parsed piece; the byte bound usually closes a piece first."""
+
+
+PARSE_BYTES = 16 * 1024 * 1024
+"""CSV bytes per parsed piece (unless ``chunk_bytes`` is smaller): small enough to overlap
+reading PostgreSQL with writing Spark, large enough that per-piece overhead is noise."""
+
+
+PREFETCH_PIECES = 2
+"""Parsed pieces waiting for the writer; with the piece being parsed and the chunk being
+written this bounds memory to a few chunks."""
+
+
+_POLL_SECONDS = 1.0
+
+
+T = TypeVar("T")
+
+
+def read_column_types(conn: ReplicationConnection, info: TableInfo) -> list[PgColumnType]:
+    if not info.columns:
+        raise ConfigurationError(f"table {info.table} has no published columns", "publish at least one column")
+    rows = psycopg.ClientCursor(conn.connection).execute(
+        pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
+    ).fetchall()
+    return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]
+
+
+class PieceParser:
+    """PostgreSQL CSV rows -> one typed Arrow batch with the snapshot LSN column.
+
+    In PostgreSQL's CSV a NULL is an unquoted empty field and an empty string is ``""``;
+    the options below keep that distinction and keep empty lines (the NULL row of a
+    one-column table). Each piece is parsed as a single block sized to it, so a row of any
+    size (TOASTed values up to 1 GB) never straddles blocks.
+
+    Columns whose PostgreSQL text Arrow's CSV converter parses exactly like ``to_arrow``
+    (integers, floats, numeric(p,s), bool, date, timestamps: ``pgtypes.csv_direct_type``)
+    are typed by the CSV reader itself, with no string column in between. A value it
+    refuses (timestamp ``infinity``, numeric ``NaN``, a BC date) makes that column, from
+    then on, text converted by ``to_arrow``, which maps the value or raises the mapping's
+    error; the piece is parsed again. Everything else is read as text for ``to_arrow``.
+    """
+
+    def __init__(self, columns: Sequence[PgColumnType], schema: pa.Schema, snapshot_lsn: LSN) -> None:
+        self._columns = list(columns)
+        self._schema = schema
+        self._names = [f"c{i}" for i in range(len(columns))]
+        self._direct: list[pa.DataType | None] = [csv_direct_type(col) for col in self._columns]
+        self._parse_options = pa_csv.ParseOptions(newlines_in_values=True, ignore_empty_lines=False)
+        self._lsn_bytes = struct.pack("<q", int(snapshot_lsn))
+
+    def _convert_options(self) -> pa_csv.ConvertOptions:
+        return pa_csv.ConvertOptions(
+            column_types={
+                name: pa.string() if direct is None else direct for name, direct in zip(self._names, self._direct)
+            },
+            null_values=[""],
+            true_values=["t"],
+            false_values=["f"],
+            strings_can_be_null=True,
+            quoted_strings_can_be_null=False,
+        )
+
+    def _read(self, data: bytearray) -> pa.Table:
+        read_options = pa_csv.ReadOptions(column_names=self._names, block_size=len(data) + 1, use_threads=False)
+        while True:
+            try:
+                return pa_csv.read_csv(pa.py_buffer(data), read_options, self._parse_options, self._convert_options())
+            except pa.ArrowInvalid as exc:
+                failed = _failed_csv_column(str(exc))
+                if failed is None or failed >= len(self._direct) or self._direct[failed] is None:
+                    if not any(direct is not None for direct in self._direct):
+                        raise
+                    self._direct = [None] * len(self._direct)  # not a conversion error: all as text
+                else:
+                    self._direct[failed] = None
+
+    def __call__(self, data: bytearray, rows: int) -> pa.RecordBatch:
+        if rows == 0:  # Arrow's reader refuses an empty document
+            return pa.RecordBatch.from_pylist([], schema=self._schema)
+        parsed = self._read(data)
+        if parsed.num_rows != rows:
+            raise ProtocolError(
+                f"COPY sent {rows} rows but {parsed.num_rows} parsed", "report this with the table definition"
+            )
+        arrays = [
+            to_arrow(parsed.column(i), col) if direct is None else _single_chunk(parsed.column(i))
+            for i, (col, direct) in enumerate(zip(self._columns, self._direct, strict=True))
+        ]
+        arrays.append(pa.Array.from_buffers(pa.int64(), rows, [None, pa.py_buffer(self._lsn_bytes * rows)]))
+        return pa.RecordBatch.from_arrays(arrays, schema=self._schema)
+
+
+_CSV_COLUMN_ERROR = re.compile(r"In CSV column #(\d+): CSV conversion error")
+
+
+def _failed_csv_column(message: str) -> int | None:
+    match = _CSV_COLUMN_ERROR.search(message)
+    return int(match.group(1)) if match else None
+
+
+def _single_chunk(column: pa.ChunkedArray) -> pa.Array:
+    return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+
+
+def unparsed(data: bytearray, rows: int) -> tuple[bytearray, int]:
+    return data, rows
+
+
+def parse_each(
+    pieces: Generator[tuple[tuple[bytearray, int], int], None, None], parse: Callable[[bytearray, int], pa.RecordBatch]
+) -> Generator[tuple[pa.RecordBatch, int], None, None]:
+    """Parse the pieces of another thread's COPY: the CSV reader releases the GIL, so
+    reading PostgreSQL, parsing and the Spark transfer proceed side by side."""
+    try:
+        for (data, rows), nbytes in pieces:
+            yield parse(data, rows), nbytes
+    finally:
+        pieces.close()
+
+
+def copy_pieces(
+    pgconn: pq.abc.PGconn,
+    query: str,
+    parse: Callable[[bytearray, int], T],
+    piece_bytes: int,
+    piece_rows: int,
+) -> Generator[tuple[T, int], None, None]:
+    """Run the COPY and yield (batch, CSV bytes) pieces; at least one, possibly empty.
+
+    Straight on libpq: psycopg's Copy costs microseconds per row, which is most of the
+    budget for narrow rows. The protocol guarantees that each CopyData message the server
+    sends is one whole row, so pieces always end on row boundaries. Non-blocking reads
+    wait in select(), releasing the GIL for the writer thread.
+    """
+    pgconn.send_query(query.encode())
+    result = _next_result(pgconn)
+    if result is None or result.status != pq.ExecStatus.COPY_OUT:
+        error = _result_error(result, query)
+        _drain_results(pgconn)
+        raise error
+    get_copy_data = pgconn.get_copy_data
+    buffer = bytearray()
+    rows = size = 0
+    yielded = False
+    try:
+        while True:
+            nbytes, data = get_copy_data(1)
+            if nbytes > 0:
+                buffer += data
+                rows += 1
+                size += nbytes
+                if size >= piece_bytes or rows >= piece_rows:
+                    yield parse(buffer, rows), size
+                    yielded = True
+                    buffer = bytearray()
+                    rows = size = 0
+            elif nbytes == 0:
+                select.select([pgconn.socket], [], [], _POLL_SECONDS)
+                pgconn.consume_input()
+            else:
+                break
+    except psycopg.OperationalError as exc:
+        raise ConnectionFailure(f"COPY interrupted: {exc}", "check the server, then run the snapshot again") from None
+    failure = _drain_results(pgconn)
+    if failure is not None:
+        raise failure
+    if rows or not yielded:
+        yield parse(buffer, rows), size
+
+
+def _next_result(pgconn: pq.abc.PGconn) -> pq.abc.PGresult | None:
+    while True:
+        pgconn.consume_input()
+        if not pgconn.is_busy():
+            return pgconn.get_result()
+        select.select([pgconn.socket], [], [], _POLL_SECONDS)
+
+
+def _drain_results(pgconn: pq.abc.PGconn) -> PgcdcError | None:
+    """Read the results after COPY (leaving the connection usable); the first error, if any."""
+    error: PgcdcError | None = None
+    while (result := _next_result(pgconn)) is not None:
+        if result.status == pq.ExecStatus.FATAL_ERROR and error is None:
+            error = _result_error(result, "COPY")
+    return error
+
+
+def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
+    if result is None:
+        return ProtocolError(f"no result for {query[:80]}", "check the server log")
+    if result.status != pq.ExecStatus.FATAL_ERROR:
+        return ProtocolError(f"unexpected {pq.ExecStatus(result.status).name} answer to {query[:80]}", "check the server version")
+    primary = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or result.error_message or b""
+    return SnapshotError(
+        f"COPY failed: {primary.decode('utf-8', 'replace')}", "fix the cause named by PostgreSQL, then run the snapshot again"
+    )
+
+
+_END = object()
+
+
+class _Handover:
+    """A bounded queue from producer threads to one consumer, which the consumer can abandon.
+
+    A producer's ``offer`` gives up once ``stop`` is set (the consumer stopped early), so no
+    producer blocks forever on a full queue; a producer's exception goes to ``failures`` for
+    the consumer to raise.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.items: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.failures: list[BaseException] = []
+
+    def offer(self, item: object) -> bool:
+        """Hand ``item`` over; False when the consumer has stopped."""
+        while not self.stop.is_set():
+            try:
+                self.items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+def prefetched(source: Generator[T, None, None], depth: int, name: str) -> Generator[T, None, None]:
+    """Run ``source`` in a thread, ``depth`` items ahead of the consumer.
+
+    When the consumer stops early (the write failed), the producer notices at its next
+    hand-over and closes ``source``; the caller then closes the connection it was reading.
+    """
+    handover = _Handover(depth)
+    offer, stop, failure = handover.offer, handover.stop, handover.failures
+
+    def produce() -> None:
+        try:
+            for item in source:
+                if not offer(item):
+                    break
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            failure.append(exc)
+        finally:
+            source.close()
+            offer(_END)
+
+    thread = threading.Thread(target=produce, name=name, daemon=True)
+    thread.start()
+    try:
+        while (item := handover.items.get()) is not _END:
+            yield item  # type: ignore[misc]
+        thread.join()
+        if failure:
+            raise failure[0]
+    finally:
+        stop.set()
+        thread.join()
+
+
+# --------------------------------------------------------------------------- ctid ranges under one snapshot
+
+
+BlockRange = tuple[int, int | None]
+"""Heap blocks first .. end - 1 of a table (end None: to the end of the heap)."""
+
+
+def copied_batches(
+    pgconn: pq.abc.PGconn, query: str, parse: PieceParser, piece_bytes: int, chunk_rows: int, name: str
+) -> Generator[tuple[pa.RecordBatch, int], None, None]:
+    """One COPY as parsed (batch, CSV bytes) pairs: read in one thread, parsed in another, each
+    :data:`PREFETCH_PIECES` ahead, so reading, parsing and writing overlap in bounded memory."""
+    source = copy_pieces(pgconn, query, unparsed, piece_bytes, chunk_rows)
+    return prefetched(parse_each(prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{name}"), parse), PREFETCH_PIECES, f"pgcdc-parse-{name}")
+
+
+def heap_blocks(conn: psycopg.Connection, oid: int) -> tuple[int, int]:
+    """(blocks, block size in bytes) of the table's heap now; for a partitioned root, of its largest leaf.
+
+    Read from the file size (``pg_relation_size``), not ``pg_class.relpages``, which is only
+    as fresh as the last VACUUM/ANALYZE and is 0 for a table loaded since. The size may move
+    afterwards: the last range of :func:`block_ranges` is open-ended.
+    """
+    row = psycopg.ClientCursor(conn).execute(
+        "SELECT pg_catalog.max(size), pg_catalog.current_setting('block_size') FROM ("
+        " SELECT pg_catalog.pg_relation_size(%s::pg_catalog.oid) AS size UNION ALL"  # a plain table
+        " SELECT pg_catalog.pg_relation_size(tree.relid)"  # the leaves of a partitioned one
+        " FROM pg_catalog.pg_partition_tree(%s::pg_catalog.oid) tree WHERE tree.isleaf) sizes",
+        (oid, oid),
+    ).fetchone()
+    if row is None:
+        raise ProtocolError(f"no size for relation {oid}", "check the server version")
+    block_size = int(row[1])
+    return (int(row[0]) // block_size if row[0] is not None else 0), block_size
+
+
+def block_ranges(blocks: int, chunk_blocks: int) -> list[BlockRange]:
+    """Split ``blocks`` heap blocks into equal ranges of at most about ``chunk_blocks`` each.
+
+    The ranges are disjoint and cover every tuple id: the first starts at block 0 and the
+    last has no end, so rows in blocks added after the size was read are read too. A table
+    of at most one chunk is one range, (0, None).
+    """
+    count = max(1, -(-blocks // max(1, chunk_blocks)))
+    step = -(-blocks // count) if blocks else 0
+    starts = [i * step for i in range(count)]
+    return [(start, starts[i + 1] if i + 1 < count else None) for i, start in enumerate(starts)]
+
+
+def export_snapshot(conn: ReplicationConnection) -> str:
+    """Export the snapshot of ``conn``'s open transaction (the temporary slot's, with SNAPSHOT 'use').
+
+    Importing it gives another session exactly that snapshot, so the slot's consistent point
+    stays the exact LSN the parts are consistent at. It can be imported while the exporting
+    transaction stays open.
+    """
+    ((name,),) = conn.execute("SELECT pg_catalog.pg_export_snapshot()")
+    return str(name)
+
+
+def snapshot_session(dsn: str, snapshot_name: str, application_name: str) -> psycopg.Connection:
+    """A new session inside a READ ONLY REPEATABLE READ transaction that imported ``snapshot_name``."""
+    conn = connect(dsn, application_name=application_name, session_settings=SESSION_SETTINGS)
+    try:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(f"SET TRANSACTION SNAPSHOT {quote_literal(snapshot_name)}".encode())
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def parallel_copy(
+    dsn: str,
+    snapshot_name: str,
+    queries: Sequence[str],
+    make_parser: Callable[[], Callable[[bytearray, int], pa.RecordBatch]],
+    workers: int,
+    piece_bytes: int,
+    piece_rows: int,
+    name: str,
+    on_query_done: Callable[[], None] | None = None,
+) -> Generator[tuple[pa.RecordBatch, int], None, None]:
+    """Run ``queries`` (COPYs of disjoint parts of one table) on ``workers`` sessions that import
+    ``snapshot_name``; yield their (batch, CSV bytes) pieces in whatever order they finish.
+
+    Each worker takes the next query when it finishes one, so a slow range does not hold the
+    others up, and reads the next piece while it parses one (the CSV reader releases the GIL).
+    At most one parsed piece per worker waits for the consumer, which bounds memory to a few
+    pieces per worker. The first failure stops every worker and is raised; when the consumer
+    stops early, the workers stop at their next hand-over and close their sessions.
+    ``on_query_done`` runs on a worker's thread after each query's last piece is handed over.
+    """
+    todo: queue.SimpleQueue[str] = queue.SimpleQueue()
+    for query in queries:
+        todo.put(query)
+    handover = _Handover(max(1, workers))
+    offer, stop, failure = handover.offer, handover.stop, handover.failures
+
+    def work(index: int) -> None:
+        conn: psycopg.Connection | None = None
+        try:
+            conn = snapshot_session(dsn, snapshot_name, "pgcdc_snapshot")
+            parse = make_parser()
+            while not stop.is_set():
+                try:
+                    query = todo.get_nowait()
+                except queue.Empty:
+                    break
+                copied = copy_pieces(conn.pgconn, query, unparsed, piece_bytes, piece_rows)
+                pieces = parse_each(prefetched(copied, 1, f"{name}-{index}-copy"), parse)
+                try:
+                    for item in pieces:
+                        if not offer(item):
+                            return
+                finally:
+                    pieces.close()
+                if on_query_done is not None:
+                    on_query_done()
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            failure.append(exc)
+        finally:
+            if conn is not None:
+                conn.close()  # also ends a COPY left half-read
+            offer(_END)
+
+    count = max(1, min(workers, len(queries)))
+    threads = [threading.Thread(target=work, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    try:
+        finished = 0
+        while finished < len(threads):
+            item = handover.items.get()
+            if item is _END:
+                finished += 1
+                if failure:
+                    raise failure[0]
+                continue
+            yield item  # type: ignore[misc]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
