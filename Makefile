@@ -1,35 +1,57 @@
-# Everything a fresh machine needs: `make demo` and `make test` create .venv and install first.
+# Everything a fresh machine needs: each target creates .venv and installs what it needs first.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
+# The runtime packages that lint and the type check cover.
+RUNTIME := resources pgcdc_assets sensors
 
-.PHONY: demo test bench soak scale clean
+.PHONY: demo test test-unit test-fast lint format bench soak scale clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# One stamp per extra: `make demo` installs only what the demo needs (.[demo]), the others .[dev].
+$(VENV)/.installed-%: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	$(BIN)/pip install --quiet -e '.[$*]'
+	touch $@
 
-demo: $(STAMP)
+demo: $(VENV)/.installed-demo
 	$(BIN)/python -m pgcdc_assets.demo $(DEMO_ARGS)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+# The whole suite (every tier; what .ci/run runs).
+test: $(VENV)/.installed-dev
+	$(PYTEST) $(PYTEST_ARGS)
 
-bench: $(STAMP)
+# No server at all: decoders, folds, layouts, configuration, the in-memory destination (docs/testing.md, "Tiers").
+test-unit: $(VENV)/.installed-dev
+	$(PYTEST) -m unit $(PYTEST_ARGS)
+
+# PostgreSQL 15 and 18 and the embedded Sail engine, no JVM, none of the slow tier.
+test-fast: $(VENV)/.installed-dev
+	$(PYTEST) -m 'unit or pg or sail' $(PYTEST_ARGS)
+
+# ruff's lint rules and mypy on the runtime packages (pyproject.toml configures both).
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check $(RUNTIME)
+	$(BIN)/mypy $(RUNTIME)
+
+# Sorts imports and applies ruff's formatter (pyproject.toml configures both); not yet part of `make lint`.
+format: $(VENV)/.installed-dev
+	$(BIN)/ruff check --select I --fix $(RUNTIME) tests bench
+	$(BIN)/ruff format $(RUNTIME) tests bench
+
+bench: $(VENV)/.installed-dev
 	$(BIN)/python -m bench.decode
 	$(BIN)/python -m bench.snapshot
 	$(BIN)/python -m bench.cdc
 
 # pgbench load with incremental runs back to back, exact at the end (not part of `make test`).
 # SOAK_ARGS, e.g. SOAK_ARGS="--seconds 600 --rate 500 --major 15".
-soak: $(STAMP)
+soak: $(VENV)/.installed-dev
 	$(BIN)/python -m bench.soak $(SOAK_ARGS)
 
 # The scale benchmarks (docs/benchmarks.md; not part of `make test`), e.g. SCALE_ARGS="idle --tables 1,100,500".
-scale: $(STAMP)
+scale: $(VENV)/.installed-dev
 	$(BIN)/python -m bench.scale $(SCALE_ARGS)
 
 clean:

@@ -18,9 +18,9 @@ from dagster import (
     in_process_executor,
     ScheduleDefinition,
 )
-from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
 from pgcdc_assets.common import discover_tables
+from pgcdc_assets.dagster_private import UnresolvedAssetJobDefinition
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import build_incremental_assets
 from pgcdc_assets.maintenance_job import build_maintenance

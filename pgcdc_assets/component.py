@@ -12,7 +12,7 @@ time. Scaffold one with ``dg scaffold defs pgcdc_assets.component.PgcdcComponent
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -97,7 +97,7 @@ def _server(config: PgcdcConfig) -> tuple[str, str]:
 
 
 def _check_no_collisions(
-    defs_file: Path, configs: dict[str, PgcdcConfig], tables: dict[str, Sequence[TableName]]
+    defs_file: Path, configs: dict[str, PgcdcConfig], tables: Mapping[str, Sequence[TableName]]
 ) -> None:
     """Two pipelines must not consume one slot of one server, nor write one Delta table."""
     slot_owner: dict[tuple[tuple[str, str], str], str] = {}

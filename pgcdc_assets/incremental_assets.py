@@ -37,6 +37,7 @@ Decisions:
 # No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
 
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from typing import Any
 
 from dagster import (
     AssetCheckEvaluation,
@@ -76,7 +77,7 @@ LISTED_TABLES = 50
 DrainEvent = MaterializeResult | AssetMaterialization | AssetObservation | AssetCheckResult | AssetCheckEvaluation
 
 
-def drain_figures(result: IncrementalResult) -> dict[str, object]:
+def drain_figures(result: IncrementalResult) -> dict[str, Any]:
     """What one drain did and where it left the slot: the part of the metadata the slot asset and a
     changed table's materialization share."""
     return {
@@ -93,10 +94,10 @@ def drain_figures(result: IncrementalResult) -> dict[str, object]:
     }
 
 
-def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, object]:
+def drain_metadata(result: IncrementalResult, table: TableName) -> dict[str, Any]:
     """A changed table's materialization metadata; LSNs as X/Y text, counts and lags as numbers to plot."""
     stats = result.tables[str(table)]
-    metadata: dict[str, object] = {
+    metadata: dict[str, Any] = {
         **drain_figures(result),
         "pgcdc/inserted": MetadataValue.int(stats.inserted),
         "pgcdc/updated": MetadataValue.int(stats.updated),
@@ -135,7 +136,7 @@ def recorded_position(instance: DagsterInstance, slot_key: AssetKey) -> LSN | No
     event = instance.get_latest_materialization_event(slot_key)
     materialization = event.asset_materialization if event is not None else None
     value = materialization.metadata.get("pgcdc/confirmed_flush_lsn") if materialization is not None else None
-    return LSN.parse(value.value) if value is not None else None
+    return LSN.parse(str(value.value)) if value is not None else None
 
 
 def changed_tables(result: IncrementalResult, tables: Sequence[TableName], recorded: LSN | None) -> list[TableName]:
@@ -152,12 +153,12 @@ def changed_tables(result: IncrementalResult, tables: Sequence[TableName], recor
     return changed
 
 
-def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKey]) -> dict[str, object]:
+def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKey]) -> dict[str, Any]:
     """The slot asset's metadata of one drain: where the slot stands, what the drain did, which tables it changed."""
     listed = list(changed.items())[:LISTED_TABLES]
     links = "\n".join(f"- [{table}](/assets/{'/'.join(key.path)})" for table, key in listed)
     more = f"\n- and {len(changed) - len(listed)} more" if len(changed) > len(listed) else ""
-    metadata: dict[str, object] = {
+    metadata: dict[str, Any] = {
         **drain_figures(result),
         "pgcdc/tables_changed": MetadataValue.int(len(changed)),
         "pgcdc/bytes_written": MetadataValue.int(sum(stats.bytes_written for stats in result.tables.values())),
@@ -168,7 +169,7 @@ def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKe
     return metadata
 
 
-def materialization(selected: Set[AssetKey], key: AssetKey, metadata: dict[str, object]) -> DrainEvent:
+def materialization(selected: Set[AssetKey], key: AssetKey, metadata: dict[str, Any]) -> DrainEvent:
     """An output when the run selected ``key`` (planned, so expected), else a runtime event (module docstring)."""
     if key in selected:
         return MaterializeResult(asset_key=key, metadata=metadata)
@@ -177,11 +178,13 @@ def materialization(selected: Set[AssetKey], key: AssetKey, metadata: dict[str, 
 
 def check_event(selected: Set[AssetCheckKey], result: AssetCheckResult) -> DrainEvent:
     """The check's result as an output when the run selected it, else as an evaluation event of its own."""
-    if AssetCheckKey(result.asset_key, result.check_name) in selected:
+    asset_key, check_name = result.asset_key, result.check_name
+    assert asset_key is not None and check_name is not None  # pgcdc's checks name both
+    if AssetCheckKey(asset_key, check_name) in selected:
         return result
     return AssetCheckEvaluation(
-        asset_key=result.asset_key,
-        check_name=result.check_name,
+        asset_key=asset_key,
+        check_name=check_name,
         passed=result.passed,
         metadata=result.metadata,
         severity=result.severity,

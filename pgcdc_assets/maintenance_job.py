@@ -22,6 +22,7 @@ Decisions:
 # No `from __future__ import annotations`: Dagster reads the decorated function's annotations at runtime.
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from dagster import (
     AssetKey,
@@ -52,7 +53,7 @@ from resources.delta.state_table import PGCDC_TABLES_DIRECTORY
 from resources.names import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, PipelineNames, slot_pool
 
 
-def maintenance_metadata(result: TableMaintenance) -> dict[str, object]:
+def maintenance_metadata(result: TableMaintenance) -> dict[str, Any]:
     """Per-table observation metadata: numbers to plot over runs."""
     return {
         "pgcdc/files_before": MetadataValue.int(result.table_before.files),

@@ -11,6 +11,7 @@ end naming every failure.
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import psycopg
 from dagster import (
@@ -54,7 +55,7 @@ class SnapshotRunConfig(Config):
     )
 
 
-def snapshot_metadata(result: SnapshotResult) -> dict[str, object]:
+def snapshot_metadata(result: SnapshotResult) -> dict[str, Any]:
     """What a snapshot materialization records; the LSN as X/Y text, the way PostgreSQL prints it."""
     columns = [
         TableColumn(name, type=delta_type, description=f"PostgreSQL {pg_type}", tags={"pgcdc/postgres_type": pg_type})

@@ -23,8 +23,8 @@ from datetime import timedelta
 from itertools import islice, pairwise
 
 from dagster import AssetKey, AssetSpec, FreshnessPolicy, MetadataValue
-from dagster._utils.schedules import cron_string_iterator
 
+from pgcdc_assets.dagster_private import cron_string_iterator
 from resources.config import PgcdcConfig
 from resources.names import PipelineNames
 from resources.postgres.catalog import TableName

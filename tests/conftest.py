@@ -16,45 +16,15 @@ import os
 # at start with status -6, now and then. Read when gRPC initializes, so set before any channel.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
-import psycopg
 import pytest
 
+pytest.register_assert_rewrite("tests.support")  # helpers that assert, imported by test modules before pytest sees them
+
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
-
-#: Versions every protocol test runs against; PGCDC_TEST_VERSIONS narrows it for local iteration.
-POSTGRES_VERSIONS = [int(v) for v in os.environ.get("PGCDC_TEST_VERSIONS", "15,18").split(",")]
-
-#: Small enough that a transaction of a few thousand rows is streamed (64kB is the minimum).
-TEST_SERVER_SETTINGS = {"logical_decoding_work_mem": "64kB"}
-
-
-@dataclass
-class PgDatabase:
-    """A fresh database on a running test server."""
-
-    server: LocalPostgres
-    name: str
-
-    @property
-    def major(self) -> int:
-        return self.server.major
-
-    @property
-    def dsn(self) -> str:
-        return self.server.dsn(self.name)
-
-    def connect(self, **kwargs: object) -> psycopg.Connection:
-        return psycopg.connect(self.dsn, autocommit=True, **kwargs)
-
-    def execute(self, sql: str, params: object = None) -> list[tuple]:
-        with self.connect() as conn:
-            cursor = conn.execute(sql, params)
-            return cursor.fetchall() if cursor.description else []
+from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase, fresh_database
+from tests.support.tiers import assign_tier, COLLECTED_TIERS, named_tiers, refuse_servers
 
 
 @pytest.fixture(scope="session", params=POSTGRES_VERSIONS, ids=lambda v: f"pg{v}")
@@ -74,29 +44,6 @@ def pg(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
         yield database
 
 
-@contextmanager
-def fresh_database(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
-    """A new database on ``pg_server``, dropped afterwards with its slots and prepared transactions."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_server.dsn(), autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield PgDatabase(pg_server, name)
-    finally:
-        with psycopg.connect(pg_server.dsn(), autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = %s AND active",
-                (name,),
-            )
-            admin.execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s", (name,)
-            )
-            for (gid,) in admin.execute("SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,)).fetchall():
-                with psycopg.connect(pg_server.dsn(name), autocommit=True) as owner:
-                    owner.execute(f"ROLLBACK PREPARED '{gid}'")
-            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-
-
 # --------------------------------------------------------------------------- randomized workloads (long mode)
 
 
@@ -108,3 +55,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="randomized workloads (tests/test_randomized.py): many fresh seeds, more operations each "
         "(same as PGCDC_LONG=1)",
     )
+
+
+# --------------------------------------------------------------------------- tiers (docs/testing.md, "Tiers")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give every test exactly one tier marker, from the fixtures it uses (tests/support/tiers.py).
+
+    Runs before ``-m`` deselects, so ``-m unit`` selects on these markers; what every collected test
+    got is kept for tests/test_tiers.py."""
+    for item in items:
+        assign_tier(item)
+    config.stash[COLLECTED_TIERS] = {item.nodeid: named_tiers(item) for item in items}
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test of the unit tier that starts PostgreSQL or an engine fails at once, naming the fix."""
+    if request.node.get_closest_marker("unit") is not None:
+        refuse_servers(request.node.nodeid, monkeypatch)

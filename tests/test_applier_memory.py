@@ -1,6 +1,6 @@
 """The change applier without PostgreSQL or Spark: folding, ordering, chunk boundaries, markers.
 
-Transactions are built byte for byte (tests/pgoutput_messages.py), assembled by the real
+Transactions are built byte for byte (tests/support/pgoutput_messages.py), assembled by the real
 TransactionAssembler and applied by the real ChangeApplier into the in-memory destination
 (resources/testing/memory_destination.py), then compared with a model that applies the
 same changes one by one. The live tests (test_incremental.py, test_randomized.py) do the
@@ -26,7 +26,7 @@ from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
-from tests.pgoutput_messages import begin, commit, delete, insert, relation, truncate, UNCHANGED, update
+from tests.support.pgoutput_messages import begin, commit, delete, insert, relation, truncate, UNCHANGED, update
 
 OID = 16384
 TABLE = TableName("public", "t")

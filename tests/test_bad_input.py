@@ -35,9 +35,9 @@ from resources.postgres.connections import CONNECT_TIMEOUT_SECONDS
 from resources.postgres.preflight import MIN_SERVER_VERSION_NUM, check_server
 from resources.postgres.replication import ReplicationConnection
 from resources.runs.snapshot import snapshot_tables
-from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).with_name("pgcdc"))
@@ -163,6 +163,7 @@ def scram_server(request: pytest.FixtureRequest) -> Iterator[LocalPostgres]:
         server.destroy()
 
 
+@pytest.mark.slow  # a scram server of its own and Dagster runs
 def test_wrong_password_fails_without_showing_it_and_moves_nothing(
     scram_server: LocalPostgres, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -223,6 +224,7 @@ def silent_host() -> Iterator[str]:
         listener.close()
 
 
+@pytest.mark.slow  # waits out the connect timeout
 def test_silent_host_fails_within_the_connect_timeout_not_after_minutes(
     silent_host: str, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -398,6 +400,7 @@ def test_each_malformed_key_fails_the_load_with_one_line_naming_it(pg: PgDatabas
     assert pg.execute("SELECT count(*) FROM pg_replication_slots") == [(0,)]
 
 
+@pytest.mark.slow  # the Dagster CLI in child processes
 def test_malformed_config_fails_the_dagster_cli_with_the_line(pg: PgDatabase, tmp_path: Path) -> None:
     config_file = write(tmp_path, {**settings(pg.dsn, tmp_path / "lake"), "slot": "Bad-Slot"})
     home = tmp_path / "dagster_home"
@@ -485,6 +488,7 @@ print("STEP_FAILURE " + failure.step_failure_data.error.message.strip().replace(
 """
 
 
+@pytest.mark.slow  # Dagster runs that wait for an engine that never answers
 def test_unreachable_spark_connect_fails_the_step_quickly_with_one_line(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:

@@ -30,9 +30,9 @@ from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 DDL = """
     CREATE TABLE acct (id int PRIMARY KEY, v int, body text);

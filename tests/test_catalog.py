@@ -5,7 +5,7 @@ import pytest
 from resources.errors import ConfigurationError
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.publication import published_tables
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
 
 @pytest.fixture

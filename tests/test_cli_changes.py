@@ -18,7 +18,9 @@ import pytest
 
 from resources.testing.local_postgres import start_local_postgres
 from resources.lsn import LSN
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
+
+pytestmark = pytest.mark.slow  # the CLI in child processes; tiers: docs/testing.md
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 BIG = "(SELECT string_agg(md5(g::text), '') FROM generate_series(1, 20000) g)"  # 640 kB, incompressible

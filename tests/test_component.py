@@ -38,7 +38,9 @@ from resources.errors import SlotError
 from resources.names import ROW_COUNT_CHECK, ROWS_MATCH_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
 from resources.testing.local_postgres import LocalPostgres
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.conftest import fresh_database, PgDatabase
+from tests.support.postgres import fresh_database, PgDatabase
+
+pytestmark = pytest.mark.slow  # Dagster runs and `dg` commands; tiers: docs/testing.md
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

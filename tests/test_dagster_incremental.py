@@ -33,8 +33,8 @@ from resources.errors import SlotError
 from resources.lsn import LSN
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
 from resources.testing.local_postgres import LocalPostgres
-from tests.conftest import fresh_database, PgDatabase
-from tests.tcp_proxy import TcpProxy
+from tests.support.postgres import fresh_database, PgDatabase
+from tests.support.tcp_proxy import TcpProxy
 from tests.test_deletion_vectors import commit_bytes
 from tests.test_dagster_snapshot import (
     NOTES_KEY,
@@ -49,7 +49,8 @@ from tests.test_dagster_snapshot import (
     write_config,
 )
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
 
 ORDERS = AssetKey(["pgcdc", "public", "orders"])
 NOTES = AssetKey(["pgcdc", "public", "notes"])

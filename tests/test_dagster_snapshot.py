@@ -33,10 +33,11 @@ from resources.errors import ConnectionFailure, SnapshotError
 from resources.runs.key_range_copy import copy_key_range, RangeCopy
 from resources.lsn import LSN
 from resources.testing.verify import assert_buckets_right
-from tests.conftest import PgDatabase
-from tests.engine_fixtures import assert_delta_jars
+from tests.support.postgres import PgDatabase
+from tests.support.engine_fixtures import assert_delta_jars
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
 
 REPO = Path(__file__).resolve().parent.parent
 DAGSTER = str(Path(sys.executable).with_name("dagster"))

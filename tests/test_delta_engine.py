@@ -25,9 +25,9 @@ from resources.delta.schema_changes import add_columns
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
 from resources.testing.memory_destination import InMemoryDestination
-from tests.engine_fixtures import assert_delta_jars
+from tests.support.engine_fixtures import assert_delta_jars
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 SCHEMA = pa.schema([
     pa.field("id", pa.int64(), nullable=False),

@@ -36,6 +36,7 @@ def demo_dir() -> Iterator[Path]:
         yield Path(directory) / "demo"
 
 
+@pytest.mark.slow  # PostgreSQL and Sail in the demo's own process
 @pytest.mark.timeout(300)
 def test_demo_runs_and_verifies_every_run(demo_dir: Path) -> None:
     done = subprocess.run(
@@ -47,6 +48,9 @@ def test_demo_runs_and_verifies_every_run(demo_dir: Path) -> None:
     )
     out = done.stdout
     assert done.returncode == 0, f"exit {done.returncode}\n{out}\n{done.stderr}"
+    # Success is quiet: a first user reads an ERROR or a traceback as a broken install.
+    alarming = [line for line in (out + done.stderr).splitlines() if "ERROR" in line or "Traceback" in line]
+    assert alarming == [], "\n".join(alarming)
     # pgcdc changes printed decoded JSON lines of the scratch slot, which was dropped again.
     for kind in ("begin", "insert", "update", "delete", "commit"):
         assert f'  {{"type": "{kind}", "lsn": ' in out, kind

@@ -2,7 +2,7 @@
 standalone cluster behind a Spark Connect server) and Sail's standalone server.
 
 A JVM engine costs 15-40 s to start and seconds per Delta statement on two cores, so each engine
-(``tests/engine_fixtures.py``, one at a time, shared by every test that runs on it) walks one
+(``tests/support/engine_fixtures.py``, one at a time, shared by every test that runs on it) walks one
 scenario instead of several tests that each set one up
 (:func:`test_lifecycle_kill_and_crash_match_postgres`), compared with PostgreSQL after every step by
 ``resources/testing/verify.py`` (delta-rs, independent of the writer):
@@ -18,7 +18,7 @@ scenario instead of several tests that each set one up
    embedded Sail in tests/test_faults.py); on the managed engine the crashed process had started
    its own Spark JVM, which must die with it.
 
-``spark-local`` also runs a short seeded randomized workload (tests/workload.py) and the
+``spark-local`` also runs a short seeded randomized workload (tests/support/workload.py) and the
 object-storage lifecycle of tests/test_object_storage.py on ``s3://`` through S3A. Which test
 runs on which engine: docs/testing.md.
 """
@@ -47,7 +47,7 @@ from resources.delta.capabilities import engine_capabilities
 from resources.delta.maintenance import (
     describe, file_deletions, maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance,
 )
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.runs.snapshot import snapshot_tables, SnapshotProgress
@@ -55,12 +55,12 @@ from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc
 from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, delta_rows
-from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
-pytest.register_assert_rewrite("tests.engine_fixtures", "tests.s3_fixtures")  # imported here before pytest loads them as plugins
-from tests.engine_fixtures import ENGINES, EngineUnderTest, group_alive
-from tests.s3_fixtures import S3Server
-from tests.fault_child import SNAPSHOT_WRITER_ENV
+pytest.register_assert_rewrite("tests.support.engine_fixtures", "tests.support.s3_fixtures")  # imported here before pytest loads them as plugins
+from tests.support.engine_fixtures import ENGINES, EngineUnderTest, group_alive
+from tests.support.s3_fixtures import S3Server
+from tests.support.fault_child import SNAPSHOT_WRITER_ENV
 from tests.test_bucket_layout import clean_log
 from tests.test_deletion_vectors import commit_bytes
 from tests.test_key_shapes import (
@@ -69,7 +69,7 @@ from tests.test_key_shapes import (
 from tests.test_key_range_snapshot import Writer
 from tests.test_object_storage import lifecycle as object_storage_lifecycle
 from tests.test_randomized import Replay
-from tests.workload import generate
+from tests.support.workload import generate
 from tests.test_faults import (
     REPO,
     SLOT,
@@ -83,7 +83,8 @@ from tests.test_faults import (
     wait_mid_drain,
 )
 
-pytest_plugins = ["tests.engine_fixtures", "tests.s3_fixtures"]
+pytest_plugins = ["tests.support.engine_fixtures", "tests.support.s3_fixtures"]
+pytestmark = pytest.mark.spark  # the JVM engines, Sail's standalone server and a classic session in a child; tiers: docs/testing.md
 
 LIFECYCLE_DDL = NEVER_TRUNCATED_DDL + """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text, seen timestamptz);
@@ -319,7 +320,7 @@ def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None
 
 #: A short workload (17 steps, 5 runs of chunks of 100 and more) that covers unchanged TOAST, key
 #: changes, identical rows of a REPLICA IDENTITY FULL table, a keyless table, TRUNCATE, ADD COLUMN,
-#: re-snapshots, a table published mid-stream and timestamps at infinity; found with tests.workload.generate.
+#: re-snapshots, a table published mid-stream and timestamps at infinity; found with tests.support.workload.generate.
 SPARK_WORKLOAD = (16322, 16)
 
 
@@ -330,7 +331,7 @@ def test_randomized_workload_on_spark_matches_postgres(engine: EngineUnderTest, 
     steps = generate(seed, ops)
     rendered = "\n".join(" ".join(step.statements) for step in steps if step.kind == "sql")
     for feature in ("TRUNCATE", "ADD COLUMN", "UPDATE dup_t", "INSERT INTO log_t", "UPDATE full_t", "infinity"):
-        assert feature in rendered, f"seed {seed} no longer covers {feature}: tests/workload.py changed, pick another"
+        assert feature in rendered, f"seed {seed} no longer covers {feature}: tests/support/workload.py changed, pick another"
     replay = Replay(pg, tmp_path, engine.spark, seed, ops)
     replay.execute(steps)
     assert replay.most_duplicates > 0, "dup_t never held identical rows"
@@ -539,7 +540,7 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
                            "delta": {"root": str(tmp_path / "lake"), "deletion_vectors_tables": {"public.acct": False}}})  # fmt: skip
     acct, journal = config.table_path("public", "acct"), config.table_path("public", "journal")
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.classic_child", str(write_config(config, tmp_path)), f"{acct},{journal}", str(1 / 3600)],
+        [sys.executable, "-m", "tests.support.classic_child", str(write_config(config, tmp_path)), f"{acct},{journal}", str(1 / 3600)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
         # This process has had Spark Connect sessions, which mark the environment as Connect mode
         # (SPARK_CONNECT_MODE_ENABLED); a child inheriting that cannot build a classic session.

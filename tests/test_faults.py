@@ -29,17 +29,18 @@ from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
 from resources.delta.reads import delta_rs_rows
 from resources.errors import SlotError
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
 from resources.runs.snapshot import snapshot_tables
-from tests.conftest import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
-from tests.tcp_proxy import TcpProxy
+from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+from tests.support.tcp_proxy import TcpProxy
 
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # drains killed, servers restarted, network cut, in child processes; tiers: docs/testing.md
 
 REPO = Path(__file__).resolve().parent.parent
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
@@ -174,7 +175,7 @@ def rerun_converges(
 
 
 class Child:
-    """``tests.fault_child`` draining in the background, output in files (pipes could fill up)."""
+    """``tests.support.fault_child`` draining in the background, output in files (pipes could fill up)."""
 
     def __init__(self, config_file: Path, chunk: int | str = SMALL_CHUNK, env: dict[str, str] | None = None) -> None:
         self.out = config_file.with_suffix(".out")
@@ -182,7 +183,7 @@ class Child:
         environment = {k: v for k, v in os.environ.items() if k != FAULT_POINT_ENV}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.fault_child", str(config_file), str(chunk)],
+                [sys.executable, "-m", "tests.support.fault_child", str(config_file), str(chunk)],
                 stdout=out, stderr=err, cwd=REPO, env={**environment, **(env or {})},
             )  # fmt: skip
 

@@ -20,10 +20,10 @@ from pyspark.sql import SparkSession
 from resources.cdc.applier import DEFAULT_REPLACE_VALUES
 from resources.config import PgcdcConfig
 from resources.delta.reads import delta_rs_rows
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from tests.test_incremental import drain, run_child, same, setup, slot_confirmed
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 
 def rows(pg: PgDatabase, table: str, column: str = "x") -> list:

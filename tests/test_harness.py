@@ -1,6 +1,6 @@
 """The harness itself: both servers are real, logical, and isolated per test."""
 
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
 
 def test_server_is_logical_and_of_the_expected_version(pg: PgDatabase) -> None:

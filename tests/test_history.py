@@ -42,12 +42,13 @@ from resources.runs.incremental import run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from tests.test_faults import Child, confirmed, write_config
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # crash points in child processes around changelog commits; tiers: docs/testing.md
 
 TABLES = ("public.orders", "public.dups", "public.events")
 SEED = ("reset", "snapshot")

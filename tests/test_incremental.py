@@ -31,12 +31,12 @@ from resources.postgres.catalog import TableName
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
 from resources.runs.snapshot import snapshot_tables
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from tests.conftest import PgDatabase
-from tests.memory_child import measured
+from tests.support.postgres import PgDatabase
+from tests.support.memory_child import measured
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 SLOT = "pgcdc_slot"
 
@@ -513,7 +513,7 @@ def run_child(
         env[FAULT_POINT_ENV] = fault
     extra = [] if replace_values is None else [str(replace_values)]
     return subprocess.run(
-        [sys.executable, "-m", "tests.incremental_child", str(config_file), str(chunk), *extra],
+        [sys.executable, "-m", "tests.support.incremental_child", str(config_file), str(chunk), *extra],
         env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
     )
 
@@ -561,6 +561,7 @@ def tally_changes(conn: psycopg.Connection, i: int) -> None:
 
 
 @pytest.mark.parametrize("fault", ["after_delta_commit", "before_merge", "after_confirm"])
+@pytest.mark.slow  # a child SIGKILLed at each crash point
 def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, fault: str
 ) -> None:
@@ -603,11 +604,12 @@ DRAIN_PEAK_MIB = 150
 DRAIN_GROWTH_MIB = 32
 
 
+@pytest.mark.slow  # two backlogs drained in children to measure memory
 def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
     """Two drains, of 20k and then 80k changes, each in a child process that reports its peak resident
-    memory over its baseline and Arrow's pool maximum (tests/memory_child.py): below a stated bound
+    memory over its baseline and Arrow's pool maximum (tests/support/memory_child.py): below a stated bound
     smaller than the larger backlog, and about the same for both, so chunks, not backlogs, are held."""
     config = setup(pg, tmp_path, spark, """
         CREATE TABLE wide (id int PRIMARY KEY, pad text);

@@ -28,7 +28,7 @@ from resources.delta.markers import LSN_COLUMN, snapshot_marker
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
-from tests.pgoutput_messages import begin, commit, delete, insert, relation, truncate, UNCHANGED, update
+from tests.support.pgoutput_messages import begin, commit, delete, insert, relation, truncate, UNCHANGED, update
 
 OID = 16384
 TABLE = TableName("public", "t")

@@ -31,12 +31,12 @@ from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables, SnapshotProgress
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from tests.test_faults import Child
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 ROWS = 4000
 DDL = f"""
@@ -96,6 +96,7 @@ class Writer(threading.Thread):
         self.join()
 
 
+@pytest.mark.slow  # children SIGKILLed at three points
 def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact(
     pg: PgDatabase, spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -28,10 +28,11 @@ from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from tests.conftest import PgDatabase
-from tests.subscriber_oracle import Subscriber
+from tests.support.postgres import PgDatabase
+from tests.support.subscriber_oracle import Subscriber
 
-pytest_plugins = ["tests.spark_fixtures", "tests.subscriber_oracle"]
+pytest_plugins = ["tests.support.spark_fixtures", "tests.support.subscriber_oracle"]
+pytestmark = pytest.mark.slow  # PostgreSQL subscribers beside each key shape; tiers: docs/testing.md
 
 KEYS = 40
 """Key values 0..KEYS-1 per table (the first 30 exist after the set-up)."""

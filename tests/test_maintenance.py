@@ -38,13 +38,13 @@ from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
 from resources.runs.snapshot import snapshot_tables
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
-from tests.conftest import POSTGRES_VERSIONS, PgDatabase
-from tests.s3_fixtures import S3Server
+from tests.support.postgres import POSTGRES_VERSIONS, PgDatabase
+from tests.support.s3_fixtures import S3Server
 from tests.test_faults import SLOT, Child, confirmed, write_config
 
-pytest_plugins = ["tests.spark_fixtures", "tests.s3_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures", "tests.support.s3_fixtures"]
 
 DDL = """
     CREATE TABLE acct (id int PRIMARY KEY, balance numeric(12, 2), note text, seen timestamptz, tags int[]);

@@ -1,5 +1,5 @@
 """The lake on object storage (``delta.root: s3://bucket/prefix``) against a local S3 (moto, started
-by ``tests/s3_fixtures.py``), real PostgreSQL 15 and 18 and the embedded Sail engine (Apache
+by ``tests/support/s3_fixtures.py``), real PostgreSQL 15 and 18 and the embedded Sail engine (Apache
 Spark with Delta runs the same :func:`lifecycle` through S3A in ``tests/test_engines.py``, on the
 JVM engine those tests start anyway).
 
@@ -34,11 +34,11 @@ from resources.errors import ConfigurationError
 from resources.runs.incremental import run_incremental
 from resources.delta.lake_storage import LakeStorage, open_lake, remove_tree
 from resources.runs.snapshot import snapshot_tables
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.s3_fixtures import BUCKET, TEST_SECRET, S3Server
+from tests.support.s3_fixtures import BUCKET, TEST_SECRET, S3Server
 
-pytest_plugins = ["tests.s3_fixtures"]
+pytest_plugins = ["tests.support.s3_fixtures"]
 
 SLOT = "pgcdc_slot"
 DDL = """

@@ -42,7 +42,7 @@ from resources.pgoutput.messages import (
     Update,
 )
 from resources.pgoutput.relations import RelationCache, TypeCache
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
 INT4, INT8, TEXT = 23, 20, 25
 

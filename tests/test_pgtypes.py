@@ -27,7 +27,7 @@ from resources.pgtypes import (
 )
 
 if TYPE_CHECKING:
-    from tests.conftest import PgDatabase
+    from tests.support.postgres import PgDatabase
 
 
 def numeric_typmod(precision: int, scale: int) -> int:

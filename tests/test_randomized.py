@@ -1,7 +1,7 @@
 """Randomized workloads ("Prove it"): thousands of seeded random operations on PostgreSQL 15 and 18,
 interleaved with incremental runs; after every run each snapshotted table must equal PostgreSQL exactly.
 
-The workload (``tests/workload.py``) covers inserts, updates (key changes, unchanged TOAST),
+The workload (``tests/support/workload.py``) covers inserts, updates (key changes, unchanged TOAST),
 changes to one copy among identical rows of a REPLICA IDENTITY FULL table (NULLs, TOAST),
 deletes, TRUNCATE, rolled-back transactions, savepoints rolled back inside committed ones,
 streamed transactions (committed, aborted, left open across a run), two-phase commit and
@@ -39,12 +39,13 @@ from resources.postgres.connections import libpq_options
 from resources.runs.incremental import run_incremental
 from resources.pgtypes import SESSION_SETTINGS
 from resources.runs.snapshot import snapshot_tables
-from tests.conftest import PgDatabase
-from tests.workload import DDL, Step, generate
+from tests.support.postgres import PgDatabase
+from tests.support.workload import DDL, Step, generate
 
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, compare_table
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # long seeded workloads; tiers: docs/testing.md
 
 DEFAULT_SEEDS = [20240601, 7]
 DEFAULT_OPS = 350

@@ -31,11 +31,11 @@ from resources.lsn import LSN
 from resources.pgtypes import PgColumnType, to_arrow
 from resources.runs.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
 from resources.testing.verify import compare_table
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from tests.test_dagster_incremental import slot_position
 from tests.test_dagster_snapshot import create_shop, write_config
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 ORDERS = AssetKey(["pgcdc", "public", "orders"])
 NOTES = AssetKey(["pgcdc", "public", "notes"])

@@ -15,7 +15,7 @@ from resources.postgres.connections import libpq_options
 from resources.postgres.frames import XLogData
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ from resources.cdc.renames import unproven_addition
 from resources.delta.reads import delta_rs_rows
 from resources.postgres.catalog import read_table, table_attributes, TableName
 from resources.runs.snapshot import snapshot_tables
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from tests.test_incremental import assert_refused_with_the_resnapshot_fix, drain, path_of, same, setup
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 
 def test_drop_and_add_of_the_last_column_drain_exactly(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:

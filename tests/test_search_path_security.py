@@ -32,11 +32,12 @@ from pgcdc_assets.builder import build_definitions
 from resources.runs.cli import build_parser, print_changes
 from resources.postgres.connections import connect
 from resources.testing.verify import assert_delta_equals_postgres, delta_rows
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 from tests.test_dagster_incremental import check_outcomes, evaluate, run_job
 from tests.test_dagster_snapshot import write_config
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs under hostile search paths; tiers: docs/testing.md
 
 PLANTED_IN = ("public", "evil")
 

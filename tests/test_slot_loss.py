@@ -27,11 +27,12 @@ from resources.runs.incremental import run_incremental
 from resources.postgres.preflight import ensure_slot
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.conftest import PgDatabase, TEST_SERVER_SETTINGS
+from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
 from tests.test_dagster_incremental import evaluate, run_job
 from tests.test_dagster_snapshot import create_shop, write_config
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = pytest.mark.slow  # Dagster runs against a lost slot; tiers: docs/testing.md
 
 SLOT = "pgcdc_slot"
 

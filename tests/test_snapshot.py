@@ -36,10 +36,10 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.replication import CreatedSlot
 from resources.runs import snapshot
 from resources.runs.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
-from tests.conftest import PgDatabase
-from tests.memory_child import measured
+from tests.support.postgres import PgDatabase
+from tests.support.memory_child import measured
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 SLOT = "pgcdc_slot"
 PUB = "pub"
@@ -411,6 +411,7 @@ SNAPSHOT_PEAK_MIB = 384
 SNAPSHOT_GROWTH_MIB = 96
 
 
+@pytest.mark.slow  # two table sizes copied in children to measure memory
 def test_large_table_copies_with_bounded_memory(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
     """Peak resident memory of a process that snapshots a 150k-row and a 450k-row table (1 KB rows,
     145 and 435 MiB): below a stated bound smaller than the larger table, and about the same for

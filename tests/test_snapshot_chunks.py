@@ -30,11 +30,11 @@ from resources.postgres.preflight import ensure_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
-from tests.conftest import PgDatabase
-from tests.memory_child import measured
+from tests.support.postgres import PgDatabase
+from tests.support.memory_child import measured
 from tests.test_snapshot import assert_md5_payloads
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 SLOT = "pgcdc_slot"
 
@@ -206,7 +206,7 @@ PARALLEL_PEAK_MIB = 256
 
 def test_parallel_chunks_copy_with_bounded_memory(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
     """Three workers over 4 MB ranges of a 55 MB heap, in a child process that reports its peak resident
-    memory over its baseline and Arrow's pool maximum (tests/memory_child.py), against a stated bound."""
+    memory over its baseline and Arrow's pool maximum (tests/support/memory_child.py), against a stated bound."""
     rows = 50_000
     pg.execute(
         f"""

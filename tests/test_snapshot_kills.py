@@ -1,6 +1,6 @@
 """A snapshot SIGKILLed at each of its phases, under writes, recovers on the next run with no manual step.
 
-Each kill runs ``tests.fault_child`` (``snapshot_tables``) with ``PGCDC_FAULT_POINT`` set, on either
+Each kill runs ``tests.support.fault_child`` (``snapshot_tables``) with ``PGCDC_FAULT_POINT`` set, on either
 snapshot writer (delta-rs streaming in pgcdc's process, the embedded engine's default; the engine's
 overwrite of staged Parquet, Delta on Spark's, forced on Sail through the capability seam) while a
 writer thread keeps changing the tables. It checks what the kill left (the phase really was
@@ -41,20 +41,21 @@ from resources.runs.incremental import run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
-pytest.register_assert_rewrite("tests.s3_fixtures")  # imported below (through the Dagster tests) before pytest loads it as a plugin
-from tests.fault_child import SNAPSHOT_WRITER_ENV, use_snapshot_writer
+pytest.register_assert_rewrite("tests.support.s3_fixtures")  # imported below (through the Dagster tests) before pytest loads it as a plugin
+from tests.support.fault_child import SNAPSHOT_WRITER_ENV, use_snapshot_writer
 from tests.test_dagster_snapshot import create_shop, DAGSTER, delta_rows, pg_notes, pg_orders, REPO, write_config
 from tests.test_faults import Child
 from tests.test_key_range_snapshot import DDL, ROWS, Writer
 
 if TYPE_CHECKING:
-    from tests.s3_fixtures import S3Server
+    from tests.support.s3_fixtures import S3Server
 
-pytest_plugins = ["tests.spark_fixtures", "tests.s3_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures", "tests.support.s3_fixtures"]
+pytestmark = pytest.mark.slow  # snapshots SIGKILLed at each phase, in child processes; tiers: docs/testing.md
 
 WRITERS = ("delta-rs", "engine")
 

@@ -34,11 +34,11 @@ from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_table, snapshot_tables
-from resources.testing.faults import FAULT_POINT_ENV
+from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
-pytest_plugins = ["tests.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures"]
 
 SLOT = "pgcdc_slot"
 
@@ -69,11 +69,11 @@ def resnapshot_without_state(pg: PgDatabase, config: PgcdcConfig, spark: SparkSe
 
 
 def crashing_child(config: PgcdcConfig, tmp_path: Path, fault: str) -> subprocess.CompletedProcess[str]:
-    """One drain in a child process that SIGKILLs itself at ``fault`` (resources/testing/faults.py)."""
+    """One drain in a child process that SIGKILLs itself at ``fault`` (resources/crash_points.py)."""
     config_file = tmp_path / "pgcdc.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump()))
     return subprocess.run(
-        [sys.executable, "-m", "tests.incremental_child", str(config_file), "1000"],
+        [sys.executable, "-m", "tests.support.incremental_child", str(config_file), "1000"],
         env={**os.environ, FAULT_POINT_ENV: fault}, capture_output=True, text=True, timeout=300,
         cwd=Path(__file__).parent.parent,
     )

@@ -1,4 +1,4 @@
-"""pgcdc against PostgreSQL's own subscriber on the same publication (``tests/subscriber_oracle.py``).
+"""pgcdc against PostgreSQL's own subscriber on the same publication (``tests/support/subscriber_oracle.py``).
 
 A seeded random workload runs on the publisher; pgcdc snapshots, then drains several times, and
 after every drain the subscriber is waited for up to the drain's end LSN and each Delta table
@@ -6,7 +6,7 @@ must equal the subscriber's table. The tables are the cases where "equal to the 
 wrong expectation: row filters (rows moving in and out of them), column lists, a partitioned table
 published through its root and through its leaves, REPLICA IDENTITY FULL with many identical rows
 (NULLs, TOASTed values), plus a keyed table with TOAST and TRUNCATE. Values come from
-``tests/workload.py``'s makers, so the types are those of the randomized suite.
+``tests/support/workload.py``'s makers, so the types are those of the randomized suite.
 
 On failure the message names the seed and lists the SQL since the previous drain.
 """
@@ -26,11 +26,12 @@ from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres
 from resources.lsn import LSN
 from resources.runs.snapshot import snapshot_tables
-from tests.conftest import PgDatabase
-from tests.subscriber_oracle import Subscriber, SubscriberError
-from tests.workload import value
+from tests.support.postgres import PgDatabase
+from tests.support.subscriber_oracle import Subscriber, SubscriberError
+from tests.support.workload import value
 
-pytest_plugins = ["tests.spark_fixtures", "tests.subscriber_oracle"]
+pytest_plugins = ["tests.support.spark_fixtures", "tests.support.subscriber_oracle"]
+pytestmark = pytest.mark.slow  # PostgreSQL subscribers beside each workload; tiers: docs/testing.md
 
 #: Transactions between two drains, and drains per test: a few seconds of Sail per drain.
 TRANSACTIONS_PER_DRAIN = 25

@@ -16,7 +16,7 @@ from resources.pgoutput import tuples
 from resources.pgoutput.decoder import _tuple
 from resources.pgoutput.messages import UNCHANGED_TOAST
 from resources.pgoutput.tuples import tuple_columns, tuple_end
-from tests.pgoutput_messages import insert, tuple_data, UNCHANGED
+from tests.support.pgoutput_messages import insert, tuple_data, UNCHANGED
 
 HEAD = 6  # 'I', Int32 relation oid, 'N': where the TupleData of an Insert starts
 

@@ -44,9 +44,9 @@ class DagsterDriver:
             install_signal_handlers()
         if not result.success:
             failures = [
-                event.event_specific_data.error.message.strip()  # type: ignore[union-attr]
+                event.step_failure_data.error.message.strip()
                 for event in result.all_events
-                if event.is_step_failure and event.event_specific_data and event.event_specific_data.error
+                if event.is_step_failure and event.step_failure_data.error is not None
             ]
             raise DemoFailure(f"Dagster run {result.run_id} of {job} failed: {' | '.join(failures) or 'see the run log'}")
         return result

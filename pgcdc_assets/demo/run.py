@@ -262,8 +262,13 @@ def incremental_with_load(
     snapshot.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
     snapshot.execute("SELECT 1")  # the snapshot is taken here
     done = threading.Event()
+
+    def resume_once_the_drain_started() -> None:
+        _wait_for_drain_start(pipeline.dsn, pipeline.slot, done)
+        load.resume()
+
     resumer = threading.Thread(
-        target=lambda: (_wait_for_drain_start(pipeline.dsn, pipeline.slot, done), load.resume()),
+        target=resume_once_the_drain_started,
         name="pgcdc-demo-resume",
         daemon=True,
     )

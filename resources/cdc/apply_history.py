@@ -25,7 +25,7 @@ from resources.cdc.row_batches import PendingRows
 from resources.cdc.tables import TableTarget
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
 from resources.errors import PgcdcError
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 
 class HistoryHandOff(BatchAssembly):

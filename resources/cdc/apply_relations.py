@@ -14,7 +14,7 @@ from resources.delta.layout import BUCKET_COLUMN
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import arrow_type
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 
 class RelationHandling(TableFlush):

@@ -12,7 +12,7 @@ from resources.lsn import LSN
 from resources.pgoutput.options import PgOutputOptions
 from resources.postgres.slots import slot_in_use
 from resources.postgres.stream import ReplicationStream
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 
 def drain(
@@ -45,7 +45,7 @@ def drain(
 
     try:
         for item in stream.drain_batches(end_lsn, stop=False):
-            if type(item) is list:  # row changes inside a transaction: kept undecoded
+            if isinstance(item, list):  # row changes inside a transaction: kept undecoded
                 feed_rows(item)
                 continue
             txn = feed(item.payload, item.wal_start)

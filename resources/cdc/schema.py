@@ -86,7 +86,7 @@ class SchemaReconciler:
         check only then. Columns dropped in PostgreSQL but kept in Delta count every time, since
         one run cannot tell a drop since the previous run from an older one."""
         if target.delta_schema is None:
-            target.delta_schema = self._writer.call(self._destination.table_schema, target.path)  # type: ignore[assignment]
+            target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
         existing = {f.name: f.type for f in target.delta_schema}
         added: list[pa.Field] = []
         widened: dict[str, pa.DataType] = {}
@@ -131,7 +131,7 @@ class SchemaReconciler:
                 self._before_fill(target, values, end, seq)
             self._writer.call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
         if widened or added or fills:
-            target.delta_schema = self._writer.call(self._destination.table_schema, target.path)  # type: ignore[assignment]
+            target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
         target.dropped = [
             f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
         ]

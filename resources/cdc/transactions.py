@@ -34,11 +34,11 @@ import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from resources.cdc.row_batches import Change, RowBatch
 from resources.errors import ProtocolError
 from resources.lsn import LSN
 from resources.pgoutput.decoder import PgOutputDecoder
+from resources.pgoutput.relations import RelationCache
 from resources.pgoutput.messages import (
     Begin,
     Commit,
@@ -92,7 +93,7 @@ class ChangeLog:
         self._dropped: set[int] = set()
         self.streamed = streamed
         #: Relations known to the decoder (set at commit): row changes of other oids are refused.
-        self.relations: Mapping[int, Any] | None = None
+        self.relations: RelationCache | None = None
         self.count = 0
         self.nbytes = 0
 
@@ -105,7 +106,7 @@ class ChangeLog:
         """One row change message (its pgoutput payload, copied)."""
         buffer = self._buffer
         if buffer and type(buffer[-1]) is list:
-            buffer[-1].append(payload)  # type: ignore[union-attr]
+            buffer[-1].append(payload)
         else:
             buffer.append([payload])
         self._added(1, len(payload))
@@ -114,7 +115,7 @@ class ChangeLog:
         """Row change messages (``size``: their total bytes); the list is taken over, not copied."""
         buffer = self._buffer
         if buffer and type(buffer[-1]) is list:
-            buffer[-1].extend(payloads)  # type: ignore[union-attr]
+            buffer[-1].extend(payloads)
         else:
             buffer.append(payloads)
         self._added(len(payloads), size)
@@ -165,8 +166,8 @@ class ChangeLog:
         relations = self.relations
         for chunk in self._chunks():
             for entry in chunk:
-                if type(entry) is list:
-                    batch = RowBatch(entry, streamed, dropped)  # type: ignore[arg-type]
+                if isinstance(entry, list):
+                    batch = RowBatch(entry, streamed, dropped)
                     if relations is not None and len(batch):
                         for oid in np.unique(batch.oids).tolist():
                             if oid not in relations:
@@ -174,7 +175,7 @@ class ChangeLog:
                     if len(batch):
                         yield batch
                 else:
-                    subxid, change = entry  # type: ignore[misc]
+                    subxid, change = entry
                     if not dropped or subxid not in dropped:
                         yield change
 
@@ -299,17 +300,16 @@ class TransactionAssembler:
 
     def feed_message(self, message: PgOutputMessage, size: int) -> CommittedTransaction | None:
         """Take one decoded message other than a row change (``size``: its payload bytes)."""
-        kind = type(message)
-        if kind is Truncate:
+        if type(message) is Truncate:
             self._target(message.xid).append(message.xid, ("T", message.relation_oids, None, -1, -1), size)
-        elif kind is Relation:
+        elif type(message) is Relation:
             self._target(message.xid).append(message.xid, ("R", message, None, -1, -1), size)
-        elif kind is Begin:
+        elif type(message) is Begin:
             if self._current is not None:
                 raise ProtocolError(f"Begin at {message.wal_start} inside another transaction", "restart replication")
             self._current = self._new_log(str(message.xid))
             self._current_begin = message
-        elif kind is Commit:
+        elif type(message) is Commit:
             if self._current is None or self._current_begin is None:
                 raise ProtocolError(f"Commit at {message.wal_start} without Begin", "restart replication")
             done = CommittedTransaction(
@@ -319,20 +319,20 @@ class TransactionAssembler:
             self._current = None
             self._current_begin = None
             return done
-        elif kind is StreamStart:
+        elif type(message) is StreamStart:
             log = self._streams.get(message.xid)
             if log is None:
                 log = self._streams[message.xid] = self._new_log(f"s{message.xid}", streamed=True)
             self._stream_xid = message.xid
-        elif kind is StreamStop:
+        elif type(message) is StreamStop:
             if self._stream_xid is not None:
                 self._streams[self._stream_xid].spill()
             self._stream_xid = None
-        elif kind is StreamCommit:
+        elif type(message) is StreamCommit:
             log = self._streams.pop(message.xid, None) or self._new_log(f"s{message.xid}", streamed=True)
             log.relations = self.decoder.relations
             return CommittedTransaction(message.xid, message.commit_lsn, message.end_lsn, message.commit_time, True, log)
-        elif kind is StreamAbort:
+        elif type(message) is StreamAbort:
             if message.subxid == message.xid:
                 aborted = self._streams.pop(message.xid, None)
                 if aborted is not None:

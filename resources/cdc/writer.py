@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TypeVar
+
+T = TypeVar("T")
 
 HEARTBEAT_SECONDS = 0.1
 """How often a thread waiting for Delta calls the heartbeat (which decides itself whether to send)."""
@@ -68,7 +71,7 @@ class OrderedWriter:
         if durable is not None:
             self.durable = durable
 
-    def wait(self, future: Future):  # type: ignore[type-arg]
+    def wait(self, future: Future[T]) -> T:
         """The future's result; calls the heartbeat while waiting, however long a Delta commit takes."""
         heartbeat = self._heartbeat
         if heartbeat is not None:
@@ -77,7 +80,7 @@ class OrderedWriter:
                 wait((future,), timeout=HEARTBEAT_SECONDS, return_when=FIRST_COMPLETED)
         return future.result()
 
-    def call(self, operation: Callable[..., object], *args: object) -> object:
+    def call(self, operation: Callable[..., T], *args: object) -> T:
         """Run a Destination call on the writer thread after every queued write, and wait for its result."""
         self.collect(wait=True)
         return self.wait(self._executor.submit(operation, *args))

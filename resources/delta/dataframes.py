@@ -47,11 +47,11 @@ def session_settings(spark: SparkSession, settings: dict[str, str]) -> Iterator[
     try:
         yield
     finally:
-        for key, value in previous.items():
-            if value is None:
+        for key, earlier in previous.items():
+            if earlier is None:
                 spark.conf.unset(key)
             else:
-                spark.conf.set(key, value)
+                spark.conf.set(key, earlier)
 
 
 def nullable_schema(schema: pa.Schema) -> pa.Schema:

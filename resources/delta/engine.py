@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from types import TracebackType
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -99,7 +100,7 @@ class SparkEngine:
         set there); ``master`` defaults to ``local[<cores>]``. ``storage_environment`` goes to the
         server's environment: object-store credentials reach the JVM there, not on its command line.
         """
-        request = {"master": master or f"local[{len(os.sched_getaffinity(0))}]",
+        request: dict[str, Any] = {"master": master or f"local[{len(os.sched_getaffinity(0))}]",
                    "config": managed_server_config(config)}
         server = subprocess.Popen(
             [sys.executable, "-m", "resources.delta.spark_server", json.dumps(request)],

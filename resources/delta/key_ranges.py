@@ -71,7 +71,7 @@ class KeyRanges:
     @property
     def snapshot_lsn(self) -> LSN | None:
         """The snapshot LSN once every range is done (the newest C_k); None before."""
-        return LSN(max(self.points)) if self.complete else None  # type: ignore[type-var]
+        return LSN(max(point for point in self.points if point is not None)) if self.complete else None
 
     def next_range(self) -> int | None:
         """The first range to copy (not done, or to copy again); None when the walk is over."""

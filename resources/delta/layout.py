@@ -204,7 +204,7 @@ def row_buckets(layout: TableLayout, columns: Mapping[str, pa.Array | pa.Chunked
     keys = [columns.get(name) for name in layout.key]
     if any(key is None for key in keys) or not layout.can_bucket([key.type for key in keys]):  # type: ignore[union-attr]
         return pa.nulls(length, pa.int64())
-    return bucket_values(layout, keys)  # type: ignore[arg-type]
+    return bucket_values(layout, keys)
 
 
 def _integer_hashes(values: np.ndarray) -> np.ndarray:

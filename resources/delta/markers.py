@@ -87,14 +87,16 @@ def fold_table_log(
     for version, commit in commits_newest_first:
         for user_metadata in commit:
             marker = pgcdc_marker(user_metadata)
-            kind = marker.get("kind") if marker is not None else None
+            if marker is None:
+                continue
+            kind = marker.get("kind")
             if kind == "snapshot":
                 return TableLog(
-                    marker_snapshot_lsn(marker), version, newest, applied, marker_layout(marker), table_id,  # type: ignore[arg-type]
+                    marker_snapshot_lsn(marker), version, newest, applied, marker_layout(marker), table_id,
                     marker_chunks(marker), marker_columns(marker),
                 )
             if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
-                applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])  # type: ignore[index]
+                applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])
     if known is None:
         return TableLog(None, None, newest, applied, None)
     return TableLog(

@@ -20,7 +20,7 @@ from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property
 from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 
 STAGING_DIRECTORY = "_pgcdc_staging"
@@ -132,7 +132,7 @@ def write_snapshot(
 
 def _watched(data: pa.Table | Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``data``'s batches, with the fault point ``during_snapshot_write`` once the writer holds the
-    first one and asks for more (``resources/testing/faults.py``)."""
+    first one and asks for more (``resources/crash_points.py``)."""
     for number, batch in enumerate(data.to_batches() if isinstance(data, pa.Table) else data):
         yield batch
         if number == 0:
@@ -232,7 +232,7 @@ def _write_with_delta_rs(
             else:
                 discard_unfinished_create(path)  # a directory that was there before keeps everything else
         if failures:
-            raise failures[0]
+            raise failures[0]  # noqa: B904 (the writer's own failure; the one caught here is its consequence)
         raise
 
 

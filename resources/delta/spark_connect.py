@@ -81,7 +81,7 @@ def engine_address(spark: SparkSession) -> str:
     """``sc://host:port`` of a Connect session, without the token or other parameters."""
     if ".connect." not in type(spark).__module__:  # a classic session's .client raises
         return "the in-process Spark session"
-    url = getattr(getattr(spark.client, "_builder", None), "url", None)
+    url = getattr(getattr(getattr(spark, "client", None), "_builder", None), "url", None)
     return f"sc://{url.netloc}" if url is not None else "the in-process Spark session"
 
 

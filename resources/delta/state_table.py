@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import pyarrow as pa
 
@@ -135,7 +135,7 @@ def write_state(path: str, previous: dict[str, StateRow], changed: Iterable[Stat
     forgotten = set(forget)
     rows = {table: row for table, row in previous.items() if table not in forgotten}
     rows.update((row.table, row) for row in changed if row.log.snapshot_lsn is not None and row.log.version is not None)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     table = pa.Table.from_pylist(
         [
             {

@@ -329,6 +329,7 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
             if known.table_id is None:  # a row written before ids were recorded: learn it while the marker is here
                 metadata = log.metadata()
                 known = replace(known, table_id=metadata.table_id if metadata is not None else None)
+    assert known.version is not None  # kept by the replacements above
     if log.commit(known.version) is None and log.commit(known.version + 1) is None:
         return None  # beyond this log, or commits after it are gone with log cleanup: a gap
     newer: list[tuple[int, list[str | None]]] = []

@@ -19,6 +19,7 @@ an unchanged TOASTed value is the ``UNCHANGED_TOAST`` sentinel.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from datetime import datetime
 
 from resources.errors import ProtocolError
@@ -144,7 +145,7 @@ class PgOutputDecoder:
         self.types = TypeCache()
         self._in_stream = False
         self._stream_xid: int | None = None
-        self._dispatch = {
+        self._dispatch: dict[int, Callable[[bytes, LSN], tuple[PgOutputMessage, int]]] = {
             BEGIN: self._begin,
             MESSAGE: self._message,
             COMMIT: self._commit,
@@ -426,16 +427,16 @@ class PgOutputDecoder:
         return flags, LSN(lsn), LSN(end_lsn), pg_timestamp(time), xid, gid, pos
 
     def _prepare(self, data: bytes, wal_start: LSN) -> tuple[Prepare, int]:
-        *fields, pos = self._prepare_common(data)
-        return Prepare(wal_start, *fields), pos
+        flags, lsn, end_lsn, time, xid, gid, pos = self._prepare_common(data)
+        return Prepare(wal_start, flags, lsn, end_lsn, time, xid, gid), pos
 
     def _commit_prepared(self, data: bytes, wal_start: LSN) -> tuple[CommitPrepared, int]:
-        *fields, pos = self._prepare_common(data)
-        return CommitPrepared(wal_start, *fields), pos
+        flags, lsn, end_lsn, time, xid, gid, pos = self._prepare_common(data)
+        return CommitPrepared(wal_start, flags, lsn, end_lsn, time, xid, gid), pos
 
     def _stream_prepare(self, data: bytes, wal_start: LSN) -> tuple[StreamPrepare, int]:
-        *fields, pos = self._prepare_common(data)
-        return StreamPrepare(wal_start, *fields), pos
+        flags, lsn, end_lsn, time, xid, gid, pos = self._prepare_common(data)
+        return StreamPrepare(wal_start, flags, lsn, end_lsn, time, xid, gid), pos
 
     def _rollback_prepared(self, data: bytes, wal_start: LSN) -> tuple[RollbackPrepared, int]:
         flags, prepare_end, rollback_end, prepare_time, rollback_time, xid = _ROLLBACK_PREPARED.unpack_from(data, 1)

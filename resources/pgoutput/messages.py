@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Final, TypeAlias
 
 from resources.lsn import LSN
 
 
-PG_EPOCH: Final = datetime(2000, 1, 1, tzinfo=timezone.utc)
+PG_EPOCH: Final = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 MIN_PROTO_VERSION: Final = 1

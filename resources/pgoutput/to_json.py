@@ -96,7 +96,7 @@ def _row(
 def message_to_json(message: PgOutputMessage, decoder: PgOutputDecoder) -> dict[str, Any]:
     """One JSON-ready object for one decoded message; relation names come from the decoder's cache."""
     out: dict[str, Any] = {"type": TYPE_NAMES[type(message)], "lsn": str(LSN(message.wal_start))}
-    for name in message.__dataclass_fields__:  # type: ignore[union-attr]
+    for name in message.__dataclass_fields__:
         if name not in _SPECIAL_FIELDS:
             value = getattr(message, name)
             if value is not None or name != "xid":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import psycopg
 from psycopg import pq
@@ -60,7 +61,7 @@ def connection_params(
     application_name: str,
     session_settings: Mapping[str, str] | None = None,
     replication: bool = False,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """libpq parameters for ``dsn``: its own, plus pgcdc's session settings and the empty search path.
 
     Setting ``options`` replaces what libpq would take from ``PGOPTIONS``, so that is merged

@@ -12,7 +12,7 @@ import re
 import select
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TypeVar
 
 import psycopg
@@ -157,8 +157,8 @@ def unparsed(data: bytearray, rows: int) -> tuple[bytearray, int]:
 
 
 def parse_each(
-    pieces: Iterator[tuple[tuple[bytearray, int], int]], parse: Callable[[bytearray, int], pa.RecordBatch]
-) -> Iterator[tuple[pa.RecordBatch, int]]:
+    pieces: Generator[tuple[tuple[bytearray, int], int], None, None], parse: Callable[[bytearray, int], pa.RecordBatch]
+) -> Generator[tuple[pa.RecordBatch, int], None, None]:
     """Parse the pieces of another thread's COPY: the CSV reader releases the GIL, so
     reading PostgreSQL, parsing and the Spark transfer proceed side by side."""
     try:
@@ -174,7 +174,7 @@ def copy_pieces(
     parse: Callable[[bytearray, int], T],
     piece_bytes: int,
     piece_rows: int,
-) -> Iterator[tuple[T, int]]:
+) -> Generator[tuple[T, int], None, None]:
     """Run the COPY and yield (batch, CSV bytes) pieces; at least one, possibly empty.
 
     Straight on libpq: psycopg's Copy costs microseconds per row, which is most of the
@@ -213,9 +213,9 @@ def copy_pieces(
                 break
     except psycopg.OperationalError as exc:
         raise ConnectionFailure(f"COPY interrupted: {exc}", "check the server, then run the snapshot again") from None
-    error = _drain_results(pgconn)
-    if error is not None:
-        raise error
+    failure = _drain_results(pgconn)
+    if failure is not None:
+        raise failure
     if rows or not yielded:
         yield parse(buffer, rows), size
 
@@ -241,7 +241,7 @@ def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
     if result is None:
         return ProtocolError(f"no result for {query[:80]}", "check the server log")
     if result.status != pq.ExecStatus.FATAL_ERROR:
-        return ProtocolError(f"unexpected {result.status.name} answer to {query[:80]}", "check the server version")
+        return ProtocolError(f"unexpected {pq.ExecStatus(result.status).name} answer to {query[:80]}", "check the server version")
     primary = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or result.error_message or b""
     return SnapshotError(
         f"COPY failed: {primary.decode('utf-8', 'replace')}", "fix the cause named by PostgreSQL, then run the snapshot again"
@@ -275,7 +275,7 @@ class _Handover:
         return False
 
 
-def prefetched(source: Iterator[T], depth: int, name: str) -> Iterator[T]:
+def prefetched(source: Generator[T, None, None], depth: int, name: str) -> Generator[T, None, None]:
     """Run ``source`` in a thread, ``depth`` items ahead of the consumer.
 
     When the consumer stops early (the write failed), the producer notices at its next
@@ -317,7 +317,7 @@ BlockRange = tuple[int, int | None]
 
 def copied_batches(
     pgconn: pq.abc.PGconn, query: str, parse: PieceParser, piece_bytes: int, chunk_rows: int, name: str
-) -> Iterator[tuple[pa.RecordBatch, int]]:
+) -> Generator[tuple[pa.RecordBatch, int], None, None]:
     """One COPY as parsed (batch, CSV bytes) pairs: read in one thread, parsed in another, each
     :data:`PREFETCH_PIECES` ahead, so reading, parsing and writing overlap in bounded memory."""
     source = copy_pieces(pgconn, query, unparsed, piece_bytes, chunk_rows)
@@ -390,7 +390,7 @@ def parallel_copy(
     piece_rows: int,
     name: str,
     on_query_done: Callable[[], None] | None = None,
-) -> Iterator[tuple[pa.RecordBatch, int]]:
+) -> Generator[tuple[pa.RecordBatch, int], None, None]:
     """Run ``queries`` (COPYs of disjoint parts of one table) on ``workers`` sessions that import
     ``snapshot_name``; yield their (batch, CSV bytes) pieces in whatever order they finish.
 

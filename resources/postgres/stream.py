@@ -334,7 +334,7 @@ class ReplicationStream:
         """
         self._require_streaming()
         try:
-            yield from self._drain(int(end_lsn))
+            yield from self._drain(int(end_lsn))  # type: ignore[misc]  # no max_batch_bytes: frames only, no lists
         finally:
             if stop and self._streaming and not self._conn.closed:
                 self.stop()

@@ -39,7 +39,7 @@ _ENDS_OF_TRANSACTIONS = (Commit, Prepare, CommitPrepared, RollbackPrepared, Stre
 def _end_of(message: object) -> LSN:
     if isinstance(message, RollbackPrepared):
         return message.rollback_end_lsn
-    return message.end_lsn  # type: ignore[attr-defined,no-any-return]
+    return message.end_lsn  # type: ignore[attr-defined]
 
 
 def _lsn(text: str) -> LSN:

@@ -31,7 +31,7 @@ from resources.pgtypes import arrow_schema, PgColumnType, SESSION_SETTINGS, spar
 from resources.postgres.catalog import read_table, TableInfo, table_oid, TableName
 from resources.postgres.copy import PieceParser, read_column_types
 from resources.postgres.replication import ReplicationConnection
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 __all__ = ["ConsistentCopy", "consistent_copy", "Pieces"]
 
@@ -98,7 +98,7 @@ class ConsistentCopy:
             clock.add(name, now - mark)
             mark = now
 
-        def pieces() -> Iterator[pa.RecordBatch]:
+        def pieces() -> Generator[pa.RecordBatch, None, None]:
             lap("writer_start")
             source = read()
             first = True

@@ -71,7 +71,7 @@ from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import read_slot, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 

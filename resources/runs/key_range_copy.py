@@ -33,7 +33,7 @@ from resources.lsn import LSN
 from resources.postgres.catalog import key_range, primary_key_columns, TableInfo, TableName
 from resources.postgres.copy import copied_batches, DEFAULT_CHUNK_ROWS, PARSE_BYTES
 from resources.runs.snapshot_layout import existing_layout, table_layout
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 __all__ = ["ColumnsChanged", "copy_key_range", "key_range_plan", "RangeCopy"]
 

@@ -74,7 +74,7 @@ from resources.postgres.slots import read_slot
 from resources.postgres.publication import ensure_publication
 from resources.sql import quote_ident
 from resources.runs.snapshot_layout import existing_layout, table_layout
-from resources.testing.faults import fault_point
+from resources.crash_points import fault_point
 
 __all__ = [
     "SnapshotProgress",
@@ -436,10 +436,10 @@ def snapshot_each(
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
                 table = pending.pop(future)
-                error = future.exception()
-                if error is None:
+                failure = future.exception()
+                if failure is None:
                     finished.append(future.result())
-                yield table, error if error is not None else future.result()
+                yield table, failure if failure is not None else future.result()
     # Only now, one at a time: each step of a walk drains the slot, which must not confirm past the
     # consistent point of a one-snapshot copy still in flight (its changes would be skipped for good).
     for table, (plan, resume) in modes.items():

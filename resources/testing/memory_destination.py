@@ -148,7 +148,8 @@ class InMemoryDestination:
     ) -> None:
         target = self.tables[path]
         probed = {tuple(row.values()) for row in probe.to_pylist()}
-        selected, kept = [], []
+        selected: list[dict[str, Any]] = []
+        kept: list[dict[str, Any]] = []
         for row in target.to_pylist():
             (selected if tuple(row[n] for n in probe.column_names) in probed else kept).append(row)
         replacement = rewrite(pa.Table.from_pylist(selected, schema=target.schema))

@@ -1,12 +1,12 @@
 """One incremental drain in its own process, for the fault tests (tests/test_faults.py).
 
-Usage: python -m tests.fault_child CONFIG.yaml MAX_CHUNK_CHANGES
-       python -m tests.fault_child CONFIG.yaml snapshot[:schema.table]   (snapshot_tables instead, of that table only)
+Usage: python -m tests.support.fault_child CONFIG.yaml MAX_CHUNK_CHANGES
+       python -m tests.support.fault_child CONFIG.yaml snapshot[:schema.table]   (snapshot_tables instead, of that table only)
 
 ``FAULT_CHILD_SNAPSHOT_WRITER`` = ``engine`` | ``delta-rs`` picks the snapshot writer instead of the
 engine's capabilities (``engine``: the staged write of Delta on Spark, here on Sail).
 
-Like ``tests.incremental_child``, but a ``PgcdcError`` ends the process the way a user
+Like ``tests.support.incremental_child``, but a ``PgcdcError`` ends the process the way a user
 would see it: one line ``pgcdc: <ErrorClass>: <cause>: <fix>`` on stderr and exit status 2
 (any other exception keeps its traceback and exits 1). Progress lines go to stdout
 unbuffered so the parent can tell when the drain is under way.

@@ -11,8 +11,8 @@ So the memory tests run the work here and read the operating system's account of
 * ``arrow_max_mib``: ``pa.default_memory_pool().max_memory()``, the most Arrow's pool held at once;
 * ``engine_peak_mib``: the embedded Sail server's own peak (VmHWM), for drains, whose MERGEs run there.
 
-Usage: python -m tests.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
-       python -m tests.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES
+Usage: python -m tests.support.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
+       python -m tests.support.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES
 Prints one JSON line with the figures above and what the work did: ``rows``, ``chunks``, ``workers``,
 ``mode`` and the progress reports (snapshot), or ``changes`` (drain).
 """
@@ -41,7 +41,7 @@ RESET_PEAK = "5"
 def measured(*arguments: str) -> dict[str, Any]:
     """Run this module with ``arguments`` in a child process; its report (see the module docstring)."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.memory_child", *arguments],
+        [sys.executable, "-m", "tests.support.memory_child", *arguments],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]

@@ -1,7 +1,7 @@
 """Run one incremental drain in its own process: the crash tests SIGKILL it at a fault point.
 
-Usage: python -m tests.incremental_child CONFIG.yaml MAX_CHUNK_CHANGES [MAX_REPLACE_VALUES]
-(set PGCDC_FAULT_POINT to make it kill itself; see resources/testing/faults.py).
+Usage: python -m tests.support.incremental_child CONFIG.yaml MAX_CHUNK_CHANGES [MAX_REPLACE_VALUES]
+(set PGCDC_FAULT_POINT to make it kill itself; see resources/crash_points.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the next and at most one JVM engine runs at a time (the suite shares two cores):
 
 * ``spark-local``: the managed engine pgcdc starts itself (``spark.engine: spark``): a Spark
   Connect server with Delta on ``local[N]`` (``resources.delta.spark_server``), with Hadoop's S3A
-  client reaching the session's local S3 server (``tests/s3_fixtures.py``), so one JVM serves the
+  client reaching the session's local S3 server (``tests/support/s3_fixtures.py``), so one JVM serves the
   tests on local paths and on ``s3://``;
 * ``spark-cluster``: a Spark standalone master and one worker, and a Spark Connect server with
   Delta on that cluster, as ``spark.remote: sc://...`` would find it in production;
@@ -46,7 +46,7 @@ from resources.delta.spark_server import (
     stop_group,
     wait_listening,
 )
-from tests.s3_fixtures import BUCKET
+from tests.support.s3_fixtures import BUCKET
 
 ENGINES = ["spark-local", "spark-cluster", "sail-server"]
 START_TIMEOUT_S = 600.0

@@ -1,4 +1,7 @@
-"""The one fault-injection seam: ``PGCDC_FAULT_POINT`` names a point where the process kills itself.
+"""Crash points, the one fault-injection seam: ``PGCDC_FAULT_POINT`` names a point where the process kills itself.
+
+The only piece of test machinery the runtime carries: a named point costs one environment lookup
+when reached, and a test can then crash a real run exactly there.
 
 Exactly-once has to survive a crash at any instant, and the only honest test of that is a
 real SIGKILL (no ``finally`` blocks, no flushing, no goodbye to PostgreSQL). Tests run an

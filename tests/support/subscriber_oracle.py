@@ -47,7 +47,7 @@ from resources.postgres.connections import libpq_options
 from resources.sql import quote_ident
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import compare_table
-from tests.conftest import PgDatabase
+from tests.support.postgres import PgDatabase
 
 __all__ = ["Subscriber", "SubscriberError", "subscribe", "subscriber_server"]
 

@@ -1,7 +1,7 @@
 """Snapshot, drains and table maintenance with Delta's own commands on an in-process classic
 Spark session with Delta's jars (Dagster's ``classic`` mode).
 
-Usage: python -m tests.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH[,PATH...] RETENTION_HOURS
+Usage: python -m tests.support.classic_child CONFIG.yaml MAINTAINED_TABLE_PATH[,PATH...] RETENTION_HOURS
 
 After the snapshot it reads commands from stdin, one a line, so the parent can write changes and
 look at the lake in between: ``drain`` (an incremental run), ``maintain`` (the maintained tables, one JSON list),

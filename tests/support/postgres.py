@@ -1,0 +1,67 @@
+"""Test databases on the suite's PostgreSQL servers: the versions, their settings, a fresh database each."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psycopg
+
+from resources.testing.local_postgres import LocalPostgres
+
+#: Versions every protocol test runs against; PGCDC_TEST_VERSIONS narrows it for local iteration.
+POSTGRES_VERSIONS = [int(v) for v in os.environ.get("PGCDC_TEST_VERSIONS", "15,18").split(",")]
+
+#: Small enough that a transaction of a few thousand rows is streamed (64kB is the minimum).
+TEST_SERVER_SETTINGS = {"logical_decoding_work_mem": "64kB"}
+
+
+@dataclass
+class PgDatabase:
+    """A fresh database on a running test server."""
+
+    server: LocalPostgres
+    name: str
+
+    @property
+    def major(self) -> int:
+        return self.server.major
+
+    @property
+    def dsn(self) -> str:
+        return self.server.dsn(self.name)
+
+    def connect(self, **kwargs: object) -> psycopg.Connection:
+        return psycopg.connect(self.dsn, autocommit=True, **kwargs)
+
+    def execute(self, sql: str, params: object = None) -> list[tuple]:
+        with self.connect() as conn:
+            cursor = conn.execute(sql, params)
+            return cursor.fetchall() if cursor.description else []
+
+
+
+@contextmanager
+def fresh_database(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
+    """A new database on ``pg_server``, dropped afterwards with its slots and prepared transactions."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_server.dsn(), autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield PgDatabase(pg_server, name)
+    finally:
+        with psycopg.connect(pg_server.dsn(), autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = %s AND active",
+                (name,),
+            )
+            admin.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s", (name,)
+            )
+            for (gid,) in admin.execute("SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,)).fetchall():
+                with psycopg.connect(pg_server.dsn(name), autocommit=True) as owner:
+                    owner.execute(f"ROLLBACK PREPARED '{gid}'")
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')

@@ -1,0 +1,110 @@
+"""Test tiers: each test gets exactly one of ``unit``, ``pg``, ``sail``, ``slow``, ``spark``, from its fixtures.
+
+The tier of a test is the most expensive thing its fixtures start, found in the closure of the
+fixtures it uses (``item.fixturenames``), so a new test is classified without a thought:
+
+* a fixture named in :data:`FIXTURE_TIERS` (the suite's shared servers and engines), or
+* any fixture, or the test function itself, whose own source starts a server (:data:`SERVER_CALLS`:
+  a fixture of one module that starts a PostgreSQL of its own, a test that runs a classic Spark
+  session in a child, say);
+* neither: ``unit``.
+
+A test may name its tier itself (``pytestmark = pytest.mark.slow`` or a decorator) when its fixtures
+do not tell (it starts servers in a child process, as the demo does) or when it is too long for
+``make test-fast``; a named tier cheaper than the fixtures' is an error at collection. A ``unit`` test
+that starts PostgreSQL or the embedded engine anyway fails at once (``refuse_servers``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+
+import pytest
+
+#: Every collected test's tier markers (nodeid -> names), stashed at collection, before ``-m`` deselects.
+COLLECTED_TIERS = pytest.StashKey[dict[str, list[str]]]()
+
+#: Cheapest first. ``make test-unit`` runs ``unit``; ``make test-fast`` ``unit``, ``pg`` and ``sail``.
+TIERS = ("unit", "pg", "sail", "slow", "spark")
+
+FIXTURE_TIERS = {
+    "pg_server": "pg",  # tests/conftest.py: one PostgreSQL per version for the session
+    "s3_server": "pg",  # tests/support/s3_fixtures.py: a local S3 server (moto)
+    "spark_engine": "sail",  # tests/support/spark_fixtures.py: the embedded Sail engine
+    "s3_spark_engine": "sail",  # the same, with object storage settings
+    "engine": "spark",  # tests/support/engine_fixtures.py: the JVM engines and Sail's standalone server
+}
+
+#: Calls in a fixture's or a test's source that start a server (its tier).
+SERVER_CALLS = {
+    "start_local_postgres(": "pg",
+    "LocalPostgres(": "pg",
+    "SparkEngine.embedded(": "sail",
+    "resources.delta.sail_server": "sail",
+    "start_jvm(": "spark",
+    "tests.support.classic_child": "spark",  # a classic Spark session: a JVM in the child
+}
+
+
+def rank(tier: str) -> int:
+    return TIERS.index(tier)
+
+
+@cache
+def _source_tier(function: object) -> str:
+    try:
+        source = inspect.getsource(function)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return "unit"
+    found = [tier for call, tier in SERVER_CALLS.items() if call in source]
+    return max(found, key=rank, default="unit")
+
+
+def fixture_tier(item: pytest.Item) -> str:
+    """The most expensive tier among the fixtures ``item`` uses (directly or through other fixtures) and its own body."""
+    tiers = ["unit"]
+    definitions = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        if name in FIXTURE_TIERS:
+            tiers.append(FIXTURE_TIERS[name])
+        for definition in definitions.name2fixturedefs.get(name, ()) if definitions is not None else ():
+            tiers.append(_source_tier(definition.func))
+    if isinstance(item, pytest.Function):
+        tiers.append(_source_tier(item.function))
+    return max(tiers, key=rank)
+
+
+def named_tiers(item: pytest.Item) -> list[str]:
+    return [marker.name for marker in item.iter_markers() if marker.name in TIERS]
+
+
+def assign_tier(item: pytest.Item) -> None:
+    """Add the tier marker (or check the one the test names), so that ``-m <tier>`` selects it."""
+    derived = fixture_tier(item)
+    named = named_tiers(item)
+    if len(set(named)) > 1:
+        raise pytest.UsageError(f"{item.nodeid} names tiers {sorted(set(named))}: a test has exactly one")
+    if named:
+        if rank(named[0]) < rank(derived):
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked {named[0]} but its fixtures start what the {derived} tier has: mark it {derived}"
+            )
+        return
+    item.add_marker(derived)
+
+
+def refuse_servers(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make starting PostgreSQL or the embedded engine fail in a ``unit`` test (this process only)."""
+    from resources.delta.engine import SparkEngine
+    from resources.testing.local_postgres import LocalPostgres
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(
+            f"{nodeid} is in the unit tier (no server) but starts one: use the pg/spark fixtures, "
+            "or mark it with its tier (tests/support/tiers.py)"
+        )
+
+    monkeypatch.setattr(LocalPostgres, "start", refuse)
+    monkeypatch.setattr(LocalPostgres, "init", refuse)
+    monkeypatch.setattr(SparkEngine, "embedded", refuse)
