@@ -106,7 +106,7 @@ class HistoryHandOff(BatchAssembly):
 
         ``seq`` is the position of the change that brought the Relation message into use: the fill
         comes right before that change (a Relation message has no position of its own)."""
-        self._write_event_history(target, "fill", values, end, seq, history_position(seq, before=True))
+        self._write_event_history(target, "fill", values, end, seq, int(history_position(seq, before=True)))
 
     def _write_event_history(
         self, target: TableTarget, op: str, values: pa.Table | None, end: int, seq: int, position: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -82,6 +84,7 @@ class KeyedFold(BatchAssembly):
         final: dict[tuple, tuple] = {}
         old_key_of: dict[tuple, tuple] = {}
         inserted = updated = deleted = 0
+        values: Sequence[object]  # a row image: a tuple as decoded, a list once unchanged TOAST is filled in
         ops = [chr(op) for op in rows.ops.tolist()]
         for op, old_start, end, new, old in zip(ops, rows.old.tolist(), rows.lsns.tolist(), new_images, old_images):
             if op == "I":

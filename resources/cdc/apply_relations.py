@@ -124,7 +124,7 @@ class RelationHandling(TableFlush):
         if target.pending:
             self._flush_target(target)
         fault_point("before_merge")
-        self._write_event_history(target, "truncate", None, end, seq, history_position(seq))
+        self._write_event_history(target, "truncate", None, end, seq, int(history_position(seq)))
         self._writer.write(self._destination.delete_all_rows, target.path)
         target.stats.truncates += 1
         target.stats.applied_lsn = LSN(end)

@@ -27,6 +27,7 @@ its past.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -114,13 +115,14 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
     if first in ("truncate", "fill"):
         lsn, seq = int(changes.column(LSN_COLUMN)[0].as_py()), int(changes.column(SEQ_COLUMN)[0].as_py())
         time = changes.column(COMMIT_TIME_COLUMN)[0].as_py()
+        event: Callable[[pa.Table], pa.Table]
         if first == "truncate":
-            event: Callable[[pa.Table], pa.Table] = lambda current: _closed_all(current, lsn, time, True)
+            event = functools.partial(_closed_all, lsn=lsn, time=time, gone=True)
         else:
             filled = json.loads(changes.column(KEY_COLUMN)[0].as_py())
             values = _without_bucket(_evolve(destination, target, changes.select(filled)))
             position = int(history_position(seq, before=True))
-            event = lambda current: _refilled(current, values, filled, lsn, position, time)  # noqa: E731
+            event = functools.partial(_refilled, values=values, filled_names=filled, lsn=lsn, seq=position, time=time)
 
         def rewrite(current: pa.Table | None) -> pa.Table:
             assert current is not None, "a history is seeded before its first change"

@@ -191,7 +191,8 @@ class InMemoryDestination:
             self._commit(path, with_buckets(layout, created) if layout is not None else created)
             return
         target = self.tables[path]
-        selected, kept = [], []
+        selected: list[dict[str, object]] = []
+        kept: list[dict[str, object]] = []
         for row in target.to_pylist():
             (selected if row[CURRENT_COLUMN] or row[MARKER_COLUMN] is not None else kept).append(row)
         chosen = pa.Table.from_pylist(selected, schema=target.schema)
