@@ -105,22 +105,7 @@ def merge_statement(
     if delete_and_insert and not kept and any(name not in matched_on for name in value_columns):
         return _delete_and_insert_statement(target, staged_source, source, matched_on, pruned, value_columns)
     old_rows_joined = bool(old_keys and kept)
-    if old_rows_joined:
-        # A key-changing update that kept TOAST values: the row under the old key holds them.
-        join = " AND ".join(
-            f"o.{quote_column(name.removeprefix(OLD_KEY_PREFIX))} = s.{quote_column(name)}"
-            for name in old_keys
-            if name != OLD_KEY_PREFIX + BUCKET_COLUMN  # the key finds the row, wherever it is
-        )
-        carried = ", ".join(f"o.{quote_column(name)} AS {quote_column(_carried(name))}" for name in kept)
-        found_on = quote_column(old_keys[0].removeprefix(OLD_KEY_PREFIX))
-        carried += f", o.{found_on} IS NOT NULL AS {OLD_ROW_FOUND}"
-        old_rows = target
-        if pruned:
-            old_rows = f"(SELECT * FROM {target} WHERE {_in_buckets(source, OLD_KEY_PREFIX + BUCKET_COLUMN, '')})"
-        using = f"(SELECT s.*, {carried} FROM {staged_source} s LEFT JOIN {old_rows} o ON {join})"
-    else:
-        using = staged_source
+    using = _joined_to_old_rows(target, staged_source, source, old_keys, kept, pruned) if old_rows_joined else staged_source
     on = _match(source, matched_on, pruned)
     moved_flag = next((name for name in old_keys if name != OLD_KEY_PREFIX + BUCKET_COLUMN), None)
     moved = f"s.{quote_column(moved_flag)} IS NOT NULL" if moved_flag else "false"
@@ -153,6 +138,26 @@ def merge_statement(
         f"{matched_update} "
         f"WHEN NOT MATCHED AND s.{OP_COLUMN} <> 'D' THEN INSERT ({insert_columns}) VALUES ({insert_values})"
     )
+
+
+def _joined_to_old_rows(
+    target: str, staged_source: str, source: pa.Table, old_keys: Sequence[str], kept: Sequence[str], pruned: bool
+) -> str:
+    """:func:`merge_statement`'s source for key-changing updates that kept TOAST values: the staged
+    source joined to the rows under the old keys, which hold those values (``_carried`` columns and
+    :data:`OLD_ROW_FOUND`); read only from the old keys' buckets when ``pruned``."""
+    join = " AND ".join(
+        f"o.{quote_column(name.removeprefix(OLD_KEY_PREFIX))} = s.{quote_column(name)}"
+        for name in old_keys
+        if name != OLD_KEY_PREFIX + BUCKET_COLUMN  # the key finds the row, wherever it is
+    )
+    carried = ", ".join(f"o.{quote_column(name)} AS {quote_column(_carried(name))}" for name in kept)
+    found_on = quote_column(old_keys[0].removeprefix(OLD_KEY_PREFIX))
+    carried += f", o.{found_on} IS NOT NULL AS {OLD_ROW_FOUND}"
+    old_rows = target
+    if pruned:
+        old_rows = f"(SELECT * FROM {target} WHERE {_in_buckets(source, OLD_KEY_PREFIX + BUCKET_COLUMN, '')})"
+    return f"(SELECT s.*, {carried} FROM {staged_source} s LEFT JOIN {old_rows} o ON {join})"
 
 
 def _delete_and_insert_statement(
