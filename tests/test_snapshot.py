@@ -355,7 +355,7 @@ def test_resnapshot_replaces_rows_and_moves_the_snapshot_lsn(
     assert history[0]["userMetadata"] == (
         f'{{"pgcdc": {{"kind": "snapshot", "snapshot_lsn": "{second.snapshot_lsn}", "slot": "{SLOT}",'
         ' "table": "public.items", "layout": {"bucket_column": "_pgcdc_bucket", "kind": "range", "key": ["id"],'
-        ' "size": 1000000}}}'
+        ' "size": 1000000}, "columns": {"attnums": {"id": 1, "name": 2}, "count": 2}}}'
     )
     state = ensure_slot(pg.dsn, SLOT)  # exists now: returned as it is
     assert not isinstance(state, CreatedSlot) and state.plugin == "pgoutput"

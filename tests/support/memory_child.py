@@ -42,7 +42,7 @@ def measured(*arguments: str) -> dict[str, Any]:
     """Run this module with ``arguments`` in a child process; its report (see the module docstring)."""
     done = subprocess.run(
         [sys.executable, "-m", "tests.support.memory_child", *arguments],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent, check=False,
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2], check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
