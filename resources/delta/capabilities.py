@@ -95,7 +95,7 @@ class _OnThread(logging.Filter):
 
 
 @contextmanager
-def _expected_refusal() -> Iterator[None]:
+def expected_refusal() -> Iterator[None]:
     """The client logs nothing for a call of this thread expected to fail; other threads log as before."""
     logger = logging.getLogger(CONNECT_CLIENT_LOGGER)
     on_this_thread = _OnThread()
@@ -109,7 +109,7 @@ def _expected_refusal() -> Iterator[None]:
 def _has_describe_history(spark: SparkSession) -> bool:
     probe = f"/nonexistent-pgcdc-capability-probe-{uuid.uuid4().hex}"
     try:
-        with _expected_refusal():
+        with expected_refusal():
             spark.sql(f"DESCRIBE HISTORY delta.`{probe}`").collect()
     except Exception as error:  # noqa: BLE001 - the kind of refusal is the answer
         condition = getattr(error, "getCondition", lambda: None)() or ""

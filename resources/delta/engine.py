@@ -29,7 +29,9 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from resources.config import SparkSettings
-from resources.delta.capabilities import DELTA_SPARK_CAPABILITIES, SAIL_CAPABILITIES, set_engine_capabilities
+from resources.delta.capabilities import (
+    DELTA_SPARK_CAPABILITIES, expected_refusal, SAIL_CAPABILITIES, set_engine_capabilities,
+)
 from resources.delta.spark_connect import connect_session
 from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
 from resources.errors import ConfigurationError
@@ -145,8 +147,12 @@ class SparkEngine:
         return (0.0, 0.0) if self._server is None else process_memory_mib(self._server.pid)
 
     def close(self) -> None:
+        """Stop the session, then the server pgcdc started. Stopping releases the session on the server,
+        which refuses when the session never sent it a statement (a snapshot step written by delta-rs
+        alone): an expected refusal, which the client would otherwise log as an ERROR."""
         try:
-            self.spark.stop()
+            with expected_refusal():
+                self.spark.stop()
         finally:
             if self._server is not None:
                 _stop_server(self._server)
