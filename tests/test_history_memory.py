@@ -84,14 +84,23 @@ def test_a_replay_appends_nothing_and_a_later_drain_only_its_changes(tmp_path: P
     assert as_of(destination) == [(2, "b")] == table_rows(destination)
 
 
-def test_a_column_added_with_a_default_is_filled_in_the_rows_before_it(tmp_path: Path) -> None:
-    destination = destination_with_snapshot([(1, "a")])
+def column_added_with_a_default(tmp_path: Path) -> list[CommittedTransaction]:
+    """An insert, then a transaction whose Relation adds ``extra`` (PostgreSQL filled the rows before it
+    with 5: ``FILLED_EXTRA``), an insert with it and an update of the snapshot's row."""
     widened = relation(OID, "t", [("id", 23, True), ("body", 25, False), ("extra", 23, False)])
-    txns = transactions([
+    return transactions([
         [keyed_relation(), insert(OID, b"2", b"b")],
         [widened, insert(OID, b"3", b"c", b"9"), update(OID, (b"1", b"a", None))],
     ], tmp_path)  # fmt: skip
-    apply_with_history(destination, txns, types=StaticTypes(added={"extra": {(23, True, "5", True)}}))
+
+
+FILLED_EXTRA = StaticTypes(added={"extra": {(23, True, "5", True)}})
+
+
+def test_a_column_added_with_a_default_is_filled_in_the_rows_before_it(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    txns = column_added_with_a_default(tmp_path)
+    apply_with_history(destination, txns, types=FILLED_EXTRA)
     assert as_of(destination, SNAPSHOT_LSN + 10) == [(1, "a", None), (2, "b", None)]  # before the column existed
     assert as_of(destination) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
     assert as_of(destination) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
@@ -273,14 +282,9 @@ def test_scd2_keeps_every_version_of_each_key_with_its_validity(tmp_path: Path) 
 
 def test_scd2_opens_every_version_again_when_a_column_is_filled(tmp_path: Path) -> None:
     destination = destination_with_snapshot([(1, "a")])
-    widened = relation(OID, "t", [("id", 23, True), ("body", 25, False), ("extra", 23, False)])
-    txns = transactions([
-        [keyed_relation(), insert(OID, b"2", b"b")],
-        [widened, insert(OID, b"3", b"c", b"9"), update(OID, (b"1", b"a", None))],
-    ], tmp_path)  # fmt: skip
-    types = StaticTypes(added={"extra": {(23, True, "5", True)}})
+    txns = column_added_with_a_default(tmp_path)
     for _ in range(2):
-        apply_with_history(destination, txns, types=types, scd2=True)
+        apply_with_history(destination, txns, types=FILLED_EXTRA, scd2=True)
         assert as_of(destination, SNAPSHOT_LSN + 10, scd2=True) == [(1, "a", None), (2, "b", None)]
         assert as_of(destination, scd2=True) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
         assert as_of(destination, scd2=True) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
