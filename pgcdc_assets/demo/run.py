@@ -11,8 +11,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,60 +28,20 @@ from pgcdc_assets.demo.dagster_driver import (
     serve_dagster,
 )
 from pgcdc_assets.demo import inventory, shop
-from pgcdc_assets.demo.inventory import InventoryLoad
 from pgcdc_assets.demo.load import LoadGenerator
+from pgcdc_assets.demo.project import (
+    demo_pipelines,
+    DemoPipeline,
+    HISTORY_TABLE,
+    PROJECT_PACKAGE,
+    write_dagster_yaml,
+    write_project,
+)
 from pgcdc_assets.demo.shop import PEEK_CHANGES, PEEK_SLOT
-from resources.names import INCREMENTAL_JOB, PipelineNames, RECONCILE_JOB, SNAPSHOT_JOB
+from resources.names import INCREMENTAL_JOB, RECONCILE_JOB, SNAPSHOT_JOB
 
 #: Seconds the load generator runs before each incremental run (it also runs during the runs).
 LOAD_SECONDS = 3.0
-
-
-#: The table whose past the demo keeps (an SCD type 2 table, docs/history.md) and reads back as of its snapshot.
-HISTORY_TABLE = f"{shop.SCHEMA}.orders"
-
-#: The demo project's package; ``dagster dev -m`` loads its definitions module.
-PROJECT_PACKAGE = "pgcdc_demo_project"
-
-
-@dataclass(frozen=True)
-class DemoPipeline:
-    """One pipeline of the demo's code location: its database on the shared server and what to verify."""
-
-    name: str
-    database: str
-    schema: str
-    tables: list[str]
-    keys: dict[str, list[str]]
-    publication: str
-    slot: str
-    create: Callable[[str], dict[str, int]]
-    load: type[LoadGenerator]
-    dsn: str
-    lake: Path
-
-    @property
-    def env_var(self) -> str:
-        """The variable defs.yaml reads the DSN from (``{{ env('...') }}``)."""
-        return f"PGCDC_DEMO_{self.name.upper()}_DSN"
-
-    def job(self, base: str) -> str:
-        return PipelineNames(self.name).scoped(base)
-
-
-def demo_pipelines(server: Any, directory: Path) -> list[DemoPipeline]:
-    """The shop and the inventory pipeline, on two databases of ``server``."""
-    return [
-        DemoPipeline(
-            "shop", "shop", shop.SCHEMA, shop.TABLES, shop.KEYS, shop.PUBLICATION, shop.SLOT, shop.create_shop,
-            LoadGenerator, server.dsn("shop"), directory / "lake" / "shop",
-        ),
-        DemoPipeline(
-            "inventory", inventory.DATABASE, inventory.SCHEMA, inventory.TABLES, inventory.KEYS,
-            inventory.PUBLICATION, inventory.SLOT, inventory.create_inventory, InventoryLoad,
-            server.dsn(inventory.DATABASE), directory / "lake" / "inventory",
-        ),
-    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- output
@@ -112,67 +71,6 @@ def clean_demo_dir(directory: Path) -> None:
         LocalPostgres(major=18, base_dir=directory / "postgres").stop("immediate")
     for name in ("postgres", "lake", "dagster_home", "spill", "project"):
         shutil.rmtree(directory / name, ignore_errors=True)
-
-
-def write_project(directory: Path, pipelines: Sequence[DemoPipeline]) -> Path:
-    """A dg project whose one component lists both pipelines; returns its defs.yaml.
-
-    DSNs come from the environment through Dagster's templating, as a deployment would keep them.
-    """
-    import yaml
-
-    from pgcdc_assets.component import PgcdcComponent
-
-    project = directory / "project"
-    package = project / PROJECT_PACKAGE
-    (package / "defs" / "pipelines").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "defs" / "__init__.py").write_text("")
-    (package / "definitions.py").write_text(
-        "from pathlib import Path\n\nimport dagster as dg\n\n\n@dg.definitions\ndef defs() -> dg.Definitions:\n"
-        "    return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)\n"
-    )
-    (project / "pyproject.toml").write_text(
-        f'[project]\nname = "{PROJECT_PACKAGE}"\nversion = "0.1.0"\n\n[tool.dg]\ndirectory_type = "project"\n\n'
-        f'[tool.dg.project]\nroot_module = "{PROJECT_PACKAGE}"\ncode_location_name = "{PROJECT_PACKAGE}.definitions"\n'
-    )
-    component = {
-        "type": f"{PgcdcComponent.__module__}.{PgcdcComponent.__name__}",
-        "attributes": {
-            "pipelines": {
-                p.name: {
-                    "postgres": {"dsn": f"{{{{ env('{p.env_var}') }}}}"},
-                    "publication": p.publication,
-                    "slot": p.slot,
-                    "tables": [f"{p.schema}.{name}" for name in p.tables],
-                    "delta": {"root": str(p.lake)},
-                    "snapshot": {"parallel_tables": 2},
-                    "schedule": {"cron": "* * * * *"},
-                    "sensors": {"lag_bytes": 1024 * 1024},
-                    "checks": {"max_lag_bytes": 64 * 1024 * 1024},
-                    **({"history": {"tables": {HISTORY_TABLE: "scd2"}}} if p.name == "shop" else {}),
-                }
-                for p in pipelines
-            }
-        },
-    }
-    path = package / "defs" / "pipelines" / "defs.yaml"
-    path.write_text("# written by `make demo` (pgcdc_assets/demo/)\n" + yaml.safe_dump(component, sort_keys=False))
-    return path
-
-
-def write_dagster_yaml(dagster_home: Path) -> Path:
-    dagster_home.mkdir(parents=True, exist_ok=True)
-    path = dagster_home / "dagster.yaml"
-    path.write_text(
-        "# written by `make demo`: one drain per slot at a time (a drain step's pool is pgcdc_slot_<slot>)\n"
-        "concurrency:\n"
-        "  pools:\n"
-        "    default_limit: 1\n"
-        "telemetry:\n"
-        "  enabled: false\n"
-    )
-    return path
 
 
 # --------------------------------------------------------------------------- PostgreSQL
