@@ -47,7 +47,8 @@ import psycopg
 from resources.config import parse_config
 from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.maintenance import deleted_rows, maintain_table
+from resources.delta.deletion_vectors import deleted_rows
+from resources.delta.maintenance import maintain_table
 from resources.delta.state_table import state_path
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables

@@ -42,13 +42,8 @@ from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.config import HISTORY_SUFFIX, PgcdcConfig
 from resources.delta.lake_storage import open_lake
 from resources.locations import join_location
-from resources.delta.maintenance import (
-    delta_tables_under,
-    describe,
-    is_delta_table,
-    maintain_table,
-    TableMaintenance,
-)
+from resources.delta.maintenance import describe, maintain_table, TableMaintenance
+from resources.delta.table_files import delta_tables_under, is_delta_table
 from resources.delta.state_table import PGCDC_TABLES_DIRECTORY
 from resources.names import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, PipelineNames, slot_pool
 

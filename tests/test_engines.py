@@ -44,8 +44,9 @@ from resources.delta.lake_storage import LakeStorage
 from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.deletion_vectors import file_deletions
 from resources.delta.maintenance import (
-    describe, file_deletions, maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance,
+    describe, maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance,
 )
 from resources.crash_points import FAULT_POINT_ENV
 from resources.runs.incremental import run_incremental

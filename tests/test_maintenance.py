@@ -28,7 +28,8 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.builder import build_definitions
 from resources.config import PgcdcConfig
 from resources.delta.lake_storage import open_lake
-from resources.delta.maintenance import delta_tables_under, maintain_table, properties_to_set, RETENTION_PROPERTIES
+from resources.delta.maintenance import maintain_table, properties_to_set, RETENTION_PROPERTIES
+from resources.delta.table_files import delta_tables_under
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
 from resources.delta.marker_reads import read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows

@@ -55,21 +55,19 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from urllib.parse import unquote
 
 from pyspark.sql import SparkSession
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import session_settings
 from resources.delta.lake_storage import LakeStorage
-from resources.locations import is_object_store, join_location, parse_object_location
+from resources.locations import join_location
 from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, LSN_COLUMN
-from resources.delta.snapshot_writes import STAGING_DIRECTORY
+from resources.delta.deletion_vectors import DeletedRows, deleted_rows, table_file_deletions
+from resources.delta.table_files import DELTA_LOG, delta_rs_table, filesystem_path, log_entries, log_files, storage_files
 
-DELTA_LOG = "_delta_log"
 RETENTION_PROPERTIES = ("delta.logRetentionDuration", "delta.deletedFileRetentionDuration")
 """The table properties pgcdc sets to the retention on every table it maintains."""
-_COMMIT_FILE = re.compile(r"^(\d{20})\.(?:json|crc|checkpoint(?:\.\d+\.\d+)?\.parquet)$")
 _INTERVAL = re.compile(r"^\s*interval\s+(\d+)\s+(second|minute|hour|day|week)s?\s*$", re.IGNORECASE)
 _INTERVAL_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 24 * 3600, "week": 7 * 24 * 3600}
 
@@ -80,19 +78,6 @@ class FileStats:
 
     files: int
     bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class DeletedRows:
-    """Rows in the data files of a table's newest version, and how many of them its deletion vectors delete
-    (rows every reader reads and drops until compaction rewrites their files)."""
-
-    rows: int
-    deleted: int
-
-    @property
-    def fraction(self) -> float:
-        return self.deleted / self.rows if self.rows else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +133,15 @@ def maintain_table(
     if retention_s < 1:
         raise ValueError(f"retention_hours must be at least one second (got {retention_hours!r})")
     started = time.monotonic()
-    storage_before = _storage_files(lake, path)
-    log_before = _log_files(lake, path)
+    storage_before = storage_files(lake, path)
+    log_before = log_files(lake, path)
     deleted_before = deleted_rows(lake, path)
     if spark is not None and engine_capabilities(spark).delta_commands:
         done = _SparkMaintenance(spark, path, lake).run(retention_s, target_file_bytes, max_deleted_rows_ratio)
     else:
         done = _DeltaRsMaintenance(path, lake).run(retention_s, target_file_bytes, max_deleted_rows_ratio)
-    storage_after = _storage_files(lake, path)
-    log_after = _log_files(lake, path)
+    storage_after = storage_files(lake, path)
+    log_after = log_files(lake, path)
     return TableMaintenance(
         path=path,
         method=done.method,
@@ -195,26 +180,6 @@ def _property_changes(configuration: dict[str, str], changed: dict[str, str]) ->
     return tuple(f"{name}: {configuration.get(name, '(unset)')} -> {value}" for name, value in changed.items())
 
 
-def delta_tables_under(lake: LakeStorage, location: str) -> list[str]:
-    """Every Delta table at or below ``location`` (a directory holding ``_delta_log``), sorted;
-    none when it does not exist. pgcdc's staging tables (``_pgcdc_staging``) are not among them."""
-    from pyarrow import fs
-
-    filesystem, base = _filesystem_path(lake, location)
-    found = set()
-    for info in filesystem.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True)):  # type: ignore[attr-defined]
-        parts = info.path[len(base) :].strip("/").split("/")
-        if DELTA_LOG in parts and STAGING_DIRECTORY not in parts:
-            table = "/".join(parts[: parts.index(DELTA_LOG)])
-            found.add(join_location(location, table) if table else location.rstrip("/"))
-    return sorted(found)
-
-
-def is_delta_table(lake: LakeStorage, path: str) -> bool:
-    """Whether ``path`` holds a Delta table (a ``_delta_log`` with at least one file)."""
-    return bool(_log_files(lake, path))
-
-
 @dataclass(frozen=True, slots=True)
 class _Done:
     method: str
@@ -243,9 +208,7 @@ class _DeltaRsMaintenance:
         self.lake = lake
 
     def _open(self):  # type: ignore[no-untyped-def]  # deltalake.DeltaTable
-        from deltalake import DeltaTable
-
-        return DeltaTable(self.path, storage_options=self.lake.object_store_options() or None)
+        return delta_rs_table(self.lake, self.path)
 
     def _open_at(self, version: int):  # type: ignore[no-untyped-def]
         from deltalake import DeltaTable
@@ -279,7 +242,7 @@ class _DeltaRsMaintenance:
         # No retention argument: the table's deletedFileRetentionDuration, the retention since the
         # property commit above (delta-rs's argument takes whole hours only; the property takes seconds).
         candidates = table.vacuum(dry_run=True, full=True)
-        if set(candidates) & _storage_files(self.lake, self.path).keys():
+        if set(candidates) & storage_files(self.lake, self.path).keys():
             table.vacuum(dry_run=False, full=True, post_commithook_properties=_no_hooks())
             table = self._open()
         version = table.version()
@@ -298,7 +261,7 @@ class _DeltaRsMaintenance:
 
     def _checkpoint(self, version: int) -> None:
         """A checkpoint at ``version`` unless it has one (Sail writes one every ten commits)."""
-        if f"{version:020d}.checkpoint.parquet" not in _log_files(self.lake, self.path):
+        if f"{version:020d}.checkpoint.parquet" not in log_files(self.lake, self.path):
             self._open_at(version).create_checkpoint()
 
     def _clean_log(self, keep_from: int, log_retention_s: int) -> None:
@@ -307,7 +270,7 @@ class _DeltaRsMaintenance:
         clean-up of what it covers, then the orphaned ``.crc`` files. Nothing (no checkpoint
         either) while no file below ``keep_from`` has expired."""
         cutoff = time.time() - log_retention_s
-        if not any(int(name[:20]) < keep_from and mtime < cutoff for name, mtime in _log_entries(self.lake, self.path).items()):
+        if not any(int(name[:20]) < keep_from and mtime < cutoff for name, mtime in log_entries(self.lake, self.path).items()):
             return
         self._checkpoint(keep_from)
         self._open_at(keep_from).cleanup_metadata()
@@ -317,12 +280,12 @@ class _DeltaRsMaintenance:
         """Delete the ``.crc`` files of commits log cleanup removed (Sail writes one per commit;
         delta-rs cleans only the commits and checkpoints): a checksum without its commit is
         read by nobody."""
-        names = _log_files(self.lake, self.path)
+        names = log_files(self.lake, self.path)
         commits = [int(name[:20]) for name in names if name.endswith(".json")]
         if not commits:
             return
         oldest = min(commits)
-        filesystem, log = _filesystem_path(self.lake, join_location(self.path, DELTA_LOG))
+        filesystem, log = filesystem_path(self.lake, join_location(self.path, DELTA_LOG))
         for name in names:
             if name.endswith(".crc") and int(name[:20]) < oldest:
                 filesystem.delete_file(f"{log}/{name}")  # type: ignore[attr-defined]
@@ -355,7 +318,7 @@ class _SparkMaintenance:
             metrics = self.spark.sql(f"OPTIMIZE {self.table}").select("metrics.*").first()
             assert metrics is not None
             files_compacted, files_written = int(metrics["numFilesRemoved"]), int(metrics["numFilesAdded"])
-            partitions = _partitions_to_purge(_delta_rs_table(self.lake, self.path), max_deleted_rows_ratio)
+            partitions = _partitions_to_purge(delta_rs_table(self.lake, self.path), max_deleted_rows_ratio)
             if partitions:
                 where = " OR ".join(
                     "(" + " AND ".join(f"`{column.replace('`', '``')}` = '{value.replace(chr(39), chr(39) * 2)}'" for column, _, value in partition) + ")"
@@ -396,8 +359,8 @@ def _newest_writer_commit(lake: LakeStorage, path: str) -> int:
     only as far as its own writers have moved it. Maintenance commits nothing on an idle table,
     so this reads a few commit files, newest first.
     """
-    versions = sorted((int(name[:20]) for name in _log_files(lake, path) if name.endswith(".json")), reverse=True)
-    filesystem, log = _filesystem_path(lake, join_location(path, DELTA_LOG))
+    versions = sorted((int(name[:20]) for name in log_files(lake, path) if name.endswith(".json")), reverse=True)
+    filesystem, log = filesystem_path(lake, join_location(path, DELTA_LOG))
     for version in versions:
         with filesystem.open_input_stream(f"{log}/{version:020d}.json") as commit:  # type: ignore[attr-defined]
             actions = commit.read().decode("utf-8").splitlines()
@@ -407,65 +370,11 @@ def _newest_writer_commit(lake: LakeStorage, path: str) -> int:
     return versions[-1]
 
 
-def deleted_rows(lake: LakeStorage, path: str) -> DeletedRows:
-    """The rows of the newest version's data files and the rows their deletion vectors delete, read by
-    delta-rs from the log and the deletion vector files (whichever engine wrote them)."""
-    files = file_deletions(lake, path)
-    return DeletedRows(sum(file.rows for file in files), sum(file.deleted for file in files))
-
-
-def file_deletions(lake: LakeStorage, path: str) -> list[FileDeletions]:
-    """Every data file of the table's newest version with the rows its deletion vector deletes: what
-    the purge decides on (a file above ``max_deleted_rows_ratio`` is rewritten)."""
-    return _file_deletions(_delta_rs_table(lake, path))
-
-
-def _delta_rs_table(lake: LakeStorage, path: str):  # type: ignore[no-untyped-def]  # deltalake.DeltaTable
-    from deltalake import DeltaTable
-
-    return DeltaTable(path, storage_options=lake.object_store_options() or None)
-
-
-@dataclass(frozen=True, slots=True)
-class FileDeletions:
-    """One data file of the newest version: its partition values, rows, and rows its deletion vector deletes."""
-
-    partition: tuple[tuple[str, str, str], ...]  # delta-rs partition filters: (column, "=", value)
-    rows: int
-    deleted: int
-
-
-def _file_deletions(table: object) -> list[FileDeletions]:
-    """Every data file of ``table`` (a ``deltalake.DeltaTable``) with what its deletion vector deletes.
-
-    delta-rs hands deletion vectors out as selection vectors (one boolean per row, false where deleted)
-    keyed by the file's URI; its add actions give the file's path relative to the table, row count and
-    partition values."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    actions = pa.table(table.get_add_actions(flatten=True))  # type: ignore[attr-defined]
-    partition_columns = [name for name in actions.column_names if name.startswith("partition.")]
-    root = unquote(table.table_uri).rstrip("/") + "/"  # type: ignore[attr-defined]
-    deleted: dict[str, int] = {}
-    vectors = pa.table(table.deletion_vectors())  # type: ignore[attr-defined]
-    for uri, selection in zip(vectors.column("filepath").to_pylist(), vectors.column("selection_vector")):
-        kept = selection.values
-        deleted[unquote(uri).removeprefix(root)] = len(kept) - (pc.sum(kept).as_py() or 0)
-    files = []
-    for action in actions.select(["path", "num_records", *partition_columns]).to_pylist():
-        partition = tuple(
-            (name.removeprefix("partition."), "=", str(action[name])) for name in partition_columns if action[name] is not None
-        )
-        files.append(FileDeletions(partition, action["num_records"] or 0, deleted.get(unquote(action["path"]), 0)))
-    return files
-
-
 def _partitions_to_purge(table: object, max_deleted_rows_ratio: float) -> list[tuple[tuple[str, str, str], ...]]:
     """The partitions (as delta-rs partition filters; one empty filter: an unpartitioned table) holding
     a file whose deletion vector deletes more than ``max_deleted_rows_ratio`` of its rows."""
     return sorted({
-        file.partition for file in _file_deletions(table) if file.deleted and file.deleted > max_deleted_rows_ratio * file.rows
+        file.partition for file in table_file_deletions(table) if file.deleted and file.deleted > max_deleted_rows_ratio * file.rows
     })  # fmt: skip
 
 
@@ -486,53 +395,6 @@ def _interval_seconds(value: str) -> int | None:
     if match is None:
         return None
     return int(match.group(1)) * _INTERVAL_SECONDS[match.group(2).lower()]
-
-
-def _filesystem_path(lake: LakeStorage, location: str) -> tuple[object, str]:
-    """The pyarrow filesystem holding ``location`` and the path on it."""
-    if is_object_store(location):
-        return lake.filesystem(), parse_object_location(location).store_path
-    from pyarrow import fs
-
-    return fs.LocalFileSystem(), location.removeprefix("file://").rstrip("/")
-
-
-def _storage_files(lake: LakeStorage, path: str) -> dict[str, int]:
-    """Data files on storage below the table (partition directories included), relative path ->
-    bytes; ``_delta_log`` and the other hidden entries (pgcdc's staging) are not data."""
-    from pyarrow import fs
-
-    filesystem, base = _filesystem_path(lake, path)
-    files = {}
-    for info in filesystem.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True)):  # type: ignore[attr-defined]
-        relative = info.path[len(base) :].strip("/")
-        if info.type == fs.FileType.File and not any(_hidden(part) for part in relative.split("/")):
-            files[relative] = info.size
-    return files
-
-
-def _hidden(name: str) -> bool:
-    """Delta's rule for what is not table data: names starting with ``.``, or with ``_`` unless
-    a partition directory (``_pgcdc_bucket=3``)."""
-    return name.startswith(".") or (name.startswith("_") and "=" not in name)
-
-
-def _log_files(lake: LakeStorage, path: str) -> set[str]:
-    """Names of the commit, checkpoint and checksum files in the table's ``_delta_log``."""
-    return set(_log_entries(lake, path))
-
-
-def _log_entries(lake: LakeStorage, path: str) -> dict[str, float]:
-    """:func:`_log_files` with each file's modification time (seconds since the epoch)."""
-    from pyarrow import fs
-
-    filesystem, log = _filesystem_path(lake, join_location(path, DELTA_LOG))
-    selector = fs.FileSelector(log, allow_not_found=True)
-    return {
-        info.base_name: info.mtime.timestamp()
-        for info in filesystem.get_file_info(selector)  # type: ignore[attr-defined]
-        if _COMMIT_FILE.match(info.base_name)
-    }
 
 
 def describe(result: TableMaintenance) -> str:
