@@ -16,46 +16,33 @@ from resources.pgoutput.boundaries import HOLD, LAST, TransactionBoundaries
 from resources.pgoutput.options import PgOutputOptions
 from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 from resources.postgres import libpq_io
-from resources.postgres.connections import from_result, one_line
-from resources.postgres.frames import (
-    Keepalive,
-    KEEPALIVE_TAG,
-    new_lsn,
-    new_tuple,
-    PAYLOAD,
-    pg_epoch_micros,
-    STATUS,
-    unpack_keepalive,
-    unpack_xlog,
-    XLogData,
-    XLOGDATA,
-)
+from resources.postgres.copy_both import connection_lost, enter_copy_both, finish_results, leave_copy_both
+from resources.postgres.frames import Keepalive, KEEPALIVE_TAG, new_lsn, new_tuple, PAYLOAD, unpack_xlog, XLogData, XLOGDATA
 from resources.postgres.replication import ReplicationConnection
+from resources.postgres.standby_status import StandbyStatus
 from resources.postgres.slots import validate_slot_name
 from resources.sql import quote_ident
 
 
-def _resumed(stream: ReplicationStream, received: int) -> float:
+def _resumed(status: StandbyStatus, received: int) -> float:
     """Back in the drain after handing out an item; returns the time, the drain's new last activity.
 
     The consumer may have spent long on that item (a Delta write), so a status update is sent
     here if one is due, and the time away counts as activity rather than server silence.
     """
     now = time.monotonic()
-    if now >= stream._next_status:
-        if received > stream._received:
-            stream._received = received
-        stream.send_status()
+    if now >= status.next_due:
+        if received > status.received:
+            status.received = received
+        status.send()
     return now
 
 
 class ReplicationStream:
     """START_REPLICATION ... LOGICAL over COPY BOTH, read without blocking the process.
 
-    Flush/apply positions sent to the server only ever come from :meth:`confirm`
-    (or the slot's own ``confirmed_flush_lsn``), and never go backwards. The
-    ``write`` position reported is what has been received, which keeps the
-    walsender from pinging a client that is up to date.
+    The positions reported to the server and when are :class:`StandbyStatus`'s
+    (``standby_status.py``); entering and leaving COPY BOTH is ``copy_both.py``'s.
 
     The walsender drops a client it has not heard from for ``wal_sender_timeout``, also
     while that client is busy elsewhere (say, waiting for a Delta write) and not reading.
@@ -75,19 +62,13 @@ class ReplicationStream:
     ) -> None:
         self._conn = conn
         self._pgconn = conn.pgconn
-        self.status_interval = status_interval
         self.idle_probe = idle_probe
         self.idle_timeout = idle_timeout
         self._streaming = False
         self._slot: str | None = None
         self._poller: select.poll | None = None
         self._saved_nonblocking = 0
-        # positions, as plain ints on the hot path
-        self._received = 0  # highest wal_end seen in XLogData or keepalives
-        self._server_wal_end = 0  # wal_end of the latest keepalive
-        self._confirmed = 0  # highest LSN the caller declared durable
-        self._reported_flush = 0  # highest flush LSN sent to the server
-        self._next_status = 0.0
+        self._status = StandbyStatus(self._pgconn, interval=status_interval, timeout=idle_timeout, lost=self._lost)
         # protocol state kept across drains
         self._boundaries = TransactionBoundaries()
         self._pending: XLogData | None = None  # a frame peeked at by drain but not handed out
@@ -95,8 +76,6 @@ class ReplicationStream:
         # progress counters
         self.frames = 0
         self.bytes = 0
-        self.keepalives = 0
-        self.status_updates = 0
         self.discarded = 0  # frames thrown away by stop()
 
     # -- progress
@@ -108,22 +87,35 @@ class ReplicationStream:
     @property
     def last_received_lsn(self) -> LSN:
         """The highest WAL position received (XLogData or keepalive)."""
-        return LSN(self._received)
+        return LSN(self._status.received)
 
     @property
     def server_wal_end(self) -> LSN:
         """The walsender's position from its latest keepalive."""
-        return LSN(self._server_wal_end)
+        return LSN(self._status.server_wal_end)
 
     @property
     def confirmed_lsn(self) -> LSN:
         """The highest position passed to :meth:`confirm` (or the slot's when streaming started)."""
-        return LSN(self._confirmed)
+        return LSN(self._status.confirmed)
 
     @property
     def reported_flush_lsn(self) -> LSN:
         """The flush position last sent to the server."""
-        return LSN(self._reported_flush)
+        return LSN(self._status.reported_flush)
+
+    @property
+    def status_interval(self) -> float:
+        """Seconds between status updates (at most a quarter of the server's ``wal_sender_timeout``)."""
+        return self._status.interval
+
+    @property
+    def keepalives(self) -> int:
+        return self._status.keepalives
+
+    @property
+    def status_updates(self) -> int:
+        return self._status.updates
 
     @property
     def in_transaction(self) -> bool:
@@ -173,12 +165,7 @@ class ReplicationStream:
         timeout_ms = self._conn.execute(
             "SELECT setting FROM pg_catalog.pg_settings WHERE name OPERATOR(pg_catalog.=) 'wal_sender_timeout'"
         )[0][0]
-        if int(timeout_ms) > 0:
-            self.status_interval = min(self.status_interval, int(timeout_ms) / 4000.0)
-        floor = int(state.confirmed_flush_lsn or 0)
-        self._confirmed = max(self._confirmed, floor)
-        self._reported_flush = floor
-        self._received = max(floor, int(start_lsn))
+        self._status.begin(int(state.confirmed_flush_lsn or 0), int(start_lsn), int(timeout_ms))
         self._boundaries = TransactionBoundaries()
         self._pending = None
 
@@ -187,18 +174,12 @@ class ReplicationStream:
         self._saved_nonblocking = pgconn.nonblocking
         pgconn.nonblocking = 1
         try:
-            pgconn.send_query(command.encode())
-            libpq_io.flush(self._pgconn, time.monotonic() + self.idle_timeout)
-            res = libpq_io.get_result(self._pgconn, self._poller, time.monotonic() + self.idle_timeout)
+            enter_copy_both(pgconn, command, slot, self.idle_timeout)
         except psycopg.OperationalError as exc:
             raise self._lost(exc) from None
-        if res is None or res.status != pq.ExecStatus.COPY_BOTH:
-            error = from_result(res, slot=slot) if res is not None else ProtocolError(
-                "START_REPLICATION returned no result", "check the server log"
-            )
-            self._finish_results()
+        except PgcdcError:
             pgconn.nonblocking = self._saved_nonblocking
-            raise error
+            raise
         self._streaming = True
         self._conn._replication_started = True
         self._slot = slot
@@ -213,25 +194,11 @@ class ReplicationStream:
         Lower values than an earlier confirmation are ignored (the slot never moves back).
         The position is sent with the next status update, at the latest by :meth:`stop`.
         """
-        value = int(lsn)
-        if value > self._confirmed:
-            self._confirmed = value
+        self._status.confirm(int(lsn))
 
     def send_status(self, reply_requested: bool = False) -> None:
         """Send a standby status update now: write = received, flush = apply = confirmed."""
-        flush = max(self._confirmed, self._reported_flush)
-        write = max(self._received, flush)
-        message = STATUS.pack(b"r", write, flush, flush, pg_epoch_micros(), 1 if reply_requested else 0)
-        pgconn = self._pgconn
-        try:
-            while pgconn.put_copy_data(message) == 0:
-                libpq_io.wait_writable(self._pgconn, time.monotonic() + self.idle_timeout)
-            libpq_io.flush(self._pgconn, time.monotonic() + self.idle_timeout)
-        except psycopg.OperationalError as exc:
-            raise self._lost(exc) from None
-        self._reported_flush = flush
-        self.status_updates += 1
-        self._next_status = time.monotonic() + self.status_interval
+        self._status.send(reply_requested)
 
     def keepalive(self) -> None:
         """Send a status update if one is due (the same confirmed position, nothing newer).
@@ -240,8 +207,8 @@ class ReplicationStream:
         for Delta: call it at least every ``status_interval`` seconds, from the thread that
         drains (libpq connections are not to be used by two threads at once).
         """
-        if self._streaming and time.monotonic() >= self._next_status:
-            self.send_status()
+        if self._streaming and time.monotonic() >= self._status.next_due:
+            self._status.send()
 
     def stop(self, timeout: float = 60.0) -> None:
         """End the stream (CopyDone), discard what is still in flight, and leave the connection usable."""
@@ -251,20 +218,8 @@ class ReplicationStream:
         deadline = time.monotonic() + timeout
         try:
             self.send_status()
-            while pgconn.put_copy_end() == 0:
-                libpq_io.wait_writable(self._pgconn, deadline)
-            libpq_io.flush(self._pgconn, deadline)
-            while True:
-                nbytes, _ = pgconn.get_copy_data(1)
-                if nbytes > 0:
-                    self.discarded += 1
-                    continue
-                if nbytes == 0:
-                    libpq_io.wait_readable(self._pgconn, self._poller, deadline)
-                    pgconn.consume_input()
-                    continue
-                break  # -1: the server answered with CopyDone
-            error = self._finish_results(deadline)
+            discarded, error = leave_copy_both(pgconn, self._poller, deadline, self._slot)
+            self.discarded += discarded
         except psycopg.OperationalError as exc:
             self._streaming = False
             raise self._lost(exc) from None
@@ -302,23 +257,23 @@ class ReplicationStream:
                     start, end, sent = unpack_xlog(buf, 1)
                     self.frames += 1
                     self.bytes += nbytes
-                    if end > self._received:
-                        self._received = end
+                    if end > self._status.received:
+                        self._status.received = end
                     lsn = new_lsn(LSN, start)
                     frame = new_tuple(XLogData, (lsn, lsn if end == start else new_lsn(LSN, end), sent, buf[PAYLOAD:]))
                     self._boundaries.track(frame.payload, start)
                     return frame
                 if kind == KEEPALIVE_TAG:
-                    return self._keepalive(buf)
+                    return self._status.on_keepalive(buf)
                 raise ProtocolError(f"unexpected replication message type {chr(kind)!r}", "check the server version")
             if nbytes == -1:
                 self._end_of_copy()
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return None
-            if now >= self._next_status:
-                self.send_status()
-            wait_until = self._next_status if deadline is None else min(deadline, self._next_status)
+            if now >= self._status.next_due:
+                self._status.send()
+            wait_until = self._status.next_due if deadline is None else min(deadline, self._status.next_due)
             libpq_io.wait_readable(self._pgconn, self._poller, wait_until, raise_on_timeout=False)
             self._consume()
 
@@ -373,8 +328,9 @@ class ReplicationStream:
         get = self._pgconn.get_copy_data
         classify = bounds.classify
         is_open = bounds.open
+        status = self._status
         frames = nbytes_total = 0
-        received = self._received
+        received = status.received
         last_activity = time.monotonic()
         probed_at = 0.0
         batching = max_batch_bytes > 0
@@ -397,7 +353,7 @@ class ReplicationStream:
                                 batch_bytes += nbytes
                                 if batch_bytes >= max_batch_bytes:
                                     yield batch
-                                    last_activity = _resumed(self, received)
+                                    last_activity = _resumed(status, received)
                                     batch = []
                                     add = batch.append
                                     batch_bytes = 0
@@ -407,7 +363,7 @@ class ReplicationStream:
                                 continue
                             if batch:
                                 yield batch
-                                last_activity = _resumed(self, received)
+                                last_activity = _resumed(status, received)
                                 batch = []
                                 add = batch.append
                                 batch_bytes = 0
@@ -424,7 +380,7 @@ class ReplicationStream:
                             return
                         is_open = bounds.in_transaction or bounds.in_block
                         yield frame
-                        last_activity = _resumed(self, received)
+                        last_activity = _resumed(status, received)
                         if verdict == LAST:
                             return
                         if not frames & 0x3FF:
@@ -432,9 +388,9 @@ class ReplicationStream:
                             frames = nbytes_total = 0
                         continue
                     if buf[0] == KEEPALIVE_TAG:
-                        self._received = max(received, self._received)
-                        keepalive = self._keepalive(buf)
-                        received = self._received
+                        status.received = max(received, status.received)
+                        keepalive = status.on_keepalive(buf)
+                        received = status.received
                         last_activity = time.monotonic()
                         if keepalive.wal_end >= end and not is_open:
                             return
@@ -452,8 +408,8 @@ class ReplicationStream:
         finally:
             self.frames += frames
             self.bytes += nbytes_total
-            if received > self._received:
-                self._received = received
+            if received > status.received:
+                status.received = received
 
     # -- internals
 
@@ -462,12 +418,7 @@ class ReplicationStream:
         update if one is due; returns the time."""
         self.frames += frames
         self.bytes += nbytes
-        if received > self._received:
-            self._received = received
-        now = time.monotonic()
-        if now >= self._next_status:
-            self.send_status()
-        return now
+        return self._status.send_if_due(received)
 
     def _idle(self, last_activity: float, probed_at: float) -> tuple[float, float]:
         """Nothing buffered: probe a quiet server, fail a silent one, else wait for the socket.
@@ -478,7 +429,7 @@ class ReplicationStream:
         quiet_since = max(last_activity, probed_at)
         if now - quiet_since >= self.idle_probe:
             # Ask the walsender where it is: it answers with a keepalive carrying wal_end.
-            self.send_status(reply_requested=True)
+            self._status.send(reply_requested=True)
             probed_at = now
             quiet_since = now
         if now - last_activity >= self.idle_timeout:
@@ -486,21 +437,11 @@ class ReplicationStream:
                 f"no message from the server for {self.idle_timeout:.0f} s",
                 "check the server and the network, then retry",
             )
-        wait_until = min(self._next_status, quiet_since + self.idle_probe, last_activity + self.idle_timeout)
+        wait_until = min(self._status.next_due, quiet_since + self.idle_probe, last_activity + self.idle_timeout)
         if libpq_io.wait_readable(self._pgconn, self._poller, wait_until, raise_on_timeout=False):
             last_activity = time.monotonic()
         self._consume()
         return last_activity, probed_at
-
-    def _keepalive(self, buf: memoryview) -> Keepalive:
-        wal_end, sent, reply = unpack_keepalive(buf, 1)
-        self.keepalives += 1
-        self._server_wal_end = wal_end
-        if wal_end > self._received:
-            self._received = wal_end
-        if reply:
-            self.send_status()
-        return new_tuple(Keepalive, (new_lsn(LSN, wal_end), sent, bool(reply)))
 
     def _require_streaming(self) -> None:
         if not self._streaming:
@@ -508,8 +449,7 @@ class ReplicationStream:
 
     def _lost(self, exc: BaseException) -> PgcdcError:
         self._streaming = False
-        message = one_line(str(exc)) or "connection lost"
-        return ConnectionFailure(f"replication connection lost: {message}", "check the server, then retry")
+        return connection_lost(exc)
 
     def _consume(self) -> None:
         try:
@@ -520,26 +460,8 @@ class ReplicationStream:
     def _end_of_copy(self) -> None:
         """The server ended COPY BOTH on its own: an error, or a shutdown."""
         self._streaming = False
-        error = self._finish_results(time.monotonic() + 10.0)
+        error = finish_results(self._pgconn, self._poller, time.monotonic() + 10.0, self._slot)
         if self._pgconn.status == pq.ConnStatus.BAD:
             raise error or ConnectionFailure("replication connection lost", "check the server, then retry")
         self._pgconn.nonblocking = self._saved_nonblocking
         raise error or ConnectionFailure("the server ended the replication stream", "retry once the server is back")
-
-    def _finish_results(self, deadline: float | None = None) -> PgcdcError | None:
-        """Read results until None; return the first error among them."""
-        error: PgcdcError | None = None
-        deadline = deadline or time.monotonic() + self.idle_timeout
-        while True:
-            try:
-                res = libpq_io.get_result(self._pgconn, self._poller, deadline)
-            except psycopg.OperationalError as exc:
-                return error or self._lost(exc)
-            if res is None:
-                return error
-            if res.status == pq.ExecStatus.FATAL_ERROR and error is None:
-                error = from_result(res, slot=self._slot)
-            elif res.status in (pq.ExecStatus.COPY_BOTH, pq.ExecStatus.COPY_OUT):
-                return error or ProtocolError("unexpected COPY state after the stream ended", "reconnect")
-            if self._pgconn.status == pq.ConnStatus.BAD:
-                return error or ConnectionFailure("replication connection lost", "check the server, then retry")
