@@ -31,6 +31,7 @@ from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.support.postgres import PgDatabase
+from tests.support.delta_log import clean_log
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -64,17 +65,6 @@ def drain_and_compare(
         assert_delta_equals_postgres(pg.dsn, f"public.{table}", path, key=("id",) if table == "acct" else ("code",))
         layouts[table] = assert_buckets_right(path, known=(known or {}).get(table))
     return layouts
-
-
-def clean_log(path: str) -> None:
-    """What Delta's log cleanup leaves once the commits are old enough: a checkpoint at the newest
-    version and no commit file before it (the snapshot markers are gone)."""
-    deltalake.DeltaTable(path).create_checkpoint()
-    log = Path(path) / "_delta_log"
-    newest = max(int(commit.name[:20]) for commit in log.glob("*.json"))
-    for old in log.iterdir():
-        if old.name[:20].isdigit() and int(old.name[:20]) < newest and not old.name.endswith(".parquet"):
-            old.unlink()
 
 
 def newest_merge_predicate(path: str) -> str:

@@ -16,27 +16,26 @@ from dagster import (
     DagsterInstance,
     DagsterRun,
     DagsterRunStatus,
-    Definitions,
     ExecuteInProcessResult,
     FreshnessPolicy,
     RunRequest,
     SensorResult,
     SkipReason,
-    build_sensor_context,
     instance_for_test,
     materialize,
 )
 
 from pgcdc_assets.builder import build_definitions
-from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.dagster_resources import PostgresResource
 from resources.errors import SlotError
 from resources.lsn import LSN
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
 from resources.testing.local_postgres import LocalPostgres
 from tests.support.postgres import fresh_database, PgDatabase
 from tests.support.tcp_proxy import TcpProxy
-from tests.test_deletion_vectors import commit_bytes
-from tests.test_dagster_snapshot import (
+from tests.support.delta_log import commit_bytes
+from tests.support.dagster_runs import (
+    check_outcomes,
     NOTES_KEY,
     ORDERS_KEY,
     create_shop,
@@ -45,7 +44,10 @@ from tests.test_dagster_snapshot import (
     materializations,
     pg_notes,
     pg_orders,
+    evaluate,
     run_cli,
+    run_job,
+    slot_position,
     write_config,
 )
 
@@ -67,24 +69,6 @@ def shop(pg: PgDatabase) -> PgDatabase:
 def instance() -> Iterator[DagsterInstance]:
     with instance_for_test() as instance:
         yield instance
-
-
-def run_job(defs: Definitions, instance: DagsterInstance, job: str, **kwargs: object) -> ExecuteInProcessResult:
-    result = defs.resolve_job_def(job).execute_in_process(instance=instance, **kwargs)
-    assert result.success
-    return result
-
-
-def check_outcomes(result: ExecuteInProcessResult) -> dict[tuple[AssetKey, str], bool]:
-    return {
-        (evaluation.asset_key, evaluation.check_name): evaluation.passed
-        for evaluation in result.get_asset_check_evaluations()
-    }
-
-
-def slot_position(pg: PgDatabase) -> LSN:
-    ((confirmed,),) = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
-    return LSN.parse(confirmed)
 
 
 def make_changes(pg: PgDatabase) -> None:
@@ -291,16 +275,6 @@ def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_p
 
 
 # --------------------------------------------------------------------------- sensors
-
-
-def sensor_resources(config: Path) -> dict[str, object]:
-    return {"postgres": PostgresResource(config_file=str(config)), "spark": SparkDeltaResource()}
-
-
-def evaluate(defs: Definitions, name: str, instance: DagsterInstance, config: Path) -> object:
-    sensor = defs.resolve_sensor_def(name)
-    with build_sensor_context(instance=instance, resources=sensor_resources(config), sensor_name=name) as context:
-        return sensor(context)
 
 
 def test_lag_sensor_requests_a_drain_only_above_the_threshold(

@@ -6,9 +6,6 @@ Definitions are built from a real configuration file, as ``dagster dev`` builds 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from datetime import datetime
 from decimal import Decimal
@@ -16,105 +13,28 @@ from pathlib import Path
 from typing import Any
 
 import deltalake
-import psycopg
 import pytest
-import yaml
 from dagster import AssetKey, DagsterInstance, Definitions, ExecuteInProcessResult, TableColumn, TableSchema
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 import resources.runs.snapshot as snapshot_module
-from resources.config import CONFIG_ENV_VAR, parse_config
+from resources.config import parse_config
 from resources.delta.marker_reads import read_snapshot_lsn
-from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.errors import ConnectionFailure, SnapshotError
 from resources.runs.key_range_copy import copy_key_range, RangeCopy
 from resources.lsn import LSN
-from resources.testing.verify import assert_buckets_right
 from tests.support.postgres import PgDatabase
 from tests.support.engine_fixtures import assert_delta_jars
+from tests.support.dagster_runs import NOTES_KEY, ORDERS_KEY, create_shop, delta_rows, invalidate_slot, materializations, pg_notes, pg_orders, run_cli, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
 
-REPO = Path(__file__).resolve().parent.parent
-DAGSTER = str(Path(sys.executable).with_name("dagster"))
-
-ORDERS_KEY = AssetKey(["pgcdc", "snapshot", "public", "orders"])
-NOTES_KEY = AssetKey(["pgcdc", "snapshot", "public", "notes"])
-
 
 # --------------------------------------------------------------------------- helpers shared with the incremental tests
-
-
-def write_config(tmp_path: Path, pg: PgDatabase, **overrides: object) -> Path:
-    """A pgcdc configuration file in ``tmp_path``; Delta goes to ``tmp_path/lake``."""
-    settings: dict[str, object] = {
-        "postgres": {"dsn": pg.dsn},
-        "publication": "pgcdc_pub",
-        "slot": "pgcdc_slot",
-        "delta": {"root": str(tmp_path / "lake")},
-        "snapshot": {"parallel_tables": 2},
-        **overrides,
-    }
-    path = tmp_path / "pgcdc.yaml"
-    path.write_text(yaml.safe_dump(settings), encoding="utf-8")
-    return path
-
-
-def create_shop(pg: PgDatabase) -> None:
-    """Two published tables: a keyed one with a spread of types, and a keyless one."""
-    pg.execute(
-        "CREATE TABLE orders (id bigint PRIMARY KEY, customer text, amount numeric(10,2), tags int[],"
-        " placed timestamp)"
-    )
-    pg.execute("CREATE TABLE notes (body text)")
-    pg.execute(
-        "INSERT INTO orders SELECT g, 'c' || g, g * 1.25, ARRAY[g, NULL], timestamp '2024-01-01' + g * interval '1 s'"
-        " FROM generate_series(1, 500) g"
-    )
-    pg.execute("INSERT INTO notes VALUES ('first'), (NULL), ('')")
-    pg.execute("CREATE PUBLICATION pgcdc_pub FOR TABLE orders, notes")
-
-
-def delta_rows(root: Path, table: str) -> list[tuple]:
-    """A Delta table's rows (without pgcdc's LSN and bucket columns, after checking the buckets) through
-    delta-rs, in sorted_rows order."""
-    assert_buckets_right(str(root / "public" / table))
-    data = delta_rs_rows(str(root / "public" / table))
-    columns = [name for name in data.column_names if name not in ("_pgcdc_lsn", "_pgcdc_bucket")]
-    return sorted_rows([tuple(record[name] for name in columns) for record in data.select(columns).to_pylist()])
-
-
-def pg_orders(pg: PgDatabase) -> list[tuple]:
-    return sorted_rows(pg.execute("SELECT id, customer, amount, tags, placed FROM orders"))
-
-
-def pg_notes(pg: PgDatabase) -> list[tuple]:
-    return sorted_rows(pg.execute("SELECT body FROM notes"))
-
-
-def sorted_rows(rows: list[tuple]) -> list[tuple]:
-    """Rows in one order whatever their source, so two sources compare with ==."""
-    return sorted(rows, key=repr)
-
-
-def materializations(result: ExecuteInProcessResult) -> dict[AssetKey, dict[str, object]]:
-    """Each materialized asset's metadata values."""
-    found = (event.event_specific_data.materialization for event in result.get_asset_materialization_events())
-    return {m.asset_key: {key: value.value for key, value in m.metadata.items()} for m in found}
-
-
-def run_cli(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """The ``dagster`` CLI in a subprocess with PGCDC_CONFIG and a DAGSTER_HOME of its own."""
-    home = tmp_path / "dagster_home"
-    home.mkdir(exist_ok=True)
-    env = {**os.environ, CONFIG_ENV_VAR: str(config), "DAGSTER_HOME": str(home)}
-    return subprocess.run(
-        [DAGSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
 
 
 @pytest.fixture
@@ -342,24 +262,6 @@ def test_lost_slot_is_recreated_and_every_table_resnapshotted(
     (status,) = shop.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
     assert status[0] in ("reserved", "extended")
     assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
-
-
-def invalidate_slot(pg: PgDatabase, slot: str) -> None:
-    """Make PostgreSQL invalidate the slot the way production does: WAL past max_slot_wal_keep_size, then a checkpoint."""
-    with psycopg.connect(pg.server.dsn(), autocommit=True) as conn:
-        conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'")
-        conn.execute("SELECT pg_reload_conf()")
-        try:
-            pg.execute("CREATE TABLE filler (x text)")  # unpublished: only makes WAL
-            for _ in range(4):
-                pg.execute("INSERT INTO filler SELECT repeat('x', 100) FROM generate_series(1, 5000)")
-                pg.execute("SELECT pg_switch_wal()")
-                pg.execute("CHECKPOINT")
-            (status,) = pg.execute(f"SELECT wal_status FROM pg_replication_slots WHERE slot_name = '{slot}'")
-            assert status[0] == "lost"
-        finally:
-            conn.execute("ALTER SYSTEM RESET max_slot_wal_keep_size")
-            conn.execute("SELECT pg_reload_conf()")
 
 
 # --------------------------------------------------------------------------- command line

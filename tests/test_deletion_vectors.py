@@ -30,6 +30,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.support.postgres import PgDatabase
+from tests.support.delta_log import commit_bytes, commits_after
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -65,16 +66,6 @@ def exact(pg: PgDatabase, config: PgcdcConfig, table: str, key: tuple[str, ...] 
     rows = assert_delta_equals_postgres(pg.dsn, f"public.{table}", path, key=key)
     assert_buckets_right(path)
     return rows
-
-
-def commits_after(path: str, version: int) -> list[list[dict]]:
-    """The actions of every commit after ``version``."""
-    log = Path(path) / "_delta_log"
-    return [
-        [json.loads(line) for line in commit.read_text().splitlines()]
-        for commit in sorted(log.glob("*.json"))
-        if int(commit.name[:20]) > version
-    ]
 
 
 def random_changes(pg: PgDatabase, seed: int) -> None:
@@ -215,19 +206,6 @@ def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
     run_incremental(config, spark)
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
     assert exact(pg, config, "doc", key=()) == 200
-
-
-def commit_bytes(path: str, version: int) -> int:
-    """What the drain's commits after ``version`` wrote, summed from their ``add`` actions: the size of
-    every file added that the same commit did not remove, and the size of every deletion vector not inlined."""
-    total = 0
-    for commit in commits_after(path, version):
-        removed = {action["remove"]["path"] for action in commit if "remove" in action}
-        for add in (action["add"] for action in commit if "add" in action):
-            total += 0 if add["path"] in removed else add["size"]
-            vector = add.get("deletionVector") or {}
-            total += vector.get("sizeInBytes", 0) if vector.get("storageType") in ("u", "p") else 0
-    return total
 
 
 def test_a_drain_reports_the_bytes_its_commits_wrote_in_proportion_to_the_rows_it_changed(

@@ -62,16 +62,15 @@ pytest.register_assert_rewrite("tests.support.engine_fixtures", "tests.support.s
 from tests.support.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.support.s3_fixtures import S3Server
 from tests.support.fault_child import SNAPSHOT_WRITER_ENV
-from tests.test_bucket_layout import clean_log
-from tests.test_deletion_vectors import commit_bytes
-from tests.test_key_shapes import (
+from tests.support.delta_log import clean_log, commit_bytes
+from tests.support.key_shapes import (
     IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, PublisherOracle, run_key_shapes, SHAPES,
 )
-from tests.test_key_range_snapshot import Writer
-from tests.test_object_storage import lifecycle as object_storage_lifecycle
-from tests.test_randomized import Replay
+from tests.support.key_range_writer import Writer
+from tests.support.object_storage_lifecycle import lifecycle as object_storage_lifecycle
+from tests.support.randomized_replay import Replay
 from tests.support.workload import generate
-from tests.test_faults import (
+from tests.support.fault_runs import (
     REPO,
     SLOT,
     NEVER_TRUNCATED_DDL,

@@ -35,8 +35,8 @@ from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import free_port, LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
-from tests.test_dagster_incremental import evaluate
-from tests.test_faults import assert_one_line_failure, Child, confirmed, wait_mid_drain, write_config
+from tests.support.dagster_runs import evaluate
+from tests.support.fault_runs import assert_one_line_failure, Child, confirmed, wait_mid_drain, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # standbys promoted and slots synchronized; tiers: docs/testing.md

@@ -21,7 +21,7 @@ from resources.cdc.applier import DEFAULT_REPLACE_VALUES
 from resources.config import PgcdcConfig
 from resources.delta.reads import delta_rs_rows
 from tests.support.postgres import PgDatabase
-from tests.test_incremental import drain, run_child, same, setup, slot_confirmed
+from tests.support.incremental_runs import drain, run_child, same, setup, slot_confirmed
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 

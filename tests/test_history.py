@@ -45,7 +45,7 @@ from resources.runs.snapshot import snapshot_tables
 from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.support.postgres import PgDatabase
-from tests.test_faults import Child, confirmed, write_config
+from tests.support.fault_runs import Child, confirmed, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # crash points in child processes around changelog commits; tiers: docs/testing.md

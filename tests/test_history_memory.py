@@ -22,7 +22,7 @@ from resources.errors import PgcdcError
 from resources.history import fold_changelog, versions_as_of
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
 from tests.support.pgoutput_messages import delete, insert, relation, truncate, UNCHANGED, update
-from tests.test_applier_memory import destination_with_snapshot, keyed_relation, OID, PATH, SNAPSHOT_LSN, TABLE, transactions
+from tests.support.memory_applier import destination_with_snapshot, keyed_relation, OID, PATH, SNAPSHOT_LSN, TABLE, transactions
 
 HISTORY = PATH + "__changes"
 VERSIONS = PATH + "__history"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import deltalake
@@ -24,61 +22,17 @@ from resources.config import parse_config, PgcdcConfig
 from resources.delta.reads import delta_rs_rows
 from resources.delta.state_table import read_state, state_path
 from resources.errors import ConfigurationError, SlotError
-from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.pgoutput.options import PgOutputOptions
 from resources.postgres.catalog import TableName
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
 from resources.runs.snapshot import snapshot_tables
-from resources.crash_points import FAULT_POINT_ENV
-from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
+from tests.support.incremental_runs import SLOT, assert_refused_with_the_resnapshot_fix, drain, path_of, run_child, same, settings, setup, slot_confirmed
 
 pytest_plugins = ["tests.support.spark_fixtures"]
-
-SLOT = "pgcdc_slot"
-
-
-def settings(pg: PgDatabase, lake: Path, tables: list[str] | None = None) -> dict:
-    return {
-        "postgres": {"dsn": pg.dsn},
-        "publication": "pub",
-        "slot": SLOT,
-        "tables": tables or [],
-        # acct (the crash tests' table) in range buckets of 5 keys: replays cross buckets
-        "delta": {"root": str(lake), "buckets": {"tables": {"public.acct": {"width": 5}}}},
-    }
-
-
-def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str, snapshot: list[str] | None = None) -> PgcdcConfig:
-    """Create the tables and publication, then snapshot (``snapshot``: which tables; default all)."""
-    pg.execute(ddl)
-    config = parse_config(settings(pg, tmp_path / "lake"))
-    snapshot_tables(config, spark, None if snapshot is None else [TableName.parse(t) for t in snapshot])
-    return config
-
-
-def drain(config: PgcdcConfig, spark: SparkSession, **kwargs: object) -> IncrementalResult:
-    return run_incremental(config, spark, log=print, **kwargs)  # type: ignore[arg-type]
-
-
-def path_of(config: PgcdcConfig, table: str) -> str:
-    schema, _, name = table.partition(".")
-    return config.table_path(schema, name)
-
-
-def same(pg: PgDatabase, config: PgcdcConfig, table: str, key: tuple[str, ...] = ("id",), **kwargs: object) -> int:
-    """Delta equals PostgreSQL, and every row is in its key's bucket (or the table is unbucketed)."""
-    rows = assert_delta_equals_postgres(pg.dsn, table, path_of(config, table), key=key, **kwargs)  # type: ignore[arg-type]
-    assert_buckets_right(path_of(config, table))
-    return rows
-
-
-def slot_confirmed(pg: PgDatabase) -> LSN:
-    (value,), = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
-    return LSN.parse(value)
 
 
 def delta_version(config: PgcdcConfig, table: str) -> int:
@@ -286,23 +240,6 @@ def test_type_change_that_is_not_a_widening_fails_with_the_resnapshot_fix(
     )
 
 
-def assert_refused_with_the_resnapshot_fix(
-    pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, statements: list[str], expected: str
-) -> None:
-    """After ``statements``, the drain fails in one line naming ``expected`` and the re-snapshot job,
-    and confirms nothing past the change it could not apply."""
-    start = slot_confirmed(pg)
-    with pg.connect() as conn:
-        for statement in statements:
-            conn.execute(statement)
-    with pytest.raises(SchemaChangeError) as failure:
-        drain(config, spark)
-    message = str(failure.value)
-    assert expected in message
-    assert "pgcdc_resnapshot" in message and "\n" not in message
-    assert slot_confirmed(pg) == start
-
-
 def test_a_renamed_column_fails_with_the_resnapshot_fix_instead_of_losing_its_values(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -503,21 +440,6 @@ def test_preflight_refuses_missing_publication_missing_slot_and_busy_slot(
 # --------------------------------------------------------------------------- crashes
 
 
-def run_child(
-    config: PgcdcConfig, tmp_path: Path, fault: str | None, chunk: int, replace_values: int | None = None
-) -> subprocess.CompletedProcess[str]:
-    config_file = tmp_path / "pgcdc.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump()))
-    env = {key: value for key, value in os.environ.items() if key != FAULT_POINT_ENV}
-    if fault is not None:
-        env[FAULT_POINT_ENV] = fault
-    extra = [] if replace_values is None else [str(replace_values)]
-    return subprocess.run(
-        [sys.executable, "-m", "tests.support.incremental_child", str(config_file), str(chunk), *extra],
-        env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
-    )
-
-
 CRASH_DDL = """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
     CREATE TABLE journal (entry int, note text);
@@ -637,7 +559,6 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     assert held[80_000] < DRAIN_PEAK_MIB, held
     assert held[80_000] - held[20_000] < DRAIN_GROWTH_MIB, held
     assert same(pg, config, "public.wide") == written + 1
-
 
 
 def test_float4_widened_to_float8_keeps_every_value(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:

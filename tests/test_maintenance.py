@@ -43,7 +43,7 @@ from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.support.postgres import POSTGRES_VERSIONS, PgDatabase
 from tests.support.s3_fixtures import S3Server
-from tests.test_faults import SLOT, Child, confirmed, write_config
+from tests.support.fault_runs import SLOT, Child, confirmed, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures", "tests.support.s3_fixtures"]
 

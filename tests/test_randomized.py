@@ -28,21 +28,17 @@ import random
 import time
 from pathlib import Path
 
-import deltalake
-import psycopg
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.postgres.catalog import TableName
 from resources.config import PgcdcConfig, parse_config
-from resources.postgres.connections import libpq_options
 from resources.runs.incremental import run_incremental
-from resources.pgtypes import SESSION_SETTINGS
 from resources.runs.snapshot import snapshot_tables
 from tests.support.postgres import PgDatabase
-from tests.support.workload import DDL, Step, generate
+from tests.support.workload import generate
 
-from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, compare_table
+from resources.testing.verify import assert_delta_equals_postgres
+from tests.support.randomized_replay import Replay
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # long seeded workloads; tiers: docs/testing.md
@@ -72,122 +68,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         cases = _cases(metafunc.config)
         metafunc.parametrize("case", cases, ids=[f"seed{seed}-ops{ops}" for seed, ops in cases])
-
-
-class WorkloadFailure(AssertionError):
-    pass
-
-
-class Replay:
-    """Executes steps; on any failure says how to replay and what led there."""
-
-    def __init__(self, pg: PgDatabase, tmp_path: Path, spark: SparkSession, seed: int, ops: int) -> None:
-        self.pg, self.spark, self.seed, self.ops = pg, spark, seed, ops
-        self.slot = f"rand_{pg.name}"
-        self.config: PgcdcConfig = parse_config({
-            "postgres": {"dsn": pg.dsn},
-            "publication": "pub",
-            "slot": self.slot,
-            "tables": [],
-            # Small buckets, so key changes and TOAST-keeping updates move rows between them;
-            # the other tables get the layout their size gives them (one bucket at this size).
-            "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {
-                "public.k_int": {"width": 64}, "public.k_comp": {"count": 2}, "public.late": {"count": 2},
-            }}},
-        })
-        self.log_file = tmp_path / f"workload-{seed}.sql"
-        self.run_log: list[str] = []
-        self.runs = 0
-        self.oracle_checks = 0
-        self.run_times: list[str] = []  # changes@max_chunk_changes:duration per run
-        self.most_duplicates = 0  # most identical copies beyond the first in dup_t at an oracle check
-
-    def replay_hint(self) -> str:
-        return (f"PGCDC_SEED={self.seed} PGCDC_OPS={self.ops} PGCDC_TEST_VERSIONS={self.pg.major} "
-                f".venv/bin/pytest tests/test_randomized.py")
-
-    def fail(self, steps: list[Step], index: int, error: BaseException) -> WorkloadFailure:
-        recent = "\n".join(f"  #{i}: {steps[i].render()[:600]}" for i in range(max(0, index - 25), index + 1))
-        runlog = "\n".join(f"    {line}" for line in self.run_log[-15:])
-        return WorkloadFailure(
-            f"seed {self.seed} (PostgreSQL {self.pg.major}) failed at step #{index} of {len(steps)}: "
-            f"{type(error).__name__}: {error}\n"
-            f"replay: {self.replay_hint()}\nfull workload: {self.log_file}\n"
-            f"steps before it:\n{recent}\nlast run_incremental log:\n{runlog}"
-        )
-
-    def execute(self, steps: list[Step]) -> None:
-        self.log_file.write_text(
-            f"-- seed {self.seed}, {self.ops} ops\n{DDL}\n"
-            + "\n".join(f"-- #{i}\n{step.render()};" for i, step in enumerate(steps)) + "\n"
-        )
-        self.pg.execute(DDL)
-        snapshot_tables(self.config, self.spark)  # creates the slot; `late` is not published yet
-        with self.pg.connect() as main, self.pg.connect() as second:
-            conns = [main, second]
-            for index, step in enumerate(steps):
-                try:
-                    self.step(step, conns)
-                except Exception as exc:
-                    raise self.fail(steps, index, exc) from exc
-
-    def step(self, step: Step, conns: list[psycopg.Connection]) -> None:
-        if step.kind == "sql":
-            conn = conns[step.conn]
-            for statement in step.statements:
-                conn.execute(statement)
-        elif step.kind == "snapshot":
-            snapshot_tables(self.config, self.spark, [TableName("public", step.table)])
-        elif step.kind == "run":
-            self.run_log = []
-            started = time.monotonic()
-            result = run_incremental(self.config, self.spark, log=self.run_log.append, max_chunk_changes=step.chunk)
-            self.runs += 1
-            self.run_times.append(f"{result.changes}@{step.chunk}:{time.monotonic() - started:.1f}s")
-            assert result.confirmed_flush_lsn >= result.end_lsn, (result.confirmed_flush_lsn, result.end_lsn)
-            for name, (key, lingering) in step.checks.items():
-                self.oracle(name, key, lingering)
-            unsnapshotted = set(result.tables_without_snapshot)
-            checked = {f"public.{name}" for name in step.checks}
-            assert unsnapshotted == set(result.tables) - checked, (unsnapshotted, sorted(result.tables), sorted(checked))
-        else:  # pragma: no cover
-            raise ValueError(step.kind)
-
-    def oracle(self, name: str, key: list[str], lingering: list[str]) -> None:
-        """Delta equals PostgreSQL, exactly.
-
-        One allowance: a column added in PostgreSQL reaches Delta with the first change of the
-        table after it (pgoutput announces columns in Relation messages, sent before a change), so
-        until then Delta may lack it, provided PostgreSQL holds only NULLs in it (nothing has been
-        written to it that pgcdc could have missed). The rest is compared through a temporary view.
-        """
-        path = self.config.table_path("public", name)
-        delta_columns = {f.name for f in deltalake.DeltaTable(path).schema().fields}
-        with psycopg.connect(self.pg.dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS)) as conn:
-            pg_columns = [c for (c,) in conn.execute(
-                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped"
-                " ORDER BY attnum", (f"public.{name}",)).fetchall()]
-            missing = [c for c in pg_columns if c not in delta_columns]
-            target = f"public.{name}"
-            if missing:
-                for column in missing:
-                    (written,), = conn.execute(f'SELECT count(*) FROM public.{name} WHERE "{column}" IS NOT NULL').fetchall()
-                    assert written == 0, (
-                        f"public.{name}: column {column} holds {written} non-NULL values in PostgreSQL but is not in Delta"
-                    )
-                present = ", ".join(f'"{c}"' for c in pg_columns if c in delta_columns)
-                conn.execute(f"CREATE TEMP VIEW cmp_{name} AS SELECT {present} FROM public.{name}")
-                target = f"pg_temp.cmp_{name}"
-            compare_table(conn, target, path, key=key, extra_delta_columns=lingering)
-            if missing:
-                # Dropped now: a backend drops its temporary objects after the client has left, and
-                # the view would block the workload's next DROP COLUMN until then.
-                conn.execute(f"DROP VIEW pg_temp.cmp_{name}")
-            assert_buckets_right(path)
-            if name == "dup_t":
-                (copies,), = conn.execute("SELECT count(*) - count(DISTINCT d.*) FROM public.dup_t d").fetchall()
-                self.most_duplicates = max(self.most_duplicates, copies)
-        self.oracle_checks += 1
 
 
 def test_randomized_workload_matches_postgres_after_every_run(

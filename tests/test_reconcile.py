@@ -32,8 +32,7 @@ from resources.pgtypes import PgColumnType, to_arrow
 from resources.runs.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
 from resources.testing.verify import compare_table
 from tests.support.postgres import PgDatabase
-from tests.test_dagster_incremental import slot_position
-from tests.test_dagster_snapshot import create_shop, write_config
+from tests.support.dagster_runs import create_shop, slot_position, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 

@@ -17,7 +17,7 @@ from resources.delta.reads import delta_rs_rows
 from resources.postgres.catalog import read_table, table_attributes, TableName
 from resources.runs.snapshot import snapshot_tables
 from tests.support.postgres import PgDatabase
-from tests.test_incremental import assert_refused_with_the_resnapshot_fix, drain, path_of, same, setup
+from tests.support.incremental_runs import assert_refused_with_the_resnapshot_fix, drain, path_of, same, setup
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 

@@ -33,8 +33,7 @@ from resources.runs.cli import build_parser, print_changes
 from resources.postgres.connections import connect
 from resources.testing.verify import assert_delta_equals_postgres, delta_rows
 from tests.support.postgres import PgDatabase
-from tests.test_dagster_incremental import check_outcomes, evaluate, run_job
-from tests.test_dagster_snapshot import write_config
+from tests.support.dagster_runs import check_outcomes, evaluate, run_job, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs under hostile search paths; tiers: docs/testing.md

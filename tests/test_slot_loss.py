@@ -28,8 +28,7 @@ from resources.postgres.preflight import ensure_slot
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
-from tests.test_dagster_incremental import evaluate, run_job
-from tests.test_dagster_snapshot import create_shop, write_config
+from tests.support.dagster_runs import create_shop, evaluate, run_job, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs against a lost slot; tiers: docs/testing.md

@@ -38,6 +38,7 @@ from resources.runs import snapshot
 from resources.runs.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
+from tests.support.snapshot_checks import assert_md5_payloads
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -442,19 +443,6 @@ def test_large_table_copies_with_bounded_memory(pg: PgDatabase, spark: SparkSess
         assert_md5_payloads(str(tmp_path / name), rows)
     # the payloads' generator agrees with PostgreSQL's md5
     assert pg.execute("SELECT repeat(md5('123456'), 31)")[0][0] == hashlib.md5(b"123456").hexdigest() * 31
-
-
-def assert_md5_payloads(path: str, rows: int) -> None:
-    """Every row of the Delta table at ``path`` is ``(g, repeat(md5(g::text), 31))`` for g in 1..rows,
-    each exactly once: payloads compared value by value (swapped payloads differ), batch by batch."""
-    seen = 0
-    ids: set[int] = set()
-    for batch in delta_rs_rows(path, ["id", "payload"]).to_batches():
-        for key, payload in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
-            assert payload == hashlib.md5(str(key).encode()).hexdigest() * 31, key
-            ids.add(key)
-            seen += 1
-    assert seen == len(ids) == rows and min(ids) == 1 and max(ids) == rows
 
 
 # --------------------------------------------------------------------------- refusals

@@ -32,7 +32,7 @@ from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
-from tests.test_snapshot import assert_md5_payloads
+from tests.support.snapshot_checks import assert_md5_payloads
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 

@@ -47,9 +47,9 @@ from tests.support.postgres import PgDatabase
 
 pytest.register_assert_rewrite("tests.support.s3_fixtures")  # imported below (through the Dagster tests) before pytest loads it as a plugin
 from tests.support.fault_child import SNAPSHOT_WRITER_ENV, use_snapshot_writer
-from tests.test_dagster_snapshot import create_shop, DAGSTER, delta_rows, pg_notes, pg_orders, REPO, write_config
-from tests.test_faults import Child
-from tests.test_key_range_snapshot import DDL, ROWS, Writer
+from tests.support.dagster_runs import create_shop, DAGSTER, delta_rows, pg_notes, pg_orders, REPO, write_config
+from tests.support.fault_runs import Child
+from tests.support.key_range_writer import DDL, ROWS, Writer
 
 if TYPE_CHECKING:
     from tests.support.s3_fixtures import S3Server
