@@ -27,7 +27,7 @@ def demo_dir() -> Iterator[Path]:
 
     As root, the demo's PostgreSQL runs as an unprivileged user, which must traverse every parent of
     its data directory; ``LocalPostgres.init`` grants that, but every pytest session that starts on
-    the machine sets ``/tmp/pytest-of-<user>`` back to 0700 (``_pytest/tmpdir.py``), so a server
+    the machine sets its base directory ``pytest-of-<user>`` back to 0700 (``_pytest/tmpdir.py``), so a server
     starting under ``tmp_path`` while another pytest run starts cannot open its data directory,
     postgresql.conf or pg_hba.conf (Permission denied). A ``tempfile`` directory is left alone, as
     the ``tempfile.mkdtemp`` ones of ``start_local_postgres`` (every other test's servers) are.
