@@ -111,10 +111,12 @@ class ReplicationStream:
 
     @property
     def keepalives(self) -> int:
+        """Primary keepalives received."""
         return self._status.keepalives
 
     @property
     def status_updates(self) -> int:
+        """Standby status updates sent."""
         return self._status.updates
 
     @property
