@@ -158,3 +158,15 @@ def test_no_runtime_function_is_longer_than_the_limit() -> None:
         and f"{path.relative_to(ROOT)}:{node.name}" not in LONG_BY_DESIGN
     )
     assert too_long == []
+
+
+def test_no_test_module_imports_another() -> None:
+    """What test modules share lives in tests/support/: importing a test module from another runs
+    its module-level set-up twice and ties the two files' fixtures together."""
+    crossing = sorted(
+        f"{module} imports {name}"
+        for module, names in imports("tests").items()
+        for name in names
+        if name.startswith(("tests.test_", "test_"))  # ``from .test_x import`` records "test_x"
+    )
+    assert crossing == []
