@@ -38,6 +38,7 @@ from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDa
 from tests.support.tcp_proxy import TcpProxy
 
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # drains killed, servers restarted, network cut, in child processes; tiers: docs/testing.md
@@ -100,7 +101,7 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None =
         # below is replayed into a bucketed table
         "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.acct": {"width": 50}}}},
     })
-    snapshot_tables(config, spark, None)
+    snapshot_tables(config, lake_destination(spark, config), None)
     return config
 
 
@@ -164,7 +165,7 @@ def rerun_converges(
     """Re-run in this process; the slot ends at the re-run's position, the data is exact
     (by ``exact``, default :func:`assert_exact` for this module's tables)."""
     before = flush_lsn(pg)
-    result = run_incremental(config, spark, log=print)
+    result = run_incremental(config, lake_destination(spark, config), log=print)
     after = flush_lsn(pg)
     assert result.confirmed_flush_lsn == confirmed(pg)
     # The re-run confirms its end position: the flush LSN when it started, which background
@@ -355,7 +356,7 @@ def test_slot_lost_to_max_slot_wal_keep_size_fails_naming_resnapshot_and_resnaps
     versions = {t: deltalake.DeltaTable(f"{config.delta.root}/public/{t}").version() for t in ("acct", "journal")}
 
     with pytest.raises(SlotError) as lost:
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
     message = str(lost.value)
     assert f'replication slot "{SLOT}" is invalidated (wal_status lost' in message, message
     assert "pgcdc_resnapshot" in message and "\n" not in message
@@ -399,7 +400,7 @@ def test_second_run_while_one_drains_fails_fast_and_the_first_finishes_exactly(
         # Refused, not queued behind the first run: a second run that waited for the slot would
         # succeed once the first finished; the message names the first run's walsender.
         with pytest.raises(SlotError) as busy:
-            run_incremental(config, spark)
+            run_incremental(config, lake_destination(spark, config))
         assert str(busy.value) == (
             f'replication slot "{SLOT}" is in use by PID {pid}: another run or consumer is reading it;'
             " stop the other consumer or wait for it to finish"
@@ -514,7 +515,7 @@ def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path:
     pg.execute("CREATE PUBLICATION pub FOR TABLE padded")
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
                            "delta": {"root": str(tmp_path / "lake")}})  # fmt: skip
-    snapshot_tables(config, spark, None)
+    snapshot_tables(config, lake_destination(spark, config), None)
     stored = delta_rs_rows(config.table_path("public", "padded")).sort_by("id")
     assert stored.column("code").to_pylist() == ["a    ", None]  # PostgreSQL's output for char(5)
     assert assert_delta_equals_postgres(pg.dsn, "public.padded", config.table_path("public", "padded")) == 2

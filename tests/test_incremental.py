@@ -33,6 +33,7 @@ from resources.postgres.stream import ReplicationStream
 from resources.runs.snapshot import snapshot_tables
 from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
 
@@ -56,12 +57,12 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str, snapsho
     """Create the tables and publication, then snapshot (``snapshot``: which tables; default all)."""
     pg.execute(ddl)
     config = parse_config(settings(pg, tmp_path / "lake"))
-    snapshot_tables(config, spark, None if snapshot is None else [TableName.parse(t) for t in snapshot])
+    snapshot_tables(config, lake_destination(spark, config), None if snapshot is None else [TableName.parse(t) for t in snapshot])
     return config
 
 
 def drain(config: PgcdcConfig, spark: SparkSession, **kwargs: object) -> IncrementalResult:
-    return run_incremental(config, spark, log=print, **kwargs)  # type: ignore[arg-type]
+    return run_incremental(config, lake_destination(spark, config), log=print, **kwargs)  # type: ignore[arg-type]
 
 
 def path_of(config: PgcdcConfig, table: str) -> str:
@@ -403,7 +404,7 @@ def test_changes_up_to_the_snapshot_lsn_are_skipped(pg: PgDatabase, tmp_path: Pa
         CREATE PUBLICATION pub FOR TABLE first, log;
     """, snapshot=["public.first"])  # creates the slot: the stream starts here
     pg.execute("INSERT INTO log VALUES ('before the snapshot of log')")  # in the stream and in the snapshot
-    snapshot_tables(config, spark, [TableName("public", "log")])
+    snapshot_tables(config, lake_destination(spark, config), [TableName("public", "log")])
     pg.execute("INSERT INTO log VALUES ('after')")
     result = drain(config, spark)
     assert same(pg, config, "public.log", key=()) == 2  # appended once, not twice

@@ -36,6 +36,7 @@ from resources.delta.lake_storage import LakeStorage, open_lake, remove_tree
 from resources.runs.snapshot import snapshot_tables
 from tests.support.postgres import PgDatabase
 from resources.testing.verify import assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.s3_fixtures import BUCKET, TEST_SECRET, S3Server
 
 pytest_plugins = ["tests.support.s3_fixtures"]
@@ -113,7 +114,7 @@ def lifecycle(
     pg.execute(DDL)
     config = parse_config(settings(pg, s3_root, s3_server.storage()))
     messages: list[str] = []
-    snapshot_tables(config, s3_spark)
+    snapshot_tables(config, lake_destination(s3_spark, config))
     all_same(pg, s3_server, s3_root)
     steps["snapshot"] = time.monotonic() - started
 
@@ -143,12 +144,12 @@ def lifecycle(
     writer.start()
     try:
         for _ in range(drains_under_writes):
-            run_incremental(config, s3_spark, log=messages.append)
+            run_incremental(config, lake_destination(s3_spark, config), log=messages.append)
     finally:
         stop.set()
         writer.join()
     assert not writer_failures, writer_failures
-    run_incremental(config, s3_spark, log=messages.append)
+    run_incremental(config, lake_destination(s3_spark, config), log=messages.append)
     all_same(pg, s3_server, s3_root)
     steps["drains under writes"] = time.monotonic() - started - sum(steps.values())
 
@@ -159,7 +160,7 @@ def lifecycle(
         conn.execute("TRUNCATE orders")
         conn.execute("INSERT INTO orders VALUES (1, 2.5, 'after truncate')")
         conn.execute("INSERT INTO events VALUES ('dup', 1), ('dup', 1)")
-    result = run_incremental(config, s3_spark, log=messages.append)
+    result = run_incremental(config, lake_destination(s3_spark, config), log=messages.append)
     assert result.tables["public.orders"].truncates == 1
     all_same(pg, s3_server, s3_root)
     steps["duplicates, truncate"] = time.monotonic() - started - sum(steps.values())
@@ -168,7 +169,7 @@ def lifecycle(
     prefix = s3_root.removeprefix(f"s3://{BUCKET}/") + "/"
     assert staged_objects(s3_server, prefix) == []
     assert all(key.startswith((prefix + "public/", prefix + "_pgcdc/state/")) for key in s3_server.keys(prefix))
-    state = read_state(state_path(s3_root, SLOT))  # the state table lives on the store too
+    state = read_state(state_path(s3_root, SLOT), s3_server.lake(s3_root))  # the state table lives on the store too
     assert {table: row.log.version for table, row in state.items()} == {
         table: deltalake.DeltaTable(config.table_path(*table.split(".")), storage_options=LakeStorage(config.delta.root, config.delta.storage).object_store_options()).version()
         for table in TABLES
@@ -183,19 +184,19 @@ def lifecycle(
 def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
     s3_server: S3Server, s3_root: str, s3_spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    open_lake(s3_root, s3_server.lake(s3_root).settings)
+    lake = open_lake(s3_root, s3_server.lake(s3_root).settings)
     removed: list[str] = []
-    monkeypatch.setattr(snapshot_writes, "remove_tree", lambda location: (removed.append(location), remove_tree(location)))
+    monkeypatch.setattr(snapshot_writes, "remove_tree", lambda location, lake: (removed.append(location), remove_tree(location, lake)))
     schema = pa.schema([("id", pa.int64())])
     batches = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(4))
     path = f"{s3_root}/public/t"
     options = s3_server.lake(s3_root).object_store_options()
-    assert write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800) == 1  # version 0: delta-rs's create
+    assert write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800, lake=lake) == 1  # version 0: delta-rs's create
     assert sorted(deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert removed == []  # streamed into the table by delta-rs, nothing staged
     # A key range of a snapshot in key ranges goes through the engine, staged: a chunk per batch.
     again = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(2, 4))
-    assert write_snapshot(s3_spark, again, schema, path, "r", chunk_bytes=800, replace_where="id >= 200") == 2
+    assert write_snapshot(s3_spark, again, schema, path, "r", chunk_bytes=800, replace_where="id >= 200", lake=lake) == 2
     table = deltalake.DeltaTable(path, storage_options=options)
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert [location.startswith(f"{path}/{STAGING_DIRECTORY}/") for location in removed] == [True]
@@ -225,7 +226,7 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
 ) -> None:
     pg.execute(DDL)
     good = parse_config(settings(pg, s3_root, s3_server.storage()))
-    snapshot_tables(good, s3_spark)
+    snapshot_tables(good, lake_destination(s3_spark, good))
     pg.execute("INSERT INTO orders VALUES (5000, 1, 'pending')")
     for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
         monkeypatch.delenv(variable, raising=False)
@@ -244,7 +245,7 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
     root, overrides, fragments = BAD_STORAGE[case]
     storage = {key: value for key, value in {**s3_server.storage(), **overrides}.items() if value is not None}
     bad = parse_config(settings(pg, root or s3_root, storage))
-    for run in (lambda: run_incremental(bad, s3_spark), lambda: snapshot_tables(bad, s3_spark)):
+    for run in (lambda: run_incremental(bad, lake_destination(s3_spark, bad)), lambda: snapshot_tables(bad, lake_destination(s3_spark, bad))):
         started = time.monotonic()
         with pytest.raises(ConfigurationError) as failure:
             run()

@@ -43,6 +43,7 @@ from tests.support.postgres import PgDatabase
 from tests.support.workload import DDL, Step, generate
 
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, compare_table
+from resources.delta.spark_destination import lake_destination
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # long seeded workloads; tiers: docs/testing.md
@@ -122,7 +123,7 @@ class Replay:
             + "\n".join(f"-- #{i}\n{step.render()};" for i, step in enumerate(steps)) + "\n"
         )
         self.pg.execute(DDL)
-        snapshot_tables(self.config, self.spark)  # creates the slot; `late` is not published yet
+        snapshot_tables(self.config, lake_destination(self.spark, self.config))  # creates the slot; `late` is not published yet
         with self.pg.connect() as main, self.pg.connect() as second:
             conns = [main, second]
             for index, step in enumerate(steps):
@@ -137,11 +138,11 @@ class Replay:
             for statement in step.statements:
                 conn.execute(statement)
         elif step.kind == "snapshot":
-            snapshot_tables(self.config, self.spark, [TableName("public", step.table)])
+            snapshot_tables(self.config, lake_destination(self.spark, self.config), [TableName("public", step.table)])
         elif step.kind == "run":
             self.run_log = []
             started = time.monotonic()
-            result = run_incremental(self.config, self.spark, log=self.run_log.append, max_chunk_changes=step.chunk)
+            result = run_incremental(self.config, lake_destination(self.spark, self.config), log=self.run_log.append, max_chunk_changes=step.chunk)
             self.runs += 1
             self.run_times.append(f"{result.changes}@{step.chunk}:{time.monotonic() - started:.1f}s")
             assert result.confirmed_flush_lsn >= result.end_lsn, (result.confirmed_flush_lsn, result.end_lsn)
@@ -218,7 +219,7 @@ def _single_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str)
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"rand_{pg.name}", "tables": [],
         "delta": {"root": str(tmp_path / "lake")},
     })
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     return config
 
 
@@ -238,7 +239,7 @@ def test_walsender_keeps_the_connection_while_one_transaction_is_applied_in_many
     """)
     pg.execute(f"ALTER DATABASE \"{pg.name}\" SET wal_sender_timeout = '1s'")  # the walsender of this database
     pg.execute("INSERT INTO w SELECT g, 'v' || g FROM generate_series(1, 40) g")
-    run_incremental(config, spark, max_chunk_changes=1)
+    run_incremental(config, lake_destination(spark, config), max_chunk_changes=1)
     assert assert_delta_equals_postgres(pg.dsn, "public.w", config.table_path("public", "w"), key=("id",)) == 41
 
 
@@ -257,5 +258,5 @@ def test_added_column_with_default_reaches_existing_rows_in_delta(
     """)
     pg.execute("ALTER TABLE d ADD COLUMN status text NOT NULL DEFAULT 'new'")
     pg.execute("UPDATE d SET v = 'changed' WHERE id = 1")  # the Relation message announcing status
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert assert_delta_equals_postgres(pg.dsn, "public.d", config.table_path("public", "d"), key=("id",)) == 3
