@@ -26,7 +26,7 @@ from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 import resources.runs.snapshot as snapshot_module
 from resources.config import CONFIG_ENV_VAR, parse_config
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.errors import ConnectionFailure, SnapshotError

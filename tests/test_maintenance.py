@@ -30,7 +30,7 @@ from resources.config import PgcdcConfig
 from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import delta_tables_under, maintain_table, properties_to_set, RETENTION_PROPERTIES
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.history import read_as_of

@@ -27,7 +27,7 @@ from pyspark.sql import SparkSession
 from resources.delta import snapshot_writes
 from resources.config import parse_config
 from pgcdc_assets.dagster_resources import SparkDeltaResource
-from resources.delta.marker_reads import read_commit_metadata
+from tests.support.marker_reads import read_commit_metadata
 from resources.delta.state_table import read_state, state_path
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.errors import ConfigurationError

@@ -25,7 +25,7 @@ from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.reads import delta_rs_rows
 from resources.testing.verify import assert_buckets_right
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.errors import ConfigurationError, SlotError, SnapshotError
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS, TIMESTAMP_NEGATIVE_INFINITY, TIMESTAMP_POSITIVE_INFINITY

@@ -19,7 +19,7 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.errors import ConfigurationError, SnapshotError
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import ColumnInfo, TableInfo, TableName

@@ -19,7 +19,7 @@ Delta's commit files are ``_delta_log/<version as 20 digits>.json``, one JSON ac
 pgcdc's markers are in the ``commitInfo`` action's ``userMetadata``. Checkpoints do not keep
 ``commitInfo``, so a marker in a commit that log cleanup removed is gone: a table whose log no
 longer starts at version 0 and holds no snapshot marker has snapshot LSN
-:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (see ``read_snapshot_lsn`` for why), and its
+:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (which says why), and its
 layout (:func:`expired_layout`) comes from its newest ``metaData`` action (in the commits after the
 newest checkpoint, else in that checkpoint), which checkpoints keep: the table property
 :data:`~resources.delta.markers.LAYOUT_PROPERTY` where the engine recorded it, else the layout
