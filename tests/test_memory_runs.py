@@ -13,11 +13,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.compute as pc
+
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.state_table import read_state, state_path
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
+from resources.runs.reconcile import reconcile
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.memory_destination import InMemoryDestination
 from tests.support.postgres import PgDatabase
@@ -103,6 +106,19 @@ def test_a_whole_snapshot_and_incremental_runs_against_the_in_memory_destination
     idle = run_incremental(config, destination)
     assert idle.changes == 0 and idle.confirmed_flush_lsn >= again.confirmed_flush_lsn
     assert_same(pg, destination, config)
+
+    # Reconciliation reads the tables through the destination too: equal, then one row lost.
+    pg.execute("UPDATE acct SET owner = 'before reconcile' WHERE id = 5")
+    checked = reconcile(config, destination, range_rows=50)
+    assert sorted(checked.tables) == [f"public.{table}" for table in TABLES] and not checked.skipped
+    assert all(outcome.passed for outcome in checked.tables.values())
+    assert_same(pg, destination, config)  # the drain up to the reconciliation point applied the update
+    path = config.table_path("public", "acct")
+    kept = destination.tables[path].filter(pc.not_equal(destination.tables[path].column("id"), 6))
+    destination.write_snapshot(kept, kept.schema, path, destination.commits[path][-1] or "")
+    lost = reconcile(config, destination, range_rows=50).tables["public.acct"]
+    assert not lost.passed and (lost.postgres_rows, lost.delta_rows) == (lost.delta_rows + 1, lost.delta_rows)
+    assert lost.differing_keys == ["6"]
 
 
 def test_a_snapshot_in_key_ranges_and_its_re_snapshot_against_the_in_memory_destination(
