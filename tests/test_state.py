@@ -200,18 +200,18 @@ def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(
         log_files.append(log.directory)
         return real_read(log, name)
 
-    monkeypatch.setattr("resources.runs.incremental.SparkDeltaDestination", CountingDestination)
+    counting = CountingDestination(spark, None)
     monkeypatch.setattr(table_log._Log, "read", counted_read)
     log_files.clear()
     versions = {t: version_of(config, t) for t in tables}
 
-    idle = run_incremental(config, lake_destination(spark, config))
+    idle = run_incremental(config, counting)
     table_logs = [directory for directory in log_files if "/_pgcdc/" not in directory]  # not the state's own log
     assert destination_reads == [] and table_logs == [] and idle.changes == 0
     assert {t: idle.tables[f"public.{t}"].delta_version for t in tables} == versions
 
     pg.execute("UPDATE t7 SET n = 1")
-    one = run_incremental(config, lake_destination(spark, config))
+    one = run_incremental(config, counting)
     changed = path_of(config, "t7")
     assert destination_reads == [changed, changed]  # met, then re-read for its state row
     table_logs = [directory for directory in log_files if "/_pgcdc/" not in directory]
