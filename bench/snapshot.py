@@ -47,7 +47,7 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 
-from bench.lakes import add_arguments, bench_lake, open_engine
+from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.config import parse_config
 from resources.delta.engine import SparkEngine
 from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
@@ -272,7 +272,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
             set_engine_capabilities(engine.spark, EngineCapabilities(detected.delta_commands, writer == "delta-rs"))
             started = time.perf_counter()
             results[table, workers] = snapshot_table(
-                server.dsn(), PUBLICATION, TableName("public", table), SparkDeltaDestination(engine.spark, None),
+                server.dsn(), PUBLICATION, TableName("public", table), SparkDeltaDestination(engine.spark, lake_storage(root, storage)),
                 join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
             )
             return time.perf_counter() - started
@@ -302,7 +302,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         set_engine_capabilities(engine.spark, detected)
 
         memory = memory_peaks(engine, lambda: snapshot_table(
-            server.dsn(), PUBLICATION, TableName("public", "narrow"), SparkDeltaDestination(engine.spark, None), join_location(root, "narrow"),
+            server.dsn(), PUBLICATION, TableName("public", "narrow"), SparkDeltaDestination(engine.spark, lake_storage(root, storage)), join_location(root, "narrow"),
             slot=SLOT, workers=max(worker_counts), chunk_mb=args.chunk_mb,
         ))  # fmt: skip
     return measurements, *memory
