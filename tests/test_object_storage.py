@@ -31,8 +31,9 @@ from tests.support.marker_reads import read_commit_metadata
 from resources.delta.state_table import read_state, state_path
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.errors import ConfigurationError
+from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental
-from resources.delta.lake_storage import LakeStorage, open_lake, remove_tree
+from resources.delta.lake_storage import LakeStorage, object_store_options, open_lake, remove_tree, storage_client
 from resources.runs.snapshot import snapshot_tables
 from tests.support.postgres import PgDatabase
 from resources.testing.verify import assert_delta_equals_postgres
@@ -201,6 +202,25 @@ def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert [location.startswith(f"{path}/{STAGING_DIRECTORY}/") for location in removed] == [True]
     assert staged_objects(s3_server, s3_root.removeprefix(f"s3://{BUCKET}/")) == []
+
+
+def test_an_object_store_location_is_reached_only_through_the_lake_passed_with_it(tmp_path: Path) -> None:
+    """Credentials travel with the lake a caller passes, never through a registry: an object-store
+    location gets the settings of the lake holding it; without a lake, or outside the one passed, it is
+    refused with the fix; a local location needs none."""
+    lake = LakeStorage("s3://bucket/lake", StorageSettings(endpoint="http://127.0.0.1:9", region="r1", allow_http=True))
+    inside = object_store_options("s3://bucket/lake/public/t", lake)
+    assert (inside["AWS_ENDPOINT_URL"], inside["AWS_REGION"], inside["AWS_ALLOW_HTTP"]) == ("http://127.0.0.1:9", "r1", "true")
+    assert storage_client("s3://bucket/lake/public/t", lake)[1] == "bucket/lake/public/t"
+    for location, given in (("s3://bucket/lake/t", None), ("s3://bucket/lakeside/t", lake), ("s3://other/lake/t", lake)):
+        with pytest.raises(ConfigurationError, match="outside the lake pgcdc was given") as refused:
+            object_store_options(location, given)
+        assert "open_lake(delta.root, delta.storage)" in refused.value.fix
+    local = tmp_path / "staging" / "x"
+    local.mkdir(parents=True)
+    assert object_store_options(str(local), lake) == {} and storage_client(str(local), None)[1] == str(local)
+    remove_tree(str(local), None)
+    assert not (tmp_path / "staging").exists()  # the emptied parent goes too
 
 
 # --------------------------------------------------------------------------- bad input
