@@ -195,6 +195,7 @@ def snapshot_table(
 
 
 def naming_table(exc: PgcdcError, table: TableName) -> PgcdcError:
+    """``exc`` with ``table`` named in its cause, so a failure among several tables says whose it is."""
     if str(table) in exc.cause:
         return exc
     try:
