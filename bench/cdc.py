@@ -46,6 +46,7 @@ from resources.runs.incremental import run_incremental
 from resources.pgoutput.options import highest_proto_version
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import bin_dir_for, LocalPostgres, start_local_postgres
+from resources.delta.spark_destination import lake_destination
 
 PUBLICATION = "bench_pub"
 SLOT = "bench_slot"
@@ -125,7 +126,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         {"postgres": {"dsn": dsn}, "publication": PUBLICATION, "slot": SLOT, "delta": {"root": root, "storage": storage}}
     )
     with open_engine(args.engine, root, storage) as engine:
-        snapshot_tables(config, engine.spark)  # creates SLOT; no change to orders follows before RECV_SLOTS
+        snapshot_tables(config, lake_destination(engine.spark, config))  # creates SLOT; no change to orders follows before RECV_SLOTS
     with psycopg.connect(dsn, autocommit=True) as conn:
         for recv_slot in RECV_SLOTS:
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (recv_slot,))
@@ -149,7 +150,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     with open_engine(args.engine, root, storage, extra) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
         with engine_calls() if args.profile else nullcontext([]) as calls:
             result = run_incremental(
-                config, engine.spark, log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
+                config, lake_destination(engine.spark, config), log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
             )
         _, server_peak = engine.server_memory_mib()
     if args.profile:

@@ -38,6 +38,7 @@ from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
+from resources.delta.spark_destination import lake_destination
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
         }
         for config in configs.values():
             with SparkEngine.embedded() as engine:
-                snapshot_tables(config, engine.spark)
+                snapshot_tables(config, lake_destination(engine.spark, config))
         changes = build_backlog(dsn, args.inserts, args.updates, args.deletes, args.per_txn)
         print(f"backlog: {changes:,} changes on a table of {BASE_ROWS:,} rows")
         times = {}
@@ -91,7 +92,7 @@ def main() -> None:
 
 def drain(config: PgcdcConfig, chunk: int) -> float:
     with SparkEngine.embedded() as engine:  # a fresh engine, as a Dagster run gets
-        return run_incremental(config, engine.spark, max_chunk_changes=chunk).duration_s
+        return run_incremental(config, lake_destination(engine.spark, config), max_chunk_changes=chunk).duration_s
 
 
 def check(config: PgcdcConfig) -> None:
@@ -126,7 +127,7 @@ def scd2_cost(major: int, rows: int, rounds: int) -> None:
         with SparkEngine.embedded() as engine:
             for mode, config in configs.items():
                 started = time.perf_counter()
-                snapshot_tables(config, engine.spark)
+                snapshot_tables(config, lake_destination(engine.spark, config))
                 print(f"snapshot ({mode}): {time.perf_counter() - started:.0f} s")
             times: dict[str, list[float]] = {"none": [], "scd2": []}
             for round_number in range(rounds + 1):
@@ -134,7 +135,7 @@ def scd2_cost(major: int, rows: int, rounds: int) -> None:
                 order = ["none", "scd2"] if round_number % 2 else ["scd2", "none"]
                 for mode in order:
                     started = time.perf_counter()
-                    run_incremental(configs[mode], engine.spark)
+                    run_incremental(configs[mode], lake_destination(engine.spark, configs[mode]))
                     elapsed = time.perf_counter() - started
                     if round_number:  # round 0 warms up, and seeds the SCD type 2 table
                         times[mode].append(elapsed)

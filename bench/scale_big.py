@@ -52,6 +52,7 @@ from resources.delta import merge
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
+from resources.delta.spark_destination import lake_destination
 
 DEFAULT_SIZES = (100_000, 1_000_000, 10_000_000)
 NEWEST_UPDATES = NEWEST_INSERTS = 100
@@ -131,7 +132,7 @@ def timed_drain(
         merge.KEY_LIST_MOST_VALUES, merge.merge_statement = 0, functools.partial(statement, delete_and_insert=False)
     try:
         started = time.perf_counter()
-        run_incremental(config, engine.spark)
+        run_incremental(config, lake_destination(engine.spark, config))
         elapsed = time.perf_counter() - started
     finally:
         merge.KEY_LIST_MOST_VALUES, merge.merge_statement = most_values, statement
@@ -211,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with SparkEngine.embedded() as engine:
             for table in tables:
                 started = time.perf_counter()
-                (snapshot,) = snapshot_tables(configs[table], engine.spark)
+                (snapshot,) = snapshot_tables(configs[table], lake_destination(engine.spark, configs[table]))
                 layout = snapshot.layout.describe() if snapshot.layout else "unbucketed"
                 print(f"snapshot of {describe(table)}: {time.perf_counter() - started:.1f}s ({layout})", flush=True)
             for rows in sizes:

@@ -54,6 +54,7 @@ from resources.runs.snapshot import snapshot_tables
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 
 GOAL_RATIO = 3.0
 SLOT_ASSET = AssetKey(["pgcdc", "slot"])
@@ -102,10 +103,10 @@ def incremental_drains(config: PgcdcConfig, spark: object, count: int) -> tuple[
     """``run_incremental`` alone: its own duration."""
 
     def idle(_: int) -> float:
-        return run_incremental(config, spark).duration_s
+        return run_incremental(config, lake_destination(spark, config)).duration_s
 
     def change(_: int) -> float:
-        result = run_incremental(config, spark)
+        result = run_incremental(config, lake_destination(spark, config))
         assert result.tables[f"public.{changed_table(count)}"].updated == 1, result.tables
         return result.duration_s
 
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             for count in counts:
                 config, config_file = set_up(server, count, root, storage, url, args.parallel, work)
                 began = time.monotonic()
-                snapshot_tables(config, engine.spark)
+                snapshot_tables(config, lake_destination(engine.spark, config))
                 print(f"set-up: {count} tables snapshotted in {time.monotonic() - began:.1f} s", flush=True)
                 drains = {"run_incremental": incremental_drains(config, engine.spark, count)}
                 for way, instance in instances.items():

@@ -54,6 +54,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 
 SLOT = "scale_soak"
 FRESH_SLOT = "scale_soak_fresh"
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         state = state_path(config.delta.root, SLOT)
         lake = LakeStorage(config.delta.root)
         engine = SparkEngine.embedded()
-        snapshot_tables(config, engine.spark)
+        snapshot_tables(config, lake_destination(engine.spark, config))
         start = table_figures(path)
         mix = "" if args.updates_only else f" + {max(1, args.changes // 10)} inserts + 3 deletes"
         print(f"PostgreSQL {args.major}, busy: {args.rows:,} rows; {args.drains} drains of {args.changes} random updates"
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 if drain % args.engine_runs == 0:
                     engine.close()
                     engine = SparkEngine.embedded()
-                result = run_incremental(config, engine.spark)
+                result = run_incremental(config, lake_destination(engine.spark, config))
                 durations.append(result.duration_s)
                 written.append(result.tables["public.busy"].bytes_written)
                 if drain % args.sample_every == 0:
@@ -200,13 +201,13 @@ def main(argv: list[str] | None = None) -> int:
             state_end = table_figures(state)
             fresh = parse_config({"postgres": {"dsn": dsn}, "publication": "soak_pub", "slot": FRESH_SLOT,
                                   "delta": {"root": str(work / "fresh")}})  # fmt: skip
-            snapshot_tables(fresh, engine.spark)
+            snapshot_tables(fresh, lake_destination(engine.spark, fresh))
             soaked_s: list[float] = []
             fresh_s: list[float] = []
             for round_ in range(args.baseline_drains):
                 next_key = write_changes(conn, args.rows, args.changes, next_key, updates_only=args.updates_only)
                 for lake_config in (config, fresh) if round_ % 2 == 0 else (fresh, config):  # neither always first
-                    duration = run_incremental(lake_config, engine.spark).duration_s
+                    duration = run_incremental(lake_config, lake_destination(engine.spark, lake_config)).duration_s
                     (soaked_s if lake_config is config else fresh_s).append(duration)
         rows = assert_delta_equals_postgres(dsn, "public.busy", path, key=("id",))
         assert_delta_equals_postgres(dsn, "public.busy", fresh.table_path("public", "busy"), key=("id",))

@@ -47,7 +47,7 @@ from pathlib import Path
 import psycopg
 import pyarrow as pa
 
-from bench.lakes import add_arguments, bench_lake, open_engine
+from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.config import parse_config
 from resources.delta.engine import SparkEngine
 from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
@@ -56,6 +56,7 @@ from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.runs.snapshot import SnapshotResult, snapshot_table, snapshot_tables
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 
 PUBLICATION = "bench_pub"
 SLOT = "bench_slot"
@@ -271,7 +272,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
             set_engine_capabilities(engine.spark, EngineCapabilities(detected.delta_commands, writer == "delta-rs"))
             started = time.perf_counter()
             results[table, workers] = snapshot_table(
-                server.dsn(), PUBLICATION, TableName("public", table), engine.spark,
+                server.dsn(), PUBLICATION, TableName("public", table), SparkDeltaDestination(engine.spark, lake_storage(root, storage)),
                 join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
             )
             return time.perf_counter() - started
@@ -301,7 +302,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         set_engine_capabilities(engine.spark, detected)
 
         memory = memory_peaks(engine, lambda: snapshot_table(
-            server.dsn(), PUBLICATION, TableName("public", "narrow"), engine.spark, join_location(root, "narrow"),
+            server.dsn(), PUBLICATION, TableName("public", "narrow"), SparkDeltaDestination(engine.spark, lake_storage(root, storage)), join_location(root, "narrow"),
             slot=SLOT, workers=max(worker_counts), chunk_mb=args.chunk_mb,
         ))  # fmt: skip
     return measurements, *memory
@@ -391,7 +392,7 @@ def run_chunked(server: LocalPostgres, args: argparse.Namespace, root: str, stor
                 "snapshot": {"chunked_above_mb": 0, "key_chunk_mb": heap / 2**20 / (args.chunked_ranges - 0.5)},
             })  # fmt: skip
             started = time.perf_counter()
-            [results[table]] = snapshot_tables(config, engine.spark)
+            [results[table]] = snapshot_tables(config, lake_destination(engine.spark, config))
             return time.perf_counter() - started
 
         for table in ("narrow", "wide"):

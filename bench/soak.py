@@ -37,6 +37,7 @@ from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.testing.local_postgres import bin_dir_for, start_local_postgres
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres, delta_rows
+from resources.delta.spark_destination import lake_destination
 
 PUBLICATION = "soak_pub"
 SLOT = "soak_slot"
@@ -69,7 +70,7 @@ def drain_once(config: PgcdcConfig, chunk: int) -> tuple[IncrementalResult, floa
     """One incremental run on its own embedded engine, as each Dagster run gets one; returns the
     result and the memory in use at its end: this process's RSS plus the Sail server's."""
     with SparkEngine.embedded() as engine:
-        result = run_incremental(config, engine.spark, max_chunk_changes=chunk)
+        result = run_incremental(config, lake_destination(engine.spark, config), max_chunk_changes=chunk)
         server_rss, _ = engine.server_memory_mib()
     return result, process_memory_mib()[0] + server_rss
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         with SparkEngine.embedded() as engine:
             began = time.monotonic()
-            snapshot_tables(config, engine.spark, None)
+            snapshot_tables(config, lake_destination(engine.spark, config), None)
             print(f"PostgreSQL {args.major}, pgbench scale {args.scale}: snapshot in {time.monotonic() - began:.1f} s")
         print(f"pgbench -c {args.clients} -R {args.rate} -T {args.seconds}; incremental runs back to back")
         print(f"{'run':>4} {'at s':>6} {'dur s':>6} {'changes':>8} {'chg/s':>8} {'lag before':>11} {'lag after':>10} {'RSS MiB':>8}")

@@ -31,10 +31,9 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.dagster_resources import PostgresResource
 from resources.delta.layout import BUCKET_COLUMN
 from resources.config import PgcdcConfig
-from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.destination import Destination, NO_TABLE, TableLog
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.state_table import known_log, read_state, state_path, StateRow
-from resources.delta.table_log import read_table_log
 from resources.runs.incremental import IncrementalResult
 from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.pgtypes import spark_ddl_type
@@ -67,8 +66,8 @@ def delta_columns(spark: SparkSession, path: str) -> list[tuple[str, str]]:
     return [(field.name, field.dataType.simpleString()) for field in spark.read.format("delta").load(path).schema]
 
 
-def table_log_reader(config: PgcdcConfig) -> Callable[[TableName], TableLog]:
-    """Each table's log as a drain reads it: from where the pgcdc state left it, so a bucketed
+def table_log_reader(config: PgcdcConfig, destination: Destination) -> Callable[[TableName], TableLog]:
+    """Each table's log as a drain reads it (through ``destination``): from where the pgcdc state left it, so a bucketed
     table's layout is known on every engine after Delta's log cleanup removed its snapshot commit
     (the state row names it, docs/contracts.md). The state is read once, when first needed."""
     state: dict[str, StateRow] | None = None
@@ -76,9 +75,9 @@ def table_log_reader(config: PgcdcConfig) -> Callable[[TableName], TableLog]:
     def read(table: TableName) -> TableLog:
         nonlocal state
         if state is None:
-            state = read_state(state_path(config.delta.root, config.slot))
+            state = read_state(state_path(config.delta.root, config.slot), destination.lake)
         path = config.table_path(table.schema, table.name)
-        return read_table_log(path, known_log(state, str(table), path))
+        return destination.read_table_log(path, known_log(state, str(table), path))
 
     return read
 

@@ -23,7 +23,8 @@ from pgcdc_assets.pipelines_file import load_pipeline_config
 from resources.config import load_config, PgcdcConfig
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.errors import ConfigurationError, explain, mask_dsn
-from resources.delta.lake_storage import LakeStorage
+from resources.delta.lake_storage import LakeStorage, open_lake
+from resources.delta.spark_destination import SparkDeltaDestination
 from resources.locations import StorageSettings
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
@@ -58,6 +59,7 @@ class SparkDeltaResource(PySparkResource):
     )
 
     _engine: SparkEngine | None = PrivateAttr(default=None)
+    _opened_lake: LakeStorage | None = PrivateAttr(default=None)
 
     @classmethod
     def _is_dagster_maintained(cls) -> bool:
@@ -113,6 +115,15 @@ class SparkDeltaResource(PySparkResource):
             self._engine = self._start()
             self._spark_session = self._engine.spark
         return self._engine.spark
+
+    @property
+    def destination(self) -> SparkDeltaDestination:
+        """What the runs write and read the lake through: the lake checked once (``open_lake``: a wrong
+        bucket or missing credentials fail here, before the engine starts or a slot is touched), then
+        the engine's session."""
+        if self._opened_lake is None:
+            self._opened_lake = open_lake(self.lake_root or ".", StorageSettings(**self.lake_storage))
+        return SparkDeltaDestination(self.spark_session, self._opened_lake)
 
 
 class PostgresResource(ConfigurableResource):

@@ -259,10 +259,9 @@ def build_incremental_assets(
         checked = set(context.selected_asset_check_keys)
         with user_facing():
             if selected:
-                session = spark.spark_session
                 recorded = recorded_position(context.instance, slot_key)
                 result = run_incremental(
-                    postgres.config, session, log=context.log.info, warn=context.log.warning,
+                    postgres.config, spark.destination, log=context.log.info, warn=context.log.warning,
                     schedule_gap=schedule_interval(postgres.config.schedule.cron),
                 )  # fmt: skip
                 yield from drain_events(
@@ -279,7 +278,7 @@ def build_incremental_assets(
                 result = None
             if due:
                 session = spark.spark_session
-                table_log = table_log_reader(postgres.config)
+                table_log = table_log_reader(postgres.config, spark.destination)
                 for table in due:
                     without_snapshot = result is not None and str(table) in result.tables_without_snapshot
                     yield check_event(

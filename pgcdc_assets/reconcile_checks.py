@@ -92,7 +92,7 @@ def build_reconcile_checks(
         recorded = recorded_position(context.instance, slot_key)
         with user_facing():
             result = reconcile(
-                postgres.config, spark.spark_session, selected, log=context.log.info,
+                postgres.config, spark.destination, selected, log=context.log.info,
                 range_rows=context.op_execution_context.op_config["range_rows"],
             )  # fmt: skip
         yield from drain_events(result.drain, tables, key_of, slot_key, set(), names, context.log.warning, recorded)

@@ -187,9 +187,9 @@ def build_snapshot_assets(
             with step.timed("publication"):
                 ensure_publication(settings)
             with step.timed("engine_start"):
-                session = spark.spark_session
+                destination = spark.destination
             with step.timed("recopy_check"):
-                refuse_partial_recopy(settings, session, to_copy, tables)
+                refuse_partial_recopy(settings, destination, to_copy, tables)
             with step.timed("slot"):
                 ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
         yield from _copy_all(context, settings, spark, to_copy, key_of, step)
@@ -209,13 +209,13 @@ def _copy_all(
     phases before the copies (``step``, the same for every table) and the table's own."""
     progress = _ProgressLog(context)
     with user_facing():
-        session = spark.spark_session
+        destination = spark.destination
     failures: list[BaseException] = []
     context.log.info(
         f"snapshotting {len(tables)} table(s), {config.snapshot.parallel_tables} at a time"
         f" (start-up: {describe_phases(step.as_dict())})"
     )
-    for table, outcome in snapshot_each(config, session, tables, on_progress=progress, phases=step):
+    for table, outcome in snapshot_each(config, destination, tables, on_progress=progress, phases=step):
         if isinstance(outcome, BaseException):
             context.log.error(f"snapshot {table} failed: {outcome}")
             failures.append(outcome)

@@ -35,6 +35,7 @@ from resources.cdc.scd2 import (
 from resources.config import PgcdcConfig
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.reads import read_rows
+from resources.delta.lake_storage import LakeStorage
 from resources.delta.table_log import table_exists
 from resources.errors import ConfigurationError, PgcdcError
 from resources.lsn import LSN
@@ -58,13 +59,18 @@ def value_columns(changes: pa.Schema) -> list[str]:
 
 
 def read_as_of(
-    spark: SparkSession, config: PgcdcConfig, table: TableName, lsn: LSN | None = None, time: datetime | None = None
+    spark: SparkSession,
+    config: PgcdcConfig,
+    table: TableName,
+    lsn: LSN | None = None,
+    time: datetime | None = None,
+    lake: LakeStorage | None = None,
 ) -> pa.Table:
     """``table`` as it was once every transaction ending at or before ``lsn`` was applied (None: all of
     its changelog, which is the table as its Delta table holds it now); or, with ``time``, before the
     first transaction committed after it (:func:`lsn_at_time`). Read from the table's SCD type 2 table
-    when its history is ``scd2``, else folded from its changelog."""
-    rows = read_rows(spark, _changelog_path(config, table), None)
+    when its history is ``scd2``, else folded from its changelog. ``lake``: the object store holding it."""
+    rows = read_rows(spark, _changelog_path(config, table, lake), None)
     if config.history.mode(table) == "scd2":
         return versions_as_of(rows, version_lsn_at_time(rows, time) if time is not None else lsn)
     return fold_changelog(rows, lsn_at_time(rows, time) if time is not None else lsn)
@@ -114,13 +120,13 @@ def lsn_at_time(changes: pa.Table, time: datetime) -> int | None:
     return int(pc.min(after.column(LSN_COLUMN)).as_py()) - 1 if after.num_rows else None
 
 
-def _changelog_path(config: PgcdcConfig, table: TableName) -> str:
+def _changelog_path(config: PgcdcConfig, table: TableName, lake: LakeStorage | None) -> str:
     path = config.history_path(table.schema, table.name)
     if path is None:
         raise ConfigurationError(
             f"{table} keeps no history", f"set history.tables.{table}: changelog (or scd2), then snapshot the table again"
         )
-    if not table_exists(path):
+    if not table_exists(path, lake):
         raise PgcdcError(f"{table} has no history yet at {path}", "it starts with the first drain that meets a change of the table")
     return path
 

@@ -117,6 +117,7 @@ def build_new_tables_sensor(
         from resources.delta.lake_storage import open_lake
         from resources.delta.table_log import read_table_log
 
+        lake = None
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
 
         config = postgres.config
@@ -134,9 +135,11 @@ def build_new_tables_sensor(
             if table in snapshot_keys and context.instance.get_latest_materialization_event(snapshot_keys[table]) is None
         ]
         if unrecorded:
-            open_lake(config.delta.root, config.delta.storage)
+            lake = open_lake(config.delta.root, config.delta.storage)
         missing = [
-            table for table in unrecorded if read_table_log(config.table_path(table.schema, table.name)).snapshot_lsn is None
+            table
+            for table in unrecorded
+            if read_table_log(config.table_path(table.schema, table.name), None, lake).snapshot_lsn is None
         ]
         if not missing:
             return SkipReason(reload_note or "every published table has a snapshot")

@@ -35,6 +35,7 @@ from resources.postgres.connections import CONNECT_TIMEOUT_SECONDS
 from resources.postgres.preflight import MIN_SERVER_VERSION_NUM, check_server
 from resources.postgres.replication import ReplicationConnection
 from resources.runs.snapshot import snapshot_tables
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -72,7 +73,7 @@ def prepare(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None
     """A working setup with changes pending; returns its settings."""
     pg.execute(DDL)
     good = settings(dsn or pg.dsn, tmp_path / "lake")
-    snapshot_tables(parse_config(good), spark, None)
+    snapshot_tables(parse_config(good), SparkDeltaDestination(spark, None), None)
     pg.execute(PENDING)
     return good
 
@@ -172,7 +173,7 @@ def test_wrong_password_fails_without_showing_it_and_moves_nothing(
     with psycopg.connect(right, autocommit=True) as conn:  # the role owns the tables and the publication
         conn.execute(DDL)
     good = settings(right, tmp_path / "lake")
-    snapshot_tables(parse_config(good), spark, None)  # the right password works
+    snapshot_tables(parse_config(good), SparkDeltaDestination(spark, None), None)  # the right password works
     pg.execute(PENDING)
     state = State(pg, tmp_path / "lake")
     wrong = scram_server.dsn("shop", user="app", password="wrong-secret")
@@ -208,7 +209,7 @@ def test_unreachable_host_is_a_connection_failure(pg: PgDatabase, tmp_path: Path
     state = State(pg, tmp_path / "lake")
     closed = settings("postgresql://postgres@127.0.0.1:1/x", tmp_path / "lake")
     with pytest.raises(ConnectionFailure) as failure:
-        run_incremental(parse_config(closed), spark)
+        run_incremental(parse_config(closed), SparkDeltaDestination(spark, None))
     one_line(str(failure.value), "cannot reach PostgreSQL at postgres@127.0.0.1:1/x", "retry")
     cli_fails(run_changes("postgresql://postgres@127.0.0.1:1/x"), "cannot reach PostgreSQL", "check host, port")
     state.assert_unmoved()
@@ -237,7 +238,7 @@ def test_silent_host_fails_within_the_connect_timeout_not_after_minutes(
 
     def drain() -> None:
         try:
-            run_incremental(config, spark)
+            run_incremental(config, lake_destination(spark, config))
         except BaseException as error:  # noqa: BLE001 - handed to the test thread
             outcome.append(error)
 
@@ -339,7 +340,7 @@ def test_empty_publication_fails_instead_of_draining_nothing(
     pg.execute("ALTER PUBLICATION pub DROP TABLE orders, notes")  # the publication exists but publishes nothing
     state = State(pg, tmp_path / "lake")
     try:
-        run_incremental(parse_config(good), spark)
+        run_incremental(parse_config(good), SparkDeltaDestination(spark, None))
         outcome: BaseException | None = None
     except BaseException as error:  # noqa: BLE001 - asserted below
         outcome = error
@@ -442,7 +443,7 @@ def test_unwritable_delta_root_fails_the_incremental_run_with_one_line(
     blocker.write_text("not a directory")
     broken = {**good, "delta": {"root": str(blocker / "lake")}}
     try:
-        run_incremental(parse_config(broken), spark)
+        run_incremental(parse_config(broken), SparkDeltaDestination(spark, None))
         outcome: BaseException | None = None
     except BaseException as error:  # noqa: BLE001 - asserted below
         outcome = error
@@ -464,12 +465,12 @@ def test_delta_root_without_any_snapshot_does_not_advance_the_slot(
     (tmp_path / "empty").mkdir()
     wrong = {**good, "delta": {"root": str(tmp_path / "empty")}}
     try:
-        run_incremental(parse_config(wrong), spark)
+        run_incremental(parse_config(wrong), SparkDeltaDestination(spark, None))
         outcome: BaseException | None = None
     except BaseException as error:  # noqa: BLE001 - asserted below
         outcome = error
     moved = state.read() != state.before
-    good_run = run_incremental(parse_config(good), spark)  # back on the right root: is the lake still exact?
+    good_run = run_incremental(parse_config(good), SparkDeltaDestination(spark, None))  # back on the right root: is the lake still exact?
     exact = good_run.changes > 0
     assert not moved and exact, "the slot moved past the pending changes: the right lake never gets them"
     assert isinstance(outcome, PgcdcError)

@@ -30,6 +30,7 @@ from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.delta_log import clean_log
 
@@ -58,7 +59,7 @@ def drain_and_compare(
     pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, known: dict[str, TableLayout] | None = None
 ) -> dict[str, TableLayout | None]:
     """Drain, then compare both tables with PostgreSQL; ``known``: layouts the tables' logs no longer name."""
-    run_incremental(config, spark, max_chunk_changes=7)  # several chunks, so moves span MERGEs
+    run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)  # several chunks, so moves span MERGEs
     layouts = {}
     for table in ("acct", "fullpk"):
         path = config.table_path("public", table)
@@ -82,14 +83,14 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     lake = tmp_path / "lake"
     # as earlier pgcdc versions wrote it: no bucket column, no layout in the marker
     old = config_with(pg, lake, {"public.acct": {"bucketed": False}, "public.fullpk": {"bucketed": False}})
-    snapshot_tables(old, spark)
+    snapshot_tables(old, lake_destination(spark, old))
     pg.execute("UPDATE acct SET id = id + 100, v = -v WHERE id IN (1, 2); DELETE FROM acct WHERE id = 4;"
                " UPDATE fullpk SET n = -n WHERE code = 'c1'")
     assert drain_and_compare(pg, old, spark) == {"acct": None, "fullpk": None}
 
     # the same tables, re-snapshotted: range buckets of 10 keys, hash buckets for the text key
     new = config_with(pg, lake, {"public.acct": {"width": 10}, "public.fullpk": {"count": 3}})
-    snapshot_tables(new, spark)
+    snapshot_tables(new, lake_destination(spark, new))
     assert drain_and_compare(pg, new, spark) == {
         "acct": TableLayout(RANGE, ("id",), 10), "fullpk": TableLayout(HASH, ("code",), 3),
     }
@@ -117,7 +118,7 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     pg.execute("UPDATE acct SET id = 301 WHERE id = 7; UPDATE acct SET v = 1 WHERE id = 43; DELETE FROM acct WHERE id = 8")
     drain_and_compare(pg, new, spark, {"acct": acct_layout})
     # the schema check expects the bucket column from the same record (pgcdc_assets/checks.py)
-    assert table_log_reader(new)(TableName("public", "acct")).layout == acct_layout
+    assert table_log_reader(new, lake_destination(spark, new))(TableName("public", "acct")).layout == acct_layout
 
     # schema changes rewrite the table: the partitioning and the buckets must survive them
     pg.execute("ALTER TABLE acct ALTER COLUMN v TYPE bigint; ALTER TABLE acct ADD COLUMN w int DEFAULT 7;"
@@ -132,28 +133,28 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     # predicate (a changed row moves to the NULL bucket) and says so; a re-snapshot refuses in one line
     shutil.rmtree(state_path(str(lake), new.slot))
     pg.execute("UPDATE acct SET v = 2 WHERE id = 3; INSERT INTO acct VALUES (96, 96, 'unbucketed', 3)")
-    result = run_incremental(new, spark)
+    result = run_incremental(new, lake_destination(spark, new))
     unpruned = result.tables["public.acct"].unpruned
     assert unpruned is not None and "no record of its layout is left" in unpruned and "\n" not in unpruned
     assert BUCKET_COLUMN not in newest_merge_predicate(path)
     assert_delta_equals_postgres(pg.dsn, "public.acct", path)
     assert set(delta_rs_rows(path, [BUCKET_COLUMN], where='"id" IN (3, 96)').column(BUCKET_COLUMN).to_pylist()) == {None}
     with pytest.raises(ConfigurationError, match="bucketed .* but no record of its layout is left"):
-        snapshot_tables(new, spark, [TableName("public", "acct")])
+        snapshot_tables(new, lake_destination(spark, new), [TableName("public", "acct")])
     shutil.rmtree(path)
     # A new engine, as the next run gets one: Sail 0.7.2 keeps a table's metadata by path and version
     # for the life of its server, and a MERGE writing deletion vectors into a table created again at
     # the same path then reads the old table's schema (docs/engine-notes.md, "Deletion vectors").
     with SparkEngine.embedded() as engine:
-        snapshot_tables(new, engine.spark, [TableName("public", "acct")])
+        snapshot_tables(new, lake_destination(engine.spark, new), [TableName("public", "acct")])
         pg.execute("UPDATE acct SET id = 4 WHERE id = 3")
         drain_and_compare(pg, new, engine.spark)
 
     # a table keeps the layout it was created with (its table property, which outlives the marker)
     created = config_with(pg, tmp_path / "created", {"public.acct": {"width": 10}, "public.fullpk": {"count": 3}})
-    snapshot_tables(created, spark)
+    snapshot_tables(created, lake_destination(spark, created))
     changed = config_with(pg, tmp_path / "created", {"public.acct": {"width": 20}, "public.fullpk": {"bucketed": False}})
-    snapshot_tables(changed, spark)
+    snapshot_tables(changed, lake_destination(spark, changed))
     pg.execute("UPDATE acct SET id = 42 WHERE id = 3")
     assert drain_and_compare(pg, changed, spark) == {
         "acct": TableLayout(RANGE, ("id",), 10), "fullpk": TableLayout(HASH, ("code",), 3),
@@ -166,5 +167,5 @@ def test_a_width_for_a_key_that_is_not_one_integer_is_refused_before_writing(
     pg.execute(DDL)
     config = config_with(pg, tmp_path / "lake", {"public.fullpk": {"width": 10}})
     with pytest.raises(ConfigurationError, match=r"delta\.buckets\.tables\.public\.fullpk: a bucket width needs a single integer key"):
-        snapshot_tables(config, spark)
+        snapshot_tables(config, lake_destination(spark, config))
     assert not (tmp_path / "lake" / "public" / "fullpk" / "_delta_log").exists()

@@ -21,7 +21,7 @@ from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 import resources.runs.snapshot as snapshot_module
 from resources.config import parse_config
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.delta.table_log import read_table_log
 from resources.errors import ConnectionFailure, SnapshotError
 from resources.runs.key_range_copy import copy_key_range, RangeCopy

@@ -29,6 +29,7 @@ from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.delta_log import commit_bytes, commits_after
 
@@ -80,7 +81,7 @@ def test_keyed_and_full_tables_get_deletion_vectors_and_a_drain_rewrites_no_data
 ) -> None:
     pg.execute(DDL)
     config = config_for(pg, tmp_path / "lake")
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     acct, doc = config.table_path("public", "acct"), config.table_path("public", "doc")
     assert has_deletion_vectors(acct) and has_deletion_vectors(doc)
     assert deltalake.DeltaTable(acct).metadata().configuration[DELETION_VECTORS_PROPERTY] == "true"
@@ -90,7 +91,7 @@ def test_keyed_and_full_tables_get_deletion_vectors_and_a_drain_rewrites_no_data
     random_changes(pg, 3)
     pg.execute("UPDATE doc SET y = 'changed' WHERE x = 7")  # duplicates: every copy changes
     pg.execute("DELETE FROM doc WHERE x = 8")
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert exact(pg, config, "acct") == ROWS - len(range(3, ROWS, 389)) + 5
     assert exact(pg, config, "doc", key=()) == 196
 
@@ -109,7 +110,7 @@ def test_keyed_and_full_tables_get_deletion_vectors_and_a_drain_rewrites_no_data
     # and it stays exact over more drains on the same files
     for seed in (5, 11):
         random_changes(pg, seed)
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
 
 
@@ -117,20 +118,20 @@ def test_keyless_tables_and_opted_out_tables_are_copy_on_write(pg: PgDatabase, t
     pg.execute(DDL)
     # opted out per table while the global default is on
     config = config_for(pg, tmp_path / "lake", deletion_vectors_tables={"public.acct": False})
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     acct, doc = config.table_path("public", "acct"), config.table_path("public", "doc")
     assert not has_deletion_vectors(acct) and has_deletion_vectors(doc)
     keyless = parse_config({
         "postgres": {"dsn": pg.dsn}, "publication": "pub_feed", "slot": "pgcdc_feed", "delta": {"root": str(tmp_path / "lake")},
     })  # fmt: skip
-    snapshot_tables(keyless, spark)
+    snapshot_tables(keyless, lake_destination(spark, keyless))
     assert not has_deletion_vectors(keyless.table_path("public", "feed"))  # only ever appended to
 
     snapshotted = deltalake.DeltaTable(acct).version()
     random_changes(pg, 3)
     pg.execute("INSERT INTO feed VALUES (101, 'late')")
-    run_incremental(config, spark)
-    run_incremental(keyless, spark)
+    run_incremental(config, lake_destination(spark, config))
+    run_incremental(keyless, lake_destination(spark, keyless))
     commits = commits_after(acct, snapshotted)
     assert not any(action["add"].get("deletionVector") for commit in commits for action in commit if "add" in action)
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
@@ -139,10 +140,10 @@ def test_keyless_tables_and_opted_out_tables_are_copy_on_write(pg: PgDatabase, t
     # off globally: no table gets them
     off = config_for(pg, tmp_path / "off", deletion_vectors=False)
     pg.execute("SELECT pg_drop_replication_slot('pgcdc_slot')")
-    snapshot_tables(off, spark)
+    snapshot_tables(off, lake_destination(spark, off))
     assert not has_deletion_vectors(off.table_path("public", "acct")) and not has_deletion_vectors(off.table_path("public", "doc"))
     random_changes(pg, 7)
-    run_incremental(off, spark)
+    run_incremental(off, lake_destination(spark, off))
     assert exact(pg, off, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
     assert exact(pg, off, "doc", key=()) == 200
 
@@ -154,22 +155,22 @@ def test_a_lake_written_without_deletion_vectors_keeps_draining_with_them_on(
     its tables keep their protocol, copy-on-write, and stay exact; so does a re-snapshot in place."""
     pg.execute(DDL)
     before = config_for(pg, tmp_path / "lake", deletion_vectors=False)
-    snapshot_tables(before, spark)
+    snapshot_tables(before, lake_destination(spark, before))
     random_changes(pg, 2)
-    run_incremental(before, spark)
+    run_incremental(before, lake_destination(spark, before))
     now = config_for(pg, tmp_path / "lake")
     acct = now.table_path("public", "acct")
     protocol = deltalake.DeltaTable(acct).protocol()
     for seed in (3, 4):
         random_changes(pg, seed)
-        run_incremental(now, spark)
+        run_incremental(now, lake_destination(spark, now))
     assert deltalake.DeltaTable(acct).protocol() == protocol and not has_deletion_vectors(acct)
     assert exact(pg, now, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
     assert exact(pg, now, "doc", key=()) == 200
-    snapshot_tables(now, spark)  # a re-snapshot into the existing table keeps its protocol too
+    snapshot_tables(now, lake_destination(spark, now))  # a re-snapshot into the existing table keeps its protocol too
     assert not has_deletion_vectors(acct)
     random_changes(pg, 6)
-    run_incremental(now, spark)
+    run_incremental(now, lake_destination(spark, now))
     assert exact(pg, now, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
 
 
@@ -178,12 +179,12 @@ def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
 ) -> None:
     pg.execute(DDL)
     config = config_for(pg, tmp_path / "lake")
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     acct = config.table_path("public", "acct")
     # deletes only: each bucket keeps its one file, with a deletion vector deleting 10% of its rows
     # (compaction bins leave a file alone in its bucket as it is)
     pg.execute("DELETE FROM acct WHERE id % 10 = 0")
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     lake = LakeStorage(config.delta.root, config.delta.storage)
     kept = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5)
     assert kept.deleted_before == kept.deleted_after and kept.deleted_before.rows == ROWS
@@ -199,11 +200,11 @@ def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
     # deletion vectors go with them; drains on the compacted files stay exact
     for seed in (1, 2):
         random_changes(pg, seed)
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
     again = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27)
     assert again.deleted_before.deleted > 0 and again.deleted_after.deleted == 0, again
     random_changes(pg, 9)
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
     assert exact(pg, config, "doc", key=()) == 200
 
@@ -228,12 +229,12 @@ def test_a_drain_reports_the_bytes_its_commits_wrote_in_proportion_to_the_rows_i
             "postgres": {"dsn": pg.dsn}, "publication": "pub_wide", "slot": slot,
             "delta": {"root": str(tmp_path / slot), "deletion_vectors": deletion_vectors},
         })  # fmt: skip
-        snapshot_tables(config, spark)
+        snapshot_tables(config, lake_destination(spark, config))
         path = config.table_path("public", "wide")
         before = deltalake.DeltaTable(path)
         table_bytes[deletion_vectors] = sum(before.get_add_actions(flatten=True).column("size_bytes").to_pylist())
         pg.execute(f"UPDATE wide SET v = v + 1, note = '{slot}' WHERE id % 300 = 7")  # 200 rows over the whole key space
-        result = run_incremental(config, spark)
+        result = run_incremental(config, lake_destination(spark, config))
         stats = result.tables["public.wide"]
         assert stats.updated == 200 and stats.bytes_written == commit_bytes(path, before.version()) > 0
         metadata = drain_metadata(result, TableName("public", "wide"))
@@ -289,7 +290,7 @@ def test_a_lake_of_the_previous_version_keeps_draining_exactly_on_its_old_hash_b
         "postgres": {"dsn": pg.dsn}, "publication": "pub_visit", "slot": "pgcdc_slot",
         "delta": {"root": str(lake), "deletion_vectors": False, "buckets": {"tables": {"public.visit": {"count": 4}}}},
     })  # fmt: skip
-    snapshot_tables(before, spark)
+    snapshot_tables(before, lake_destination(spark, before))
     path = before.table_path("public", "visit")
     old = rewrite_as_the_previous_version(spark, path)
     shutil.rmtree(state_path(str(lake), "pgcdc_slot"))  # the previous version kept no state table
@@ -305,7 +306,7 @@ def test_a_lake_of_the_previous_version_keeps_draining_exactly_on_its_old_hash_b
         pg.execute(f"UPDATE visit SET hits = hits + 1, note = 'u{seed}' WHERE (day - DATE '2024-01-01') % 7 = {seed};"
                    f" DELETE FROM visit WHERE (day - DATE '2024-01-01') % 53 = {seed};"
                    f" INSERT INTO visit SELECT DATE '2030-01-01' + {seed} * 100 + g, g, 'new' FROM generate_series(1, 20) g")  # fmt: skip
-        run_incremental(now, spark)
+        run_incremental(now, lake_destination(spark, now))
         assert exact(pg, now, "visit", key=("day",)) == pg.execute("SELECT count(*) FROM visit")[0][0]
     assert assert_buckets_right(path) == old
     assert deltalake.DeltaTable(path).protocol() == protocol and not has_deletion_vectors(path)

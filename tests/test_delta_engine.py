@@ -18,7 +18,7 @@ from resources.delta.capabilities import engine_capabilities, EngineCapabilities
 from resources.delta.dataframes import nullable_schema
 from resources.delta.layout import TableLayout
 from resources.delta.engine import classic_delta_config, SparkEngine
-from resources.delta.marker_reads import read_commit_metadata
+from tests.support.marker_reads import read_commit_metadata
 from resources.delta.batch_columns import OP_COLUMN, unchanged_flag_column
 from resources.delta.merge import delete_all_rows, merge_batch, replace_rows
 from resources.delta.schema_changes import add_columns

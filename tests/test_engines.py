@@ -56,6 +56,7 @@ from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc
 from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, delta_rows
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest.register_assert_rewrite("tests.support.engine_fixtures", "tests.support.s3_fixtures")  # imported here before pytest loads them as plugins
@@ -204,22 +205,22 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
         timings[label] = round(time.monotonic() - started, 1)
 
     # acct as an earlier pgcdc wrote it (unbucketed); its re-snapshot below adopts buckets
-    step("snapshot", lambda: snapshot_tables(engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}), spark))
+    step("snapshot", lambda: snapshot_tables(engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}), SparkDeltaDestination(spark, None)))
     assert_lake_exact(pg, config, 300)
 
     # Drains while another connection keeps writing: whatever the first drain misses, the next one gets.
     writer = threading.Thread(target=writes, args=(pg, 20, 0))
     writer.start()
-    step("drain under writes", lambda: run_incremental(config, spark, max_chunk_changes=40))
+    step("drain under writes", lambda: run_incremental(config, lake_destination(spark, config), max_chunk_changes=40))
     writer.join()
-    step("drain", lambda: run_incremental(config, spark))
+    step("drain", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 300)
 
     # Re-snapshot of one table between changes, then the changes on both sides of it.
     pg.execute("UPDATE acct SET note = 'before resnapshot' WHERE id <= 20")
-    step("re-snapshot", lambda: snapshot_tables(config, spark, [TableName("public", "acct")]))
+    step("re-snapshot", lambda: snapshot_tables(config, lake_destination(spark, config), [TableName("public", "acct")]))
     pg.execute("UPDATE acct SET note = 'after resnapshot' WHERE id BETWEEN 10 AND 30")
-    step("drain after re-snapshot", lambda: run_incremental(config, spark))
+    step("drain after re-snapshot", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 300)
 
     # Log cleanup removes the snapshot commits of acct: no table property names its layout (Delta on
@@ -233,12 +234,12 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     # TRUNCATE of the keyless table and of a keyed one, with rows after it.
     pg.execute("TRUNCATE journal; INSERT INTO journal VALUES (1, 'after'), (1, 'after');"
                " TRUNCATE acct; INSERT INTO acct SELECT g, g, 'reborn' FROM generate_series(1, 50) g")
-    step("drain with TRUNCATE", lambda: run_incremental(config, spark))
+    step("drain with TRUNCATE", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
 
     # A column added with a default reaches the rows no change touched.
     pg.execute("ALTER TABLE acct ADD COLUMN status text NOT NULL DEFAULT 'new'; UPDATE acct SET balance = -1 WHERE id = 1")
-    step("drain with ADD COLUMN", lambda: run_incremental(config, spark))
+    step("drain with ADD COLUMN", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
     assert assert_buckets_right(acct, known=layout) == layout
 
@@ -246,7 +247,7 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     pg.execute("UPDATE dup SET v = 'c' WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 1 AND v = 'a');"
                " DELETE FROM dup WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 3);"
                " INSERT INTO dup VALUES (2, 'b')")
-    step("drain on FULL identity", lambda: run_incremental(config, spark))
+    step("drain on FULL identity", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
 
     # Maintenance after those drains, with the engine's own commands where it has them (Delta on Spark,
@@ -395,7 +396,7 @@ def test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres(
             if progress.chunks_done >= 2:
                 writer.stop.set()
 
-        [result] = snapshot_tables(config, spark, on_progress=stop_after_two_ranges)
+        [result] = snapshot_tables(config, lake_destination(spark, config), on_progress=stop_after_two_ranges)
     walked = time.monotonic() - started
     assert writer.transactions > 10
     assert result.key_ranges and result.chunks == 3
@@ -408,7 +409,7 @@ def test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres(
     assert read_table_metadata(path).layout_property is None  # type: ignore[union-attr]  # Spark: the marker only
     assert assert_buckets_right(path) == log.layout
     pg.execute("UPDATE big SET v = -1 WHERE id IN (1, 3000); INSERT INTO big VALUES (3500, 0, 'after')")
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > 1000
     print(f"{engine.name} (PostgreSQL {pg.major}): walk of {log.chunks.count} key ranges {walked:.1f} s, "
           f"{writer.transactions} concurrent transactions")  # fmt: skip
@@ -438,8 +439,8 @@ def test_a_snapshot_killed_on_spark_recovers_on_the_next_run(engine: EngineUnder
     assert writer.transactions > 0
     assert left == [(True, False), (False, False), (False, True)]
     assert read_table_metadata(path).layout_property is None  # type: ignore[union-attr]  # created again, by Spark
-    snapshot_tables(config, spark)
-    run_incremental(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
+    run_incremental(config, lake_destination(spark, config))
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > 1000
     assert assert_buckets_right(path) is not None
 
@@ -475,7 +476,7 @@ def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     assert spark is not None and engine_capabilities(spark).delta_commands
     pg.execute(DELETION_VECTORS_DDL)
     config = engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"width": 1000}}})  # three buckets
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     acct = config.table_path("public", "acct")
     assert "deletionVectors" in (deltalake.DeltaTable(acct).protocol().reader_features or [])
     lake = LakeStorage(config.delta.root, config.delta.storage)
@@ -484,7 +485,7 @@ def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     # drain reports what its commits wrote (deletion vectors only), as the log records it
     snapshotted = deltalake.DeltaTable(acct).version()
     pg.execute("DELETE FROM acct WHERE id % 10 = 0")
-    drained = run_incremental(config, spark).tables["public.acct"]
+    drained = run_incremental(config, lake_destination(spark, config)).tables["public.acct"]
     assert drained.bytes_written == commit_bytes(acct, snapshotted) > 0, drained
     assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
     kept = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5, spark=spark)
@@ -500,12 +501,12 @@ def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     for seed in range(3):
         pg.execute(f"UPDATE acct SET balance = balance + 1, note = 'u{seed}' WHERE id % 7 = {seed};"
                    f" DELETE FROM acct WHERE id % 101 = {seed}")  # fmt: skip
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
     again = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, spark=spark)
     assert again.deleted_before.fraction > 0.05, again
     assert not any(file.deleted > 0.05 * file.rows for file in file_deletions(lake, acct)), again
     pg.execute("UPDATE acct SET note = 'after' WHERE id % 13 = 0")
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     rows = assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
     assert rows == pg.execute("SELECT count(*) FROM acct")[0][0]
     assert_buckets_right(acct)

@@ -34,6 +34,7 @@ from resources.postgres.slots import read_slot
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import free_port, LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
 from tests.support.dagster_runs import evaluate
 from tests.support.fault_runs import assert_one_line_failure, Child, confirmed, wait_mid_drain, write_config
@@ -207,7 +208,7 @@ def wait_until_failover_ready(config: PgcdcConfig, spark: SparkSession, timeout:
     deadline = time.monotonic() + timeout
     problems: list[PgcdcError] = []
     while time.monotonic() < deadline:
-        run_incremental(config, spark, warn=lambda line: None)
+        run_incremental(config, lake_destination(spark, config), warn=lambda line: None)
         with connect(config.postgres.dsn, application_name="test") as conn:
             state = read_slot(conn, SLOT)
             assert state is not None and state.failover
@@ -237,10 +238,10 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
     config_file = write_config(config, tmp_path)
     defs = build_definitions(config_file)
     workload = Workload(primary.dsn(DATABASE))
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     assert primary_db.execute("SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)) == [(True,)]
     warnings: list[str] = []
-    run_incremental(config, spark, warn=warnings.append)
+    run_incremental(config, lake_destination(spark, config), warn=warnings.append)
     # Only the standby's copy can be missing (nothing moved the new slot yet); the primary's side is set up.
     assert len(warnings) <= 1 and all(
         f'replication slot "{SLOT}" is not yet synchronized to the standby' in warning for warning in warnings
@@ -251,7 +252,7 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
     assert isinstance(healthy, SkipReason) and healthy.skip_message.startswith(f'slot "{SLOT}" is healthy'), healthy
 
     if kill == "between_drains":
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
         time.sleep(0.5)  # the workload goes on past the last drain
         primary.stop("immediate")
     else:
@@ -277,7 +278,7 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
             transact(conn, 20_000 + i)
 
     warnings.clear()
-    result = run_incremental(config, spark, warn=warnings.append)  # the same configuration
+    result = run_incremental(config, lake_destination(spark, config), warn=warnings.append)  # the same configuration
     assert result.confirmed_flush_lsn > result.start_lsn
     assert_exact(standby.dsn(DATABASE), config)
     # The new primary has no standby yet: the run says the slot is no longer protected.
@@ -296,7 +297,7 @@ def test_failover_to_the_standby_loses_and_doubles_nothing(
     with psycopg.connect(standby.dsn(DATABASE), autocommit=True) as conn:
         for i in range(30):
             transact(conn, 30_000 + i)
-    run_incremental(config, spark, warn=warnings.append)
+    run_incremental(config, lake_destination(spark, config), warn=warnings.append)
     assert_exact(standby.dsn(DATABASE), config)
 
 
@@ -317,14 +318,14 @@ def test_without_failover_slots_a_failover_names_the_resnapshot_which_restores_a
             "delta": {"root": str(tmp_path / "lake")},
         })  # fmt: skip
         workload = Workload(primary.dsn(DATABASE))
-        snapshot_tables(config, spark)
-        run_incremental(config, spark)
+        snapshot_tables(config, lake_destination(spark, config))
+        run_incremental(config, lake_destination(spark, config))
         primary.stop("immediate")
         assert workload.stop() > 0 and workload.error is not None
         standby.promote()
 
         with pytest.raises(SlotError) as lost:
-            run_incremental(config, spark)
+            run_incremental(config, lake_destination(spark, config))
         assert str(lost.value) == (
             f'replication slot "{SLOT}" does not exist on postgres@127.0.0.1,127.0.0.1:{primary.port},{standby.port}/'
             f"{DATABASE}, but the lake holds tables copied for it: it was dropped, or lost in a failover (only a"
@@ -334,7 +335,7 @@ def test_without_failover_slots_a_failover_names_the_resnapshot_which_restores_a
 
         # Re-copying only some tables would leave the others missing every change since: refused.
         with pytest.raises(SlotError) as partial:
-            snapshot_tables(config, spark, [TableName("public", "acct")])
+            snapshot_tables(config, lake_destination(spark, config), [TableName("public", "acct")])
         assert str(partial.value) == (
             f'replication slot "{SLOT}" does not exist, and 1 table(s) snapshotted for it are not in this run'
             " (public.journal): they would miss every change since the slot was lost: run the pgcdc_resnapshot job"
@@ -349,7 +350,7 @@ def test_without_failover_slots_a_failover_names_the_resnapshot_which_restores_a
         with psycopg.connect(standby.dsn(DATABASE), autocommit=True) as conn:
             for i in range(30):
                 transact(conn, 40_000 + i)
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
         assert_exact(standby.dsn(DATABASE), config)
     finally:
         servers.destroy()
@@ -391,13 +392,13 @@ def test_snapshot_and_drains_from_a_standby_are_exact_against_the_primary(
     })  # fmt: skip
 
     workload = Workload(primary.dsn(DATABASE), log_standby_snapshots=True)
-    snapshot_tables(config, spark)  # the slot and the tables' snapshots, on the standby
-    run_incremental(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))  # the slot and the tables' snapshots, on the standby
+    run_incremental(config, lake_destination(spark, config))
     time.sleep(0.5)
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert workload.stop() > 0 and workload.error is None
     wait_replayed(primary, standby)
-    result = run_incremental(config, spark)
+    result = run_incremental(config, lake_destination(spark, config))
     assert result.changes > 0
     assert_exact(primary.dsn(DATABASE), config)
     on_primary = PgDatabase(primary, DATABASE).execute("SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'")

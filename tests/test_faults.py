@@ -29,6 +29,7 @@ from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
 from resources.delta.reads import delta_rs_rows
 from resources.errors import SlotError
 from resources.crash_points import FAULT_POINT_ENV
+from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
@@ -80,7 +81,7 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None =
         # below is replayed into a bucketed table
         "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.acct": {"width": 50}}}},
     })
-    snapshot_tables(config, spark, None)
+    snapshot_tables(config, lake_destination(spark, config), None)
     return config
 
 
@@ -212,7 +213,7 @@ def test_slot_lost_to_max_slot_wal_keep_size_fails_naming_resnapshot_and_resnaps
     versions = {t: deltalake.DeltaTable(f"{config.delta.root}/public/{t}").version() for t in ("acct", "journal")}
 
     with pytest.raises(SlotError) as lost:
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
     message = str(lost.value)
     assert f'replication slot "{SLOT}" is invalidated (wal_status lost' in message, message
     assert "pgcdc_resnapshot" in message and "\n" not in message
@@ -256,7 +257,7 @@ def test_second_run_while_one_drains_fails_fast_and_the_first_finishes_exactly(
         # Refused, not queued behind the first run: a second run that waited for the slot would
         # succeed once the first finished; the message names the first run's walsender.
         with pytest.raises(SlotError) as busy:
-            run_incremental(config, spark)
+            run_incremental(config, lake_destination(spark, config))
         assert str(busy.value) == (
             f'replication slot "{SLOT}" is in use by PID {pid}: another run or consumer is reading it;'
             " stop the other consumer or wait for it to finish"
@@ -371,7 +372,7 @@ def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path:
     pg.execute("CREATE PUBLICATION pub FOR TABLE padded")
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
                            "delta": {"root": str(tmp_path / "lake")}})  # fmt: skip
-    snapshot_tables(config, spark, None)
+    snapshot_tables(config, lake_destination(spark, config), None)
     stored = delta_rs_rows(config.table_path("public", "padded")).sort_by("id")
     assert stored.column("code").to_pylist() == ["a    ", None]  # PostgreSQL's output for char(5)
     assert assert_delta_equals_postgres(pg.dsn, "public.padded", config.table_path("public", "padded")) == 2

@@ -44,6 +44,7 @@ from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
 from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.fault_runs import Child, confirmed, write_config
 
@@ -220,7 +221,7 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(
 ) -> None:
     pg.execute(DDL)
     config = history_config(pg, tmp_path, orders=orders_history)
-    snapshot_tables(config, spark, None)
+    snapshot_tables(config, lake_destination(spark, config), None)
     rng = random.Random(pg.major * 1000 + 24)
     moments: list[tuple[LSN, datetime]] = []
     with pg.connect() as conn:
@@ -228,15 +229,15 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(
             workload_step(conn, rng, step)
             moments.append(capture(conn, step))
             if step in (1, 3):
-                run_incremental(config, spark, max_chunk_changes=7)  # small chunks: many history commits
+                run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)  # small chunks: many history commits
             if step == 4 and orders_history == "scd2":
                 # Changes only a re-snapshot sees: the versions of the rows it no longer holds as they were
                 # close at its LSN, and the rows it holds anew open there.
-                run_incremental(config, spark, max_chunk_changes=7)
+                run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)
                 conn.execute("UPDATE orders SET status = 'resnapshotted' WHERE id IN (SELECT id FROM orders ORDER BY id LIMIT 3)")
                 conn.execute("DELETE FROM orders WHERE id = (SELECT max(id) FROM orders)")
-                snapshot_tables(config, spark, [TableName("public", "orders")])
-    run_incremental(config, spark, max_chunk_changes=7)
+                snapshot_tables(config, lake_destination(spark, config), [TableName("public", "orders")])
+    run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)
     for table in TABLES:
         assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
         for k, (lsn, time) in enumerate(moments):
@@ -256,7 +257,7 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(
     with pg.connect() as conn:
         workload_step(conn, rng, 6)
         moments.append(capture(conn, 6))
-    run_incremental(config, spark, max_chunk_changes=7)
+    run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)
     for table in TABLES:
         for k, (lsn, _) in enumerate(moments):
             assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
@@ -312,9 +313,9 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
 ) -> None:
     pg.execute(DDL)
     config = history_config(pg, tmp_path, orders=orders_history)
-    snapshot_tables(config, spark, None)
+    snapshot_tables(config, lake_destination(spark, config), None)
     reference = history_config(pg, tmp_path, "reference", "reference_slot", orders_history)  # drained without faults
-    snapshot_tables(reference, spark, None)
+    snapshot_tables(reference, lake_destination(spark, reference), None)
     rng = random.Random(pg.major)
     moments: list[tuple[LSN, datetime]] = []
     with pg.connect() as conn:
@@ -332,14 +333,14 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     # Every chunk durable and all but the last confirmed, the run's state not written.
     child = Child(config_file, chunk=5, env={FAULT_POINT_ENV: "before_state_write"})
     assert child.wait() == -signal.SIGKILL, child.output()
-    run_incremental(config, spark, max_chunk_changes=5)
+    run_incremental(config, lake_destination(spark, config), max_chunk_changes=5)
     for table in TABLES:
         assert_delta_equals_postgres(pg.dsn, table, config.table_path(*table.split(".")))
         for k, (lsn, _) in enumerate(moments):
             assert_as_of_equals(pg, spark, config, table, lsn, f"public.past_{k}_{table.split('.')[1]}")
         assert_as_of_equals(pg, spark, config, table, None, table)
     assert_each_change_once(config, spark)
-    run_incremental(reference, spark, max_chunk_changes=50)
+    run_incremental(reference, lake_destination(spark, reference), max_chunk_changes=50)
     for table in TABLES:  # the same change rows as a drain that was never interrupted, no more, no fewer
         assert change_rows(config, table, spark) == change_rows(reference, table, spark), table
     # The command line prints the same rows as the Python read.

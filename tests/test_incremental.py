@@ -27,6 +27,7 @@ from resources.pgoutput.options import PgOutputOptions
 from resources.postgres.catalog import TableName
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
+from resources.delta.spark_destination import lake_destination
 from resources.runs.snapshot import snapshot_tables
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
@@ -340,7 +341,7 @@ def test_changes_up_to_the_snapshot_lsn_are_skipped(pg: PgDatabase, tmp_path: Pa
         CREATE PUBLICATION pub FOR TABLE first, log;
     """, snapshot=["public.first"])  # creates the slot: the stream starts here
     pg.execute("INSERT INTO log VALUES ('before the snapshot of log')")  # in the stream and in the snapshot
-    snapshot_tables(config, spark, [TableName("public", "log")])
+    snapshot_tables(config, lake_destination(spark, config), [TableName("public", "log")])
     pg.execute("INSERT INTO log VALUES ('after')")
     result = drain(config, spark)
     assert same(pg, config, "public.log", key=()) == 2  # appended once, not twice

@@ -86,15 +86,11 @@ class World:
 
     def copy_range(self, ranges: KeyRanges, k: int) -> None:
         """Copy range k at the current point (every transaction so far is committed), as the snapshot does."""
-        low, high = ranges.limits(k)
-
-        def inside(row: dict) -> bool:
-            return (low is None or row["id"] >= low) and (high is None or row["id"] < high)
-
-        copied = [{"id": key, "body": body, LSN_COLUMN: self.lsn} for key, body in self.rows.items() if inside({"id": key})]
+        span = ranges.span(k)
+        copied = [{"id": key, "body": body, LSN_COLUMN: self.lsn} for key, body in self.rows.items() if span.holds(key)]
         done = ranges.with_point(k, self.lsn)
         marker = snapshot_marker(done.snapshot_lsn, "slot", str(TABLE), None, done, k)
-        self.lake.replace_where(PATH, inside, pa.Table.from_pylist(copied, schema=SCHEMA), marker)
+        self.lake.write_snapshot(pa.Table.from_pylist(copied, schema=SCHEMA), SCHEMA, PATH, marker, span=span)
 
     def recopy(self, table: TableName, path: str, log: TableLog, k: int) -> None:
         self.recopies += 1
@@ -141,7 +137,7 @@ def walk_ranges(world: World, start: KeyRanges, create: bool) -> None:
         if k is None:
             break
         if first and create:
-            world.lake.replace_where(PATH, lambda row: True, SCHEMA.empty_table(), "{}")  # a table to copy into
+            world.lake.write_snapshot(SCHEMA.empty_table(), SCHEMA, PATH, "{}")  # a table to copy into
         world.copy_range(current, k)
         first = False
         for _ in range(world.rng.randint(0, 6)):

@@ -29,6 +29,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables, SnapshotProgress
 from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.fault_runs import Child
 from tests.support.key_range_writer import DDL, ROWS, Writer
@@ -60,7 +61,7 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
             moved.append("done")
 
     with caplog.at_level(logging.INFO), Writer(pg, seed=pg.major) as writer:
-        results = {str(r.table): r for r in snapshot_tables(config, spark, on_progress=move_toast_into_a_copied_range)}
+        results = {str(r.table): r for r in snapshot_tables(config, lake_destination(spark, config), on_progress=move_toast_into_a_copied_range)}
     assert writer.transactions > 20 and moved
     assert results["public.big"].key_ranges and results["public.big"].chunks >= 4
     assert not results["public.flat"].key_ranges
@@ -68,7 +69,7 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
     assert "snapshot public.big: " in lines and "ranges of primary key id, one short transaction each" in lines
     assert "snapshot public.flat: " in lines and "key ranges need a one-column primary key" in lines
     assert "public.big: copying key range 1 of" in lines  # the TOAST move was answered by a new copy of range 1
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     root = Path(config.delta.root)
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > ROWS // 2
     assert pg.execute("SELECT length(body) FROM big WHERE id = -7") == [(3200,)]
@@ -95,7 +96,7 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
     assert progress == [1, 1, 2], progress
     final = read_table_log(path)
     assert final.chunks is not None and final.chunks.next_range() is None and final.snapshot_lsn is not None
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > ROWS // 2
     assert assert_buckets_right(path) is not None
     assert_delta_equals_postgres(pg.dsn, "public.flat", str(root / "public" / "flat"))

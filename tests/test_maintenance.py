@@ -31,7 +31,7 @@ from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import maintain_table, properties_to_set, RETENTION_PROPERTIES
 from resources.delta.table_files import delta_tables_under
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
 from resources.history import read_as_of
@@ -41,6 +41,7 @@ from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDU
 from resources.runs.snapshot import snapshot_tables
 from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import POSTGRES_VERSIONS, PgDatabase
 from tests.support.s3_fixtures import S3Server
 from tests.support.fault_runs import SLOT, Child, confirmed, write_config
@@ -184,11 +185,11 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     schedule = defs.resolve_schedule_def(MAINTENANCE_SCHEDULE)
     assert schedule.default_status == DefaultScheduleStatus.STOPPED and schedule.cron_schedule == "0 4 * * 0"
 
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     drains = 6  # below Sail's checkpoint interval of 10 commits: see age_commits
     for i in range(drains):
         drain_work(pg, i)
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
     assert_exact(pg, config)
     files_before = {table: table_files(path) for table, path in paths.items()}
     assert all(len(files) >= drains for table, files in files_before.items() if table != "dup")
@@ -265,11 +266,11 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         for path in paths.values():
             age_log(path, days=8)
         drain_work(pg, drains)
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
         recent = {table: deltalake.DeltaTable(path).version() for table, path in paths.items()}
         at_recent = {table: rows_at(path, recent[table]) for table, path in paths.items()}
         drain_work(pg, drains + 1)
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
         applied = read_table_log(journal).applied_marker
         assert applied is not None
         second = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(instance=instance)
@@ -303,7 +304,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     # PostgreSQL's, and a child process with its own engine is costly) one that crashes after
     # its Delta commit and is replayed.
     drain_work(pg, drains + 2)
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert_exact(pg, config)
     if pg.major != POSTGRES_VERSIONS[-1]:
         return
@@ -316,7 +317,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     finally:
         child.kill()
     assert confirmed(pg) == position  # in Delta, not confirmed: the next drain replays it
-    replay = run_incremental(config, spark)
+    replay = run_incremental(config, lake_destination(spark, config))
     # Exactly the replayed chunk's changes to the keyless and FULL tables (per transaction: two dup
     # inserts and a delete, two journal inserts), by their commits' markers found after maintenance;
     # acct's are merged again (idempotent), not skipped.

@@ -26,8 +26,10 @@ from resources.delta import snapshot_writes
 from resources.config import parse_config
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.errors import ConfigurationError
+from resources.locations import StorageSettings
+from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
-from resources.delta.lake_storage import LakeStorage, open_lake, remove_tree
+from resources.delta.lake_storage import LakeStorage, object_store_options, open_lake, remove_tree, storage_client
 from resources.runs.snapshot import snapshot_tables
 from tests.support.postgres import PgDatabase
 from tests.support.s3_fixtures import BUCKET, TEST_SECRET, S3Server
@@ -73,23 +75,42 @@ def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s
 def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
     s3_server: S3Server, s3_root: str, s3_spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    open_lake(s3_root, s3_server.lake(s3_root).settings)
+    lake = open_lake(s3_root, s3_server.lake(s3_root).settings)
     removed: list[str] = []
-    monkeypatch.setattr(snapshot_writes, "remove_tree", lambda location: (removed.append(location), remove_tree(location)))
+    monkeypatch.setattr(snapshot_writes, "remove_tree", lambda location, lake: (removed.append(location), remove_tree(location, lake)))
     schema = pa.schema([("id", pa.int64())])
     batches = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(4))
     path = f"{s3_root}/public/t"
     options = s3_server.lake(s3_root).object_store_options()
-    assert write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800) == 1  # version 0: delta-rs's create
+    assert write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800, lake=lake) == 1  # version 0: delta-rs's create
     assert sorted(deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert removed == []  # streamed into the table by delta-rs, nothing staged
     # A key range of a snapshot in key ranges goes through the engine, staged: a chunk per batch.
     again = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(2, 4))
-    assert write_snapshot(s3_spark, again, schema, path, "r", chunk_bytes=800, replace_where="id >= 200") == 2
+    assert write_snapshot(s3_spark, again, schema, path, "r", chunk_bytes=800, replace_where="id >= 200", lake=lake) == 2
     table = deltalake.DeltaTable(path, storage_options=options)
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert [location.startswith(f"{path}/{STAGING_DIRECTORY}/") for location in removed] == [True]
     assert staged_objects(s3_server, s3_root.removeprefix(f"s3://{BUCKET}/")) == []
+
+
+def test_an_object_store_location_is_reached_only_through_the_lake_passed_with_it(tmp_path: Path) -> None:
+    """Credentials travel with the lake a caller passes, never through a registry: an object-store
+    location gets the settings of the lake holding it; without a lake, or outside the one passed, it is
+    refused with the fix; a local location needs none."""
+    lake = LakeStorage("s3://bucket/lake", StorageSettings(endpoint="http://127.0.0.1:9", region="r1", allow_http=True))
+    inside = object_store_options("s3://bucket/lake/public/t", lake)
+    assert (inside["AWS_ENDPOINT_URL"], inside["AWS_REGION"], inside["AWS_ALLOW_HTTP"]) == ("http://127.0.0.1:9", "r1", "true")
+    assert storage_client("s3://bucket/lake/public/t", lake)[1] == "bucket/lake/public/t"
+    for location, given in (("s3://bucket/lake/t", None), ("s3://bucket/lakeside/t", lake), ("s3://other/lake/t", lake)):
+        with pytest.raises(ConfigurationError, match="outside the lake pgcdc was given") as refused:
+            object_store_options(location, given)
+        assert "open_lake(delta.root, delta.storage)" in refused.value.fix
+    local = tmp_path / "staging" / "x"
+    local.mkdir(parents=True)
+    assert object_store_options(str(local), lake) == {} and storage_client(str(local), None)[1] == str(local)
+    remove_tree(str(local), None)
+    assert not (tmp_path / "staging").exists()  # the emptied parent goes too
 
 
 # --------------------------------------------------------------------------- bad input
@@ -115,7 +136,7 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
 ) -> None:
     pg.execute(DDL)
     good = parse_config(settings(pg, s3_root, s3_server.storage()))
-    snapshot_tables(good, s3_spark)
+    snapshot_tables(good, lake_destination(s3_spark, good))
     pg.execute("INSERT INTO orders VALUES (5000, 1, 'pending')")
     for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
         monkeypatch.delenv(variable, raising=False)
@@ -134,7 +155,7 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
     root, overrides, fragments = BAD_STORAGE[case]
     storage = {key: value for key, value in {**s3_server.storage(), **overrides}.items() if value is not None}
     bad = parse_config(settings(pg, root or s3_root, storage))
-    for run in (lambda: run_incremental(bad, s3_spark), lambda: snapshot_tables(bad, s3_spark)):
+    for run in (lambda: run_incremental(bad, lake_destination(s3_spark, bad)), lambda: snapshot_tables(bad, lake_destination(s3_spark, bad))):
         started = time.monotonic()
         with pytest.raises(ConfigurationError) as failure:
             run()

@@ -32,6 +32,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig, parse_config
+from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from tests.support.postgres import PgDatabase
@@ -98,7 +99,7 @@ def _single_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str)
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"rand_{pg.name}", "tables": [],
         "delta": {"root": str(tmp_path / "lake")},
     })
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     return config
 
 
@@ -118,7 +119,7 @@ def test_walsender_keeps_the_connection_while_one_transaction_is_applied_in_many
     """)
     pg.execute(f"ALTER DATABASE \"{pg.name}\" SET wal_sender_timeout = '1s'")  # the walsender of this database
     pg.execute("INSERT INTO w SELECT g, 'v' || g FROM generate_series(1, 40) g")
-    run_incremental(config, spark, max_chunk_changes=1)
+    run_incremental(config, lake_destination(spark, config), max_chunk_changes=1)
     assert assert_delta_equals_postgres(pg.dsn, "public.w", config.table_path("public", "w"), key=("id",)) == 41
 
 
@@ -137,5 +138,5 @@ def test_added_column_with_default_reaches_existing_rows_in_delta(
     """)
     pg.execute("ALTER TABLE d ADD COLUMN status text NOT NULL DEFAULT 'new'")
     pg.execute("UPDATE d SET v = 'changed' WHERE id = 1")  # the Relation message announcing status
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert assert_delta_equals_postgres(pg.dsn, "public.d", config.table_path("public", "d"), key=("id",)) == 3

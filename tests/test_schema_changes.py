@@ -16,6 +16,7 @@ from resources.cdc.renames import unproven_addition
 from resources.delta.reads import delta_rs_rows
 from resources.postgres.catalog import read_table, table_attributes, TableName
 from resources.runs.snapshot import snapshot_tables
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.incremental_runs import assert_refused_with_the_resnapshot_fix, drain, path_of, same, setup
 
@@ -63,7 +64,7 @@ def test_a_rename_of_the_last_column_fails_with_the_resnapshot_fix_and_a_resnaps
         pg, config, spark, ["ALTER TABLE r RENAME COLUMN note TO memo", "INSERT INTO r VALUES (3, 30, 'c')"],
         "public.r: column 'memo' existed when the table was snapshotted (a RENAME COLUMN",
     )
-    snapshot_tables(config, spark, [TableName.parse("public.r")])
+    snapshot_tables(config, lake_destination(spark, config), [TableName.parse("public.r")])
     with pg.connect() as conn:
         conn.execute("UPDATE r SET v = 11 WHERE id = 1")
         conn.execute("ALTER TABLE r ADD COLUMN z int")

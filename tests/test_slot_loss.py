@@ -27,6 +27,7 @@ from resources.runs.incremental import run_incremental
 from resources.postgres.preflight import ensure_slot
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
 from tests.support.dagster_runs import create_shop, evaluate, run_job, write_config
 
@@ -82,7 +83,7 @@ def test_idle_timeout_is_warned_before_and_named_with_its_fix_after(
         # Before: a timeout the schedule's 300 s gaps can outlast is a warning and a failed tick.
         set_idle_timeout(pg, "7min")
         warnings: list[str] = []
-        run_incremental(config, spark, warn=warnings.append, schedule_gap=timedelta(minutes=5))
+        run_incremental(config, lake_destination(spark, config), warn=warnings.append, schedule_gap=timedelta(minutes=5))
         risk = (
             "idle_replication_slot_timeout is 420 s, less than 2 x the schedule's longest gap between drains (300 s):"
             f' PostgreSQL can invalidate slot "{SLOT}" while it waits for a drain, and every table must then be'
@@ -95,7 +96,7 @@ def test_idle_timeout_is_warned_before_and_named_with_its_fix_after(
         assert str(at_risk.value) == risk
         set_idle_timeout(pg, "10min")
         warnings.clear()
-        run_incremental(config, spark, warn=warnings.append, schedule_gap=timedelta(minutes=5))
+        run_incremental(config, lake_destination(spark, config), warn=warnings.append, schedule_gap=timedelta(minutes=5))
         assert warnings == []
 
         # After: the slot idled out. Every reader names the cause and the fix, in one line.
@@ -108,7 +109,7 @@ def test_idle_timeout_is_warned_before_and_named_with_its_fix_after(
         )
         prevention = "; then raise idle_replication_slot_timeout above the longest gap between drains"
         with pytest.raises(SlotError) as drain:
-            run_incremental(config, spark)
+            run_incremental(config, lake_destination(spark, config))
         assert str(drain.value) == (
             f"{cause}: run the pgcdc_resnapshot job (it recreates the slot and copies every table afresh),"
             f" or drop and recreate the slot and re-snapshot every table{prevention}"

@@ -25,7 +25,7 @@ from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.reads import delta_rs_rows
 from resources.testing.verify import assert_buckets_right
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.errors import ConfigurationError, SlotError, SnapshotError
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS, TIMESTAMP_NEGATIVE_INFINITY, TIMESTAMP_POSITIVE_INFINITY
@@ -36,6 +36,7 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.replication import CreatedSlot
 from resources.runs import snapshot
 from resources.runs.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
 from tests.support.snapshot_checks import assert_md5_payloads
@@ -203,7 +204,7 @@ line', '{{braces}}'],
     progress: list[SnapshotProgress] = []
     ensure_slot(pg.dsn, SLOT)
     result = snapshot_table(
-        pg.dsn, PUB, TableName("public", "every_type"), spark, str(path),
+        pg.dsn, PUB, TableName("public", "every_type"), SparkDeltaDestination(spark, None), str(path),
         slot=SLOT, chunk_bytes=256 * 1024, on_progress=progress.append,
     )  # fmt: skip
 
@@ -243,7 +244,7 @@ def test_column_list_and_row_filter_are_honoured(pg: PgDatabase, spark: SparkSes
         """
     )
     ensure_slot(pg.dsn, SLOT)
-    result = snapshot_table(pg.dsn, PUB, TableName("public", "orders"), spark, str(tmp_path / "o"), slot=SLOT)
+    result = snapshot_table(pg.dsn, PUB, TableName("public", "orders"), SparkDeltaDestination(spark, None), str(tmp_path / "o"), slot=SLOT)
     table = delta_table(tmp_path / "o").sort_by("id")
     assert table.column_names == ["id", "customer", "total", LSN_COLUMN]
     assert table.drop_columns([LSN_COLUMN]).to_pylist() == [
@@ -288,7 +289,7 @@ def test_keyless_partitioned_and_empty_tables_in_parallel(
         return copy_one(*args, **kwargs)
 
     monkeypatch.setattr(snapshot, "snapshot_table", snapshot_table)
-    results = snapshot_tables(config, spark)
+    results = snapshot_tables(config, lake_destination(spark, config))
 
     assert [str(r.table) for r in results] == ["public.logs", "public.measures", "public.nothing_yet", "public.MixedCase"]
     assert sorted(started) == sorted(str(r.table) for r in results) and not side_by_side.broken
@@ -336,7 +337,7 @@ def test_resnapshot_replaces_rows_and_moves_the_snapshot_lsn(
     def watch(progress: SnapshotProgress) -> None:
         temp_seen.extend(temporary_slots(pg))
 
-    first = snapshot_table(pg.dsn, PUB, TableName("public", "items"), spark, path, slot=SLOT, on_progress=watch)
+    first = snapshot_table(pg.dsn, PUB, TableName("public", "items"), SparkDeltaDestination(spark, None), path, slot=SLOT, on_progress=watch)
     (oid,) = pg.execute("SELECT 'items'::regclass::oid::int")[0]
     (temp_name, temp_point), = set(temp_seen)
     assert temp_name.startswith(f"pgcdc_sync_{oid}_") and len(temp_name) <= 63
@@ -345,7 +346,7 @@ def test_resnapshot_replaces_rows_and_moves_the_snapshot_lsn(
 
     pg.execute("DELETE FROM items WHERE id > 50; UPDATE items SET name = 'v2-' || id WHERE id <= 10;"
                "INSERT INTO items VALUES (1000, 'new')")
-    second = snapshot_table(pg.dsn, PUB, TableName("public", "items"), spark, path, slot=SLOT)
+    second = snapshot_table(pg.dsn, PUB, TableName("public", "items"), SparkDeltaDestination(spark, None), path, slot=SLOT)
     table = delta_table(path).sort_by("id")
     assert table["id"].to_pylist() == [*range(1, 51), 1000]
     assert table["name"].to_pylist() == [f"v2-{g}" for g in range(1, 11)] + [f"v1-{g}" for g in range(11, 51)] + ["new"]
@@ -384,7 +385,7 @@ def test_change_committed_after_the_consistent_point_is_not_in_the_snapshot(
 
     with other:
         result = snapshot_table(
-            pg.dsn, PUB, TableName("public", "events"), spark, str(tmp_path / "e"),
+            pg.dsn, PUB, TableName("public", "events"), SparkDeltaDestination(spark, None), str(tmp_path / "e"),
             slot=SLOT, chunk_rows=100, on_progress=insert_meanwhile,
         )  # fmt: skip
     table = delta_table(tmp_path / "e")
@@ -462,22 +463,22 @@ def test_bad_input_fails_clearly_and_writes_nothing(pg: PgDatabase, spark: Spark
     pg.execute("CREATE TABLE a (id int PRIMARY KEY); CREATE TABLE b (id int PRIMARY KEY); INSERT INTO a VALUES (1)")
     root = tmp_path / "lake"
 
-    _refused(lambda: snapshot_tables(make_config(pg, root), spark), ConfigurationError, f'"{PUB}" does not exist',
+    _refused(lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None)), ConfigurationError, f'"{PUB}" does not exist',
              "create_publication: true")  # fmt: skip
     _refused(lambda: ensure_publication(make_config(pg, root, create_publication=True)), ConfigurationError,
              "no tables are configured")  # fmt: skip
     pg.execute(f"CREATE PUBLICATION {PUB}")
-    _refused(lambda: snapshot_tables(make_config(pg, root), spark), ConfigurationError, "publishes no tables")
+    _refused(lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None)), ConfigurationError, "publishes no tables")
     pg.execute(f"ALTER PUBLICATION {PUB} ADD TABLE a")
-    _refused(lambda: snapshot_tables(make_config(pg, root, tables=["public.b"]), spark), ConfigurationError,
+    _refused(lambda: snapshot_tables(make_config(pg, root, tables=["public.b"]), SparkDeltaDestination(spark, None)), ConfigurationError,
              "public.b not published", "ALTER PUBLICATION")  # fmt: skip
-    _refused(lambda: snapshot_tables(make_config(pg, root), spark, tables=[TableName("public", "b")]),
+    _refused(lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None), tables=[TableName("public", "b")]),
              ConfigurationError, "public.b not published")  # fmt: skip
-    _refused(lambda: snapshot_table(pg.dsn, PUB, TableName("public", "b"), spark, str(root / "b"), slot=SLOT),
+    _refused(lambda: snapshot_table(pg.dsn, PUB, TableName("public", "b"), SparkDeltaDestination(spark, None), str(root / "b"), slot=SLOT),
              ConfigurationError, "public.b", "not in publication")  # fmt: skip
 
     pg.execute(f"SELECT pg_create_logical_replication_slot('{SLOT}', 'test_decoding')")
-    _refused(lambda: snapshot_tables(make_config(pg, root), spark), SlotError, "test_decoding", "not pgoutput")
+    _refused(lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None)), SlotError, "test_decoding", "not pgoutput")
     pg.execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
     pg.execute(f"SELECT pg_create_physical_replication_slot('{SLOT}')")
     _refused(lambda: ensure_slot(pg.dsn, SLOT), SlotError, "physical")
@@ -505,7 +506,7 @@ def test_a_refused_value_fails_its_table_only(pg: PgDatabase, spark: SparkSessio
     )
     root = tmp_path / "lake"
     config = make_config(pg, root, snapshot={"parallel_tables": 2})
-    message = _refused(lambda: snapshot_tables(config, spark), SnapshotError, "public.prices", "'NaN'", "as text")
+    message = _refused(lambda: snapshot_tables(config, lake_destination(spark, config)), SnapshotError, "public.prices", "'NaN'", "as text")
     assert "amount" in message
     assert delta_table(config.table_path("public", "good")).num_rows == 10
     assert not (Path(config.table_path("public", "prices")) / "_delta_log").exists()
@@ -565,7 +566,7 @@ def test_a_table_named_with_spaces_and_percent_replicates(pg: PgDatabase, spark:
     )
     root = tmp_path / "lake"
     config = make_config(pg, root, create_publication=True, tables=['"Sales 2024"."Mixed Case"'])
-    (result,) = snapshot_tables(config, spark)
+    (result,) = snapshot_tables(config, lake_destination(spark, config))
     path = config.table_path("Sales 2024", "Mixed Case")
     assert result.path == path and path.endswith("/Sales-202024/Mixed-20Case")
     assert sorted(p.name for p in (root / "Sales-202024").iterdir()) == ["Mixed-20Case"]
@@ -580,7 +581,7 @@ def test_a_table_named_with_spaces_and_percent_replicates(pg: PgDatabase, spark:
         INSERT INTO "Sales 2024"."Mixed Case" VALUES (100, 'new');
         '''
     )
-    run_incremental(config, spark, log=lambda *_: None)
+    run_incremental(config, lake_destination(spark, config), log=lambda *_: None)
     assert assert_delta_equals_postgres(pg.dsn, "Sales 2024.Mixed Case", path, key=("id",)) == 46
     assert not [p for p in root.rglob("*") if "%" in p.name]
 
@@ -603,7 +604,7 @@ def test_values_the_csv_reader_refuses_fall_back_to_the_exact_mapping(
     )
     ensure_slot(pg.dsn, SLOT)
     path = tmp_path / "mixed"
-    snapshot_table(pg.dsn, PUB, TableName("public", "mixed"), spark, str(path), slot=SLOT, chunk_bytes=256 * 1024)
+    snapshot_table(pg.dsn, PUB, TableName("public", "mixed"), SparkDeltaDestination(spark, None), str(path), slot=SLOT, chunk_bytes=256 * 1024)
     with psycopg.connect(pg.dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS)) as conn:
         cursor = conn.cursor(row_factory=psycopg.rows.dict_row)
         expected = cursor.execute(

@@ -19,7 +19,7 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.marker_reads import read_snapshot_lsn
+from tests.support.marker_reads import read_snapshot_lsn
 from resources.errors import ConfigurationError, SnapshotError
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import ColumnInfo, TableInfo, TableName
@@ -30,6 +30,7 @@ from resources.postgres.preflight import ensure_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
 from tests.support.snapshot_checks import assert_md5_payloads
@@ -117,7 +118,7 @@ def test_parallel_ctid_chunks_give_the_table_one_copy_gives(
         for name in tables:
             parallel = tmp_path / publication / f"{name}_parallel"
             split = snapshot_table(
-                pg.dsn, publication, TableName("public", name), spark, str(parallel),
+                pg.dsn, publication, TableName("public", name), SparkDeltaDestination(spark, None), str(parallel),
                 slot=SLOT, workers=3, chunk_mb=1,
             )  # fmt: skip
             assert split.chunks >= 2 and split.workers == min(3, split.chunks), (name, split.chunks)
@@ -125,7 +126,7 @@ def test_parallel_ctid_chunks_give_the_table_one_copy_gives(
             assert {row[LSN_COLUMN] for row in delta_rows(str(parallel))[1]} == {int(split.snapshot_lsn)}
             if publication != "via_leaves":  # the leaves are the root's rows again
                 one = tmp_path / publication / f"{name}_one"
-                single = snapshot_table(pg.dsn, publication, TableName("public", name), spark, str(one), slot=SLOT, workers=1)
+                single = snapshot_table(pg.dsn, publication, TableName("public", name), SparkDeltaDestination(spark, None), str(one), slot=SLOT, workers=1)
                 assert (single.chunks, single.workers) == (1, 1)
                 assert split.rows == single.rows and _content(parallel) == _content(one), name
             if publication == "filtered":  # what the row filter and column list publish, no more
@@ -183,14 +184,14 @@ def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
     try:
         while committed[0] < 20:  # writes are under way before the snapshot starts
             time.sleep(0.01)
-        results = snapshot_tables(config, spark)
+        results = snapshot_tables(config, lake_destination(spark, config))
         during = committed[0]
     finally:
         stop.set()
         writer.join()
     assert [r.chunks >= 3 and r.workers == 3 for r in results] == [True, True]
     assert committed[0] > during > 20  # the writer was still committing while the copies ran
-    run_incremental(config, spark, log=lambda line: None)
+    run_incremental(config, lake_destination(spark, config), log=lambda line: None)
     with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
         assert compare_table(conn, "public.accounts", config.table_path("public", "accounts"), key=("id",)) > 40000
         assert compare_table(conn, "public.ledger", config.table_path("public", "ledger")) > 40000
@@ -245,7 +246,7 @@ def test_a_refused_value_in_one_range_fails_the_table_and_leaves_nothing(
     assert pg.execute("SELECT pg_relation_size('prices') > 1024 * 1024")[0][0]  # more than one 1 MB range
     path = tmp_path / "prices"
     with pytest.raises(SnapshotError) as refused:
-        snapshot_table(pg.dsn, "pub", TableName("public", "prices"), spark, str(path), slot=SLOT, workers=3, chunk_mb=1)
+        snapshot_table(pg.dsn, "pub", TableName("public", "prices"), SparkDeltaDestination(spark, None), str(path), slot=SLOT, workers=3, chunk_mb=1)
     assert "public.prices" in str(refused.value) and "'NaN'" in str(refused.value) and "amount" in str(refused.value)
     assert not (path / "_delta_log").exists() and read_snapshot_lsn(spark, str(path)) is None
     leftovers = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgcdc_snapshot'"
@@ -290,7 +291,7 @@ def test_parallel_chunks_call_nothing_a_search_path_could_plant(
         with pytest.raises(psycopg.errors.RaiseException, match="planted"):
             probe.execute("SELECT count(*) FROM wide_rows WHERE ctid >= '(1,0)'")
     result = snapshot_table(
-        pg.dsn, "pub", TableName("public", "wide_rows"), spark, str(tmp_path / "w"), slot=SLOT, workers=2, chunk_mb=1
+        pg.dsn, "pub", TableName("public", "wide_rows"), SparkDeltaDestination(spark, None), str(tmp_path / "w"), slot=SLOT, workers=2, chunk_mb=1
     )
     assert result.chunks >= 2 and result.workers == 2
     with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:

@@ -43,6 +43,7 @@ from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
 from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.postgres import PgDatabase
 
 pytest.register_assert_rewrite("tests.support.s3_fixtures")  # imported below (through the Dagster tests) before pytest loads it as a plugin
@@ -156,9 +157,9 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
             # Configured otherwise by now: a table the kill left without a snapshot gets the layout
             # configured now (its created table's layout property included), one with a snapshot keeps its own.
             with snapshot_writer(spark, writer):
-                snapshot_tables(kill_config(pg, tmp_path / point, f"kill_{number}", width=700), spark)
+                snapshot_tables(kill_config(pg, tmp_path / point, f"kill_{number}", width=700), SparkDeltaDestination(spark, None))
         assert traffic.transactions > 0
-        run_incremental(config, spark)
+        run_incremental(config, lake_destination(spark, config))
         assert_exact(pg, config)
         layout = assert_buckets_right(big)
         assert layout is not None and layout.size == (1000 if LEFT[writer, point] == "snapshot" else 700), point
@@ -173,10 +174,10 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
             with Writer(pg, seed=pg.major * 100 + number + 50):
                 killed_child(config, tmp_path / f"{point}-again.yaml", point, writer)
                 assert state_left(big) == "snapshot", point
-                run_incremental(config, spark)
+                run_incremental(config, lake_destination(spark, config))
                 with snapshot_writer(spark, writer):
-                    snapshot_tables(config, spark)
-            run_incremental(config, spark)
+                    snapshot_tables(config, lake_destination(spark, config))
+            run_incremental(config, lake_destination(spark, config))
             assert_exact(pg, config)
         pg.execute(f"SELECT pg_drop_replication_slot('kill_{number}')")
 
@@ -223,20 +224,20 @@ def test_a_snapshot_in_key_ranges_killed_at_each_phase_resumes(
     (heap,) = pg.execute("SELECT pg_catalog.pg_relation_size('big')")[0]
     config = kill_config(pg, tmp_path / "lake", "pgcdc_slot", chunked_above_mb=0, key_chunk_mb=heap / 2**20 / 4.5)
     big = config.table_path("public", "big")
-    snapshot_tables(config, spark, [TableName("public", "flat")])
+    snapshot_tables(config, lake_destination(spark, config), [TableName("public", "flat")])
     left = []
     with Writer(pg, seed=pg.major + (writer == "engine")) as traffic:
         for number, (child_writer, point, _) in enumerate(RANGE_KILLS[writer]):
             killed_child(config, tmp_path / f"{number}.yaml", point, child_writer, "snapshot:public.big")
             left.append(ranges_left(big))
             if number == 0:  # a drain meanwhile: the table counts as not snapshotted, skipped and left as it is
-                run_incremental(config, spark)
+                run_incremental(config, lake_destination(spark, config))
                 assert ranges_left(big) == left[0]
         with snapshot_writer(spark, writer):
-            (result,) = snapshot_tables(config, spark, [TableName("public", "big")])
+            (result,) = snapshot_tables(config, lake_destination(spark, config), [TableName("public", "big")])
     assert left == [expected for _, _, expected in RANGE_KILLS[writer]]
     assert traffic.transactions > 0 and result.key_ranges and result.chunks >= 4
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert_exact(pg, config)
 
 
@@ -276,7 +277,7 @@ def test_a_table_pgcdc_did_not_create_is_refused_and_left_as_it_is(pg: PgDatabas
         before = files_under(path)
         for writer in WRITERS:
             with snapshot_writer(spark, writer), pytest.raises(ConfigurationError) as refused:
-                snapshot_tables(config, spark, [TableName("public", "big")])
+                snapshot_tables(config, lake_destination(spark, config), [TableName("public", "big")])
             assert "no record of its layout is left" in str(refused.value), what
             assert "remove the table's Delta directory" in str(refused.value), what
             assert files_under(path) == before, (what, writer)
@@ -366,7 +367,7 @@ def test_a_killed_dagster_snapshot_run_is_followed_by_a_run_that_succeeds(
     pg.execute("INSERT INTO orders VALUES (900, 'new', 1.00, NULL, NULL)")
     done = run_dagster(home, config_file, "-j", "pgcdc_resnapshot", "-c", str(run_config))
     assert done.returncode == 0 and "RUN_SUCCESS" in done.stdout + done.stderr, done.stderr[-3000:]
-    run_incremental(config, spark)
+    run_incremental(config, lake_destination(spark, config))
     assert delta_rows(lake, "orders") == pg_orders(pg)
     assert delta_rows(lake, "notes") == pg_notes(pg)
 
@@ -375,8 +376,8 @@ def test_an_unfinished_create_on_s3_is_created_again(s3_server: S3Server, s3_roo
     """On an object store too: the empty table delta-rs's writer creates before the snapshot commit (made
     here as that writer makes it, with an older layout in its property) is recognised, taken away and
     created again with the snapshot's layout; another writer's table next to it is left alone."""
-    open_lake(s3_root, s3_server.lake(s3_root).settings)
-    options = s3_server.lake(s3_root).object_store_options()
+    lake = open_lake(s3_root, s3_server.lake(s3_root).settings)
+    options = lake.object_store_options()
     schema = pa.schema([("id", pa.int64())])
     path, other = f"{s3_root}/public/t", f"{s3_root}/public/other"
     deltalake.DeltaTable.create(
@@ -385,16 +386,16 @@ def test_an_unfinished_create_on_s3_is_created_again(s3_server: S3Server, s3_roo
         storage_options=options, raise_if_key_not_exists=False,
     )  # fmt: skip
     deltalake.DeltaTable.create(other, schema, storage_options=options)
-    assert unfinished_create(path) and not unfinished_create(other)
+    assert unfinished_create(path, lake) and not unfinished_create(other, lake)
     layout = TableLayout("range", ("id",), 100)
     batches = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(4))
     marker = snapshot_marker(LSN(1), "s", "public.t", layout)
     with snapshot_writer(s3_spark, "delta-rs"):
-        assert write_snapshot(s3_spark, batches, schema, path, marker, layout=layout) == 1  # a new create, then the commit
+        assert write_snapshot(s3_spark, batches, schema, path, marker, layout=layout, lake=lake) == 1  # a new create, then the commit
     table = deltalake.DeltaTable(path, storage_options=options)
     assert table.metadata().configuration[LAYOUT_PROPERTY] == layout_property(layout)
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
-    assert read_table_log(path).layout == layout and not unfinished_create(path)
+    assert read_table_log(path, None, lake).layout == layout and not unfinished_create(path, lake)
     assert deltalake.DeltaTable(other, storage_options=options).version() == 0
 
 

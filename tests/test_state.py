@@ -36,6 +36,7 @@ from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -65,7 +66,7 @@ def state_of(spark: SparkSession, config: PgcdcConfig) -> dict[str, StateRow]:
 def resnapshot_without_state(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, table: str) -> None:
     """A snapshot whose process died after its Delta commit, before its state write (snapshot_table
     alone writes no state row)."""
-    snapshot_table(pg.dsn, "pub", TableName("public", table), spark, path_of(config, table), slot=SLOT)
+    snapshot_table(pg.dsn, "pub", TableName("public", table), SparkDeltaDestination(spark, None), path_of(config, table), slot=SLOT)
 
 
 def crashing_child(config: PgcdcConfig, tmp_path: Path, fault: str) -> subprocess.CompletedProcess[str]:
@@ -82,7 +83,7 @@ def crashing_child(config: PgcdcConfig, tmp_path: Path, fault: str) -> subproces
 def drained(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, expected: dict[str, int]) -> IncrementalResult:
     """One drain; then every table equals PostgreSQL (``expected``: its row count; key ``id`` or none)
     and every state row and reported version is the table's real newest version."""
-    result = run_incremental(config, spark, log=print)
+    result = run_incremental(config, lake_destination(spark, config), log=print)
     for table, rows in expected.items():
         key = ("id",) if table != "journal" else ()
         assert assert_delta_equals_postgres(pg.dsn, f"public.{table}", path_of(config, table), key=key) == rows
@@ -102,7 +103,7 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
         INSERT INTO journal VALUES (0, 'seed');
         CREATE PUBLICATION pub FOR TABLE acct, journal;
     """)
-    snapshots = {str(r.table): r for r in snapshot_tables(config, spark)}
+    snapshots = {str(r.table): r for r in snapshot_tables(config, lake_destination(spark, config))}
     state = state_of(spark, config)
     assert {t: (r.log.snapshot_lsn, r.log.snapshot_version, r.log.version, r.log.layout) for t, r in state.items()} == {
         t: (s.snapshot_lsn, s.delta_version, s.delta_version, s.layout) for t, s in snapshots.items()
@@ -155,7 +156,7 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     # A table added to the publication later: unknown to the state, read from its log every run
     # until it has a snapshot; its snapshot's state write lost too.
     pg.execute("CREATE TABLE extra (id int PRIMARY KEY); ALTER PUBLICATION pub ADD TABLE extra; INSERT INTO extra VALUES (1)")
-    fourth = run_incremental(config, spark, log=print)
+    fourth = run_incremental(config, lake_destination(spark, config), log=print)
     assert fourth.tables_without_snapshot == ["public.extra"] and "public.extra" not in state_of(spark, config)
     resnapshot_without_state(pg, config, spark, "extra")
     pg.execute("INSERT INTO extra VALUES (2)")
@@ -184,7 +185,7 @@ def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(
     config = configure(pg, tmp_path, "".join(
         f"CREATE TABLE {t} (id int PRIMARY KEY, n int); INSERT INTO {t} VALUES (1, 0);" for t in tables
     ) + f"CREATE PUBLICATION pub FOR TABLE {', '.join(tables)};")
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     destination_reads: list[str] = []
     log_files: list[str] = []
 
@@ -199,18 +200,18 @@ def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(
         log_files.append(log.directory)
         return real_read(log, name)
 
-    monkeypatch.setattr("resources.runs.incremental.SparkDeltaDestination", CountingDestination)
+    counting = CountingDestination(spark, None)
     monkeypatch.setattr(table_log._Log, "read", counted_read)
     log_files.clear()
     versions = {t: version_of(config, t) for t in tables}
 
-    idle = run_incremental(config, spark)
+    idle = run_incremental(config, counting)
     table_logs = [directory for directory in log_files if "/_pgcdc/" not in directory]  # not the state's own log
     assert destination_reads == [] and table_logs == [] and idle.changes == 0
     assert {t: idle.tables[f"public.{t}"].delta_version for t in tables} == versions
 
     pg.execute("UPDATE t7 SET n = 1")
-    one = run_incremental(config, spark)
+    one = run_incremental(config, counting)
     changed = path_of(config, "t7")
     assert destination_reads == [changed, changed]  # met, then re-read for its state row
     table_logs = [directory for directory in log_files if "/_pgcdc/" not in directory]

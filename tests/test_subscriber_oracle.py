@@ -26,6 +26,7 @@ from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres
 from resources.lsn import LSN
 from resources.runs.snapshot import snapshot_tables
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.subscriber_oracle import Subscriber, SubscriberError
 from tests.support.workload import value
@@ -255,7 +256,7 @@ def _snapshot(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> PgcdcConfi
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"pgcdc_{pg.name}", "tables": [],
         "delta": {"root": str(tmp_path / "lake")},
     })
-    snapshot_tables(config, spark)
+    snapshot_tables(config, lake_destination(spark, config))
     return config
 
 
@@ -313,7 +314,7 @@ def run_against_subscriber(
                     sql.append(text)
                     conn.execute(text)
             chunk = rng.choice([25, 200_000])
-            result = run_incremental(config, spark, max_chunk_changes=chunk)
+            result = run_incremental(config, lake_destination(spark, config), max_chunk_changes=chunk)
             subscriber.wait_for(result.end_lsn)
             try:
                 counts.append(_with_publisher_counts(pg, subscriber.assert_matches_delta(config)))
@@ -373,7 +374,7 @@ def test_a_row_moved_into_a_row_filter_with_unchanged_toast_matches_the_subscrib
     subscriber = subscribe("pub")
     config = _snapshot(pg, tmp_path, spark)
     pg.execute("UPDATE t SET id = 2 WHERE id = 1; UPDATE t SET id = 4 WHERE id = 3")
-    result = run_incremental(config, spark)
+    result = run_incremental(config, lake_destination(spark, config))
     subscriber.wait_for(result.end_lsn)
     assert subscriber.assert_matches_delta(config) == {"public.t": 2}
     with subscriber.connect() as conn:

@@ -1,23 +1,26 @@
-"""The destination seam: what the change applier and the snapshot need from the lake.
+"""The destination seam: what the runs (snapshot, drain, the change applier) need from the lake.
 
-:class:`Destination` is the whole surface the CDC side writes through, in Arrow terms only
-(no Spark here), so the folding, ordering and chunking logic can run against an in-memory
-table in fast unit tests (``resources/testing/memory_destination.py``) and against Delta
-through Spark in production (``resources/delta/spark_destination.py``). The batch layouts
+:class:`Destination` is the whole surface the runs write and read tables through, in Arrow terms
+only (no Spark here), so a whole run, its folding, ordering and chunking logic included, can run
+against an in-memory table in fast tests (``resources/testing/memory_destination.py``) and against
+Delta through Spark in production (``resources/delta/spark_destination.py``). A run receives its
+destination from its wiring (the Dagster resources, the ``pgcdc`` command), which opens the lake
+and the engine once. The batch layouts
 (:data:`~resources.delta.merge.OP_COLUMN`, unchanged flags, old-key columns) are the ones
 :func:`resources.delta.merge.merge_batch` documents.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pyarrow as pa
 
 from resources.column_numbers import ColumnNumbers
-from resources.delta.key_ranges import KeyRanges
+from resources.delta.key_ranges import KeyRanges, KeySpan
+from resources.delta.lake_storage import LakeStorage
 from resources.delta.layout import TableLayout
 from resources.lsn import LSN
 
@@ -67,8 +70,27 @@ NO_TABLE = TableLog(None, None, None, None, None)
 class Destination(Protocol):
     """One lake of tables addressed by path; every method is one commit or one read."""
 
-    def write_snapshot(self, data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str) -> int:
-        """Replace the table at ``path`` with ``data`` in one commit; return that commit's version."""
+    #: The object store holding the tables, for what the runs read and write beside them through its
+    #: storage client (the pgcdc state table, a table's metadata); None: local paths only (or no store).
+    lake: LakeStorage | None
+
+    def write_snapshot(
+        self,
+        data: pa.Table | Iterable[pa.RecordBatch],
+        schema: pa.Schema,
+        path: str,
+        user_metadata: str,
+        *,
+        chunk_bytes: int | None = None,
+        layout: TableLayout | None = None,
+        span: KeySpan | None = None,
+        deletion_vectors: bool = False,
+    ) -> int:
+        """Replace the table at ``path`` with ``data`` in one commit carrying ``user_metadata``; return that
+        commit's version. With ``layout``, each row gets its bucket and the table is partitioned by it; with
+        ``span``, only the rows of that key range are replaced (the commit is made even when empty);
+        ``deletion_vectors``: a table the write creates gets them. ``chunk_bytes`` bounds what is staged at once
+        (None: the writer's default)."""
 
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
         """Apply a folded batch, at most one change per key (keyed tables); with ``prune_buckets``, only
@@ -79,6 +101,9 @@ class Destination(Protocol):
 
     def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
         """The rows whose columns named in ``keys`` equal one of its rows (every row when None)."""
+
+    def scan(self, path: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+        """``columns`` of every row, in pieces as they come (one scan, the client's memory bounded)."""
 
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str

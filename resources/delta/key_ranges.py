@@ -83,6 +83,10 @@ class KeyRanges:
         high = self.bounds[k] if k < len(self.bounds) else None
         return low, high
 
+    def span(self, k: int) -> KeySpan:
+        """Range k's rows (:meth:`limits`) as a :class:`KeySpan`."""
+        return KeySpan(self.key, *self.limits(k))
+
     def with_point(self, k: int, point: int) -> KeyRanges:
         """Range k done at consistent point ``point``."""
         points = tuple(point if i == k else p for i, p in enumerate(self.points))
@@ -121,3 +125,24 @@ class KeyRanges:
             tuple(None if p is None else int(LSN.parse(p)) for p in value["points"]),
             frozenset(int(k) for k in value.get("redo", ())),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpan:
+    """The rows one key range holds: ``low`` <= ``key`` < ``high`` (None: open on that side); what a
+    key range's snapshot commit replaces (:meth:`KeyRanges.span`)."""
+
+    key: str
+    low: int | None
+    high: int | None
+
+    def holds(self, value: int | None) -> bool:
+        """Whether a row whose key is ``value`` lies in the span (a NULL key lies in none)."""
+        return value is not None and (self.low is None or value >= self.low) and (self.high is None or value < self.high)
+
+    def predicate(self) -> str:
+        """The span as a Delta predicate (``true`` for one span covering all)."""
+        column = "`" + self.key.replace("`", "``") + "`"
+        low = [f"{column} >= {int(self.low)}"] if self.low is not None else []
+        high = [f"{column} < {int(self.high)}"] if self.high is not None else []
+        return " AND ".join(low + high) or "true"

@@ -297,61 +297,52 @@ def _explain_store_error(error: OSError, root: str, endpoint: str) -> Configurat
     return ConfigurationError(f"cannot reach delta.root {root} ({text[:200]})", "check delta.root and delta.storage")
 
 
-_OPEN_LAKES: dict[str, LakeStorage] = {}
-"""Lakes pgcdc has checked, by root. The Delta writers take a session and a table path only; the
-clean-up of their staging data finds the store's client here by the path's root."""
-
-
 def open_lake(root: str, settings: StorageSettings | None = None) -> LakeStorage:
-    """Check the lake (``LakeStorage.check``) and remember it for clean-up by location."""
+    """The lake at ``root``, checked (``LakeStorage.check``): what a run's wiring opens once and hands to
+    whoever touches the store (the destination, the state table, maintenance)."""
     lake = LakeStorage(root, settings)
     lake.check()
-    if lake.is_object_store:
-        _OPEN_LAKES[root.rstrip("/")] = lake
     return lake
 
 
-def storage_client(location: str) -> tuple[object, str]:
-    """A ``pyarrow.fs`` filesystem reaching ``location`` and the path it takes there: the opened
-    lake's client for an object-store location, the local filesystem otherwise. pgcdc reads
-    Delta logs with it (``resources/delta/table_log.py``) without a round trip through the engine."""
+def storage_client(location: str, lake: LakeStorage | None) -> tuple[object, str]:
+    """A ``pyarrow.fs`` filesystem reaching ``location`` and the path it takes there: ``lake``'s client
+    for an object-store location inside it, the local filesystem for a local one. pgcdc reads Delta logs
+    with it (``resources/delta/table_log.py``) without a round trip through the engine."""
     from pyarrow import fs
 
-    lake = _opened_object_store(location)
-    if lake is not None:
-        return lake.filesystem(), parse_object_location(location).store_path
+    if _object_store_of(location, lake) is not None:
+        return lake.filesystem(), parse_object_location(location).store_path  # type: ignore[union-attr]
     return fs.LocalFileSystem(), location.removeprefix("file://")
 
 
-def object_store_options(location: str) -> dict[str, str]:
-    """The ``object_store`` settings (delta-rs ``storage_options``) of the opened lake holding
-    ``location``; empty for a local path. Holds secrets: pass on, never print."""
-    lake = _opened_object_store(location)
-    return {} if lake is None else lake.object_store_options()
+def object_store_options(location: str, lake: LakeStorage | None) -> dict[str, str]:
+    """The ``object_store`` settings (delta-rs ``storage_options``) of ``lake`` for ``location`` inside
+    it; empty for a local path. Holds secrets: pass on, never print."""
+    return {} if _object_store_of(location, lake) is None else lake.object_store_options()  # type: ignore[union-attr]
 
 
-def _opened_object_store(location: str) -> LakeStorage | None:
-    """The opened object-store lake holding ``location``; None for a local path. An object-store
-    location of a lake this process has not opened (checked, with its credentials) is refused."""
-    for root, lake in _OPEN_LAKES.items():
+def _object_store_of(location: str, lake: LakeStorage | None) -> LakeStorage | None:
+    """``lake`` when it is the object-store lake holding ``location``; None for a local path. An
+    object-store location outside ``lake`` (or without one) is refused: its credentials are unknown."""
+    if lake is not None and lake.is_object_store:
+        root = lake.root.rstrip("/")
         if location == root or location.startswith(root + "/"):
             return lake
     if is_object_store(location):
         raise ConfigurationError(
-            f"{location} is on an object store pgcdc has not opened", "open the lake first (open_lake(delta.root, delta.storage))"
+            f"{location} is on an object store outside the lake pgcdc was given",
+            "pass the lake holding it (open_lake(delta.root, delta.storage)) to the call",
         )
     return None
 
 
-def remove_tree(location: str, keep_parent: bool = False) -> None:
+def remove_tree(location: str, lake: LakeStorage | None, keep_parent: bool = False) -> None:
     """Delete pgcdc's own data at ``location`` (staging data, or a table it created and could not
-    fill), on whatever store holds it: a local directory
-    directly, an object-store location through the client of the opened lake containing it (one
-    not opened by this process is left to the store's lifecycle rules). A local parent directory
-    left empty goes too (a staging directory), unless ``keep_parent``."""
-    for root, lake in _OPEN_LAKES.items():
-        if location.startswith(root + "/"):
-            lake.remove_tree(location, keep_parent)
-            return
+    fill), on whatever store holds it: a local directory directly, an object-store location through
+    ``lake``'s client (one outside ``lake`` is left to the store's lifecycle rules). A local parent
+    directory left empty goes too (a staging directory), unless ``keep_parent``."""
+    if lake is not None and lake.is_object_store and location.startswith(lake.root.rstrip("/") + "/"):
+        lake.remove_tree(location, keep_parent)
+        return
     _remove_local_tree(location, keep_parent)
-

@@ -14,9 +14,8 @@ Every pgcdc commit that the next run must be able to find carries a JSON marker 
   ``applied_lsn``; a replay skips exactly those.
 
 Other writers' metadata (free text, other JSON) is ignored. Markers are built and parsed here, with
-no engine: ``resources/delta/marker_reads.py`` reads them back through the engine, the incremental run
-reads only the commits it needs with ``resources/delta/table_log.py`` and folds them with
-:func:`fold_table_log`.
+no engine: the runs read only the commits they need with ``resources/delta/table_log.py`` (through
+their destination) and fold them with :func:`fold_table_log`.
 """
 
 from __future__ import annotations
@@ -50,7 +49,15 @@ class CommitRecord:
 
 
 EXPIRED_SNAPSHOT_LSN = LSN(0)
-"""What ``marker_reads.read_snapshot_lsn`` answers for a table whose snapshot commit has left the log."""
+"""The snapshot LSN of a table whose snapshot commit has left the log.
+
+Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a newer
+checkpoint covers them, so a table replicated for longer than that has lost its snapshot commit,
+and with it the marker. The LSN no longer matters by then: every incremental run confirms the slot
+past the WAL position at its start, so the slot passed the snapshot LSN with the first run after
+the snapshot, long before the commit expired. A table whose log no longer starts at version 0 and
+holds no marker is therefore snapshotted at this LSN (nothing of what the slot sends is skipped)
+rather than treated as never snapshotted, which would skip all its changes."""
 
 
 LAYOUT_PROPERTY = "delta.pgcdc.layout"

@@ -10,7 +10,7 @@ from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
 from resources.delta.dataframes import prepare_writes, spark_dataframe
-from resources.delta.lake_storage import remove_tree
+from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.snapshot_writes import STAGE_FILE_BYTES, staged_source_sql, stage_parquet, STAGING_DIRECTORY
 
@@ -30,8 +30,10 @@ def merge_batch(
     source: pa.Table,
     key_columns: Sequence[str],
     prune_buckets: bool = True,
+    lake: LakeStorage | None = None,
 ) -> None:
-    """Apply one batch of changes, at most one per key, with a single MERGE.
+    """Apply one batch of changes, at most one per key, with a single MERGE (``lake``: the object-store
+    lake holding ``path``, whose client stages the source).
 
     ``source`` holds the row values, :data:`OP_COLUMN` and optional boolean
     ``_pgcdc_unchanged_<col>`` columns: where True, an update keeps the target's value
@@ -62,13 +64,13 @@ def merge_batch(
     (measured in docs/engine-notes.md).
     """
     staged = _merge_source(path)
-    remove_tree(staged)  # what a crashed MERGE left where it cannot be removed (object stores)
-    stage_parquet(source, source.schema, staged, STAGE_FILE_BYTES)
+    remove_tree(staged, lake)  # what a crashed MERGE left where it cannot be removed (object stores)
+    stage_parquet(source, source.schema, staged, STAGE_FILE_BYTES, lake)
     prepare_writes(spark)
     try:
         spark.sql(merge_statement(path, staged, source, key_columns, prune_buckets)).collect()
     finally:
-        remove_tree(staged)
+        remove_tree(staged, lake)
 
 
 def merge_statement(

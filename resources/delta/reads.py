@@ -24,11 +24,6 @@ from pyspark.sql import functions as F
 from resources.delta.dataframes import spark_dataframe
 
 
-def delta_schema(spark: SparkSession, path: str) -> pa.Schema:
-    """The Delta table's columns, as Arrow (read from the log; no data is scanned)."""
-    return spark.read.format("delta").load(path).limit(0).toArrow().schema
-
-
 def delta_batches(spark: SparkSession, path: str, columns: Sequence[str]) -> Iterator[pa.Table]:
     """``columns`` of every row of the table at ``path``, in pieces as the engine sends them."""
     frame = spark.read.format("delta").load(path).select(*[_column(name) for name in columns])

@@ -13,7 +13,7 @@ from pyarrow.fs import FileType
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from resources.delta.lake_storage import object_store_options, remove_tree, storage_client
+from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.locations import is_object_store
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.capabilities import engine_capabilities
@@ -66,8 +66,10 @@ def write_snapshot(
     layout: TableLayout | None = None,
     replace_where: str | None = None,
     deletion_vectors: bool = False,
+    lake: LakeStorage | None = None,
 ) -> int:
     """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
+    ``lake`` holds ``path`` when it is on an object store (as in every function here that takes it).
 
     ``deletion_vectors``: a write that creates the table creates it with
     :data:`DELETION_VECTORS_PROPERTY` on, so MERGEs then mark changed rows deleted instead of
@@ -111,23 +113,23 @@ def write_snapshot(
     if layout is not None:
         data = (with_buckets(layout, batch) for batch in data)
         schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
-    if replace_where is None and unfinished_create(path):
-        discard_unfinished_create(path)
+    if replace_where is None and unfinished_create(path, lake):
+        discard_unfinished_create(path, lake)
     if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
-        _write_with_delta_rs(data, schema, path, user_metadata, layout, deletion_vectors)
+        _write_with_delta_rs(data, schema, path, user_metadata, layout, deletion_vectors, lake)
     else:
-        new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path)
+        new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path, lake)
         staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
         try:
-            stage_parquet(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)))
+            stage_parquet(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)), lake)
             fault_point("after_snapshot_staged")
             _overwrite(
                 _staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where, new_with_deletion_vectors
             )
         finally:
-            remove_tree(staging)
+            remove_tree(staging, lake)
     fault_point("after_snapshot_commit")
-    return version_with_metadata(path, user_metadata)
+    return version_with_metadata(path, user_metadata, lake)
 
 
 def _watched(data: pa.Table | Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -139,7 +141,7 @@ def _watched(data: pa.Table | Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBat
             fault_point("during_snapshot_write")
 
 
-def discard_unfinished_create(path: str) -> None:
+def discard_unfinished_create(path: str, lake: LakeStorage | None = None) -> None:
     """Take away the table at ``path`` that :func:`~resources.delta.table_log.unfinished_create`
     recognises (the empty table a killed snapshot created and never committed to), so the path
     holds no table and the snapshot creates it as new, with the layout it chooses now (its layout
@@ -149,7 +151,7 @@ def discard_unfinished_create(path: str) -> None:
     ``_delta_log`` (a killed writer's temporary files). Nothing else in the directory is touched: it
     may be a directory pgcdc did not create; Parquet files a killed write left are referenced by no
     commit, and the maintenance job's full vacuum deletes them once older than the retention."""
-    filesystem, directory = storage_client(path)
+    filesystem, directory = storage_client(path, lake)
     log = f"{directory.rstrip('/')}/{LOG_DIRECTORY}"
     filesystem.delete_file(f"{log}/{0:020d}.json")  # type: ignore[attr-defined]
     try:
@@ -165,6 +167,7 @@ def _write_with_delta_rs(
     user_metadata: str,
     layout: TableLayout | None,
     deletion_vectors: bool,
+    lake: LakeStorage | None,
 ) -> None:
     """Overwrite the table at ``path`` with ``data`` in one delta-rs commit carrying ``user_metadata``.
 
@@ -196,10 +199,10 @@ def _write_with_delta_rs(
             raise
 
     reader = pa.RecordBatchReader.from_batches(target, batches())
-    storage_options = object_store_options(path) or None
+    storage_options = object_store_options(path, lake) or None
     partition_by = [BUCKET_COLUMN] if layout is not None else []  # [], not None: None keeps old partitioning
-    created = not table_exists(path)
-    filesystem, directory = storage_client(path)
+    created = not table_exists(path, lake)
+    filesystem, directory = storage_client(path, lake)
     new_directory = created and filesystem.get_file_info(directory).type == FileType.NotFound  # type: ignore[attr-defined]
     if created and not is_object_store(path):
         # Through the lake's storage client, as staging does: a path it cannot create fails with the
@@ -226,21 +229,23 @@ def _write_with_delta_rs(
             post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
         )  # fmt: skip
     except BaseException:
-        if created and not has_commit(path, 1):  # only the empty table created above: take it away again
+        if created and not has_commit(path, 1, lake):  # only the empty table created above: take it away again
             if new_directory:
-                remove_tree(path, keep_parent=True)  # the directory was made here: all of it is this write's
+                remove_tree(path, lake, keep_parent=True)  # the directory was made here: all of it is this write's
             else:
-                discard_unfinished_create(path)  # a directory that was there before keeps everything else
+                discard_unfinished_create(path, lake)  # a directory that was there before keeps everything else
         if failures:
             raise failures[0]  # noqa: B904 (the writer's own failure; the one caught here is its consequence)
         raise
 
 
-def stage_parquet(data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int) -> None:
+def stage_parquet(
+    data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int, lake: LakeStorage | None = None
+) -> None:
     """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging``, columns
     named by position (``c0``, ``c1``, ...; :func:`staged_source_sql` names them back); at least one
     file, so the engine finds the schema of an empty table too."""
-    filesystem, directory = storage_client(staging)
+    filesystem, directory = storage_client(staging, lake)
     if not is_object_store(staging):  # an object store has no directories (creating one leaves marker objects)
         filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
     positional = pa.schema([field.with_name(f"c{i}") for i, field in enumerate(nullable_schema(schema))])

@@ -2,28 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log, versions
+from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import TableLog
+from resources.delta.key_ranges import KeySpan
+from resources.config import PgcdcConfig
+from resources.delta.lake_storage import LakeStorage, open_lake
 from resources.delta.layout import TableLayout
 
 
 class SparkDeltaDestination:
-    """Each method is the matching function of resources/delta/ with this session bound."""
+    """Each method is the matching function of resources/delta/ with this session and lake bound.
 
-    def __init__(self, spark: SparkSession) -> None:
+    ``lake``: the object store holding the tables (from ``open_lake``), whose client reads their logs
+    and stages data; None for a lake of local paths."""
+
+    def __init__(self, spark: SparkSession, lake: LakeStorage | None) -> None:
         self.spark = spark
+        self.lake = lake
 
-    def write_snapshot(self, data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str) -> int:
-        return snapshot_writes.write_snapshot(self.spark, data, schema, path, user_metadata)
+    def write_snapshot(
+        self,
+        data: pa.Table | Iterable[pa.RecordBatch],
+        schema: pa.Schema,
+        path: str,
+        user_metadata: str,
+        *,
+        chunk_bytes: int | None = None,
+        layout: TableLayout | None = None,
+        span: KeySpan | None = None,
+        deletion_vectors: bool = False,
+    ) -> int:
+        return snapshot_writes.write_snapshot(
+            self.spark, data, schema, path, user_metadata, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, layout=layout,
+            replace_where=None if span is None else span.predicate(), deletion_vectors=deletion_vectors, lake=self.lake,
+        )  # fmt: skip
 
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
-        merge.merge_batch(self.spark, path, source, key_columns, prune_buckets)
+        merge.merge_batch(self.spark, path, source, key_columns, prune_buckets, self.lake)
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
         merge.append_rows(self.spark, path, rows, user_metadata)
@@ -31,36 +53,39 @@ class SparkDeltaDestination:
     def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
         return reads.read_rows(self.spark, path, keys)
 
+    def scan(self, path: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+        return reads.delta_batches(self.spark, path, columns)
+
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
     ) -> None:
         merge.replace_rows(self.spark, path, probe, rewrite, user_metadata)
 
     def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
-        versions.merge_versions(self.spark, path, source, key_columns, prune_buckets)
+        versions.merge_versions(self.spark, path, source, key_columns, prune_buckets, self.lake)
 
     def replace_versions(
         self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
     ) -> None:
-        versions.replace_versions(self.spark, path, rewrite, deletion_vectors, layout)
+        versions.replace_versions(self.spark, path, rewrite, deletion_vectors, layout, self.lake)
 
     def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
-        return versions.read_versions_marker(self.spark, path)
+        return versions.read_versions_marker(self.spark, path, self.lake)
 
     def delete_all_rows(self, path: str) -> None:
         merge.delete_all_rows(self.spark, path)
 
     def read_table_log(self, path: str, known: TableLog | None) -> TableLog:
-        return table_log.read_table_log(path, known)  # the lake's storage client: no engine round trip
+        return table_log.read_table_log(path, known, self.lake)  # the lake's storage client: no engine round trip
 
     def newest_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
-        return table_log.newest_marker(path)
+        return table_log.newest_marker(path, self.lake)
 
     def rows_unchanged_after(self, path: str, version: int, newest: int) -> bool:
-        return table_log.rows_unchanged_after(path, version, newest)
+        return table_log.rows_unchanged_after(path, version, newest, self.lake)
 
     def bytes_added(self, path: str, version: int, newest: int) -> int:
-        return table_log.bytes_added(path, version, newest)
+        return table_log.bytes_added(path, version, newest, self.lake)
 
     def table_schema(self, path: str) -> pa.Schema:
         return schema_changes.table_schema(self.spark, path)
@@ -73,3 +98,9 @@ class SparkDeltaDestination:
 
     def fill_columns(self, path: str, values: pa.Table, lsn_column: str, up_to_lsn: int) -> None:
         schema_changes.fill_columns(self.spark, path, values, lsn_column, up_to_lsn)
+
+
+def lake_destination(spark: SparkSession, config: PgcdcConfig) -> SparkDeltaDestination:
+    """The lake ``config`` names (``delta.root``, ``delta.storage``), checked (``open_lake``: a wrong bucket
+    or missing credentials fail here), through ``spark``: what a run receives from its wiring."""
+    return SparkDeltaDestination(spark, open_lake(config.delta.root, config.delta.storage))

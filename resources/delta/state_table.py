@@ -40,7 +40,7 @@ import pyarrow as pa
 from resources.column_numbers import ColumnNumbers
 from resources.delta.dataframes import nullable_schema
 from resources.delta.destination import TableLog
-from resources.delta.lake_storage import object_store_options
+from resources.delta.lake_storage import LakeStorage, object_store_options
 from resources.delta.reads import delta_rs_rows
 from resources.locations import join_location
 from resources.delta.layout import TableLayout
@@ -91,14 +91,15 @@ def known_log(state: dict[str, StateRow], table: str, path: str) -> TableLog | N
     return row.log if row is not None and row.path == path else None
 
 
-def read_state(path: str) -> dict[str, StateRow]:
+def read_state(path: str, lake: LakeStorage | None = None) -> dict[str, StateRow]:
     """The rows by table name (the newest one where a lost race left two); empty without a state table.
 
     Read by delta-rs in this process, not by the engine: one small file, and on Delta on Spark a
-    JVM job per drain (1.9 s warm, 6.5-13 s as a fresh engine's first statement, docs/engine-notes.md)."""
-    if not table_exists(path):
+    JVM job per drain (1.9 s warm, 6.5-13 s as a fresh engine's first statement, docs/engine-notes.md).
+    ``lake`` holds the state when it is on an object store (as for :func:`write_state`)."""
+    if not table_exists(path, lake):
         return {}
-    data = delta_rs_rows(path, storage_options=object_store_options(path) or None)
+    data = delta_rs_rows(path, storage_options=object_store_options(path, lake) or None)
     rows: dict[str, tuple[datetime, StateRow]] = {}
     for record in data.to_pylist():
         if record["snapshot_lsn"] is None or record["delta_version"] is None:
@@ -124,7 +125,13 @@ def read_state(path: str) -> dict[str, StateRow]:
     return {table: row for table, (_, row) in rows.items()}
 
 
-def write_state(path: str, previous: dict[str, StateRow], changed: Iterable[StateRow], forget: Iterable[str] = ()) -> None:
+def write_state(
+    path: str,
+    previous: dict[str, StateRow],
+    changed: Iterable[StateRow],
+    forget: Iterable[str] = (),
+    lake: LakeStorage | None = None,
+) -> None:
     """Replace the state with ``previous`` updated by ``changed`` (rows of snapshotted tables only:
     a row saying "no snapshot" could hide a snapshot whose own state write was lost), without the
     rows of the tables named in ``forget`` (found without a snapshot: their Delta table went away).
@@ -160,7 +167,7 @@ def write_state(path: str, previous: dict[str, StateRow], changed: Iterable[Stat
 
     write_deltalake(
         path, table.cast(nullable_schema(table.schema)), mode="overwrite", schema_mode="overwrite",
-        storage_options=object_store_options(path) or None,
+        storage_options=object_store_options(path, lake) or None,
         # a checkpoint at the table's interval keeps the read short; log clean-up is maintenance's (maintenance.py)
         post_commithook_properties=PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=False),
     )  # fmt: skip

@@ -19,7 +19,7 @@ Delta's commit files are ``_delta_log/<version as 20 digits>.json``, one JSON ac
 pgcdc's markers are in the ``commitInfo`` action's ``userMetadata``. Checkpoints do not keep
 ``commitInfo``, so a marker in a commit that log cleanup removed is gone: a table whose log no
 longer starts at version 0 and holds no snapshot marker has snapshot LSN
-:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (see ``read_snapshot_lsn`` for why), and its
+:data:`~resources.delta.markers.EXPIRED_SNAPSHOT_LSN` (which says why), and its
 layout (:func:`expired_layout`) comes from its newest ``metaData`` action (in the commits after the
 newest checkpoint, else in that checkpoint), which checkpoints keep: the table property
 :data:`~resources.delta.markers.LAYOUT_PROPERTY` where the engine recorded it, else the layout
@@ -38,7 +38,7 @@ from typing import Any
 from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.key_ranges import KeyRanges
-from resources.delta.lake_storage import storage_client
+from resources.delta.lake_storage import LakeStorage, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import (
     EXPIRED_SNAPSHOT_LSN,
@@ -57,9 +57,10 @@ LOG_DIRECTORY = "_delta_log"
 LAST_CHECKPOINT = "_last_checkpoint"
 
 
-def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
-    """The :class:`TableLog` of the table at ``path`` (see the module docstring for what is read)."""
-    log = _Log(path)
+def read_table_log(path: str, known: TableLog | None = None, lake: LakeStorage | None = None) -> TableLog:
+    """The :class:`TableLog` of the table at ``path`` (see the module docstring for what is read); ``lake``
+    holds it when it is on an object store (every function here takes it so)."""
+    log = _Log(path, lake)
     if known is not None and known.version is not None and known.snapshot_lsn is not None:
         checked = _after_known(log, known)
         if checked is not None:
@@ -67,10 +68,10 @@ def read_table_log(path: str, known: TableLog | None = None) -> TableLog:
     return _from_listing(log, known)
 
 
-def newest_marker(path: str) -> tuple[int | None, dict[str, Any] | None]:
+def newest_marker(path: str, lake: LakeStorage | None = None) -> tuple[int | None, dict[str, Any] | None]:
     """The table's newest version and the pgcdc marker of its newest commit that has one (None, None:
     no table; a marker of None: no kept commit has one): one listing, then commits newest first."""
-    log = _Log(path)
+    log = _Log(path, lake)
     versions, checkpoint = log.versions()
     if not versions and checkpoint is None:
         return None, None
@@ -83,13 +84,13 @@ def newest_marker(path: str) -> tuple[int | None, dict[str, Any] | None]:
     return newest, None
 
 
-def rows_unchanged_after(path: str, version: int, newest: int) -> bool:
+def rows_unchanged_after(path: str, version: int, newest: int, lake: LakeStorage | None = None) -> bool:
     """Whether every commit after ``version`` up to ``newest`` only maintains the table (table
     properties, compaction, vacuum: :data:`~resources.delta.maintenance.MAINTENANCE_OPERATIONS`),
     so its rows are those of ``version``; reads those commits only."""
     from resources.delta.maintenance import MAINTENANCE_OPERATIONS  # maintenance imports the snapshot writes, which import this
 
-    log = _Log(path)
+    log = _Log(path, lake)
     for later in range(version + 1, newest + 1):
         infos = log.actions(later, "commitInfo")
         if not infos or any(info.get("operation") not in MAINTENANCE_OPERATIONS for info in infos):
@@ -97,13 +98,13 @@ def rows_unchanged_after(path: str, version: int, newest: int) -> bool:
     return True
 
 
-def bytes_added(path: str, version: int, newest: int) -> int:
+def bytes_added(path: str, version: int, newest: int, lake: LakeStorage | None = None) -> int:
     """The bytes the commits after ``version`` up to ``newest`` wrote to storage, as their ``add`` actions
     record them: each new data file's ``size``, and each new deletion vector's ``sizeInBytes`` unless it
     is inlined in the log. A file a commit removes and adds again (given a deletion vector, the same
     file on every engine) was not written again: only its deletion vector counts. Reads those commits
     only; one that log clean-up removed counts nothing."""
-    log = _Log(path)
+    log = _Log(path, lake)
     total = 0
     for later in range(version + 1, newest + 1):
         actions = [json.loads(line) for line in (log.read(f"{later:020d}.json") or "").splitlines() if line.strip()]
@@ -117,10 +118,10 @@ def bytes_added(path: str, version: int, newest: int) -> int:
     return total
 
 
-def version_with_metadata(path: str, user_metadata: str) -> int:
+def version_with_metadata(path: str, user_metadata: str, lake: LakeStorage | None = None) -> int:
     """The version of the newest commit carrying ``user_metadata`` (a writer's own commit, found by its
     marker so a concurrent writer cannot be mistaken for it): one listing, then the commits newest first."""
-    log = _Log(path)
+    log = _Log(path, lake)
     for version in reversed(log.versions()[0]):
         if user_metadata in (log.commit(version) or []):
             return version
@@ -142,10 +143,10 @@ class TableMetadata:
         return BUCKET_COLUMN in self.partition_columns
 
 
-def read_table_metadata(path: str) -> TableMetadata | None:
+def read_table_metadata(path: str, lake: LakeStorage | None = None) -> TableMetadata | None:
     """The table's newest metadata (None: no table at ``path``): a listing of its log, the commits after
     its newest checkpoint, newest first, until one has a ``metaData`` action, else that checkpoint's."""
-    return _Log(path).metadata()
+    return _Log(path, lake).metadata()
 
 
 def expired_layout(metadata: TableMetadata | None, known: TableLog | None) -> TableLayout | None:
@@ -171,13 +172,13 @@ def expired_layout(metadata: TableMetadata | None, known: TableLog | None) -> Ta
     return None
 
 
-def table_exists(path: str) -> bool:
+def table_exists(path: str, lake: LakeStorage | None = None) -> bool:
     """Whether a Delta table is at ``path``: its first commit, or a checkpoint after log cleanup (two reads at most)."""
-    log = _Log(path)
+    log = _Log(path, lake)
     return log.commit(0) is not None or log.read(LAST_CHECKPOINT) is not None
 
 
-def unfinished_create(path: str) -> bool:
+def unfinished_create(path: str, lake: LakeStorage | None = None) -> bool:
     """Whether the table at ``path`` is nothing but the empty table pgcdc's delta-rs snapshot writer
     creates right before its snapshot commit (``snapshot_writes.py``), left so by a process killed in
     between: then it counts as not snapshotted and the next snapshot creates it again.
@@ -189,7 +190,7 @@ def unfinished_create(path: str) -> bool:
     into a data-less commit only in that create. A table any other writer made, or one that ever
     held a commit after its creation, is not one (two reads for almost every table: commit 1, and
     commit 0 when commit 1 is missing; a listing only for a data-less create with the property)."""
-    log = _Log(path)
+    log = _Log(path, lake)
     if log.commit(1) is not None:
         return False
     text = log.read(f"{0:020d}.json")
@@ -206,16 +207,16 @@ def unfinished_create(path: str) -> bool:
     return versions == [0] and checkpoint is None and log.read(LAST_CHECKPOINT) is None
 
 
-def has_commit(path: str, version: int) -> bool:
+def has_commit(path: str, version: int, lake: LakeStorage | None = None) -> bool:
     """Whether the commit file of ``version`` is in the log of the table at ``path`` (one read)."""
-    return _Log(path).commit(version) is not None
+    return _Log(path, lake).commit(version) is not None
 
 
 class _Log:
     """One table's ``_delta_log`` on its store."""
 
-    def __init__(self, path: str) -> None:
-        self.filesystem, root = storage_client(path)
+    def __init__(self, path: str, lake: LakeStorage | None) -> None:
+        self.filesystem, root = storage_client(path, lake)
         self.directory = f"{root.rstrip('/')}/{LOG_DIRECTORY}"
 
     def read(self, name: str) -> str | None:

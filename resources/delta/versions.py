@@ -32,7 +32,7 @@ from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.batch_columns import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.delta.dataframes import spark_dataframe
-from resources.delta.lake_storage import remove_tree
+from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.merge import quote_column
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
@@ -51,7 +51,14 @@ __all__ = [
 
 
 
-def merge_versions(spark: SparkSession, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
+def merge_versions(
+    spark: SparkSession,
+    path: str,
+    source: pa.Table,
+    key_columns: Sequence[str],
+    prune_buckets: bool,
+    lake: LakeStorage | None = None,
+) -> None:
     """One MERGE of a batch's close rows, new versions and marker row (module docstring); with
     ``prune_buckets`` (the key holds the layout's key), only the source's buckets and the NULL bucket."""
     columns = [name for name in source.column_names if name != CLOSE_COLUMN]
@@ -76,7 +83,7 @@ def merge_versions(spark: SparkSession, path: str, source: pa.Table, key_columns
             f"THEN INSERT ({inserted}) VALUES ({values})"
         ).collect()
     finally:
-        remove_tree(staged)
+        remove_tree(staged, lake)
 
 
 def replace_versions(
@@ -85,6 +92,7 @@ def replace_versions(
     rewrite: Callable[[pa.Table | None], pa.Table],
     deletion_vectors: bool,
     layout: TableLayout | None,
+    lake: LakeStorage | None = None,
 ) -> None:
     """Replace every current version and the marker row by ``rewrite``'s answer for them, in one commit.
     A path holding no table gets a new one holding ``rewrite(None)``, with deletion vectors when
@@ -96,7 +104,7 @@ def replace_versions(
     engine without Delta's commands) instead of sending them through the engine's client."""
     current = None
     predicate = None
-    if table_exists(path):
+    if table_exists(path, lake):
         scan = spark.read.format("delta").load(path)
         predicate = f"{quote_column(CURRENT_COLUMN)} OR {quote_column(MARKER_COLUMN)} IS NOT NULL"
         current = scan.where(predicate).toArrow()
@@ -105,14 +113,15 @@ def replace_versions(
     rows = rows.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in rows.column_names else rows
     marker = rows.filter(pc.is_valid(rows.column(MARKER_COLUMN))).column(MARKER_COLUMN)[0].as_py()
     write_snapshot(
-        spark, rows, rows.schema, path, marker, layout=layout, replace_where=predicate, deletion_vectors=deletion_vectors
+        spark, rows, rows.schema, path, marker, layout=layout, replace_where=predicate, deletion_vectors=deletion_vectors,
+        lake=lake,
     )
 
 
-def read_versions_marker(spark: SparkSession, path: str) -> tuple[int | None, dict[str, Any] | None]:
+def read_versions_marker(spark: SparkSession, path: str, lake: LakeStorage | None = None) -> tuple[int | None, dict[str, Any] | None]:
     """(0, the marker row's pgcdc marker) of the SCD type 2 table at ``path``, (None, None) without a
     table: the shape of :meth:`Destination.newest_marker`. Reads the NULL bucket only, when bucketed."""
-    if not table_exists(path):
+    if not table_exists(path, lake):
         return None, None
     scan = spark.read.format("delta").load(path)
     where = F.col(quote_column(MARKER_COLUMN)).isNotNull()

@@ -104,9 +104,9 @@ def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
     from resources.postgres.catalog import TableName
 
     config = load_config(args.config)
-    open_lake(config.delta.root, config.delta.storage)
+    lake = open_lake(config.delta.root, config.delta.storage)
     with SparkEngine.from_config(config.spark) as engine:
-        rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn, args.time)
+        rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn, args.time, lake)
     for row in rows.to_pylist():
         out.write(json.dumps(row, ensure_ascii=False, default=str))
         out.write("\n")

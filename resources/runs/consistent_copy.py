@@ -20,11 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
-from pyspark.sql import SparkSession
 
+from resources.delta.destination import Destination
+from resources.delta.key_ranges import KeySpan
 from resources.delta.layout import TableLayout
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.snapshot_writes import write_snapshot
 from resources.lsn import LSN
 from resources.phases import Phases
 from resources.pgtypes import arrow_schema, PgColumnType, SESSION_SETTINGS, spark_ddl_type
@@ -69,20 +69,20 @@ class ConsistentCopy:
 
     def write(
         self,
-        spark: SparkSession,
+        destination: Destination,
         read: Callable[[], Pieces],
         path: str,
         marker: str,
         *,
         layout: TableLayout | None,
         chunk_bytes: int,
-        replace_where: str | None = None,
+        span: KeySpan | None = None,
         deletion_vectors: bool = False,
         on_piece: Callable[[], None] | None = None,
         phases: Phases | None = None,
     ) -> int:
-        """Write ``read()``'s pieces into one commit carrying ``marker`` (replacing the table, or the rows
-        ``replace_where`` selects); return its version. ``read`` is called once the write starts;
+        """Write ``read()``'s pieces into one commit of ``destination`` carrying ``marker`` (replacing the
+        table, or the rows of the key range ``span``); return its version. ``read`` is called once the write starts;
         ``on_piece`` runs on this thread after each piece is counted. ``deletion_vectors``: a write that
         creates the table turns them on when the table's rows are updated or deleted by key or by row
         value (:attr:`changes_rows`); a keyless append-only table is only ever appended to, so it
@@ -120,9 +120,9 @@ class ConsistentCopy:
 
         stream = pieces()
         try:
-            version = write_snapshot(
-                spark, stream, self.schema, path, marker, chunk_bytes=chunk_bytes, layout=layout,
-                replace_where=replace_where, deletion_vectors=deletion_vectors and self.changes_rows,
+            version = destination.write_snapshot(
+                stream, self.schema, path, marker, chunk_bytes=chunk_bytes, layout=layout,
+                span=span, deletion_vectors=deletion_vectors and self.changes_rows,
             )  # fmt: skip
             lap("commit")
             return version

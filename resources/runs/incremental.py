@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import psycopg
-from pyspark.sql import SparkSession
 
 from resources.cdc.applier import ChangeApplier, DEFAULT_MERGE_ROWS, DEFAULT_REPLACE_VALUES
 from resources.cdc.drain import drain, start_streaming
@@ -51,12 +50,9 @@ from resources.cdc.transactions import TransactionAssembler
 from resources.cdc.writer import HEARTBEAT_SECONDS
 from resources.config import PgcdcConfig
 from resources.delta.destination import Destination, TableLog
-from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
 from resources.runs.key_range_copy import copy_key_range
-from resources.delta.lake_storage import open_lake
-from resources.delta.marker_reads import read_snapshot_lsn
 from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB
@@ -128,7 +124,7 @@ class IncrementalResult:
 @reports_dead_engine
 def run_incremental(
     config: PgcdcConfig,
-    spark: SparkSession,
+    destination: Destination,
     *,
     log: Callable[[str], None] | None = None,
     max_chunk_changes: int = 200_000,
@@ -141,7 +137,7 @@ def run_incremental(
     warn: Callable[[str], None] | None = None,
     schedule_gap: timedelta | None = None,
 ) -> IncrementalResult:
-    """Apply the slot's backlog up to the current WAL flush position to Delta, then confirm it.
+    """Apply the slot's backlog up to the current WAL flush position to ``destination``, then confirm it.
 
     ``max_chunk_changes`` / ``max_chunk_bytes`` bound a chunk (and so memory); a chunk ends
     at a transaction boundary unless one transaction alone exceeds them. ``max_merge_rows``
@@ -170,7 +166,7 @@ def run_incremental(
     with conn, ReplicationConnection(
         dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS
     ) as rc:
-        start_lsn, tables = _checked_start(config, spark, conn, rc, end_lsn, schedule_gap, caution)
+        start_lsn, tables = _checked_start(config, destination, conn, rc, end_lsn, schedule_gap, caution)
         stream = ReplicationStream(rc)
         options = PgOutputOptions([config.publication], streaming="on")
         if hold is not None:
@@ -178,13 +174,12 @@ def run_incremental(
             _holding(stream, hold)
             if end_lsn is None:
                 end_lsn = wal_position(conn)
-        state = read_state(state_path(config.delta.root, config.slot))
-        destination = SparkDeltaDestination(spark)
+        state = read_state(state_path(config.delta.root, config.slot), destination.lake)
         targets = _targets(config, destination, tables, state, start_lsn, say)
         applier = ChangeApplier(
             destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
-            max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, spark),
+            max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, destination),
         )  # fmt: skip
         if end_lsn is None:
             end_lsn = rc.identify_system().xlogpos
@@ -241,7 +236,7 @@ def _summary(
 
 def _checked_start(
     config: PgcdcConfig,
-    spark: SparkSession,
+    destination: Destination,
     conn: psycopg.Connection,
     rc: ReplicationConnection,
     end_lsn: LSN | None,
@@ -253,13 +248,12 @@ def _checked_start(
     check_server(rc)
     check_publications(rc, [config.publication])
     if rc.read_slot(config.slot) is None:
-        _refuse_lost_slot(config, spark, conn)
+        _refuse_lost_slot(config, destination, conn)
     slot_state = check_slot(rc, config.slot)
     start_lsn = slot_state.confirmed_flush_lsn
     assert start_lsn is not None  # check_slot refuses a slot without one
     for warning in _slot_risks(config, conn, rc, slot_state, schedule_gap):
         caution(warning)
-    open_lake(config.delta.root, config.delta.storage)
     try:
         tables = resolve_tables(conn, config.publication, config.tables)
     except psycopg.Error as exc:
@@ -283,12 +277,12 @@ def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:
         future.result()
 
 
-def _recopy_range(config: PgcdcConfig, spark: SparkSession, table: TableName, path: str, log: TableLog, k: int) -> None:
+def _recopy_range(config: PgcdcConfig, destination: Destination, table: TableName, path: str, log: TableLog, k: int) -> None:
     """The drain's re-copy of one key range (``ChangeApplier``): inside this run, so under the slot;
     ``log`` is the table's log as the drain knows it (its ranges and layout: no read of its own)."""
     assert log.chunks is not None, "only a table snapshotted in key ranges is copied again"
     copy_key_range(
-        config.postgres.dsn, config.publication, config.slot, table, spark, path, log.chunks, k, first=False,
+        config.postgres.dsn, config.publication, config.slot, table, destination, path, log.chunks, k, first=False,
         log=log, buckets=config.delta.buckets,
     )  # fmt: skip
 
@@ -368,7 +362,7 @@ def _record_state(
         rows[str(table)] = StateRow(str(table), target.path, log, applied)
     if rows or gone:
         fault_point("before_state_write")
-        write_state(state_path(config.delta.root, config.slot), state, rows.values(), forget=gone)
+        write_state(state_path(config.delta.root, config.slot), state, rows.values(), forget=gone, lake=destination.lake)
     return rows
 
 
@@ -416,20 +410,19 @@ def _read_log(destination: Destination, path: str, config: PgcdcConfig, known: T
         ) from None
 
 
-def _refuse_lost_slot(config: PgcdcConfig, spark: SparkSession, conn: psycopg.Connection) -> None:
+def _refuse_lost_slot(config: PgcdcConfig, destination: Destination, conn: psycopg.Connection) -> None:
     """A missing slot whose lake holds snapshots was lost (a failover without a synchronized failover
     slot, or a drop): the changes since its position are gone, so only a re-snapshot of every table helps.
 
     Returns when the lake holds nothing of this pipeline: the slot was never created.
     """
-    open_lake(config.delta.root, config.delta.storage)
-    drained = read_state(state_path(config.delta.root, config.slot))
+    drained = read_state(state_path(config.delta.root, config.slot), destination.lake)
     if not drained:
         try:
             tables = resolve_tables(conn, config.publication, config.tables)
         except psycopg.Error as exc:
             raise explain(exc, config.postgres.dsn) from None
-        if all(read_snapshot_lsn(spark, config.table_path(t.schema, t.name)) is None for t in tables):
+        if all(destination.read_table_log(config.table_path(t.schema, t.name), None).snapshot_lsn is None for t in tables):
             return
     raise SlotError(
         f'replication slot "{config.slot}" does not exist on {mask_dsn(config.postgres.dsn)}, but the lake holds'

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import psycopg
 import pyarrow as pa
-from pyspark.sql import SparkSession
 
 from resources.config import BucketSettings, SnapshotSettings
 from resources.runs.consistent_copy import consistent_copy, Pieces
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
-from resources.delta.destination import TableLog
+from resources.delta.destination import Destination, TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import snapshot_marker
@@ -98,7 +97,7 @@ def copy_key_range(
     publication: str,
     slot: str,
     table: TableName,
-    spark: SparkSession,
+    destination: Destination,
     path: str,
     ranges: KeyRanges,
     k: int,
@@ -110,7 +109,7 @@ def copy_key_range(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     deletion_vectors: bool = True,
 ) -> RangeCopy:
-    """Copy range k of ``table`` at a new consistent point into the Delta table at ``path``.
+    """Copy range k of ``table`` at a new consistent point into the Delta table at ``path`` of ``destination``.
 
     ``first``: the walk's first range, whose commit replaces the whole table (a new snapshot, bucketed
     by the layout chosen now); any other commit replaces only the range's rows, keeping the layout
@@ -121,16 +120,16 @@ def copy_key_range(
     table is keyed (``ConsistentCopy.write``).
     """
     with consistent_copy(dsn, publication, table, after_slot="after_range_slot") as copy:
-        existing = existing_layout(table, path, log)
+        existing = existing_layout(table, path, log, destination.lake)
         if first:
             layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets or BucketSettings(), existing)
         else:
             layout = existing
-            _check_columns(spark, path, table, copy.schema)
+            _check_columns(destination, path, table, copy.schema)
         done = ranges.with_point(k, copy.point)
         marker = snapshot_marker(done.snapshot_lsn, slot, str(table), layout, done, k, copy.info.column_numbers)
-        low, high = ranges.limits(k)
-        query = copy.info.copy_query(keys=(ranges.key, low, high))
+        span = ranges.span(k)
+        query = copy.info.copy_query(keys=(span.key, span.low, span.high))
 
         def read() -> Pieces:
             return copied_batches(
@@ -138,28 +137,22 @@ def copy_key_range(
             )
 
         version = copy.write(
-            spark, read, path, marker, layout=layout, chunk_bytes=chunk_bytes,
-            replace_where=None if first else _range_predicate(ranges.key, low, high), deletion_vectors=deletion_vectors,
+            destination, read, path, marker, layout=layout, chunk_bytes=chunk_bytes,
+            span=None if first else span, deletion_vectors=deletion_vectors,
         )  # fmt: skip
     fault_point("after_range_commit")
     return RangeCopy(done, k, copy.point, copy.rows, copy.bytes, version, layout, copy.described)
 
 
-def _check_columns(spark: SparkSession, path: str, table: TableName, schema: pa.Schema) -> None:
+def _check_columns(destination: Destination, path: str, table: TableName, schema: pa.Schema) -> None:
     """Refuse (:class:`ColumnsChanged`) to replace one range when the COPY's columns are not the Delta
     table's (an ALTER TABLE since the snapshot began, a column dropped since the previous snapshot):
     by name only (a column added by a drain comes last in Delta), types are the drain's business
     (``resources/cdc/schema.py``)."""
-    delta = [name for name in spark.read.format("delta").load(path).columns if name != BUCKET_COLUMN]
+    delta = [name for name in destination.table_schema(path).names if name != BUCKET_COLUMN]
     if sorted(delta) != sorted(schema.names):
         raise ColumnsChanged(
             f"{table}: its columns ({', '.join(schema.names)}) are not its Delta table's ({', '.join(delta)})",
             "the snapshot starts over",
         )
 
-
-def _range_predicate(key: str, low: int | None, high: int | None) -> str:
-    """The Delta predicate selecting the rows of a key range (``true`` for one range covering all)."""
-    column = "`" + key.replace("`", "``") + "`"
-    conditions = ([f"{column} >= {int(low)}"] if low is not None else []) + ([f"{column} < {int(high)}"] if high is not None else [])
-    return " AND ".join(conditions) or "true"

@@ -48,13 +48,11 @@ from typing import Protocol
 import numpy as np
 import pyarrow as pa
 import psycopg
-from pyspark.sql import SparkSession
 
 from resources.cdc.row_multiset import comparable_rows
 from resources.config import PgcdcConfig
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.marker_reads import read_snapshot_lsn
-from resources.delta.reads import delta_batches, delta_schema
+from resources.delta.destination import Destination
 from resources.delta.spark_connect import reports_dead_engine
 from resources.errors import explain
 from resources.runs.incremental import IncrementalResult, run_incremental
@@ -124,14 +122,15 @@ class ReconcileResult:
 @reports_dead_engine
 def reconcile(
     config: PgcdcConfig,
-    spark: SparkSession,
+    destination: Destination,
     tables: Sequence[TableName] | None = None,
     *,
     log: Callable[[str], None] | None = None,
     range_rows: int = RANGE_ROWS,
 ) -> ReconcileResult:
     """Fix one LSN, drain the slot up to it, and compare ``tables`` (default: every replicated one)
-    in ranges of about ``range_rows`` rows (by PostgreSQL's estimate; at most :data:`MAX_RANGES`).
+    in ranges of about ``range_rows`` rows (by PostgreSQL's estimate; at most :data:`MAX_RANGES`), reading
+    the lake through ``destination``.
 
     The caller must hold the slot's concurrency pool for the whole call, as for a drain.
     """
@@ -143,7 +142,7 @@ def reconcile(
         except psycopg.Error as exc:
             raise explain(exc, dsn) from None
         say(f"reconciling at {lsn}: draining slot {config.slot} up to it")
-        drained = run_incremental(config, spark, log=say, end_lsn=lsn)
+        drained = run_incremental(config, destination, log=say, end_lsn=lsn)
         wanted = [str(t) for t in tables] if tables is not None else list(drained.tables)
         compared: dict[str, TableReconciliation] = {}
         skipped = {name: f"no snapshot yet: run the {SNAPSHOT_JOB} job" for name in drained.tables_without_snapshot}
@@ -155,15 +154,15 @@ def reconcile(
                 continue
             table = TableName.parse(name)
             path = config.table_path(table.schema, table.name)
-            snapshot_lsn = read_snapshot_lsn(spark, path)
+            snapshot_lsn = destination.read_table_log(path, None).snapshot_lsn
             if snapshot_lsn is not None and snapshot_lsn > lsn:
                 skipped[name] = f"re-snapshotted at {snapshot_lsn}, after the reconciliation point: run it again"
                 continue
             try:
-                outcome = _compare_table(reader, config.publication, spark, table, path, range_rows)
+                outcome = _compare_table(reader, config.publication, destination, table, path, range_rows)
             except psycopg.Error as exc:
                 raise explain(exc, dsn) from None
-            if read_snapshot_lsn(spark, path) != snapshot_lsn:
+            if destination.read_table_log(path, None).snapshot_lsn != snapshot_lsn:
                 skipped[name] = "re-snapshotted while it was compared: run it again"
                 continue
             say(
@@ -267,12 +266,12 @@ class RangeSums:
 
 
 def _compare_table(
-    reader: psycopg.Connection, publication: str, spark: SparkSession, table: TableName, path: str, range_rows: int
+    reader: psycopg.Connection, publication: str, destination: Destination, table: TableName, path: str, range_rows: int
 ) -> TableReconciliation:
     started = time.monotonic()
     info = read_table(reader, publication, table)
     types = published_column_types(reader, info)
-    in_delta = set(delta_schema(spark, path).names)
+    in_delta = set(destination.table_schema(path).names)
     compared = [column for column in types if column.column in in_delta]
     names = [column.column for column in compared]
     keys = [c.name for c in info.columns if c.is_identity_key] if info.replica_identity in ("d", "i") else []
@@ -284,7 +283,7 @@ def _compare_table(
         return _postgres_pieces(reader, info, compared, names)
 
     def delta() -> Iterator[tuple[pa.Table, list[tuple]]]:
-        for piece in delta_batches(spark, path, names):
+        for piece in destination.scan(path, names):
             yield piece, comparable_rows(piece, names)
 
     postgres_sums, delta_sums = RangeSums.empty(ranges.count), RangeSums.empty(ranges.count)

@@ -14,24 +14,25 @@ import pyarrow as pa
 
 from resources.config import BucketSettings
 from resources.delta.destination import TableLog
+from resources.delta.lake_storage import LakeStorage
 from resources.delta.layout import BUCKET_COLUMN, choose_layout, is_range_key, LayoutError, TableLayout, TableSize
 from resources.delta.table_log import read_table_metadata, unfinished_create
 from resources.errors import ConfigurationError
 from resources.postgres.catalog import key_range, primary_key_columns, size_estimate, TableInfo, TableName
 
 
-def existing_layout(table: TableName, path: str, log: TableLog) -> TableLayout | None:
+def existing_layout(table: TableName, path: str, log: TableLog, lake: LakeStorage | None) -> TableLayout | None:
     """The layout of the Delta table at ``path`` if it is bucketed (None: no table, or unbucketed), as
     its ``log`` says (read as a drain reads it, with the pgcdc state's row as ``known``: the snapshot
     marker, else :func:`~resources.delta.table_log.expired_layout`); a bucketed table whose layout no
     record names any more is refused: re-bucketing it in place could contradict a layout recorded for
-    it elsewhere. The empty table a killed snapshot created and never committed to
+    it elsewhere (``lake``: the object store holding ``path``, whose client reads its metadata). The empty table a killed snapshot created and never committed to
     (:func:`~resources.delta.table_log.unfinished_create`) has no layout: nothing was ever recorded
     for it, and the snapshot writer creates it again (``resources/delta/snapshot_writes.py``)."""
     layout = log.layout
     if layout is None:
-        metadata = read_table_metadata(path)
-        if metadata is not None and metadata.bucketed and not unfinished_create(path):
+        metadata = read_table_metadata(path, lake)
+        if metadata is not None and metadata.bucketed and not unfinished_create(path, lake):
             raise ConfigurationError(
                 f"the Delta table of {table} is bucketed ({BUCKET_COLUMN}) but no record of its layout is left "
                 "(its snapshot commit left the log and the pgcdc state has no row for this table)",

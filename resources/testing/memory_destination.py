@@ -10,12 +10,13 @@ tests compare the two on the same batches, so this stays honest.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 
 from resources.delta.destination import NO_TABLE, TableLog
+from resources.delta.key_ranges import KeySpan
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import fold_table_log, pgcdc_marker
 from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
@@ -63,6 +64,9 @@ class StaticTypes:
 class InMemoryDestination:
     """Tables as Arrow tables in a dict, with each table's commit log of userMetadata."""
 
+    #: No object store: what the runs keep beside the tables (their state) goes to local paths.
+    lake = None
+
     def __init__(self) -> None:
         self.tables: dict[str, pa.Table] = {}
         self.commits: dict[str, list[str | None]] = {}
@@ -77,9 +81,27 @@ class InMemoryDestination:
         """The table's rows as dicts (order not meaningful)."""
         return self.tables[path].to_pylist()
 
-    def write_snapshot(self, data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, path: str, user_metadata: str) -> int:
+    def write_snapshot(
+        self,
+        data: pa.Table | Iterable[pa.RecordBatch],
+        schema: pa.Schema,
+        path: str,
+        user_metadata: str,
+        *,
+        chunk_bytes: int | None = None,
+        layout: TableLayout | None = None,
+        span: KeySpan | None = None,
+        deletion_vectors: bool = False,
+    ) -> int:
+        """As the Delta snapshot write: the rows bucketed by ``layout``; with ``span``, only that key
+        range's rows replaced (a new table at a new path)."""
         table = data if isinstance(data, pa.Table) else pa.Table.from_batches(list(data), schema=schema)
-        return self._commit(path, table, user_metadata)
+        if layout is not None:
+            table = with_buckets(layout, table)
+        if span is None:
+            return self._commit(path, table, user_metadata)
+        kept = [row for row in self.tables[path].to_pylist() if not span.holds(row[span.key])] if path in self.tables else []
+        return self._commit(path, pa.Table.from_pylist(kept + table.to_pylist(), schema=table.schema), user_metadata)
 
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
         """As the Delta MERGE, partition pruning included: a pruned bucketed batch sees only the target
@@ -143,6 +165,9 @@ class InMemoryDestination:
             [row for row in table.to_pylist() if tuple(row[n] for n in keys.column_names) in wanted], schema=table.schema
         )
 
+    def scan(self, path: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+        yield self.tables[path].select(list(columns))
+
     def replace_rows(
         self, path: str, probe: pa.Table, rewrite: Callable[[pa.Table], pa.Table], user_metadata: str
     ) -> None:
@@ -154,12 +179,6 @@ class InMemoryDestination:
             (selected if tuple(row[n] for n in probe.column_names) in probed else kept).append(row)
         replacement = rewrite(pa.Table.from_pylist(selected, schema=target.schema))
         self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=target.schema), user_metadata)
-
-    def replace_where(self, path: str, selected: Callable[[dict], bool], rows: pa.Table, user_metadata: str) -> int:
-        """Replace the rows ``selected`` picks by ``rows`` in one commit (a snapshot's key-range copy, as
-        ``resources/delta/snapshot_writes.py: write_snapshot(replace_where=...)`` writes it); a new table at a new path."""
-        kept = [row for row in self.tables[path].to_pylist() if not selected(row)] if path in self.tables else []
-        return self._commit(path, pa.Table.from_pylist(kept + rows.to_pylist(), schema=rows.schema), user_metadata)
 
     def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
         """As the Delta MERGE of ``resources/delta/versions.py``, bucket pruning included."""

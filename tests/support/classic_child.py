@@ -26,6 +26,7 @@ from resources.delta.capabilities import engine_capabilities
 from resources.delta.maintenance import maintain_table
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
+from resources.delta.spark_destination import lake_destination
 
 
 def main() -> None:
@@ -35,11 +36,11 @@ def main() -> None:
         spark = ready.spark_session
         assert ".connect." not in type(spark).__module__, "not a classic session"
         print(f"delta commands: {engine_capabilities(spark).delta_commands}", flush=True)
-        snapshot_tables(config, spark)
+        snapshot_tables(config, lake_destination(spark, config))
         print("snapshot done", flush=True)
         for command in sys.stdin:
             if command.strip() == "drain":
-                result = run_incremental(config, spark)
+                result = run_incremental(config, lake_destination(spark, config))
                 print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
             elif command.strip() == "maintain":
                 done = [

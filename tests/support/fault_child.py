@@ -26,6 +26,7 @@ from resources.errors import PgcdcError
 from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
+from resources.delta.spark_destination import lake_destination
 
 EXIT_PGCDC_ERROR = 2
 SNAPSHOT_WRITER_ENV = "FAULT_CHILD_SNAPSHOT_WRITER"
@@ -46,11 +47,11 @@ def main() -> int:
         try:
             if sys.argv[2].startswith("snapshot"):
                 only = [TableName.parse(sys.argv[2].split(":", 1)[1])] if ":" in sys.argv[2] else None
-                for done in snapshot_tables(config, engine.spark, only):
+                for done in snapshot_tables(config, lake_destination(engine.spark, config), only):
                     print(f"snapshot {done.table} {done.mode} at {done.snapshot_lsn}", flush=True)
                 return 0
             result = run_incremental(
-                config, engine.spark, log=lambda line: print(line, flush=True), max_chunk_changes=int(sys.argv[2])
+                config, lake_destination(engine.spark, config), log=lambda line: print(line, flush=True), max_chunk_changes=int(sys.argv[2])
             )
         except PgcdcError as error:
             print(f"pgcdc: {type(error).__name__}: {error}", file=sys.stderr, flush=True)

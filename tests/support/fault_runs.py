@@ -19,6 +19,7 @@ from resources.crash_points import FAULT_POINT_ENV
 from resources.lsn import LSN
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +108,7 @@ def rerun_converges(
     """Re-run in this process; the slot ends at the re-run's position, the data is exact
     (by ``exact``, default :func:`assert_exact` for this module's tables)."""
     before = flush_lsn(pg)
-    result = run_incremental(config, spark, log=print)
+    result = run_incremental(config, lake_destination(spark, config), log=print)
     after = flush_lsn(pg)
     assert result.confirmed_flush_lsn == confirmed(pg)
     # The re-run confirms its end position: the flush LSN when it started, which background

@@ -20,6 +20,7 @@ from resources.postgres.catalog import TableName
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 SLOT = "pgcdc_slot"
@@ -40,12 +41,12 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str, snapsho
     """Create the tables and publication, then snapshot (``snapshot``: which tables; default all)."""
     pg.execute(ddl)
     config = parse_config(settings(pg, tmp_path / "lake"))
-    snapshot_tables(config, spark, None if snapshot is None else [TableName.parse(t) for t in snapshot])
+    snapshot_tables(config, lake_destination(spark, config), None if snapshot is None else [TableName.parse(t) for t in snapshot])
     return config
 
 
 def drain(config: PgcdcConfig, spark: SparkSession, **kwargs: object) -> IncrementalResult:
-    return run_incremental(config, spark, log=print, **kwargs)  # type: ignore[arg-type]
+    return run_incremental(config, lake_destination(spark, config), log=print, **kwargs)  # type: ignore[arg-type]
 
 
 def path_of(config: PgcdcConfig, table: str) -> str:

@@ -17,6 +17,7 @@ from resources.lsn import LSN
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 KEYS = 40
@@ -253,7 +254,7 @@ def run_key_shapes(
     """Snapshot the tables of ``shapes`` (created and published already), then drain after each
     round of ``identity_changes`` (and once before and after them), each round with random row
     changes and, in the second, a TRUNCATE of ``truncated``; compare after the snapshot and every drain."""
-    results = {str(result.table): result for result in snapshot_tables(config, spark)}
+    results = {str(result.table): result for result in snapshot_tables(config, lake_destination(spark, config))}
     in_ranges = {name for name, result in results.items() if result.key_ranges and result.chunks > 1}
     integer_keys = {f"public.{shape.table}" for shape in shapes if shape.layout == RANGE}
     assert in_ranges == (integer_keys if config.snapshot.chunked_above_mb < 1 else set()), in_ranges
@@ -288,7 +289,7 @@ def run_key_shapes(
                     if shape.table in truncated:
                         for i in range(5):
                             conn.execute(_insert(shape, i, i + 7, big=i == 0))
-        result = run_incremental(config, spark, max_chunk_changes=97)
+        result = run_incremental(config, lake_destination(spark, config), max_chunk_changes=97)
         _compare(oracle, result, config, shapes, f"drain {drain + 1}")
         for name, table in result.tables.items():
             if table.inserted + table.updated + table.deleted and name.removeprefix("public.") not in workload.insert_only:

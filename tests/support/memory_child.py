@@ -33,6 +33,7 @@ from resources.delta.engine import process_memory_mib, SparkEngine
 from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_table, SnapshotProgress
+from resources.delta.spark_destination import SparkDeltaDestination
 
 RESET_PEAK = "5"
 """Written to /proc/self/clear_refs: resets VmHWM to the current resident memory (Linux 4.0+)."""
@@ -60,7 +61,7 @@ def main() -> None:
             dsn, publication, table, path, slot, chunk_bytes, workers, chunk_mb = sys.argv[2:10]
             progress: list[SnapshotProgress] = []
             result = snapshot_table(
-                dsn, publication, TableName.parse(table), engine.spark, path,
+                dsn, publication, TableName.parse(table), SparkDeltaDestination(engine.spark, None), path,
                 slot=slot, chunk_bytes=int(chunk_bytes), workers=int(workers), chunk_mb=int(chunk_mb),
                 on_progress=progress.append,
             )  # fmt: skip
@@ -72,7 +73,7 @@ def main() -> None:
                 "last_progress": progress[-1].describe() if progress else None,
             }  # fmt: skip
         else:
-            drained = run_incremental(load_config(sys.argv[2]), engine.spark, max_chunk_changes=int(sys.argv[3]))
+            drained = run_incremental(load_config(sys.argv[2]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(sys.argv[3]))
             done = {"changes": drained.changes}
         _, peak = process_memory_mib()
         _, engine_peak = engine.server_memory_mib()

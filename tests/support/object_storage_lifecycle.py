@@ -13,12 +13,13 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.config import parse_config
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.marker_reads import read_commit_metadata
+from tests.support.marker_reads import read_commit_metadata
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
 from resources.delta.state_table import read_state, state_path
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
 
@@ -63,7 +64,7 @@ def lifecycle(
     pg.execute(DDL)
     config = parse_config(settings(pg, s3_root, s3_server.storage()))
     messages: list[str] = []
-    snapshot_tables(config, s3_spark)
+    snapshot_tables(config, lake_destination(s3_spark, config))
     all_same(pg, s3_server, s3_root)
     steps["snapshot"] = time.monotonic() - started
 
@@ -93,12 +94,12 @@ def lifecycle(
     writer.start()
     try:
         for _ in range(drains_under_writes):
-            run_incremental(config, s3_spark, log=messages.append)
+            run_incremental(config, lake_destination(s3_spark, config), log=messages.append)
     finally:
         stop.set()
         writer.join()
     assert not writer_failures, writer_failures
-    run_incremental(config, s3_spark, log=messages.append)
+    run_incremental(config, lake_destination(s3_spark, config), log=messages.append)
     all_same(pg, s3_server, s3_root)
     steps["drains under writes"] = time.monotonic() - started - sum(steps.values())
 
@@ -109,7 +110,7 @@ def lifecycle(
         conn.execute("TRUNCATE orders")
         conn.execute("INSERT INTO orders VALUES (1, 2.5, 'after truncate')")
         conn.execute("INSERT INTO events VALUES ('dup', 1), ('dup', 1)")
-    result = run_incremental(config, s3_spark, log=messages.append)
+    result = run_incremental(config, lake_destination(s3_spark, config), log=messages.append)
     assert result.tables["public.orders"].truncates == 1
     all_same(pg, s3_server, s3_root)
     steps["duplicates, truncate"] = time.monotonic() - started - sum(steps.values())
@@ -118,7 +119,7 @@ def lifecycle(
     prefix = s3_root.removeprefix(f"s3://{BUCKET}/") + "/"
     assert staged_objects(s3_server, prefix) == []
     assert all(key.startswith((prefix + "public/", prefix + "_pgcdc/state/")) for key in s3_server.keys(prefix))
-    state = read_state(state_path(s3_root, SLOT))  # the state table lives on the store too
+    state = read_state(state_path(s3_root, SLOT), s3_server.lake(s3_root))  # the state table lives on the store too
     assert {table: row.log.version for table, row in state.items()} == {
         table: deltalake.DeltaTable(config.table_path(*table.split(".")), storage_options=LakeStorage(config.delta.root, config.delta.storage).object_store_options()).version()
         for table in TABLES

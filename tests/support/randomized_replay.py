@@ -17,6 +17,7 @@ from resources.postgres.connections import libpq_options
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, compare_table
+from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.workload import DDL, Step
 
@@ -69,7 +70,7 @@ class Replay:
             + "\n".join(f"-- #{i}\n{step.render()};" for i, step in enumerate(steps)) + "\n"
         )
         self.pg.execute(DDL)
-        snapshot_tables(self.config, self.spark)  # creates the slot; `late` is not published yet
+        snapshot_tables(self.config, lake_destination(self.spark, self.config))  # creates the slot; `late` is not published yet
         with self.pg.connect() as main, self.pg.connect() as second:
             conns = [main, second]
             for index, step in enumerate(steps):
@@ -84,11 +85,11 @@ class Replay:
             for statement in step.statements:
                 conn.execute(statement)
         elif step.kind == "snapshot":
-            snapshot_tables(self.config, self.spark, [TableName("public", step.table)])
+            snapshot_tables(self.config, lake_destination(self.spark, self.config), [TableName("public", step.table)])
         elif step.kind == "run":
             self.run_log = []
             started = time.monotonic()
-            result = run_incremental(self.config, self.spark, log=self.run_log.append, max_chunk_changes=step.chunk)
+            result = run_incremental(self.config, lake_destination(self.spark, self.config), log=self.run_log.append, max_chunk_changes=step.chunk)
             self.runs += 1
             self.run_times.append(f"{result.changes}@{step.chunk}:{time.monotonic() - started:.1f}s")
             assert result.confirmed_flush_lsn >= result.end_lsn, (result.confirmed_flush_lsn, result.end_lsn)

@@ -1,6 +1,8 @@
 """Markers and table properties read back through the engine: the commit log as one Spark query over
 ``_delta_log`` (:func:`read_commit_metadata`, newest commit first), the snapshot marker and the layout
-property. ``resources/delta/markers.py`` builds and parses what these read.
+property. The runs read them through the lake's storage client (``resources/delta/table_log.py``);
+the tests read them so too, as an oracle that shares nothing with it but the marker format
+(``resources/delta/markers.py`` builds and parses what these read).
 """
 
 from __future__ import annotations
@@ -79,17 +81,7 @@ def read_snapshot_lsn(spark: SparkSession, path: str) -> LSN | None:
 
 def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, TableLayout | None]:
     """The snapshot LSN of the newest snapshot commit at ``path`` (None without table or marker)
-    and the layout it recorded (None: unbucketed, or the marker is gone, see below).
-
-    Delta deletes commits older than ``delta.logRetentionDuration`` (30 days by default) once a
-    newer checkpoint covers them, so a table replicated for longer than that has lost its
-    snapshot commit, and with it the marker. The LSN no longer matters by then: every
-    incremental run confirms the slot past the WAL position at its start, so the slot passed the
-    snapshot LSN with the first run after the snapshot, long before the commit expired. A table
-    whose log no longer starts at version 0 and holds no marker is therefore snapshotted at
-    :data:`EXPIRED_SNAPSHOT_LSN` (nothing of what the slot sends is skipped) rather than treated as
-    never snapshotted, which would skip all its changes.
-    """
+    and the layout it recorded (None: unbucketed, or the marker is gone: :data:`EXPIRED_SNAPSHOT_LSN`)."""
     try:
         commits = read_commit_metadata(spark, path)
     except AnalysisException as exc:
@@ -108,9 +100,8 @@ def read_snapshot_marker(spark: SparkSession, path: str) -> tuple[LSN | None, Ta
 def read_layout_property(spark: SparkSession, path: str) -> str | None:
     """:data:`LAYOUT_PROPERTY` in the table's newest metadata (None: no table, or created by an earlier
     pgcdc): from the newest ``metaData`` action of the commits left in the log, or the newest
-    checkpoint's when that is newer. A scan of the log through the engine: read by a re-snapshot (and
-    :func:`read_snapshot_marker` once the snapshot marker is gone); drains read it through the storage
-    client instead (``resources/delta/table_log.py``)."""
+    checkpoint's when that is newer. A scan of the log through the engine (:func:`read_snapshot_marker`
+    once the snapshot marker is gone)."""
     try:
         return _layout_property(spark, path)
     except AnalysisException as exc:
