@@ -2,8 +2,9 @@
 
 Run ``python -m bench.scale big`` or ``python -m bench.scale_big [--sizes 100000,1000000,10000000]
 [--rounds 3] [--major 18] [--target-rows N] [--unbucketed | --both | --copy-on-write | --vs-copy-on-write |
---vs-update-merge]``.
-It starts a throwaway PostgreSQL and one embedded engine,
+--vs-update-merge] [--engine sail|spark|sc://host:port] [--spark-conf KEY=VALUE]``.
+It starts a throwaway PostgreSQL and one engine (``--engine``, ``bench/lakes.py``: embedded Sail by
+default, ``spark`` for the Apache Spark with Delta that pgcdc manages; ``--spark-conf`` adds settings to it),
 loads one table per size (``id bigint`` primary key, about 100 bytes a row), ANALYZEs them and
 snapshots each into Delta with the layout its size gives it and deletion vectors (pgcdc's defaults;
 ``--unbucketed``: no buckets, as pgcdc wrote tables before layouts; ``--copy-on-write``:
@@ -44,6 +45,7 @@ import deltalake
 import psycopg
 import pyarrow.compute as pc
 
+from bench.lakes import open_engine
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
 from resources.delta.reads import delta_rs_rows
@@ -185,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--copy-on-write", action="store_true", help="tables without deletion vectors")
     parser.add_argument("--vs-copy-on-write", action="store_true", help="a table with and one without deletion vectors per size")
     parser.add_argument("--vs-update-merge", action="store_true", help="a table drained as now and one with pgcdc's earlier MERGE per size")
+    parser.add_argument("--engine", default="sail", help="sail (embedded), spark (managed) or sc://host:port")
+    parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for the managed Spark engine (repeatable), e.g. spark.driver.memory=4g")
     args = parser.parse_args(argv)
     sizes = sorted(int(size) for size in args.sizes.split(","))
     if args.both:
@@ -208,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = {table: config_for(dsn, table, work / "lake", args.target_rows) for table in tables}
         results: dict[Table, dict[str, float]] = {}
         paths = {table: configs[table].table_path("public", table_name(table)) for table in tables}
-        with SparkEngine.embedded() as engine:
+        extra = dict(setting.split("=", 1) for setting in args.spark_conf)
+        with open_engine(args.engine, str(work / "lake"), {}, extra) as engine:
+            print(f"engine: {args.engine}", flush=True)
             for table in tables:
                 started = time.perf_counter()
                 (snapshot,) = snapshot_tables(configs[table], engine.spark)

@@ -34,6 +34,7 @@ from resources.errors import ConfigurationError
 from resources.runs.incremental import run_incremental
 from resources.delta.lake_storage import LakeStorage, open_lake, remove_tree
 from resources.runs.snapshot import snapshot_tables
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import PgDatabase
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.s3_fixtures import BUCKET, TEST_SECRET, S3Server
@@ -102,18 +103,24 @@ def test_storage_settings_refuse_literal_secrets_and_plain_http_without_saying_t
 
 
 def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession) -> None:
-    lifecycle(pg, s3_server, s3_root, s3_spark)
+    lifecycle(pg, s3_server, s3_root, s3_spark, copy_on_write="public.dups")
 
 
 def lifecycle(
-    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, drains_under_writes: int = 2
+    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, copy_on_write: str,
+    drains_under_writes: int = 2,
 ) -> None:
+    """Snapshot, drains under writes, duplicates and TRUNCATE on ``s3://``; the table ``copy_on_write``
+    (``orders`` or ``dups``) opted out of deletion vectors, the other with them."""
     steps: dict[str, float] = {}
     started = time.monotonic()
     pg.execute(DDL)
-    config = parse_config(settings(pg, s3_root, s3_server.storage()))
+    options = settings(pg, s3_root, s3_server.storage())
+    options["delta"]["deletion_vectors_tables"] = {copy_on_write: False}
+    config = parse_config(options)
     messages: list[str] = []
     snapshot_tables(config, s3_spark)
+    assert_deletion_vectors(config, {name: name != copy_on_write for name in ("public.orders", "public.dups")})
     all_same(pg, s3_server, s3_root)
     steps["snapshot"] = time.monotonic() - started
 

@@ -30,6 +30,7 @@ from resources.postgres.preflight import ensure_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
 from tests.test_snapshot import assert_md5_payloads
@@ -154,7 +155,9 @@ def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
     )
     config = parse_config(
         {
-            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path)},
+            # accounts copy-on-write (the opt-out), ledger with deletion vectors (the default)
+            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
+            "delta": {"root": str(tmp_path), "deletion_vectors_tables": {"public.accounts": False}},
             "snapshot": {"workers": 3, "chunk_mb": 1, "parallel_tables": 2},
         }
     )  # fmt: skip
@@ -189,6 +192,7 @@ def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
         stop.set()
         writer.join()
     assert [r.chunks >= 3 and r.workers == 3 for r in results] == [True, True]
+    assert_deletion_vectors(config, {"public.accounts": False, "public.ledger": True})
     assert committed[0] > during > 20  # the writer was still committing while the copies ran
     run_incremental(config, spark, log=lambda line: None)
     with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
