@@ -14,7 +14,7 @@ deletion vectors per size, ``--vs-update-merge``: two tables with pgcdc's defaul
 second drained with the MERGE pgcdc ran before (an UPDATE of matched rows, no key list:
 ``resources/delta/merge.py``, ``merge_statement``), drained in turn,
 so the two compare in the same run). Each table has its own publication and slot, so a drain reads only its
-table's changes. Then, per table and round, two timed drains (after one untimed warm-up):
+table's changes. Then, per table and round, two timed drains (after an untimed warm-up drain of each):
 
 * newest: 100 updates of the 100 newest keys plus 100 inserts of new keys (a table whose recent
   rows are the busy ones);
@@ -226,9 +226,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 newest: dict[Table, list[float]] = {table: [] for table in same_size}
                 uniform: dict[Table, list[float]] = {table: [] for table in same_size}
                 written: dict[Table, dict[str, list[int]]] = {table: {"newest": [], "random": []} for table in same_size}
-                for table in same_size:
+                warm_up_keys = rng.sample(range(1, rows + 1), RANDOM_UPDATES)
+                for table in same_size:  # one untimed drain of each pattern (a JVM engine compiles its hot paths)
                     newest_changes(dsn, table, 0)
-                    timed_drain(configs[table], engine, paths[table], update_merge=table[1] == UPDATE_MERGE)  # warm-up
+                    timed_drain(configs[table], engine, paths[table], update_merge=table[1] == UPDATE_MERGE)
+                    random_changes(dsn, table, warm_up_keys)
+                    timed_drain(configs[table], engine, paths[table], update_merge=table[1] == UPDATE_MERGE)
                 for round_number in range(1, args.rounds + 1):  # the kinds in turn, so they share the machine's mood
                     for table in same_size:
                         newest_changes(dsn, table, round_number)
