@@ -2,8 +2,9 @@
 
 Run ``python -m bench.scale big`` or ``python -m bench.scale_big [--sizes 100000,1000000,10000000]
 [--rounds 3] [--major 18] [--target-rows N] [--unbucketed | --both | --copy-on-write | --vs-copy-on-write |
---vs-update-merge]``.
-It starts a throwaway PostgreSQL and one embedded engine,
+--vs-update-merge | --vs-no-key-list] [--engine sail|spark|sc://host:port] [--spark-conf KEY=VALUE]``.
+It starts a throwaway PostgreSQL and one engine (``--engine``, ``bench/lakes.py``: embedded Sail by
+default, ``spark`` for the Apache Spark with Delta that pgcdc manages; ``--spark-conf`` adds settings to it),
 loads one table per size (``id bigint`` primary key, about 100 bytes a row), ANALYZEs them and
 snapshots each into Delta with the layout its size gives it and deletion vectors (pgcdc's defaults;
 ``--unbucketed``: no buckets, as pgcdc wrote tables before layouts; ``--copy-on-write``:
@@ -11,9 +12,10 @@ snapshots each into Delta with the layout its size gives it and deletion vectors
 bucketed and an unbucketed table per size, ``--vs-copy-on-write``: a table with and one without
 deletion vectors per size, ``--vs-update-merge``: two tables with pgcdc's defaults per size, the
 second drained with the MERGE pgcdc ran before (an UPDATE of matched rows, no key list:
-``resources/delta/merge.py``, ``merge_statement``), drained in turn,
+``resources/delta/merge.py``, ``merge_statement``), ``--vs-no-key-list``: the second drained with
+pgcdc's MERGE without the key list in its ON clause (``KEY_LIST_MOST_VALUES``), drained in turn,
 so the two compare in the same run). Each table has its own publication and slot, so a drain reads only its
-table's changes. Then, per table and round, two timed drains (after one untimed warm-up):
+table's changes. Then, per table and round, two timed drains (after an untimed warm-up drain of each):
 
 * newest: 100 updates of the 100 newest keys plus 100 inserts of new keys (a table whose recent
   rows are the busy ones);
@@ -44,6 +46,7 @@ import deltalake
 import psycopg
 import pyarrow.compute as pc
 
+from bench.lakes import open_engine
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
 from resources.delta.reads import delta_rs_rows
@@ -60,10 +63,13 @@ RANDOM_UPDATES = 200
 LOAD_BATCH = 1_000_000
 
 
-BUCKETED, UNBUCKETED, COPY_ON_WRITE, UPDATE_MERGE = "bucketed", "unbucketed", "copy-on-write", "update-merge"
+BUCKETED, UNBUCKETED, COPY_ON_WRITE, UPDATE_MERGE, NO_KEY_LIST = (
+    "bucketed", "unbucketed", "copy-on-write", "update-merge", "no-key-list"
+)
 
-#: One benchmarked table: (rows, kind): BUCKETED (pgcdc's defaults), UNBUCKETED, COPY_ON_WRITE or
-#: UPDATE_MERGE (pgcdc's defaults, drained with an UPDATE MERGE listing no keys).
+#: One benchmarked table: (rows, kind): BUCKETED (pgcdc's defaults), UNBUCKETED, COPY_ON_WRITE,
+#: UPDATE_MERGE (pgcdc's defaults, drained with an UPDATE MERGE listing no keys) or NO_KEY_LIST
+#: (pgcdc's defaults and MERGE, without the key list in its ON clause).
 Table = tuple[int, str]
 
 
@@ -122,14 +128,17 @@ def random_changes(dsn: str, table: Table, keys: list[int]) -> None:
 
 
 def timed_drain(
-    config: PgcdcConfig, engine: SparkEngine, path: str, written: list[int] | None = None, update_merge: bool = False
+    config: PgcdcConfig, engine: SparkEngine, path: str, written: list[int] | None = None, kind: str = BUCKETED
 ) -> float:
     """The drain's wall time; appends the bytes of the data files its commits added to ``written``.
-    With ``update_merge``, the drain's MERGEs update matched rows and list no keys (:data:`UPDATE_MERGE`)."""
+    For :data:`UPDATE_MERGE` the drain's MERGEs update matched rows and list no keys, for
+    :data:`NO_KEY_LIST` they list no keys."""
     before = deltalake.DeltaTable(path).version()
     most_values, statement = merge.KEY_LIST_MOST_VALUES, merge.merge_statement
-    if update_merge:
-        merge.KEY_LIST_MOST_VALUES, merge.merge_statement = 0, functools.partial(statement, delete_and_insert=False)
+    if kind in (UPDATE_MERGE, NO_KEY_LIST):
+        merge.KEY_LIST_MOST_VALUES = 0
+    if kind == UPDATE_MERGE:
+        merge.merge_statement = functools.partial(statement, delete_and_insert=False)
     try:
         started = time.perf_counter()
         run_incremental(config, lake_destination(engine.spark, config))
@@ -186,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--copy-on-write", action="store_true", help="tables without deletion vectors")
     parser.add_argument("--vs-copy-on-write", action="store_true", help="a table with and one without deletion vectors per size")
     parser.add_argument("--vs-update-merge", action="store_true", help="a table drained as now and one with pgcdc's earlier MERGE per size")
+    parser.add_argument("--vs-no-key-list", action="store_true", help="a table drained as now and one without the MERGE's key list per size")
+    parser.add_argument("--engine", default="sail", help="sail (embedded), spark (managed) or sc://host:port")
+    parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for the managed Spark engine (repeatable), e.g. spark.driver.memory=4g")
     args = parser.parse_args(argv)
     sizes = sorted(int(size) for size in args.sizes.split(","))
     if args.both:
@@ -194,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kinds = [BUCKETED, COPY_ON_WRITE]
     elif args.vs_update_merge:
         kinds = [BUCKETED, UPDATE_MERGE]
+    elif args.vs_no_key_list:
+        kinds = [BUCKETED, NO_KEY_LIST]
     else:
         kinds = [UNBUCKETED if args.unbucketed else COPY_ON_WRITE if args.copy_on_write else BUCKETED]
     tables = [(rows, unbucketed) for rows in sizes for unbucketed in kinds]
@@ -209,7 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         configs = {table: config_for(dsn, table, work / "lake", args.target_rows) for table in tables}
         results: dict[Table, dict[str, float]] = {}
         paths = {table: configs[table].table_path("public", table_name(table)) for table in tables}
-        with SparkEngine.embedded() as engine:
+        extra = dict(setting.split("=", 1) for setting in args.spark_conf)
+        with open_engine(args.engine, str(work / "lake"), {}, extra) as engine:
+            print(f"engine: {args.engine}", flush=True)
             for table in tables:
                 started = time.perf_counter()
                 (snapshot,) = snapshot_tables(configs[table], lake_destination(engine.spark, configs[table]))
@@ -220,14 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 newest: dict[Table, list[float]] = {table: [] for table in same_size}
                 uniform: dict[Table, list[float]] = {table: [] for table in same_size}
                 written: dict[Table, dict[str, list[int]]] = {table: {"newest": [], "random": []} for table in same_size}
-                for table in same_size:
+                warm_up_keys = rng.sample(range(1, rows + 1), RANDOM_UPDATES)
+                for table in same_size:  # one untimed drain of each pattern (a JVM engine compiles its hot paths)
                     newest_changes(dsn, table, 0)
-                    timed_drain(configs[table], engine, paths[table], update_merge=table[1] == UPDATE_MERGE)  # warm-up
+                    timed_drain(configs[table], engine, paths[table], kind=table[1])
+                    random_changes(dsn, table, warm_up_keys)
+                    timed_drain(configs[table], engine, paths[table], kind=table[1])
                 for round_number in range(1, args.rounds + 1):  # the kinds in turn, so they share the machine's mood
                     for table in same_size:
                         newest_changes(dsn, table, round_number)
                         newest[table].append(
-                            timed_drain(configs[table], engine, paths[table], written[table]["newest"], table[1] == UPDATE_MERGE)
+                            timed_drain(configs[table], engine, paths[table], written[table]["newest"], table[1])
                         )
                 newest_removed = {table: merge_files(configs[table].table_path("public", table_name(table)))[2] for table in same_size}
                 for _ in range(args.rounds):
@@ -235,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for table in same_size:
                         random_changes(dsn, table, keys)
                         uniform[table].append(
-                            timed_drain(configs[table], engine, paths[table], written[table]["random"], table[1] == UPDATE_MERGE)
+                            timed_drain(configs[table], engine, paths[table], written[table]["random"], table[1])
                         )
                 for table in same_size:
                     config = configs[table]

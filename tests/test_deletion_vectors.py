@@ -30,6 +30,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from resources.delta.spark_destination import lake_destination
+from tests.support.deletion_vectors import has_deletion_vectors
 from tests.support.postgres import PgDatabase
 from tests.support.delta_log import commit_bytes, commits_after
 
@@ -55,11 +56,6 @@ def config_for(pg: PgDatabase, lake: Path, **delta: object) -> PgcdcConfig:
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": "pgcdc_slot",
         "delta": {"root": str(lake), "buckets": {"tables": {"public.acct": {"width": 1000}}}, **delta},
     })  # fmt: skip
-
-
-def has_deletion_vectors(path: str) -> bool:
-    """Whether the table's protocol names the deletionVectors reader feature (what readers refuse)."""
-    return "deletionVectors" in (deltalake.DeltaTable(path).protocol().reader_features or [])
 
 
 def exact(pg: PgDatabase, config: PgcdcConfig, table: str, key: tuple[str, ...] = ("id",)) -> int:

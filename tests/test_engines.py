@@ -57,6 +57,7 @@ from resources.delta.table_log import read_table_log, read_table_metadata, unfin
 from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, delta_rows
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 
 pytest.register_assert_rewrite("tests.support.engine_fixtures", "tests.support.s3_fixtures")  # imported here before pytest loads them as plugins
@@ -101,6 +102,8 @@ LIFECYCLE_DDL = NEVER_TRUNCATED_DDL + """
 """
 """``infinity`` (stored at the int64 microsecond limits) is the regression test of Spark's INT96
 timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
+#: The lifecycle's table on the copy-on-write opt-out (``delta.deletion_vectors_tables``).
+LIFECYCLE_COPY_ON_WRITE = ("public.dup",)
 #: Tests that run on the managed Spark engine only: its JVM is up anyway, and the other engines
 #: add nothing to them that the lifecycle walk does not cover.
 SPARK_LOCAL_ONLY = {
@@ -152,14 +155,17 @@ def engine_config(
     engine: EngineUnderTest,
     buckets: dict[str, object] | None = None,
     snapshot: dict[str, object] | None = None,
+    copy_on_write: tuple[str, ...] = (),
     **spark: object,
 ) -> PgcdcConfig:
-    """pgcdc configured as a user would for this engine: ``spark.remote`` is its URL."""
+    """pgcdc configured as a user would for this engine: ``spark.remote`` is its URL; the tables
+    ``copy_on_write`` opted out of deletion vectors."""
     return parse_config({
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
         "slot": SLOT,
-        "delta": {"root": str(tmp_path / "lake"), "buckets": buckets or {}},
+        "delta": {"root": str(tmp_path / "lake"), "buckets": buckets or {},
+                  "deletion_vectors_tables": {name: False for name in copy_on_write}},
         "snapshot": snapshot or {},
         "spark": {"remote": engine.url, **spark},
     })  # fmt: skip
@@ -196,7 +202,8 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     # The seam says what the engine is; nothing below depends on it but the cost.
     assert engine_capabilities(spark).delta_commands == engine.name.startswith("spark")
     pg.execute(LIFECYCLE_DDL)
-    config = engine_config(pg, tmp_path, engine)
+    # dup (REPLICA IDENTITY FULL, identical rows) copy-on-write, the opt-out; acct and tally with deletion vectors
+    config = engine_config(pg, tmp_path, engine, copy_on_write=LIFECYCLE_COPY_ON_WRITE)
     timings: dict[str, float] = {}
 
     def step(label: str, action: object) -> None:
@@ -205,7 +212,9 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
         timings[label] = round(time.monotonic() - started, 1)
 
     # acct as an earlier pgcdc wrote it (unbucketed); its re-snapshot below adopts buckets
-    step("snapshot", lambda: snapshot_tables(engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}), SparkDeltaDestination(spark, None)))
+    unbucketed = engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}, copy_on_write=LIFECYCLE_COPY_ON_WRITE)
+    step("snapshot", lambda: snapshot_tables(unbucketed, SparkDeltaDestination(spark, None)))
+    assert_deletion_vectors(config, {"public.acct": True, "public.dup": False, "public.tally": True})
     assert_lake_exact(pg, config, 300)
 
     # Drains while another connection keeps writing: whatever the first drain misses, the next one gets.
@@ -518,7 +527,7 @@ def test_lifecycle_on_s3_with_apache_spark_and_delta(
 ) -> None:
     """tests/test_object_storage.py's lifecycle on ``s3://`` through Hadoop's S3A client, on the
     managed engine (started with S3A's settings and the store's credentials in its environment)."""
-    object_storage_lifecycle(pg, s3_server, s3_root, engine.spark, drains_under_writes=1)
+    object_storage_lifecycle(pg, s3_server, s3_root, engine.spark, copy_on_write="public.orders", drains_under_writes=1)
 
 
 def next_line(stream: TextIO, prefix: str) -> str:

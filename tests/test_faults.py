@@ -34,6 +34,7 @@ from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.lsn import LSN
 from resources.runs.snapshot import snapshot_tables
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
 from tests.support.tcp_proxy import TcpProxy
 
@@ -78,10 +79,13 @@ def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None =
         "publication": "pub",
         "slot": SLOT,
         # acct in range buckets of 50 keys (its re-inserted keys open new ones), so every crash
-        # below is replayed into a bucketed table
-        "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.acct": {"width": 50}}}},
+        # below is replayed into a bucketed table; acct copy-on-write (the opt-out: the crash matrix of
+        # tests/test_incremental.py runs its keyed table with deletion vectors), tally with them
+        "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.acct": {"width": 50}}},
+                  "deletion_vectors_tables": {"public.acct": False}},
     })
     snapshot_tables(config, lake_destination(spark, config), None)
+    assert_deletion_vectors(config, {"public.acct": False, "public.tally": True})
     return config
 
 

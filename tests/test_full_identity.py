@@ -18,10 +18,13 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.cdc.applier import DEFAULT_REPLACE_VALUES
-from resources.config import PgcdcConfig
+from resources.config import parse_config, PgcdcConfig
 from resources.delta.reads import delta_rs_rows
+from resources.delta.spark_destination import lake_destination
+from resources.runs.snapshot import snapshot_tables
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import PgDatabase
-from tests.support.incremental_runs import drain, run_child, same, setup, slot_confirmed
+from tests.support.incremental_runs import drain, run_child, same, settings, setup, slot_confirmed
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -55,15 +58,24 @@ def test_issue_repro_duplicates_are_separate_rows(pg: PgDatabase, tmp_path: Path
         same(pg, config, "public.t", key=())
 
 
-@pytest.mark.parametrize("replace_values", [DEFAULT_REPLACE_VALUES, 2], ids=["one-commit", "commits-of-2-values"])
+@pytest.mark.parametrize(
+    ("replace_values", "deletion_vectors"),
+    [(DEFAULT_REPLACE_VALUES, True), (2, True), (2, False)],
+    ids=["one-commit", "commits-of-2-values", "commits-of-2-values-copy-on-write"],
+)
 def test_many_changes_to_equal_rows_in_one_transaction_and_one_batch(
-    pg: PgDatabase, tmp_path: Path, spark: SparkSession, replace_values: int
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, replace_values: int, deletion_vectors: bool
 ) -> None:
-    config = setup(pg, tmp_path, spark, """
+    pg.execute("""
         CREATE TABLE d (x text, n int); ALTER TABLE d REPLICA IDENTITY FULL;
         INSERT INTO d VALUES ('a', 1), ('a', 1), ('a', 1), ('b', NULL), ('b', NULL), (NULL, NULL), (NULL, NULL);
         CREATE PUBLICATION pub FOR TABLE d;
     """)
+    options = settings(pg, tmp_path / "lake")
+    options["delta"]["deletion_vectors"] = deletion_vectors  # False: the copy-on-write opt-out
+    config = parse_config(options)
+    snapshot_tables(config, lake_destination(spark, config))
+    assert_deletion_vectors(config, {"public.d": deletion_vectors})
     with pg.connect() as conn, conn.transaction():
         for statement in [
             "INSERT INTO d VALUES ('a', 1)",

@@ -69,7 +69,7 @@ def test_storage_settings_refuse_literal_secrets_and_plain_http_without_saying_t
 
 
 def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession) -> None:
-    lifecycle(pg, s3_server, s3_root, s3_spark)
+    lifecycle(pg, s3_server, s3_root, s3_spark, copy_on_write="public.dups")
 
 
 def test_chunked_snapshot_on_s3_leaves_no_staging_objects(

@@ -31,6 +31,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import PgDatabase
 from tests.support.memory_child import measured
 from tests.support.snapshot_checks import assert_md5_payloads
@@ -155,7 +156,9 @@ def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
     )
     config = parse_config(
         {
-            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path)},
+            # accounts copy-on-write (the opt-out), ledger with deletion vectors (the default)
+            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
+            "delta": {"root": str(tmp_path), "deletion_vectors_tables": {"public.accounts": False}},
             "snapshot": {"workers": 3, "chunk_mb": 1, "parallel_tables": 2},
         }
     )  # fmt: skip
@@ -190,6 +193,7 @@ def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
         stop.set()
         writer.join()
     assert [r.chunks >= 3 and r.workers == 3 for r in results] == [True, True]
+    assert_deletion_vectors(config, {"public.accounts": False, "public.ledger": True})
     assert committed[0] > during > 20  # the writer was still committing while the copies ran
     run_incremental(config, lake_destination(spark, config), log=lambda line: None)
     with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:

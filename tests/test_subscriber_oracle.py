@@ -27,6 +27,7 @@ from resources.testing.local_postgres import LocalPostgres
 from resources.lsn import LSN
 from resources.runs.snapshot import snapshot_tables
 from resources.delta.spark_destination import lake_destination
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import PgDatabase
 from tests.support.subscriber_oracle import Subscriber, SubscriberError
 from tests.support.workload import value
@@ -250,12 +251,17 @@ def _transaction(rng: random.Random, statement: Callable[[], str]) -> list[str]:
     return ["BEGIN", body[0], "SAVEPOINT s", *body[1:], "ROLLBACK TO SAVEPOINT s", "COMMIT"]
 
 
-def _snapshot(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> PgcdcConfig:
-    """pgcdc on publication ``pub`` with its own slot: every table snapshotted."""
-    config = parse_config({
+def _config(pg: PgDatabase, tmp_path: Path, deletion_vectors: bool = True) -> PgcdcConfig:
+    """pgcdc on publication ``pub`` with its own slot; ``deletion_vectors=False``: the copy-on-write opt-out."""
+    return parse_config({
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"pgcdc_{pg.name}", "tables": [],
-        "delta": {"root": str(tmp_path / "lake")},
+        "delta": {"root": str(tmp_path / "lake"), "deletion_vectors": deletion_vectors},
     })
+
+
+def _snapshot(pg: PgDatabase, tmp_path: Path, spark: SparkSession, deletion_vectors: bool = True) -> PgcdcConfig:
+    """:func:`_config`, every table snapshotted."""
+    config = _config(pg, tmp_path, deletion_vectors)
     snapshot_tables(config, lake_destination(spark, config))
     return config
 
@@ -292,15 +298,16 @@ def run_against_subscriber(
     ddl: str,
     statement: Callable[[], str],
     scheduled: Callable[[int], list[str] | None] | None = None,
+    deletion_vectors: bool = True,
 ) -> tuple[list[dict[str, tuple[int, int, int]]], list[str]]:
     """Snapshot, then ``DRAINS`` times: a burst of random transactions (with ``scheduled(drain)``'s
     transaction a third into it), a drain, the subscriber caught up to the drain's end LSN, every
-    Delta table == the subscriber's. Returns, per comparison, each table's row count in Delta
+    Delta table == the subscriber's (``deletion_vectors=False``: on the copy-on-write opt-out). Returns, per comparison, each table's row count in Delta
     (= the subscriber), and its rows and distinct rows on the publisher; and every committed statement."""
     rng = random.Random(seed)
     pg.execute(ddl)
     subscriber = subscribe("pub")
-    config = _snapshot(pg, tmp_path, spark)
+    config = _snapshot(pg, tmp_path, spark, deletion_vectors)
     counts = [_with_publisher_counts(pg, subscriber.assert_matches_delta(config))]  # nothing written since the copies
     executed: list[list[str]] = []
     with pg.connect() as conn:
@@ -333,9 +340,12 @@ def test_filters_column_lists_and_partitions_match_the_subscriber(
 ) -> None:
     seed = 20251 + via_root
     workload = MixedWorkload(seed, via_root)
+    # Through the root on deletion-vector tables (the default), through the leaves on the copy-on-write opt-out.
     counts, committed = run_against_subscriber(
-        pg, tmp_path, spark, subscribe, seed, workload.ddl(), workload.statement, workload.scheduled
+        pg, tmp_path, spark, subscribe, seed, workload.ddl(), workload.statement, workload.scheduled,
+        deletion_vectors=via_root,
     )
+    assert_deletion_vectors(_config(pg, tmp_path), {"public.keyed": via_root, "public.filtered_full": via_root})
     # Committed TRUNCATEs of a row-filtered keyed and FULL table, a column-listed one and the
     # partitioned one (through its root, or its leaves) ran and were compared.
     truncated = {name for text in committed if text.startswith("TRUNCATE ") for name in text[9:].split(", ")}

@@ -22,6 +22,7 @@ from resources.testing.verify import assert_delta_equals_postgres
 from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
+from tests.support.deletion_vectors import assert_deletion_vectors
 
 SLOT = "pgcdc_slot"
 
@@ -57,14 +58,20 @@ def staged_objects(s3: S3Server, prefix: str) -> list[str]:
 
 
 def lifecycle(
-    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, drains_under_writes: int = 2
+    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, copy_on_write: str,
+    drains_under_writes: int = 2,
 ) -> None:
+    """Snapshot, drains under writes, duplicates and TRUNCATE on ``s3://``; the table ``copy_on_write``
+    (``orders`` or ``dups``) opted out of deletion vectors, the other with them."""
     steps: dict[str, float] = {}
     started = time.monotonic()
     pg.execute(DDL)
-    config = parse_config(settings(pg, s3_root, s3_server.storage()))
+    options = settings(pg, s3_root, s3_server.storage())
+    options["delta"]["deletion_vectors_tables"] = {copy_on_write: False}
+    config = parse_config(options)
     messages: list[str] = []
     snapshot_tables(config, lake_destination(s3_spark, config))
+    assert_deletion_vectors(config, {name: name != copy_on_write for name in ("public.orders", "public.dups")})
     all_same(pg, s3_server, s3_root)
     steps["snapshot"] = time.monotonic() - started
 

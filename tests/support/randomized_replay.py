@@ -20,6 +20,11 @@ from resources.testing.verify import assert_buckets_right, compare_table
 from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.workload import DDL, Step
+from tests.support.deletion_vectors import assert_deletion_vectors
+
+#: Tables of the workload on copy-on-write (``delta.deletion_vectors_tables``) and with deletion vectors.
+COPY_ON_WRITE = ("public.k_comp", "public.full_t")
+DELETION_VECTORS = ("public.k_int", "public.k_uuid", "public.dup_t")
 
 
 class WorkloadFailure(AssertionError):
@@ -39,9 +44,11 @@ class Replay:
             "tables": [],
             # Small buckets, so key changes and TOAST-keeping updates move rows between them;
             # the other tables get the layout their size gives them (one bucket at this size).
+            # A composite-key table and a REPLICA IDENTITY FULL one copy-on-write (the opt-out), the
+            # other keyed and FULL tables with deletion vectors (the default): both in every run.
             "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {
                 "public.k_int": {"width": 64}, "public.k_comp": {"count": 2}, "public.late": {"count": 2},
-            }}},
+            }}, "deletion_vectors_tables": {name: False for name in COPY_ON_WRITE}},
         })
         self.log_file = tmp_path / f"workload-{seed}.sql"
         self.run_log: list[str] = []
@@ -71,6 +78,7 @@ class Replay:
         )
         self.pg.execute(DDL)
         snapshot_tables(self.config, lake_destination(self.spark, self.config))  # creates the slot; `late` is not published yet
+        assert_deletion_vectors(self.config, {**{name: True for name in DELETION_VECTORS}, **{name: False for name in COPY_ON_WRITE}})
         with self.pg.connect() as main, self.pg.connect() as second:
             conns = [main, second]
             for index, step in enumerate(steps):
