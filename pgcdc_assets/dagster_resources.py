@@ -21,7 +21,9 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.pipelines_file import load_pipeline_config
 from resources.config import load_config, PgcdcConfig
+from resources.delta.capabilities import SAIL_CAPABILITIES
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
+from resources.delta.lazy_session import deferred_session
 from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.delta.lake_storage import LakeStorage
 from resources.locations import StorageSettings
@@ -113,6 +115,15 @@ class SparkDeltaResource(PySparkResource):
             self._engine = self._start()
             self._spark_session = self._engine.spark
         return self._engine.spark
+
+    def session_for_snapshots(self) -> SparkSession:
+        """The session a snapshot step writes through: for the embedded engine, one started on first
+        use (its snapshots are written by delta-rs, so most steps never start it:
+        ``resources/delta/lazy_session.py``); for the others, the session, started now (their
+        snapshots are the engine's writes)."""
+        if self.mode == "embedded" and self._engine is None:
+            return deferred_session(lambda: self.spark_session, SAIL_CAPABILITIES)
+        return self.spark_session
 
 
 class PostgresResource(ConfigurableResource):
