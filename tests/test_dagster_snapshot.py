@@ -26,6 +26,7 @@ from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 import resources.runs.snapshot as snapshot_module
 from resources.config import CONFIG_ENV_VAR, parse_config
+from resources.delta.lazy_session import engine_start_seconds
 from resources.delta.marker_reads import read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import read_table_log
@@ -166,6 +167,24 @@ def test_embedded_spark_resource_starts_and_stops_sail() -> None:
     assert ready._engine is None
     with pytest.raises(Exception):
         session.range(1).count()
+
+
+def test_a_snapshot_on_the_embedded_engine_never_starts_it(shop: PgDatabase, tmp_path: Path) -> None:
+    """Its writes, log reads and state go through delta-rs: the session a snapshot step gets starts the
+    engine only when something asks it for work, and then once."""
+    config = parse_config(yaml.safe_load(write_config(tmp_path, shop).read_text(encoding="utf-8")))
+    with SparkDeltaResource().yield_for_execution(_init_context()) as ready:
+        session = ready.session_for_snapshots()
+        results = snapshot_module.snapshot_tables(config, session)
+        assert sorted(result.rows for result in results) == [3, 500]
+        assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+        assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
+        assert ready._engine is None and engine_start_seconds(session) is None
+        assert session.range(5).count() == 5  # the first use starts it
+        assert ready._engine is not None and ready.spark_session.range(3).count() == 3
+        assert (engine_start_seconds(session) or 0) > 0
+        assert ready.session_for_snapshots() is ready.spark_session  # started: the session itself
+    assert ready._engine is None
 
 
 def _init_context():  # noqa: ANN202 - dagster's InitResourceContext
