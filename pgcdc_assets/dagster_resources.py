@@ -21,7 +21,9 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.pipelines_file import load_pipeline_config
 from resources.config import load_config, PgcdcConfig
+from resources.delta.capabilities import SAIL_CAPABILITIES
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
+from resources.delta.lazy_session import deferred_session
 from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.delta.lake_storage import LakeStorage, open_lake
 from resources.delta.spark_destination import SparkDeltaDestination
@@ -116,14 +118,28 @@ class SparkDeltaResource(PySparkResource):
             self._spark_session = self._engine.spark
         return self._engine.spark
 
-    @property
-    def destination(self) -> SparkDeltaDestination:
-        """What the runs write and read the lake through: the lake checked once (``open_lake``: a wrong
-        bucket or missing credentials fail here, before the engine starts or a slot is touched), then
-        the engine's session."""
+    def _checked_lake(self) -> LakeStorage:
+        """The lake, checked once (``open_lake``: a wrong bucket or missing credentials fail here,
+        before the engine starts or a slot is touched)."""
         if self._opened_lake is None:
             self._opened_lake = open_lake(self.lake_root or ".", StorageSettings(**self.lake_storage))
-        return SparkDeltaDestination(self.spark_session, self._opened_lake)
+        return self._opened_lake
+
+    @property
+    def destination(self) -> SparkDeltaDestination:
+        """What the runs write and read the lake through: the lake checked once, then the engine's session."""
+        lake = self._checked_lake()
+        return SparkDeltaDestination(self.spark_session, lake)
+
+    def snapshot_destination(self) -> SparkDeltaDestination:
+        """What a snapshot step writes through: for the embedded engine, a session started on first
+        use (its snapshots are written by delta-rs, so most steps never start it:
+        ``resources/delta/lazy_session.py``); for the others, the session, started now (their
+        snapshots are the engine's writes)."""
+        lake = self._checked_lake()
+        if self.mode == "embedded" and self._engine is None:
+            return SparkDeltaDestination(deferred_session(lambda: self.spark_session, SAIL_CAPABILITIES), lake)
+        return SparkDeltaDestination(self.spark_session, lake)
 
 
 class PostgresResource(ConfigurableResource):

@@ -32,6 +32,8 @@ from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
+from resources.delta.lazy_session import engine_start_seconds
+from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
@@ -187,12 +189,12 @@ def build_snapshot_assets(
             with step.timed("publication"):
                 ensure_publication(settings)
             with step.timed("engine_start"):
-                destination = spark.destination
+                destination = spark.snapshot_destination()
             with step.timed("recopy_check"):
                 refuse_partial_recopy(settings, destination, to_copy, tables)
             with step.timed("slot"):
                 ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
-        yield from _copy_all(context, settings, spark, to_copy, key_of, step)
+        yield from _copy_all(context, settings, destination, to_copy, key_of, step)
 
     return snapshot_tables
 
@@ -200,16 +202,16 @@ def build_snapshot_assets(
 def _copy_all(
     context: AssetExecutionContext,
     config: PgcdcConfig,
-    spark: SparkDeltaResource,
+    destination: SparkDeltaDestination,
     tables: Sequence[TableName],
     key_of: Mapping[TableName, AssetKey],
     step: Phases,
 ) -> Iterator[MaterializeResult]:
     """Copy ``tables``; each materialization's ``pgcdc/phase_seconds/...`` metadata holds the step's
-    phases before the copies (``step``, the same for every table) and the table's own."""
+    phases before the copies (``step``, the same for every table) and the table's own. An engine
+    started on first use during the copies (a table in key ranges) adds its start to the step's
+    ``engine_start`` in the last log line."""
     progress = _ProgressLog(context)
-    with user_facing():
-        destination = spark.destination
     failures: list[BaseException] = []
     context.log.info(
         f"snapshotting {len(tables)} table(s), {config.snapshot.parallel_tables} at a time"
@@ -226,6 +228,9 @@ def _copy_all(
         )
         metadata = {**snapshot_metadata(outcome), **phase_metadata({**step.as_dict(), **outcome.phases})}
         yield MaterializeResult(asset_key=key_of[table], metadata=metadata)
+    started_later = engine_start_seconds(destination.spark)
+    if started_later is not None:
+        step.add("engine_start", started_later)
     context.log.info(f"snapshot step phases: {describe_phases(step.as_dict())}")
     if failures:
         # Transient copy failures are retried by the policy; everything else needs a fix first.

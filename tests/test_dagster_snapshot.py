@@ -14,6 +14,7 @@ from typing import Any
 
 import deltalake
 import pytest
+import yaml
 from dagster import AssetKey, DagsterInstance, Definitions, ExecuteInProcessResult, TableColumn, TableSchema
 from pyspark.sql import SparkSession
 
@@ -21,6 +22,7 @@ from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 import resources.runs.snapshot as snapshot_module
 from resources.config import parse_config
+from resources.delta.lazy_session import engine_start_seconds
 from tests.support.marker_reads import read_snapshot_lsn
 from resources.delta.table_log import read_table_log
 from resources.errors import ConnectionFailure, SnapshotError
@@ -86,6 +88,25 @@ def test_embedded_spark_resource_starts_and_stops_sail() -> None:
     assert ready._engine is None
     with pytest.raises(Exception):
         session.range(1).count()
+
+
+def test_a_snapshot_on_the_embedded_engine_never_starts_it(shop: PgDatabase, tmp_path: Path) -> None:
+    """Its writes, log reads and state go through delta-rs: the session a snapshot step gets starts the
+    engine only when something asks it for work, and then once."""
+    config = parse_config(yaml.safe_load(write_config(tmp_path, shop).read_text(encoding="utf-8")))
+    with SparkDeltaResource().yield_for_execution(_init_context()) as ready:
+        destination = ready.snapshot_destination()
+        session = destination.spark
+        results = snapshot_module.snapshot_tables(config, destination)
+        assert sorted(result.rows for result in results) == [3, 500]
+        assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+        assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
+        assert ready._engine is None and engine_start_seconds(session) is None
+        assert session.range(5).count() == 5  # the first use starts it
+        assert ready._engine is not None and ready.spark_session.range(3).count() == 3
+        assert (engine_start_seconds(session) or 0) > 0
+        assert ready.snapshot_destination().spark is ready.spark_session  # started: the session itself
+    assert ready._engine is None
 
 
 def _init_context():  # noqa: ANN202 - dagster's InitResourceContext

@@ -18,6 +18,7 @@ import yaml
 from pyspark.sql import SparkSession
 
 from resources.cdc.schema import SchemaChangeError
+from resources.delta.merge import KEY_LIST_MOST_VALUES
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.reads import delta_rs_rows
 from resources.delta.state_table import read_state, state_path
@@ -118,6 +119,28 @@ def test_unchanged_toast_keeps_the_delta_value(pg: PgDatabase, tmp_path: Path, s
     pg.execute("UPDATE docs SET id = 1 WHERE id = 2")
     drain(config, spark)
     assert same(pg, config, "public.docs") == 6
+
+
+def test_a_batch_of_more_keys_than_the_key_list_leaves_the_rows_between_them_alone(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """A MERGE source with more keys than the key list takes bounds the target by the keys' range: the
+    rows inside that range the batch does not name (every other key here, on both sides of each
+    change, and negative keys below a batch's lowest) stay as they are, exactly."""
+    config = setup(pg, tmp_path, spark, f"""
+        CREATE TABLE spread (id bigint PRIMARY KEY, v text);
+        INSERT INTO spread SELECT g, 'seed ' || g FROM generate_series(-50, {4 * KEY_LIST_MOST_VALUES}) g;
+        CREATE PUBLICATION pub FOR TABLE spread;
+    """)
+    with pg.connect() as conn:
+        conn.execute(f"UPDATE spread SET v = 'odd' WHERE id % 2 = 1 AND id BETWEEN 1 AND {3 * KEY_LIST_MOST_VALUES}")
+        conn.execute(f"DELETE FROM spread WHERE id % 6 = 0 AND id BETWEEN 300 AND {4 * KEY_LIST_MOST_VALUES}")
+        conn.execute(f"INSERT INTO spread SELECT g, 'new' FROM generate_series({10 * KEY_LIST_MOST_VALUES}, {12 * KEY_LIST_MOST_VALUES}, 3) g")
+        conn.execute("UPDATE spread SET id = -id - 1000 WHERE id BETWEEN 700 AND 703")
+    drain(config, spark)
+    assert same(pg, config, "public.spread") == pg.execute("SELECT count(*) FROM spread")[0][0]
+    (odd, seeds), = pg.execute("SELECT count(*) FILTER (WHERE v = 'odd'), count(*) FILTER (WHERE v LIKE 'seed %') FROM spread")
+    assert odd > KEY_LIST_MOST_VALUES and seeds > KEY_LIST_MOST_VALUES  # both kinds of row in the range
 
 
 def test_truncate_applies_in_order(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:

@@ -160,20 +160,25 @@ def test_key_list_holds_the_distinct_integer_keys_without_nulls() -> None:
     assert " ON t.`id` = s.`id` AND t.`id` IN (3, 7) WHEN MATCHED" in merge_statement(PATH, STAGED, source, ["id"])
 
 
-def test_no_key_list_for_other_types_or_too_many_values() -> None:
-    """Only integer keys are listed, up to :data:`KEY_LIST_MOST_VALUES` distinct values a column."""
+def test_integer_keys_are_listed_up_to_the_limit_then_bounded_by_their_range() -> None:
+    """Integer keys are listed up to :data:`KEY_LIST_MOST_VALUES` distinct values a column; above it,
+    the target is bounded by the source keys' lowest and highest value (nulls left out); other
+    types get neither."""
     text_key = batch(code=["a'b", "c"], op=["U", "U"])
     assert " ON t.`code` = s.`code` WHEN MATCHED" in merge_statement(PATH, STAGED, text_key, ["code"])
     most = batch(id=list(range(KEY_LIST_MOST_VALUES)), op=["U"] * KEY_LIST_MOST_VALUES)
     assert "t.`id` IN (0, 1, 2, " in merge_statement(PATH, STAGED, most, ["id"])
-    many = batch(id=list(range(KEY_LIST_MOST_VALUES + 1)), op=["U"] * (KEY_LIST_MOST_VALUES + 1))
-    assert " ON t.`id` = s.`id` WHEN MATCHED" in merge_statement(PATH, STAGED, many, ["id"])
+    many = batch(id=pa.array([*range(-3, KEY_LIST_MOST_VALUES), None], pa.int64()), op=["U"] * (KEY_LIST_MOST_VALUES + 4))
+    assert f" ON t.`id` = s.`id` AND t.`id` BETWEEN -3 AND {KEY_LIST_MOST_VALUES - 1} WHEN MATCHED" in merge_statement(
+        PATH, STAGED, many, ["id"]
+    )
     only_nulls = batch(id=pa.nulls(2, pa.int64()), op=["D", "D"])
     assert " ON t.`id` = s.`id` WHEN MATCHED" in merge_statement(PATH, STAGED, only_nulls, ["id"])
     composite = batch(tenant=[1] * (KEY_LIST_MOST_VALUES + 1), id=list(range(KEY_LIST_MOST_VALUES + 1)), op=["U"] * (KEY_LIST_MOST_VALUES + 1))
-    assert " ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND t.`tenant` IN (1) WHEN MATCHED" in merge_statement(
-        PATH, STAGED, composite, ["tenant", "id"]
-    )
+    assert (
+        " ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND t.`tenant` IN (1)"
+        f" AND t.`id` BETWEEN 0 AND {KEY_LIST_MOST_VALUES} WHEN MATCHED"
+    ) in merge_statement(PATH, STAGED, composite, ["tenant", "id"])
 
 
 

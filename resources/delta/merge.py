@@ -243,9 +243,12 @@ the same at 1,000 values, 1.8x slower at 20,000."""
 
 def _key_lists(source: pa.Table, key_columns: Sequence[str]) -> list[str]:
     """``t.<key> IN (<the source's distinct values>)`` for each integer key column with at most
-    :data:`KEY_LIST_MOST_VALUES` of them: a conjunct the ON clause's ``t.<key> = s.<key>`` implies,
-    so it changes no match, only how many target rows reach the join (see the constant). Other types
-    are not listed (no literal whose rendering could differ from the engine's value)."""
+    :data:`KEY_LIST_MOST_VALUES` of them, else ``t.<key> BETWEEN <lowest> AND <highest>``: a
+    conjunct the ON clause's ``t.<key> = s.<key>`` implies, so it changes no match, only how many
+    target rows reach the join (see the constant). Like the list, the range is applied right after
+    the scan: a chunk of new rows (keys above every key in the table) lets no target row reach the
+    joins, a chunk of updates only the rows in its key span (docs/engine-notes.md, "Incremental
+    CDC"). Other types are not listed (no literal whose rendering could differ from the engine's value)."""
     listed = []
     for key in key_columns:
         column = source.column(key)
@@ -255,6 +258,9 @@ def _key_lists(source: pa.Table, key_columns: Sequence[str]) -> list[str]:
         if 0 < len(values) <= KEY_LIST_MOST_VALUES:
             rendered = ", ".join(str(int(value)) for value in sorted(values.to_pylist()))
             listed.append(f"t.{quote_column(key)} IN ({rendered})")
+        elif len(values) > 0:
+            lowest, highest = pc.min_max(values).values()
+            listed.append(f"t.{quote_column(key)} BETWEEN {int(lowest.as_py())} AND {int(highest.as_py())}")
     return listed
 
 
