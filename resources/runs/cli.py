@@ -3,8 +3,9 @@
 ``pgcdc changes`` is how a user looks into a slot: like ``pg_recvlogical``, but
 decoded, one JSON object per pgoutput message. Looking must be safe, so the slot
 only moves with ``--advance``. ``pgcdc as-of`` prints a table as it was at an LSN,
-folded from its changelog (docs/history.md). Every failure is one line on stderr
-naming the fix, with exit status 2.
+folded from its changelog (docs/history.md). ``pgcdc spark-server`` runs the managed
+Spark with Delta until stopped, for runs that reach it through ``spark.remote``
+(docs/deployment.md). Every failure is one line on stderr naming the fix, with exit status 2.
 """
 
 from __future__ import annotations
