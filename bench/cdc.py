@@ -147,7 +147,9 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     extra = dict(setting.split("=", 1) for setting in args.spark_conf)
     if profiled:
         extra.update(spark_event_log_config(str(event_log)))
+    started = time.perf_counter()
     with open_engine(args.engine, root, storage, extra) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
+        engine_start = time.perf_counter() - started
         with engine_calls() if args.profile else nullcontext([]) as calls:
             result = run_incremental(
                 config, lake_destination(engine.spark, config), log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
@@ -164,7 +166,8 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     print(f"pg_recvlogical again, after pgcdc: {after_run:.2f} s, {changes / after_run:,.0f} changes/s")
     baseline = min(before_run, after_run)  # the faster of the two: WAL is warm for one of them
     print(f"pgcdc incremental: {ours:.2f} s, {changes / ours:,.0f} changes/s "
-          f"({result.transactions} transactions, {result.changes:,} changes applied)")
+          f"({result.transactions} transactions, {result.changes:,} changes applied); "
+          f"the engine's start before it (a run's too): {engine_start:.2f} s")
     print(f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB "
           f"= pgcdc {client_peak:,.0f} + Sail server {server_peak:,.0f} "
           f"(chunks of {args.chunk:,} changes, MERGEs of at most {args.merge_rows:,} rows)")

@@ -54,7 +54,8 @@ from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.runs.snapshot import snapshot_tables, SnapshotProgress
 from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc_marker
 from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
-from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION
+from resources.delta.engine import SparkEngine
+from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION, free_port
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, delta_rows
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.deletion_vectors import assert_deletion_vectors
@@ -613,6 +614,43 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
             child.kill()
             child.wait()
     assert_lake_exact(pg, config, 300)
+
+
+def test_spark_server_serves_runs_until_stopped(pg: PgDatabase, tmp_path: Path) -> None:
+    """``pgcdc spark-server``: the managed Spark with Delta as a service that outlives runs. A snapshot
+    and two drains, each in a session of its own as a Dagster run opens one (``spark.remote``), are
+    exact; the server probes as Delta on Spark (its MERGEs update rather than delete and insert);
+    SIGTERM stops it, JVM included."""
+    pg.execute(LIFECYCLE_DDL)
+    port = free_port()
+    config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
+                           "delta": {"root": str(tmp_path / "lake")}, "spark": {"remote": f"sc://127.0.0.1:{port}"}})  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "resources.runs.cli", "spark-server", "--config", str(write_config(config, tmp_path)), "--port", str(port)],
+        stdout=subprocess.PIPE, cwd=REPO, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        line = next_line(server.stdout, "pgcdc: Spark with Delta listening at ")
+        assert line.startswith(f"pgcdc: Spark with Delta listening at sc://127.0.0.1:{port} (JVM pid "), line
+        jvm = int(line.split("JVM pid ", 1)[1].split(",")[0])
+        with SparkEngine.from_config(config.spark) as engine:
+            capabilities = engine_capabilities(engine.spark)
+            assert capabilities.delta_commands and not capabilities.merge_delete_and_insert
+            snapshot_tables(config, engine.spark)
+        assert_lake_exact(pg, config, 300)
+        for drain in range(2):
+            writes(pg, 10, 100 * (drain + 1))
+            with SparkEngine.from_config(config.spark) as engine:
+                run_incremental(config, engine.spark)
+            assert_lake_exact(pg, config, 300)
+        server.terminate()
+        assert server.wait(timeout=120) == 0
+        assert not group_alive(jvm), "the JVM outlived pgcdc spark-server"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
 
 
 def test_delta_spark_pin_matches_the_jars_pgcdc_loads() -> None:

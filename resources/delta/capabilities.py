@@ -43,6 +43,11 @@ class EngineCapabilities:
     #: Whether a snapshot's overwrite is written by delta-rs in pgcdc's process (streamed from the
     #: COPY) instead of by the engine (docs/engine-notes.md, "Snapshots written by delta-rs").
     delta_rs_snapshots: bool
+    #: Whether a MERGE of whole-row changes deletes and re-inserts the changed rows instead of
+    #: updating them (``merge.py``: ``merge_statement``): cheaper on Sail, which then reads only the
+    #: target's key columns; dearer on Delta on Spark, whose MERGE then joins the source twice over
+    #: (docs/engine-notes.md, "The costs a user sees first").
+    merge_delete_and_insert: bool = True
 
 
 _DETECTED: weakref.WeakKeyDictionary[SparkSession, EngineCapabilities] = weakref.WeakKeyDictionary()
@@ -58,16 +63,18 @@ def engine_capabilities(spark: SparkSession) -> EngineCapabilities:
     known = _DETECTED.get(spark)
     if known is None:
         delta_commands = _has_describe_history(spark)
-        known = EngineCapabilities(delta_commands=delta_commands, delta_rs_snapshots=not delta_commands)
+        known = EngineCapabilities(
+            delta_commands=delta_commands, delta_rs_snapshots=not delta_commands, merge_delete_and_insert=not delta_commands
+        )
         _DETECTED[spark] = known
     return known
 
 
-SAIL_CAPABILITIES = EngineCapabilities(delta_commands=False, delta_rs_snapshots=True)
+SAIL_CAPABILITIES = EngineCapabilities(delta_commands=False, delta_rs_snapshots=True, merge_delete_and_insert=True)
 """What embedded Sail 0.7.2 can do: an engine pgcdc started itself is known, not probed (the probe
 is a fresh engine's first statement: 0.3-0.6 s on Sail, 4-7 s on a fresh JVM)."""
 
-DELTA_SPARK_CAPABILITIES = EngineCapabilities(delta_commands=True, delta_rs_snapshots=False)
+DELTA_SPARK_CAPABILITIES = EngineCapabilities(delta_commands=True, delta_rs_snapshots=False, merge_delete_and_insert=False)
 """What the managed Apache Spark with Delta's jars can do (declared like :data:`SAIL_CAPABILITIES`)."""
 
 

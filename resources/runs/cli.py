@@ -3,8 +3,9 @@
 ``pgcdc changes`` is how a user looks into a slot: like ``pg_recvlogical``, but
 decoded, one JSON object per pgoutput message. Looking must be safe, so the slot
 only moves with ``--advance``. ``pgcdc as-of`` prints a table as it was at an LSN,
-folded from its changelog (docs/history.md). Every failure is one line on stderr
-naming the fix, with exit status 2.
+folded from its changelog (docs/history.md). ``pgcdc spark-server`` runs the managed
+Spark with Delta until stopped, for runs that reach it through ``spark.remote``
+(docs/deployment.md). Every failure is one line on stderr naming the fix, with exit status 2.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TextIO
 
 import psycopg
 
-from resources.errors import explain, PgcdcError
+from resources.errors import ConfigurationError, explain, PgcdcError
 from resources.lsn import LSN
 from resources.pgoutput.decoder import PgOutputDecoder
 from resources.pgoutput.messages import Commit, CommitPrepared, Prepare, RollbackPrepared, StreamCommit, StreamPrepare
@@ -90,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     moment.add_argument("--time", type=_time, help="an ISO 8601 time with its zone: the table before the first "
                         "transaction committed after it")
     as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
+    spark_server = commands.add_parser(
+        "spark-server", help="run the managed Spark with Delta until stopped, for runs with spark.remote (docs/deployment.md)"
+    )
+    spark_server.add_argument("--config", help="the pgcdc configuration file: its lake and spark.config (default: $PGCDC_CONFIG)")
+    spark_server.add_argument("--port", type=int, default=15002, help="the loopback port to listen on (default: 15002)")
     return parser
 
 
@@ -112,6 +118,20 @@ def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n")
     out.flush()
     return rows.num_rows
+
+
+def serve_spark(args: argparse.Namespace, out: TextIO) -> int:
+    """``pgcdc spark-server``: the managed Spark with Delta until SIGTERM or Ctrl-C (``resources/delta/spark_service.py``)."""
+    from resources.config import load_config
+    from resources.delta.spark_service import serve
+
+    try:
+        return serve(load_config(args.config), args.port, out)
+    except RuntimeError as error:  # the JVM did not start: spark_server says why, in one line
+        raise ConfigurationError(
+            f"the Spark server did not start ({error})",
+            "check Java 17, the port, and access to Maven Central (or a filled $PGCDC_JAR_CACHE)",
+        ) from None
 
 
 def print_changes(args: argparse.Namespace, out: TextIO) -> int:
@@ -162,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_changes(args, sys.stdout)
         elif args.command == "as-of":
             print_as_of(args, sys.stdout)
+        elif args.command == "spark-server":
+            return serve_spark(args, sys.stdout)
         return 0
     except (PgcdcError, psycopg.Error) as error:
         slot = getattr(args, "slot", None)
