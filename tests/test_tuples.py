@@ -8,6 +8,7 @@ binary_view.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -15,7 +16,7 @@ from resources.errors import PgcdcError, ProtocolError
 from resources.pgoutput import tuples
 from resources.pgoutput.decoder import _tuple
 from resources.pgoutput.messages import UNCHANGED_TOAST
-from resources.pgoutput.tuples import tuple_columns, tuple_end
+from resources.pgoutput.tuples import take_rows, tuple_columns, tuple_end
 from tests.support.pgoutput_messages import insert, tuple_data, UNCHANGED
 
 HEAD = 6  # 'I', Int32 relation oid, 'N': where the TupleData of an Insert starts
@@ -87,3 +88,21 @@ VALUES = st.one_of(st.none(), st.just(UNCHANGED), st.binary(max_size=40))
 def test_random_rows_round_trip(rows: list[tuple]) -> None:
     assert parse(rows) == decoded(rows)
     assert all(tuple_end(tuple_data(*row), 0) == len(tuple_data(*row)) for row in rows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(lambda ncols: st.lists(st.tuples(*[VALUES] * ncols), min_size=0, max_size=12)),
+    st.lists(st.integers(-1, 11), max_size=20),
+)
+def test_taken_rows_equal_the_rows_parsed_where_they_are(rows: list[tuple], picks: list[int]) -> None:
+    """take_rows of parsed columns equals parsing the picked images themselves (-1: absent, all NULL)."""
+    ncols = len(rows[0]) if rows else 2
+    picks = [pick if pick < len(rows) else -1 for pick in picks]
+    payloads = [insert(16384, *row) for row in rows]
+    parsed = tuple_columns(payloads, [HEAD] * len(payloads), ncols)
+    absent = insert(16384, *[None] * ncols)  # a payload whose image is not read
+    columns, masks = tuple_columns([payloads[p] if p >= 0 else absent for p in picks], [HEAD if p >= 0 else -1 for p in picks], ncols)
+    taken, taken_masks = take_rows(*parsed, np.array(picks, np.int64))
+    assert [column.to_pylist() for column in taken] == [column.to_pylist() for column in columns]
+    assert [mask.tolist() for mask in taken_masks] == [mask.tolist() for mask in masks]

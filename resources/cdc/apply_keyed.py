@@ -51,11 +51,12 @@ class KeyedFold(BatchAssembly):
         # Each change contributes its old key's image first (a delete, or the row an update
         # moved away from), then its new image.
         positions = np.stack([rows.old, rows.new], axis=1).ravel()
+        images = np.stack([np.arange(n) + n, np.arange(n)], axis=1).ravel()  # as rows.image_columns numbers them
         ops = np.stack([np.full(n, DELETE, np.uint8), rows.ops], axis=1).ravel()
         lsns = np.repeat(rows.lsns, 2)
         present = positions >= 0
-        positions, ops, lsns = positions[present], ops[present], lsns[present]
-        columns, unchanged = tuple_columns_at(rows.data, positions, len(target.columns))
+        positions, images, ops, lsns = positions[present], images[present], ops[present], lsns[present]
+        columns, unchanged = rows.image_columns(len(target.columns), images)
         if any(mask.any() for mask in unchanged):
             return False
         keys = {f"k{i}": pc.cast(columns[i], pa.binary()) for i in target.key_index}

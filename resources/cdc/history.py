@@ -105,8 +105,9 @@ def changelog_rows(
     earlier image for the ones after it. ``transactions``: commit end LSN -> (xid, commit time)."""
     ncols = len(target.columns)
     names = [column.column for column in target.columns]
-    new_columns, unchanged = tuple_columns_at(rows.data, rows.new, ncols)
-    old_columns, _ = tuple_columns_at(rows.data, rows.old, ncols)
+    changes = np.arange(len(rows))
+    new_columns, unchanged = rows.image_columns(ncols, changes)
+    old_columns, _ = rows.image_columns(ncols, changes + len(rows))
     full = target.relation is not None and target.relation.replica_identity == "f"
     matched_on = names if target.mode == FULL else [names[i] for i in target.key_index]
     kept = np.flatnonzero(keep)

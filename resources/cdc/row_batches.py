@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from typing import Any, TypeAlias
 
 import numpy as np
+import pyarrow as pa
 
 from resources.errors import ProtocolError
 from resources.pgoutput.tags import DELETE, INSERT, KEY, NEW, OLD, UPDATE
-from resources.pgoutput.tuples import SLICE_BYTES, tuple_end
+from resources.pgoutput.tuples import SLICE_BYTES, take_rows, tuple_columns_at, tuple_end
 
 
 class RowBatch:
@@ -102,13 +103,27 @@ def _be32(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
 class PendingRows:
     """Pending row changes of one table, gathered for a write: one buffer and column arrays."""
 
-    __slots__ = ("data", "ops", "new", "old", "lsns", "seqs")
+    __slots__ = ("data", "ops", "new", "old", "lsns", "seqs", "_parsed")
 
     def __init__(self, data: bytes, ops: np.ndarray, new: np.ndarray, old: np.ndarray, lsns: np.ndarray, seqs: np.ndarray) -> None:
         self.data, self.ops, self.new, self.old, self.lsns, self.seqs = data, ops, new, old, lsns, seqs
+        self._parsed: tuple[int, np.ndarray, tuple[list[pa.Array], list[np.ndarray]]] | None = None
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    def image_columns(self, ncols: int, images: np.ndarray) -> tuple[list[pa.Array], list[np.ndarray]]:
+        """The row images ``images`` (``i``: change i's new image, ``len(self) + i``: its old one; absent
+        ones NULL) column-wise, as :func:`tuple_columns_at` gives them. Every present image is parsed
+        once, at the first call, for all the writes of these rows (a changelog's and the table's: the
+        parse is most of a drain's own work), then rows are taken (:func:`take_rows`)."""
+        if self._parsed is None or self._parsed[0] != ncols:
+            positions = np.concatenate([self.new, self.old])
+            present = positions >= 0
+            rank = np.where(present, np.cumsum(present) - 1, -1)
+            self._parsed = (ncols, rank, tuple_columns_at(self.data, positions[present], ncols))
+        _, rank, (columns, masks) = self._parsed
+        return take_rows(columns, masks, rank[images])
 
 
 def gather(pending: list[tuple[RowBatch, np.ndarray, int, int]]) -> list[PendingRows]:

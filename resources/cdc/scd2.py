@@ -13,10 +13,10 @@ its versions with ``valid_from_lsn <= X < valid_to_lsn`` (or no ``valid_to_lsn``
 The batch of changes is the changelog's (``resources/cdc/history.py``: commit order, unchanged TOAST
 values resolved), so a key changed several times in a batch gets every version: the versions opened
 and closed within the batch are written closed. It is one MERGE (``resources/delta/versions.py``):
-the current version of each key the batch closes is closed, the new versions are inserted and the
-marker row takes the changelog's marker (``changes_marker``), in one commit that reads and rewrites
-only the batch's buckets (the history table is partitioned like its table) and, with deletion
-vectors, marks the closed rows instead of rewriting their files. A replay skips exactly what the
+the current version of each key the batch closes is closed (deleted and inserted again closed), the
+new versions are inserted and the marker row takes the changelog's marker (``changes_marker``), in
+one commit that reads and rewrites only the closed keys' buckets (the history table is partitioned
+like its table) and, with deletion vectors, marks the deleted rows instead of rewriting their files. A replay skips exactly what the
 marker row says the table holds. A TRUNCATE, a fill and a snapshot's seed rewrite the current
 versions whole, with the marker row.
 

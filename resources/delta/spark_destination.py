@@ -48,7 +48,7 @@ class SparkDeltaDestination:
         merge.merge_batch(self.spark, path, source, key_columns, prune_buckets, self.lake)
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
-        merge.append_rows(self.spark, path, rows, user_metadata)
+        merge.append_rows(self.spark, path, rows, user_metadata, self.lake)
 
     def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
         return reads.read_rows(self.spark, path, keys)

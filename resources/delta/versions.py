@@ -9,11 +9,13 @@ of versions pass over it by themselves: its ``_pgcdc_is_current`` and ``_pgcdc_v
 NULL.
 
 * A batch of changes is one MERGE (:func:`merge_versions`): its source holds a *close* row per key
-  whose current version the batch ends (matched on the key and ``_pgcdc_valid_to_lsn IS NULL``:
-  updated with the closing LSN and time), the batch's new versions (never matched: inserted), and the
-  new marker row (matched with the old one, null-safe on the NULL keys). The MERGE names the batch's
-  buckets and the NULL bucket, where the marker row lives, so the engine reads only those
-  partitions, and a table with deletion vectors marks the closed rows instead of rewriting files.
+  whose current version the batch ends, the batch's new versions and the new marker row. A close
+  row deletes its key's current version (matched on the key and ``_pgcdc_valid_to_lsn IS NULL``)
+  and the version goes back in closed (its values, read just before, with the closing LSN and
+  time); the new versions and the new marker row are inserted, the old marker row deleted (matched
+  null-safe on the NULL keys). The MERGE names the close rows' buckets and the NULL bucket, where
+  the marker row lives, so the engine reads only those partitions, and a table with deletion
+  vectors marks the deleted rows instead of rewriting files.
 * A TRUNCATE, the fill of columns added with a default and a snapshot's seed rewrite every current
   version (:func:`replace_versions`): the current versions and the marker row are read, and written
   back by the caller's rewrite with an overwrite whose ``replaceWhere`` selects the same rows (the
@@ -31,11 +33,11 @@ import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.batch_columns import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
-from resources.delta.dataframes import spark_dataframe
+from resources.delta.dataframes import prepare_writes
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
-from resources.delta.merge import quote_column
-from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
+from resources.delta.merge import DELETE_ROW_COLUMN, key_lists, quote_column
+from resources.delta.snapshot_writes import STAGE_FILE_BYTES, staged_source_sql, stage_parquet, STAGING_DIRECTORY, write_snapshot
 from resources.delta.table_log import table_exists
 
 __all__ = [
@@ -60,30 +62,96 @@ def merge_versions(
     lake: LakeStorage | None = None,
 ) -> None:
     """One MERGE of a batch's close rows, new versions and marker row (module docstring); with
-    ``prune_buckets`` (the key holds the layout's key), only the source's buckets and the NULL bucket."""
+    ``prune_buckets`` (the key holds the layout's key), only the source's buckets and the NULL bucket.
+
+    A version is closed by deleting it and inserting it again closed, not by updating it: Sail 0.7.2
+    reads every column of the target in all three scans of an update MERGE, but only the key,
+    bucket and row position in two of a delete-and-insert's (docs/engine-notes.md). The closed
+    versions' values come from one read of the versions the batch closes (:func:`_closed_versions`),
+    with the same predicate the MERGE deletes by, so what is read is what is deleted. Measured with
+    200 random updates into 3M versions: 0.6x the update MERGE's time (docs/benchmarks.md)."""
+    closing = source.column(CLOSE_COLUMN)
     columns = [name for name in source.column_names if name != CLOSE_COLUMN]
+    deletes = source.filter(closing).select(columns)  # the close rows and the marker row
+    buckets = _bucket_predicate(deletes) if prune_buckets and BUCKET_COLUMN in columns else None
+    staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}"
+    closes = deletes.filter(pc.is_null(deletes.column(MARKER_COLUMN)))
+    closed = _closed_versions(spark, path, closes, key_columns, buckets, f"{staging}/versions_closes", lake)
+    inserts = pa.concat_tables([closed, source.filter(pc.or_(pc.invert(closing), pc.is_valid(source.column(MARKER_COLUMN)))).select(columns)])
+    merge_source = pa.concat_tables([
+        deletes.append_column(DELETE_ROW_COLUMN, pa.repeat(pa.scalar(True), deletes.num_rows)),
+        inserts.append_column(DELETE_ROW_COLUMN, pa.repeat(pa.scalar(False), inserts.num_rows)),
+    ])  # fmt: skip
     on = " AND ".join(f"t.{quote_column(key)} <=> s.{quote_column(key)}" for key in key_columns)
-    on += f" AND t.{quote_column(VALID_TO_LSN_COLUMN)} IS NULL AND s.{quote_column(CLOSE_COLUMN)}"
-    if prune_buckets and BUCKET_COLUMN in columns:
-        buckets = sorted({int(bucket) for bucket in source.column(BUCKET_COLUMN).to_pylist() if bucket is not None})
-        bucket = f"t.{quote_column(BUCKET_COLUMN)}"
-        listed = f"{bucket} IN ({', '.join(map(str, buckets))}) OR " if buckets else ""
-        on += f" AND ({listed}{bucket} IS NULL)"
-    updates = ", ".join(f"{quote_column(name)} = s.{quote_column(name)}" for name in CLOSED_SET)
+    on += f" AND t.{quote_column(VALID_TO_LSN_COLUMN)} IS NULL AND s.{DELETE_ROW_COLUMN}"
+    on += "".join(f" AND {term}" for term in _current_rows(deletes, key_columns, buckets))
     inserted = ", ".join(quote_column(name) for name in columns)
     values = ", ".join(f"s.{quote_column(name)}" for name in columns)
-    # Staged as Parquet for the reason merge_batch gives: the engine then hashes the source, not the table.
-    staged = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/versions_source"
-    spark_dataframe(spark, source).write.mode("overwrite").parquet(staged)
+    staged = f"{staging}/versions_source"
+    remove_tree(staged, lake)  # what a crashed MERGE left where it cannot be removed (object stores)
+    stage_parquet(merge_source, merge_source.schema, staged, STAGE_FILE_BYTES, lake)
+    prepare_writes(spark)
     try:
         spark.sql(
-            f"MERGE INTO delta.{quote_column(path)} t USING parquet.{quote_column(staged)} s ON {on} "
-            f"WHEN MATCHED THEN UPDATE SET {updates} "
-            f"WHEN NOT MATCHED AND (NOT s.{quote_column(CLOSE_COLUMN)} OR s.{quote_column(MARKER_COLUMN)} IS NOT NULL) "
-            f"THEN INSERT ({inserted}) VALUES ({values})"
+            f"MERGE INTO delta.{quote_column(path)} t USING ({staged_source_sql(merge_source.schema, staged)}) s ON {on} "
+            f"WHEN MATCHED THEN DELETE "
+            f"WHEN NOT MATCHED AND NOT s.{DELETE_ROW_COLUMN} THEN INSERT ({inserted}) VALUES ({values})"
         ).collect()
     finally:
         remove_tree(staged, lake)
+
+
+def _closed_versions(
+    spark: SparkSession,
+    path: str,
+    closes: pa.Table,
+    key_columns: Sequence[str],
+    buckets: str | None,
+    staged: str,
+    lake: LakeStorage | None,
+) -> pa.Table:
+    """The current versions the close rows ``closes`` end, closed: their values with the close rows'
+    :data:`CLOSED_SET` columns, in ``closes``' columns and types. Read by joining the staged close
+    rows to the target's current versions in the buckets the MERGE names (``buckets``), with the
+    key lists that let the engine drop other rows right after its scan."""
+    if not closes.num_rows:
+        return closes
+    remove_tree(staged, lake)
+    stage_parquet(closes, closes.schema, staged, STAGE_FILE_BYTES, lake)
+    try:
+        picked = ", ".join(
+            f"{'s' if name in CLOSED_SET else 't'}.{quote_column(name)} AS {quote_column(name)}" for name in closes.column_names
+        )
+        on = " AND ".join(f"t.{quote_column(key)} = s.{quote_column(key)}" for key in key_columns)
+        where = " AND ".join([
+            f"t.{quote_column(VALID_TO_LSN_COLUMN)} IS NULL", f"t.{quote_column(MARKER_COLUMN)} IS NULL",
+            *_current_rows(closes, key_columns, buckets),
+        ])  # fmt: skip
+        closed = spark.sql(
+            f"SELECT {picked} FROM delta.{quote_column(path)} t JOIN ({staged_source_sql(closes.schema, staged)}) s "
+            f"ON {on} WHERE {where}"
+        ).toArrow()
+    finally:
+        remove_tree(staged, lake)
+    return pa.Table.from_arrays([closed.column(field.name).cast(field.type) for field in closes.schema], schema=closes.schema)
+
+
+def _current_rows(rows: pa.Table, key_columns: Sequence[str], buckets: str | None) -> list[str]:
+    """Conditions on the target ``t`` that every version a MERGE of ``rows`` matches meets: in
+    ``buckets`` (the partition predicate), and each integer key in the rows' short list of values
+    (:func:`~resources.delta.merge.key_lists`) or NULL (the marker row)."""
+    terms = [] if buckets is None else [buckets]
+    for key in key_columns:
+        terms += [f"({listed} OR t.{quote_column(key)} IS NULL)" for listed in key_lists(rows, [key])]
+    return terms
+
+
+def _bucket_predicate(rows: pa.Table) -> str:
+    """``(t.<bucket> IN (the rows' buckets) OR t.<bucket> IS NULL)``: the NULL bucket holds the marker row."""
+    buckets = sorted({int(bucket) for bucket in rows.column(BUCKET_COLUMN).to_pylist() if bucket is not None})
+    bucket = f"t.{quote_column(BUCKET_COLUMN)}"
+    listed = f"{bucket} IN ({', '.join(map(str, buckets))}) OR " if buckets else ""
+    return f"({listed}{bucket} IS NULL)"
 
 
 def replace_versions(

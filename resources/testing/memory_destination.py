@@ -184,7 +184,8 @@ class InMemoryDestination:
         """As the Delta MERGE of ``resources/delta/versions.py``, bucket pruning included."""
         target = self.tables[path]
         rows = target.to_pylist()
-        buckets = set(source.column(BUCKET_COLUMN).to_pylist()) | {None} if prune_buckets and BUCKET_COLUMN in target.column_names else None
+        closing = source.filter(source.column(CLOSE_COLUMN))  # the MERGE names the buckets of the rows that close
+        buckets = set(closing.column(BUCKET_COLUMN).to_pylist()) | {None} if prune_buckets and BUCKET_COLUMN in target.column_names else None
         open_at = {
             tuple(row[k] for k in key_columns): i
             for i, row in enumerate(rows)
