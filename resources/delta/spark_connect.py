@@ -114,14 +114,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def reports_dead_engine(function: F) -> F:
-    """Turn a dead engine under ``function(config, spark, ...)`` into :class:`EngineUnavailable`."""
+    """Turn a dead engine under ``function(config, destination, ...)`` into :class:`EngineUnavailable`
+    (the destination's ``spark`` session names the engine; a destination without one has no engine)."""
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return function(*args, **kwargs)
         except Exception as error:  # also a PgcdcError raised while the engine was failing
-            spark = kwargs.get("spark", args[1] if len(args) > 1 else None)
+            destination = kwargs.get("destination", args[1] if len(args) > 1 else None)
+            spark = getattr(destination, "spark", None)
             translated = engine_unavailable(error, spark) if spark is not None else None
             if translated is None:
                 raise
