@@ -22,22 +22,30 @@ from __future__ import annotations
 
 from collections import Counter
 
+from resources.lsn import LSN
 from resources.testing.memory_destination import InMemoryDestination
 from resources.testing.recorded_changes import Recording, replay_drain, replay_snapshot, snapshot_path
 from tests.support.change_recorder import RECORDING, record
 from tests.support.postgres import PgDatabase
 
 
-def replayed_tables(recording: Recording) -> tuple[dict[str, Counter[tuple]], InMemoryDestination, list]:
-    destination = InMemoryDestination()
-    replay_snapshot(recording, destination)
-    source = replay_drain(recording, destination)
+def memory_tables(recording: Recording, destination: InMemoryDestination) -> dict[str, Counter[tuple]]:
+    """Each recorded table's rows in ``destination``, PostgreSQL's columns only."""
     tables = {}
     for copy in recording.copies:
         data = destination.tables[snapshot_path(copy.table)]
         names = [name for name in data.column_names if not name.startswith("_pgcdc_")]
         tables[str(copy.table)] = Counter(tuple(row[name] for name in names) for row in data.select(names).to_pylist())
-    return tables, destination, source.confirmed
+    return tables
+
+
+def replayed(recording: Recording) -> tuple[dict[str, Counter[tuple]], list[tuple[LSN, dict[str, Counter[tuple]]]]]:
+    """The tables after the replayed snapshot and drain, and at each confirm the position and the tables then."""
+    destination = InMemoryDestination()
+    replay_snapshot(recording, destination)
+    confirms: list[tuple[LSN, dict[str, Counter[tuple]]]] = []
+    replay_drain(recording, destination, on_confirm=lambda lsn: confirms.append((lsn, memory_tables(recording, destination))))
+    return memory_tables(recording, destination), confirms
 
 
 def expected_tables(recording: Recording) -> dict[str, Counter[tuple]]:
@@ -46,17 +54,20 @@ def expected_tables(recording: Recording) -> dict[str, Counter[tuple]]:
 
 def test_a_recorded_snapshot_and_drain_replayed_into_memory_equal_postgresql() -> None:
     recording = Recording.load(RECORDING)
-    tables, destination, confirmed = replayed_tables(recording)
+    tables, confirms = replayed(recording)
     assert tables == expected_tables(recording)
     assert sum(tables["public.events"].values()) == 2 and sum(tables["public.pairs"].values()) == 4  # duplicates kept
     acct = {row[0]: row for row in tables["public.acct"]}
     assert acct[1][1:] == ("toast unchanged", 1.5, "toasted " * 400)  # the unchanged TOAST value kept
-    assert confirmed[-1] == recording.end_lsn and confirmed == sorted(confirmed)
+    # The last confirm is exactly the recording's end, made when the destination already held every change.
+    assert confirms[-1] == (recording.end_lsn, expected_tables(recording))
+    positions = [lsn for lsn, _ in confirms]
+    assert positions == sorted(set(positions)) and positions[0] > recording.start_lsn
 
 
 def test_a_new_recording_replays_to_the_committed_one(pg: PgDatabase) -> None:
     fresh = record(pg.dsn)
     committed = Recording.load(RECORDING)
     assert expected_tables(fresh) == expected_tables(committed)
-    assert replayed_tables(fresh)[0] == replayed_tables(committed)[0] == expected_tables(fresh)
+    assert replayed(fresh)[0] == replayed(committed)[0] == expected_tables(fresh)
     assert [(c.table, c.columns, c.csv) for c in fresh.copies] == [(c.table, c.columns, c.csv) for c in committed.copies]

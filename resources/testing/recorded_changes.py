@@ -152,10 +152,15 @@ class RecordedChanges:
     payloads in one list) and ends where it ends: after the first commit ending at or past the end.
     """
 
-    def __init__(self, frames: list[tuple[LSN, bytes]], start_lsn: LSN) -> None:
+    def __init__(
+        self, frames: list[tuple[LSN, bytes]], start_lsn: LSN, on_confirm: Callable[[LSN], None] | None = None
+    ) -> None:
+        """``on_confirm`` runs at each confirm, before the position is recorded: a test looks at the
+        destination there, at the moment the slot would be told the position is durable."""
         self._frames = frames
         self._confirmed = start_lsn
         self._streaming = True
+        self._on_confirm = on_confirm
         #: Every position confirmed, in order; :attr:`sent` those a status update carried.
         self.confirmed: list[LSN] = []
         self.sent: list[LSN] = []
@@ -186,6 +191,8 @@ class RecordedChanges:
             self.stop()
 
     def confirm(self, lsn: LSN) -> None:
+        if self._on_confirm is not None:
+            self._on_confirm(lsn)
         self._confirmed = lsn
         self.confirmed.append(lsn)
 
@@ -213,12 +220,18 @@ def replay_snapshot(recording: Recording, destination: Destination) -> None:
 
 
 def replay_drain(
-    recording: Recording, destination: Destination, types: ColumnTypes | None = None, *, log: Callable[[str], None] | None = None
+    recording: Recording,
+    destination: Destination,
+    types: ColumnTypes | None = None,
+    *,
+    log: Callable[[str], None] | None = None,
+    on_confirm: Callable[[LSN], None] | None = None,
 ) -> RecordedChanges:
-    """Drain the recorded frames into ``destination`` as ``run_incremental`` drains the slot (``types``: the
-    catalog's answers, default the recorded ones); returns the source, holding what was confirmed."""
+    """Drain the recorded frames into ``destination`` as ``run_incremental`` drains the slot (the same
+    assembler, applier and ``drain`` loop, default chunk limits); ``types``: the catalog's answers,
+    default the recorded ones. Returns the source, holding what was confirmed."""
     say = log or (lambda message: None)
-    source = RecordedChanges(recording.frames, recording.start_lsn)
+    source = RecordedChanges(recording.frames, recording.start_lsn, on_confirm)
     targets = {copy.table: TableTarget(copy.table, snapshot_path(copy.table)) for copy in recording.copies}
     applier = ChangeApplier(
         destination, types if types is not None else RecordedTypes(recording.catalog), targets,
