@@ -149,7 +149,8 @@ class RecordedChanges:
     """A :class:`~resources.cdc.change_source.ChangeSource` replaying recorded frames; remembers what it was confirmed.
 
     Batches row changes as ``ReplicationStream.drain_batches`` does (consecutive Insert/Update/Delete
-    payloads in one list) and ends where it ends: after the first commit ending at or past the end.
+    payloads in lists of about ``max_batch_bytes``) and ends where it ends: after the first Commit
+    ending at or past the end, or before a Begin whose commit lies at or past it.
     """
 
     def __init__(
@@ -174,21 +175,33 @@ class RecordedChanges:
         return self._confirmed
 
     def drain_batches(self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20) -> Iterator[XLogData | list[bytes]]:
+        try:
+            yield from self._drain(end_lsn, max_batch_bytes)
+        finally:
+            if stop:
+                self.stop()
+
+    def _drain(self, end_lsn: LSN, max_batch_bytes: int) -> Iterator[XLogData | list[bytes]]:
         rows: list[bytes] = []
+        rows_bytes = 0
         for wal_start, payload in self._frames:
-            if payload[0] in ROW_CHANGES:
+            if payload[0] in ROW_CHANGES:  # pgoutput sends them only inside a transaction or streamed block
                 rows.append(payload)
+                rows_bytes += len(payload)
+                if rows_bytes >= max_batch_bytes:
+                    yield rows
+                    rows, rows_bytes = [], 0
                 continue
             if rows:
                 yield rows
-                rows = []
+                rows, rows_bytes = [], 0
             if payload[0] == ord("B") and int.from_bytes(payload[1:9], "big") >= end_lsn:
-                break  # a transaction whose commit lies at or past the end: the next drain's
+                return  # a transaction whose commit lies at or past the end: the next drain's
             yield XLogData(wal_start, wal_start, 0, memoryview(payload))
             if payload[0] == ord("C") and int.from_bytes(payload[10:18], "big") >= end_lsn:
-                break
-        if stop:
-            self.stop()
+                return
+        if rows:
+            yield rows
 
     def confirm(self, lsn: LSN) -> None:
         if self._on_confirm is not None:
