@@ -12,7 +12,7 @@ A :class:`Recording` holds, byte for byte, what the runs read from PostgreSQL be
 
 ``tests/support/change_recorder.py`` writes one against a live server. :func:`replay_snapshot` parses
 the COPY bytes with the snapshot's own :class:`~resources.postgres.copy.PieceParser` into
-``Destination.write_snapshot`` with a snapshot marker; :func:`replay_drain` runs the drain loop
+``Destination.write_snapshot`` with a snapshot marker (an unbucketed table, as a small table's snapshot writes); :func:`replay_drain` runs the drain loop
 (``resources/cdc/drain.py``) with the real assembler and applier over :class:`RecordedChanges`.
 Not covered here, because it is the server's side: preflight, slot and publication reads, and the
 temporary slots the snapshot creates.
@@ -64,6 +64,8 @@ class RecordedCopy:
 @dataclass
 class Recording:
     slot: str
+    #: The recording server's ``server_version_num`` (the frames' pgoutput version follows from it).
+    server_version_num: int
     proto_version: int
     start_lsn: LSN
     end_lsn: LSN
@@ -78,6 +80,7 @@ class Recording:
     def save(self, path: Path) -> None:
         data = {
             "slot": self.slot,
+            "server_version_num": self.server_version_num,
             "proto_version": self.proto_version,
             "start_lsn": int(self.start_lsn),
             "end_lsn": int(self.end_lsn),
@@ -99,6 +102,7 @@ class Recording:
         data = json.loads(path.read_text())
         return cls(
             slot=data["slot"],
+            server_version_num=data["server_version_num"],
             proto_version=data["proto_version"],
             start_lsn=LSN(data["start_lsn"]),
             end_lsn=LSN(data["end_lsn"]),

@@ -120,8 +120,9 @@ def record(dsn: str) -> Recording:
                 stream = ReplicationStream(rc)
                 stream.start(SLOT, options=options)
                 frames = [(LSN(frame.wal_start), bytes(frame.payload)) for frame in stream.drain(end_lsn)]
-                proto = options.resolve_proto_version(rc.server_version_num)
-            recording = Recording(SLOT, proto, state.confirmed_flush_lsn, end_lsn, copies, frames, {})
+                version = rc.server_version_num
+                proto = options.resolve_proto_version(version)
+            recording = Recording(SLOT, version, proto, state.confirmed_flush_lsn, end_lsn, copies, frames, {})
             # The applier's catalog questions, answered by the server, while replaying what was recorded.
             types = RecordingTypes(TypeResolver(conn))
             destination = InMemoryDestination()
