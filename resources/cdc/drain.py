@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from resources.cdc.applier import ChangeApplier
+from resources.cdc.change_source import ChangeSource
 from resources.cdc.transactions import TransactionAssembler
 from resources.errors import SlotError
 from resources.lsn import LSN
@@ -16,7 +17,7 @@ from resources.crash_points import fault_point
 
 
 def drain(
-    stream: ReplicationStream,
+    stream: ChangeSource,
     assembler: TransactionAssembler,
     applier: ChangeApplier,
     end_lsn: LSN,
@@ -24,7 +25,7 @@ def drain(
     started: float,
     before_final_confirm: Callable[[], None] | None = None,
 ) -> None:
-    """The main loop; on any error the stream stops having confirmed only durable positions.
+    """The main loop over ``stream`` (the slot's stream, or a recording in server-free tests); on any error the stream stops having confirmed only durable positions.
 
     ``before_final_confirm`` runs once every change below ``end_lsn`` is durable in Delta and
     before the last confirm (the run records the state of the tables it wrote): a crash in it
