@@ -305,6 +305,13 @@ def snapshot_in_key_ranges(
             on_progress(SnapshotProgress(
                 table, rows, nbytes, time.monotonic() - started, copy.ranges.done, copy.ranges.count, done_before, "key ranges",
             ))  # fmt: skip
+    return _walk_result(destination, table, path, rows, copies, started)
+
+
+def _walk_result(
+    destination: Destination, table: TableName, path: str, rows: int, copies: list[RangeCopy], started: float
+) -> SnapshotResult:
+    """The result of a finished walk in key ranges, from the table's log (its last range's commit)."""
     log = destination.read_table_log(path, None)
     if log.chunks is None or log.snapshot_lsn is None or log.version is None:
         raise SnapshotError(f"{table}: its snapshot in key ranges did not complete", "run the table's snapshot again")
