@@ -637,12 +637,12 @@ def test_spark_server_serves_runs_until_stopped(pg: PgDatabase, tmp_path: Path) 
         with SparkEngine.from_config(config.spark) as engine:
             capabilities = engine_capabilities(engine.spark)
             assert capabilities.delta_commands and not capabilities.merge_delete_and_insert
-            snapshot_tables(config, engine.spark)
+            snapshot_tables(config, lake_destination(engine.spark, config))
         assert_lake_exact(pg, config, 300)
         for drain in range(2):
             writes(pg, 10, 100 * (drain + 1))
             with SparkEngine.from_config(config.spark) as engine:
-                run_incremental(config, engine.spark)
+                run_incremental(config, lake_destination(engine.spark, config))
             assert_lake_exact(pg, config, 300)
         server.terminate()
         assert server.wait(timeout=120) == 0
