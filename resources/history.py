@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
 from resources.cdc.history import COMMIT_TIME_COLUMN, COMMIT_TIME_TYPE, KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN
+from resources.cdc.row_multiset import comparable_rows
 from resources.cdc.scd2 import (
     CURRENT_COLUMN,
     VALID_FROM_COLUMN,
@@ -143,9 +144,10 @@ def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
     ops = changes.column(OP_COLUMN).to_pylist()
     keys = changes.column(KEY_COLUMN).to_pylist()
     lsns = changes.column(LSN_COLUMN).to_pylist()
-    new = [[_canonical(value) for value in changes.column(name).to_pylist()] for name in names]
+    # timestamps and dates as integers: Python's datetimes end short of PostgreSQL's infinity
+    new = [[_canonical(value) for (value,) in comparable_rows(changes, [name])] for name in names]
     old = [
-        [_canonical(value) for value in changes.column(OLD_PREFIX + name).to_pylist()]
+        [_canonical(value) for (value,) in comparable_rows(changes, [OLD_PREFIX + name])]
         if OLD_PREFIX + name in changes.column_names else [None] * changes.num_rows
         for name in names
     ]  # fmt: skip

@@ -182,7 +182,7 @@ def replace_versions(
     marker = rows.filter(pc.is_valid(rows.column(MARKER_COLUMN))).column(MARKER_COLUMN)[0].as_py()
     write_snapshot(
         spark, rows, rows.schema, path, marker, layout=layout, replace_where=predicate, deletion_vectors=deletion_vectors,
-        lake=lake,
+        lake=lake, rows_outside_where=True,  # the rewrite closes current versions: they leave the predicate
     )
 
 
