@@ -71,10 +71,21 @@ def read_as_of(
     its changelog, which is the table as its Delta table holds it now); or, with ``time``, before the
     first transaction committed after it (:func:`lsn_at_time`). Read from the table's SCD type 2 table
     when its history is ``scd2``, else folded from its changelog. ``lake``: the object store holding it."""
-    rows = read_rows(spark, _changelog_path(config, table, lake), None)
+    rows = _in_utc(read_rows(spark, _changelog_path(config, table, lake), None))
     if config.history.mode(table) == "scd2":
         return versions_as_of(rows, version_lsn_at_time(rows, time) if time is not None else lsn)
     return fold_changelog(rows, lsn_at_time(rows, time) if time is not None else lsn)
+
+
+def _in_utc(rows: pa.Table) -> pa.Table:
+    """``rows`` with every zoned timestamp in UTC, as pgcdc maps timestamptz on every engine (a Spark
+    session answers in its own time zone's name, e.g. ``Etc/UTC``; the instants are the same)."""
+    fields = [
+        field.with_type(pa.timestamp(field.type.unit, "UTC"))
+        if pa.types.is_timestamp(field.type) and field.type.tz is not None else field
+        for field in rows.schema
+    ]  # fmt: skip
+    return rows.cast(pa.schema(fields, rows.schema.metadata))
 
 
 def versions_as_of(versions: pa.Table, lsn: int | None = None) -> pa.Table:
