@@ -247,8 +247,8 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
 
     # Re-snapshot of one table between changes, then the changes on both sides of it.
     pg.execute("UPDATE acct SET note = 'before resnapshot' WHERE id <= 20")
-    capture_acct()
     step("re-snapshot", lambda: snapshot_tables(config, lake_destination(spark, config), [TableName("public", "acct")]))
+    capture_acct()  # after it: the versions it opened hold from its LSN (a change it absorbed is dated there)
     pg.execute("UPDATE acct SET note = 'after resnapshot' WHERE id BETWEEN 10 AND 30")
     step("drain after re-snapshot", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 300)
