@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
 from resources.cdc.history import COMMIT_TIME_COLUMN, COMMIT_TIME_TYPE, KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN
+from resources.cdc.row_multiset import comparable_rows
 from resources.cdc.scd2 import (
     CURRENT_COLUMN,
     VALID_FROM_COLUMN,
@@ -70,10 +71,21 @@ def read_as_of(
     its changelog, which is the table as its Delta table holds it now); or, with ``time``, before the
     first transaction committed after it (:func:`lsn_at_time`). Read from the table's SCD type 2 table
     when its history is ``scd2``, else folded from its changelog. ``lake``: the object store holding it."""
-    rows = read_rows(spark, _changelog_path(config, table, lake), None)
+    rows = _in_utc(read_rows(spark, _changelog_path(config, table, lake), None))
     if config.history.mode(table) == "scd2":
         return versions_as_of(rows, version_lsn_at_time(rows, time) if time is not None else lsn)
     return fold_changelog(rows, lsn_at_time(rows, time) if time is not None else lsn)
+
+
+def _in_utc(rows: pa.Table) -> pa.Table:
+    """``rows`` with every zoned timestamp in UTC, as pgcdc maps timestamptz on every engine (a Spark
+    session answers in its own time zone's name, e.g. ``Etc/UTC``; the instants are the same)."""
+    fields = [
+        field.with_type(pa.timestamp(field.type.unit, "UTC"))
+        if pa.types.is_timestamp(field.type) and field.type.tz is not None else field
+        for field in rows.schema
+    ]  # fmt: skip
+    return rows.cast(pa.schema(fields, rows.schema.metadata))
 
 
 def versions_as_of(versions: pa.Table, lsn: int | None = None) -> pa.Table:
@@ -143,9 +155,10 @@ def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
     ops = changes.column(OP_COLUMN).to_pylist()
     keys = changes.column(KEY_COLUMN).to_pylist()
     lsns = changes.column(LSN_COLUMN).to_pylist()
-    new = [[_canonical(value) for value in changes.column(name).to_pylist()] for name in names]
+    # timestamps and dates as integers: Python's datetimes end short of PostgreSQL's infinity
+    new = [[_canonical(value) for (value,) in comparable_rows(changes, [name])] for name in names]
     old = [
-        [_canonical(value) for value in changes.column(OLD_PREFIX + name).to_pylist()]
+        [_canonical(value) for (value,) in comparable_rows(changes, [OLD_PREFIX + name])]
         if OLD_PREFIX + name in changes.column_names else [None] * changes.num_rows
         for name in names
     ]  # fmt: skip

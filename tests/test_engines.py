@@ -50,6 +50,7 @@ from resources.delta.maintenance import (
 )
 from resources.crash_points import FAULT_POINT_ENV
 from resources.runs.incremental import run_incremental
+from resources.lsn import LSN
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.runs.snapshot import snapshot_tables, SnapshotProgress
 from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc_marker
@@ -70,6 +71,7 @@ from tests.support.key_shapes import (
     IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, PublisherOracle, run_key_shapes, SHAPES,
 )
 from tests.support.key_range_writer import Writer
+from tests.support.history_oracle import assert_as_of_equals, capture
 from tests.support.object_storage_lifecycle import lifecycle as object_storage_lifecycle
 from tests.support.randomized_replay import Replay
 from tests.support.workload import generate
@@ -105,6 +107,10 @@ LIFECYCLE_DDL = NEVER_TRUNCATED_DDL + """
 timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
 #: The lifecycle's table on the copy-on-write opt-out (``delta.deletion_vectors_tables``).
 LIFECYCLE_COPY_ON_WRITE = ("public.dup",)
+#: The lifecycle's history tables on the managed engine (Delta on Spark; every other history test runs on
+#: embedded Sail, tests/test_history.py): acct's versions through bucket adoption, TRUNCATE and a fill,
+#: changelogs of the keyless and the REPLICA IDENTITY FULL table.
+LIFECYCLE_HISTORY = {"public.acct": "scd2", "public.dup": "changelog", "public.journal": "changelog"}
 #: Tests that run on the managed Spark engine only: its JVM is up anyway, and the other engines
 #: add nothing to them that the lifecycle walk does not cover.
 SPARK_LOCAL_ONLY = {
@@ -157,10 +163,11 @@ def engine_config(
     buckets: dict[str, object] | None = None,
     snapshot: dict[str, object] | None = None,
     copy_on_write: tuple[str, ...] = (),
+    history: dict[str, str] | None = None,
     **spark: object,
 ) -> PgcdcConfig:
     """pgcdc configured as a user would for this engine: ``spark.remote`` is its URL; the tables
-    ``copy_on_write`` opted out of deletion vectors."""
+    ``copy_on_write`` opted out of deletion vectors; ``history``: schema.table -> its history mode."""
     return parse_config({
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
@@ -169,6 +176,7 @@ def engine_config(
                   "deletion_vectors_tables": {name: False for name in copy_on_write}},
         "snapshot": snapshot or {},
         "spark": {"remote": engine.url, **spark},
+        "history": {"tables": history or {}},
     })  # fmt: skip
 
 
@@ -204,7 +212,15 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     assert engine_capabilities(spark).delta_commands == engine.name.startswith("spark")
     pg.execute(LIFECYCLE_DDL)
     # dup (REPLICA IDENTITY FULL, identical rows) copy-on-write, the opt-out; acct and tally with deletion vectors
-    config = engine_config(pg, tmp_path, engine, copy_on_write=LIFECYCLE_COPY_ON_WRITE)
+    history = LIFECYCLE_HISTORY if engine.name == "spark-local" else None
+    config = engine_config(pg, tmp_path, engine, copy_on_write=LIFECYCLE_COPY_ON_WRITE, history=history)
+    moments: list[LSN] = []  # acct as PostgreSQL held it at quiet moments (tests/support/history_oracle.py)
+
+    def capture_acct() -> None:
+        if history:
+            with pg.connect() as conn:
+                moments.append(capture(conn, len(moments), ["public.acct"])[0])
+
     timings: dict[str, float] = {}
 
     def step(label: str, action: object) -> None:
@@ -213,7 +229,9 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
         timings[label] = round(time.monotonic() - started, 1)
 
     # acct as an earlier pgcdc wrote it (unbucketed); its re-snapshot below adopts buckets
-    unbucketed = engine_config(pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}, copy_on_write=LIFECYCLE_COPY_ON_WRITE)
+    unbucketed = engine_config(
+        pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}, copy_on_write=LIFECYCLE_COPY_ON_WRITE, history=history
+    )
     step("snapshot", lambda: snapshot_tables(unbucketed, SparkDeltaDestination(spark, None)))
     assert_deletion_vectors(config, {"public.acct": True, "public.dup": False, "public.tally": True})
     assert_lake_exact(pg, config, 300)
@@ -223,12 +241,14 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     writer.start()
     step("drain under writes", lambda: run_incremental(config, lake_destination(spark, config), max_chunk_changes=40))
     writer.join()
+    capture_acct()
     step("drain", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 300)
 
     # Re-snapshot of one table between changes, then the changes on both sides of it.
     pg.execute("UPDATE acct SET note = 'before resnapshot' WHERE id <= 20")
     step("re-snapshot", lambda: snapshot_tables(config, lake_destination(spark, config), [TableName("public", "acct")]))
+    capture_acct()  # after it: the versions it opened hold from its LSN (a change it absorbed is dated there)
     pg.execute("UPDATE acct SET note = 'after resnapshot' WHERE id BETWEEN 10 AND 30")
     step("drain after re-snapshot", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 300)
@@ -244,6 +264,7 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     # TRUNCATE of the keyless table and of a keyed one, with rows after it.
     pg.execute("TRUNCATE journal; INSERT INTO journal VALUES (1, 'after'), (1, 'after');"
                " TRUNCATE acct; INSERT INTO acct SELECT g, g, 'reborn' FROM generate_series(1, 50) g")
+    capture_acct()
     step("drain with TRUNCATE", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
 
@@ -259,6 +280,11 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
                " INSERT INTO dup VALUES (2, 'b')")
     step("drain on FULL identity", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
+    if history:  # the changelogs folded whole and acct's current versions equal the tables; acct's versions at each moment
+        step("history as of", lambda: [
+            *(assert_as_of_equals(pg, spark, config, table, None, table) for table in LIFECYCLE_HISTORY),
+            *(assert_as_of_equals(pg, spark, config, "public.acct", lsn, f"public.past_{k}_acct") for k, lsn in enumerate(moments)),
+        ])  # fmt: skip
 
     # Maintenance after those drains, with the engine's own commands where it has them (Delta on Spark,
     # over Spark Connect) and delta-rs otherwise, at a one-second retention: every file the drains

@@ -43,10 +43,11 @@ from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.snapshot import snapshot_tables
 from resources.crash_points import FAULT_POINT_ENV
-from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
+from resources.testing.verify import assert_delta_equals_postgres
 from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 from tests.support.fault_runs import Child, confirmed, write_config
+from tests.support.history_oracle import assert_as_of_equals, capture
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # crash points in child processes around changelog commits; tiers: docs/testing.md
@@ -122,31 +123,6 @@ def workload_step(conn: psycopg.Connection, rng: random.Random, step: int) -> No
     if step == 4:
         conn.execute("TRUNCATE dups")
         conn.execute("INSERT INTO dups VALUES (7, 'after'), (7, 'after')")
-
-
-def capture(conn: psycopg.Connection, k: int) -> tuple[LSN, datetime]:
-    """At a quiet moment: the WAL insert position (past every commit so far, before any later one), the
-    server's clock (after every commit time so far, before any later one) and a copy of each table."""
-    ((lsn, now),) = conn.execute("SELECT pg_current_wal_insert_lsn()::text, clock_timestamp()").fetchall()
-    for table in TABLES:
-        name = table.split(".")[1]
-        conn.execute(f"CREATE TABLE past_{k}_{name} AS SELECT * FROM {table}")
-    return LSN.parse(lsn), now
-
-
-def assert_as_of_equals(
-    pg: PgDatabase, spark: SparkSession, config: PgcdcConfig, table: str, lsn: LSN | None, copy: str, time: datetime | None = None
-) -> None:
-    rows = read_as_of(spark, config, TableName.parse(table), lsn, time)
-    with pg.connect() as conn:
-        pg_columns = [name for (name,) in conn.execute(
-            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped", (copy,)
-        ).fetchall()]  # fmt: skip
-        later = [name for name in rows.column_names if name not in pg_columns]
-        for name in later:  # columns added after that moment are NULL in it
-            assert rows.column(name).null_count == rows.num_rows, f"{table} as of {lsn}: {name} before it existed"
-        schema, values = arrow_rows(rows)
-        compare_rows(conn, copy, schema, values, extra_delta_columns=later)
 
 
 def changelog(config: PgcdcConfig, table: str, spark: SparkSession) -> pa.Table:
@@ -227,7 +203,7 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(
     with pg.connect() as conn:
         for step in range(6):
             workload_step(conn, rng, step)
-            moments.append(capture(conn, step))
+            moments.append(capture(conn, step, TABLES))
             if step in (1, 3):
                 run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)  # small chunks: many history commits
             if step == 4 and orders_history == "scd2":
@@ -256,7 +232,7 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(
         maintain_table(config.history_path(*table.split(".")), lake, retention_hours=1, target_file_bytes=1 << 20)
     with pg.connect() as conn:
         workload_step(conn, rng, 6)
-        moments.append(capture(conn, 6))
+        moments.append(capture(conn, 6, TABLES))
     run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)
     for table in TABLES:
         for k, (lsn, _) in enumerate(moments):
@@ -321,7 +297,7 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     with pg.connect() as conn:
         for step in range(3):
             workload_step(conn, rng, step)
-            moments.append(capture(conn, step))
+            moments.append(capture(conn, step, TABLES))
     config_file = write_config(config, tmp_path)
     start = confirmed(pg)
     # The first three kills follow each table's seed, the fourth a commit of changes; then before any

@@ -45,6 +45,7 @@ from resources.cdc.history import (
     SEQ_COLUMN,
     with_schema,
 )
+from resources.cdc.row_multiset import comparable_rows
 from resources.cdc.tables import KEYED, TableTarget
 from resources.delta.destination import Destination
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
@@ -318,13 +319,19 @@ def _reseed(current: pa.Table, seed: pa.Table, key: Sequence[str], snapshot_lsn:
     values differ from the snapshot's row closed at ``snapshot_lsn``, and the snapshot's rows that are
     new or changed opened there."""
     names = [name for name in seed.column_names if not name.startswith(_META_PREFIX)]
-    seed_rows = seed.select(names).to_pylist()
-    seed_at = {tuple(row[name] for name in key): j for j, row in enumerate(seed_rows)}
+    # Compared as integers where Python's datetimes end short of PostgreSQL's infinity (comparable_rows).
+    seed_rows = comparable_rows(seed, names)
+    at_key = [names.index(name) for name in key]
+    seed_at = {tuple(row[p] for p in at_key): j for j, row in enumerate(seed_rows)}
     closes: dict[int, tuple[int, datetime | None, bool]] = {}
     unchanged: set[int] = set()
-    for i, row in enumerate(current.select([name for name in names if name in current.column_names]).to_pylist()):
-        j = seed_at.get(tuple(row[name] for name in key))
-        if j is not None and all(row.get(name) == seed_rows[j][name] for name in names):
+    present = [name for name in names if name in current.column_names]
+    at_present = [names.index(name) for name in present]
+    for i, row in enumerate(comparable_rows(current, present)):
+        j = seed_at.get(tuple(row[present.index(name)] for name in key))
+        # a column the history lacks is NULL in it
+        if j is not None and all(seed_rows[j][p] is None for p in range(len(names)) if p not in at_present) \
+                and all(value == seed_rows[j][p] for value, p in zip(row, at_present)):
             unchanged.add(j)
         else:
             closes[i] = (snapshot_lsn, None, j is None)

@@ -67,6 +67,7 @@ def write_snapshot(
     replace_where: str | None = None,
     deletion_vectors: bool = False,
     lake: LakeStorage | None = None,
+    rows_outside_where: bool = False,
 ) -> int:
     """Replace the table at ``path`` with ``data`` in one commit; return that commit's version.
     ``lake`` holds ``path`` when it is on an object store (as in every function here that takes it).
@@ -107,7 +108,9 @@ def write_snapshot(
 
     ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
     range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
-    removed or added (an empty range), so its marker is never lost.
+    removed or added (an empty range), so its marker is never lost. Delta on Spark refuses written
+    rows the predicate does not select unless ``rows_outside_where`` (an SCD type 2 rewrite replaces
+    the current versions with versions some of which it closed).
     """
     data = _watched(data)
     if layout is not None:
@@ -124,7 +127,8 @@ def write_snapshot(
             stage_parquet(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)), lake)
             fault_point("after_snapshot_staged")
             _overwrite(
-                _staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where, new_with_deletion_vectors
+                _staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where, new_with_deletion_vectors,
+                rows_outside_where,
             )
         finally:
             remove_tree(staging, lake)
@@ -290,6 +294,7 @@ def _overwrite(
     layout: TableLayout | None,
     replace_where: str | None = None,
     deletion_vectors: bool = False,
+    rows_outside_where: bool = False,
 ) -> None:
     """Overwrite the table (schema too), or only the rows ``replace_where`` selects; bucketed by
     ``layout``: one task, so one file, per bucket, sorted by key. ``deletion_vectors``: the write
@@ -325,7 +330,8 @@ def _overwrite(
     if replace_where is not None and delta_commands:
         # Delta on Spark skips the commit of a write that adds and removes nothing unless told not
         # to (a session setting: the session's writes are serialised while a range is replaced).
-        with session_settings(frame.sparkSession, RECORD_EMPTY_COMMITS):
+        settings = RECORD_EMPTY_COMMITS | (UNCHECKED_REPLACE_WHERE if rows_outside_where else {})
+        with session_settings(frame.sparkSession, settings):
             writer.save(path)
     else:
         writer.save(path)
@@ -333,6 +339,10 @@ def _overwrite(
 
 RECORD_EMPTY_COMMITS = {"spark.databricks.delta.skipRecordingEmptyCommits": "false"}
 """Delta on Spark's setting that makes it record a commit without actions (an empty key range's)."""
+
+UNCHECKED_REPLACE_WHERE = {"spark.databricks.delta.replaceWhere.constraintCheck.enabled": "false"}
+"""Delta on Spark's setting that lets an overwrite with ``replaceWhere`` write rows its predicate does not
+select (by default it fails with DELTA_VIOLATE_CONSTRAINT_WITH_VALUES); Sail never checks them."""
 
 
 DELETION_VECTORS_PROPERTY = "delta.enableDeletionVectors"

@@ -172,17 +172,25 @@ def replace_versions(
     engine without Delta's commands) instead of sending them through the engine's client."""
     current = None
     predicate = None
+    closed = None
     if table_exists(path, lake):
         scan = spark.read.format("delta").load(path)
         predicate = f"{quote_column(CURRENT_COLUMN)} OR {quote_column(MARKER_COLUMN)} IS NOT NULL"
+        if (BUCKET_COLUMN in scan.columns) != (layout is not None):
+            # The table's layout changed (a re-snapshot adopting buckets): no partition of the table can be
+            # replaced alone, so the whole table is written again, its closed versions as they were.
+            closed = scan.where(f"NOT ({predicate})").drop(BUCKET_COLUMN).toArrow()
         current = scan.where(predicate).toArrow()
         current = current.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in current.column_names else current
     rows = rewrite(current)
     rows = rows.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in rows.column_names else rows
+    if closed is not None:
+        rows = pa.concat_tables([closed.select(rows.schema.names).cast(rows.schema), rows])
+        predicate = None
     marker = rows.filter(pc.is_valid(rows.column(MARKER_COLUMN))).column(MARKER_COLUMN)[0].as_py()
     write_snapshot(
         spark, rows, rows.schema, path, marker, layout=layout, replace_where=predicate, deletion_vectors=deletion_vectors,
-        lake=lake,
+        lake=lake, rows_outside_where=True,  # the rewrite closes current versions: they leave the predicate
     )
 
 

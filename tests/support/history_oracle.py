@@ -1,0 +1,46 @@
+"""The oracle of the past for history tables (docs/history.md): PostgreSQL's state captured at quiet
+moments with the LSN it holds at, and the as-of read at that LSN compared with it value for value.
+
+Used by tests/test_history.py (embedded Sail) and tests/test_engines.py (Delta on Spark)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+import psycopg
+from pyspark.sql import SparkSession
+
+from resources.config import PgcdcConfig
+from resources.history import read_as_of
+from resources.lsn import LSN
+from resources.postgres.catalog import TableName
+from resources.testing.verify import arrow_rows, compare_rows
+from tests.support.postgres import PgDatabase
+
+
+def capture(conn: psycopg.Connection, k: int, tables: Sequence[str]) -> tuple[LSN, datetime]:
+    """At a quiet moment: the WAL insert position (past every commit so far, before any later one), the
+    server's clock (after every commit time so far, before any later one) and a copy of each table
+    (``past_<k>_<name>``, unpublished)."""
+    ((lsn, now),) = conn.execute("SELECT pg_current_wal_insert_lsn()::text, clock_timestamp()").fetchall()
+    for table in tables:
+        name = table.split(".")[1]
+        conn.execute(f"CREATE TABLE past_{k}_{name} AS SELECT * FROM {table}")
+    return LSN.parse(lsn), now
+
+
+def assert_as_of_equals(
+    pg: PgDatabase, spark: SparkSession, config: PgcdcConfig, table: str, lsn: LSN | None, copy: str, time: datetime | None = None
+) -> None:
+    """The as-of read of ``table`` at ``lsn`` (or ``time``; neither: now) equals the PostgreSQL table ``copy``."""
+    rows = read_as_of(spark, config, TableName.parse(table), lsn, time)
+    with pg.connect() as conn:
+        pg_columns = [name for (name,) in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped", (copy,)
+        ).fetchall()]  # fmt: skip
+        later = [name for name in rows.column_names if name not in pg_columns]
+        for name in later:  # columns added after that moment are NULL in it
+            assert rows.column(name).null_count == rows.num_rows, f"{table} as of {lsn}: {name} before it existed"
+        schema, values = arrow_rows(rows)
+        compare_rows(conn, copy, schema, values, extra_delta_columns=later)
