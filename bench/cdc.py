@@ -37,16 +37,16 @@ from pathlib import Path
 import psycopg
 import pyarrow.compute as pc
 
+from bench.engine_calls import engine_calls, spark_event_log_config, spark_sql_timings, summary
+from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
 from resources.delta.reads import delta_rs_rows
-from bench.engine_calls import engine_calls, spark_event_log_config, spark_sql_timings, summary
-from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
-from resources.runs.incremental import run_incremental
+from resources.delta.spark_destination import lake_destination
 from resources.pgoutput.options import highest_proto_version
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import bin_dir_for, LocalPostgres, start_local_postgres
-from resources.delta.spark_destination import lake_destination
 
 PUBLICATION = "bench_pub"
 SLOT = "bench_slot"
@@ -75,7 +75,10 @@ def build_backlog(dsn: str, inserts: int, updates: int, deletes: int, per_txn: i
                 (start, min(start + per_txn, updates + 1) - 1),
             )
         for start in range(updates + 1, updates + deletes + 1, per_txn):
-            conn.execute("DELETE FROM orders WHERE id BETWEEN %s AND %s", (start, min(start + per_txn, updates + deletes + 1) - 1))
+            conn.execute(
+                "DELETE FROM orders WHERE id BETWEEN %s AND %s",
+                (start, min(start + per_txn, updates + deletes + 1) - 1),
+            )
     return inserts + updates + deletes
 
 
@@ -83,8 +86,23 @@ def recvlogical(server: LocalPostgres, dsn: str, slot: str, end: str, proto: int
     binary = bin_dir_for(server.major) / "pg_recvlogical"
     started = time.perf_counter()
     subprocess.run(
-        [str(binary), "-d", dsn, "--slot", slot, "--start", "-E", end, "-o", f"proto_version={proto}",
-         "-o", f"publication_names={PUBLICATION}", "-f", str(out), "--no-loop"],
+        [
+            str(binary),
+            "-d",
+            dsn,
+            "--slot",
+            slot,
+            "--start",
+            "-E",
+            end,
+            "-o",
+            f"proto_version={proto}",
+            "-o",
+            f"publication_names={PUBLICATION}",
+            "-f",
+            str(out),
+            "--no-loop",
+        ],
         check=True,
     )
     return time.perf_counter() - started
@@ -99,10 +117,18 @@ def main() -> None:
     parser.add_argument("--per-txn", type=int, default=1_000)
     parser.add_argument("--chunk", type=int, default=200_000)
     parser.add_argument("--merge-rows", type=int, default=DEFAULT_MERGE_ROWS, help="most source rows per MERGE")
-    parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting for the managed Spark engine (repeatable), to compare settings in one session")
-    parser.add_argument("--profile", action="store_true",
-                        help="time each engine call of the drain (and Spark's own SQL executions, managed Spark only)")
+    parser.add_argument(
+        "--spark-conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for the managed Spark engine (repeatable), to compare settings in one session",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="time each engine call of the drain (and Spark's own SQL executions, managed Spark only)",
+    )
     add_arguments(parser)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-cdc-"))
@@ -123,10 +149,17 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         conn.execute(f"INSERT INTO orders {ROWS}", (1, BASE_ROWS))
         conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE orders")
     config = parse_config(
-        {"postgres": {"dsn": dsn}, "publication": PUBLICATION, "slot": SLOT, "delta": {"root": root, "storage": storage}}
+        {
+            "postgres": {"dsn": dsn},
+            "publication": PUBLICATION,
+            "slot": SLOT,
+            "delta": {"root": root, "storage": storage},
+        }
     )
     with open_engine(args.engine, root, storage) as engine:
-        snapshot_tables(config, lake_destination(engine.spark, config))  # creates SLOT; no change to orders follows before RECV_SLOTS
+        snapshot_tables(
+            config, lake_destination(engine.spark, config)
+        )  # creates SLOT; no change to orders follows before RECV_SLOTS
     with psycopg.connect(dsn, autocommit=True) as conn:
         for recv_slot in RECV_SLOTS:
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (recv_slot,))
@@ -134,11 +167,13 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     changes = build_backlog(dsn, args.inserts, args.updates, args.deletes, args.per_txn)
     print(f"backlog: {changes:,} changes in {time.perf_counter() - started:.1f} s")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        (end,), = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchall()
+        ((end,),) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchall()
         proto = highest_proto_version(conn.info.server_version)
     out = work / "recvlogical.bin"
     before_run = recvlogical(server, dsn, RECV_SLOTS[0], end, proto, out)
-    print(f"pg_recvlogical: {before_run:.2f} s, {changes / before_run:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB")
+    print(
+        f"pg_recvlogical: {before_run:.2f} s, {changes / before_run:,.0f} changes/s, {out.stat().st_size / 2**20:.0f} MiB"
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of this process before the incremental run (snapshot client, backlog): {before:,.0f} MiB")
     event_log = work / "spark-events"
@@ -148,11 +183,17 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     if profiled:
         extra.update(spark_event_log_config(str(event_log)))
     started = time.perf_counter()
-    with open_engine(args.engine, root, storage, extra) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
+    with open_engine(
+        args.engine, root, storage, extra
+    ) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
         engine_start = time.perf_counter() - started
         with engine_calls() if args.profile else nullcontext([]) as calls:
             result = run_incremental(
-                config, lake_destination(engine.spark, config), log=print, max_chunk_changes=args.chunk, max_merge_rows=args.merge_rows
+                config,
+                lake_destination(engine.spark, config),
+                log=print,
+                max_chunk_changes=args.chunk,
+                max_merge_rows=args.merge_rows,
             )
         _, server_peak = engine.server_memory_mib()
     if args.profile:
@@ -165,16 +206,20 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     after_run = recvlogical(server, dsn, RECV_SLOTS[1], end, proto, out)
     print(f"pg_recvlogical again, after pgcdc: {after_run:.2f} s, {changes / after_run:,.0f} changes/s")
     baseline = min(before_run, after_run)  # the faster of the two: WAL is warm for one of them
-    print(f"pgcdc incremental: {ours:.2f} s, {changes / ours:,.0f} changes/s "
-          f"({result.transactions} transactions, {result.changes:,} changes applied); "
-          f"the engine's start before it (a run's too): {engine_start:.2f} s")
-    print(f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB "
-          f"= pgcdc {client_peak:,.0f} + Sail server {server_peak:,.0f} "
-          f"(chunks of {args.chunk:,} changes, MERGEs of at most {args.merge_rows:,} rows)")
+    print(
+        f"pgcdc incremental: {ours:.2f} s, {changes / ours:,.0f} changes/s "
+        f"({result.transactions} transactions, {result.changes:,} changes applied); "
+        f"the engine's start before it (a run's too): {engine_start:.2f} s"
+    )
+    print(
+        f"ratio pgcdc / pg_recvlogical: {baseline / ours:.0%}; peak RSS {peak:,.0f} MiB "
+        f"= pgcdc {client_peak:,.0f} + Sail server {server_peak:,.0f} "
+        f"(chunks of {args.chunk:,} changes, MERGEs of at most {args.merge_rows:,} rows)"
+    )
     options = lake_storage(root, storage).object_store_options() or None
     table = delta_rs_rows(config.table_path("public", "orders"), ["id", "amount"], storage_options=options)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        (count, amount), = conn.execute("SELECT count(*), sum(amount) FROM orders").fetchall()
+        ((count, amount),) = conn.execute("SELECT count(*), sum(amount) FROM orders").fetchall()
     delta_amount = pc.sum(table.column("amount")).as_py()
     assert (table.num_rows, delta_amount) == (count, amount), (table.num_rows, delta_amount, count, amount)
     print(f"check: Delta and PostgreSQL both hold {count:,} rows, amount total {amount}")

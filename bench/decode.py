@@ -36,7 +36,6 @@ from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
 from resources.testing.local_postgres import bin_dir_for, start_local_postgres
 
-
 PUBLICATION = "bench_pub"
 PGCDC_SLOT = "bench_pgcdc"
 RECV_SLOT = "bench_recv"
@@ -47,7 +46,9 @@ def build_backlog(dsn: str, rows: int, per_txn: int) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for start in range(1, rows + 1, per_txn):
             stop = min(start + per_txn, rows + 1) - 1
-            conn.execute("INSERT INTO narrow SELECT g, g %% 1000 FROM generate_series(%s::int, %s::int) g", (start, stop))
+            conn.execute(
+                "INSERT INTO narrow SELECT g, g %% 1000 FROM generate_series(%s::int, %s::int) g", (start, stop)
+            )
         (end,) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
     return str(end)
 
@@ -104,7 +105,9 @@ def main() -> None:
     try:
         dsn = server.dsn()
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f"CREATE TABLE narrow (id int PRIMARY KEY, v int); CREATE PUBLICATION {PUBLICATION} FOR TABLE narrow")
+            conn.execute(
+                f"CREATE TABLE narrow (id int PRIMARY KEY, v int); CREATE PUBLICATION {PUBLICATION} FOR TABLE narrow"
+            )
             conn.execute(f"SELECT pg_create_logical_replication_slot('{PGCDC_SLOT}', 'pgoutput')")
             conn.execute(f"SELECT pg_create_logical_replication_slot('{RECV_SLOT}', 'pgoutput')")
             (version,) = conn.execute("SELECT current_setting('server_version_num')::int").fetchone()

@@ -51,6 +51,7 @@ def engine_calls() -> Iterator[list[EngineCall]]:
         originals[name] = original
 
         if iterator:
+
             def wrapper(self: SparkConnectClient, *args: Any, **kwargs: Any) -> Any:
                 started = time.perf_counter()
                 try:
@@ -58,6 +59,7 @@ def engine_calls() -> Iterator[list[EngineCall]]:
                 finally:
                     calls.append(EngineCall(describe(*args, **kwargs), time.perf_counter() - started))
         else:
+
             def wrapper(self: SparkConnectClient, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
                 started = time.perf_counter()
                 try:
@@ -67,7 +69,9 @@ def engine_calls() -> Iterator[list[EngineCall]]:
 
         setattr(SparkConnectClient, name, wrapper)
 
-    timed("_execute_and_fetch_as_iterator", lambda request, *a, **k: f"execute {_describe_plan(request)}", iterator=True)
+    timed(
+        "_execute_and_fetch_as_iterator", lambda request, *a, **k: f"execute {_describe_plan(request)}", iterator=True
+    )
     timed("_analyze", lambda method, **k: f"analyze {method}")
     timed("config", lambda operation: f"config {operation.WhichOneof('op_type')}")
     try:
@@ -91,7 +95,11 @@ def summary(calls: list[EngineCall]) -> str:
 
 def spark_event_log_config(directory: str) -> dict[str, str]:
     """Settings that make a managed Spark write its event log (its own job and SQL timings) under ``directory``."""
-    return {"spark.eventLog.enabled": "true", "spark.eventLog.compress": "false", "spark.eventLog.dir": f"file://{directory}"}
+    return {
+        "spark.eventLog.enabled": "true",
+        "spark.eventLog.compress": "false",
+        "spark.eventLog.dir": f"file://{directory}",
+    }
 
 
 def spark_sql_timings(directory: str) -> str:

@@ -29,16 +29,16 @@ from pathlib import Path
 import psycopg
 
 from bench.cdc import BASE_ROWS, build_backlog, DDL, PUBLICATION, ROWS
-from bench.scale_big import BUCKETED, load, RANDOM_UPDATES, random_changes, table_name
+from bench.scale_big import BUCKETED, load, random_changes, RANDOM_UPDATES, table_name
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
 from resources.delta.reads import read_rows
+from resources.delta.spark_destination import lake_destination
 from resources.history import read_as_of
-from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
-from resources.delta.spark_destination import lake_destination
 
 
 def main() -> None:
@@ -65,10 +65,15 @@ def main() -> None:
             conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE orders")
         runs = [("plain_1", "none"), ("changelog_1", "changelog"), ("changelog_2", "changelog"), ("plain_2", "none")]
         configs = {
-            name: parse_config({
-                "postgres": {"dsn": dsn}, "publication": PUBLICATION, "slot": f"bench_{name}",
-                "delta": {"root": str(work / name)}, "history": {"default": mode},
-            })  # fmt: skip
+            name: parse_config(
+                {
+                    "postgres": {"dsn": dsn},
+                    "publication": PUBLICATION,
+                    "slot": f"bench_{name}",
+                    "delta": {"root": str(work / name)},
+                    "history": {"default": mode},
+                }
+            )  # fmt: skip
             for name, mode in runs
         }
         for config in configs.values():
@@ -117,10 +122,16 @@ def scd2_cost(major: int, rows: int, rounds: int) -> None:
         load(dsn, table)
         print(f"loaded {rows:,} rows in {time.perf_counter() - started:.0f} s")
         configs = {
-            mode: parse_config({
-                "postgres": {"dsn": dsn}, "publication": f"pub_{name}", "slot": f"bench_{mode}", "tables": [f"public.{name}"],
-                "delta": {"root": str(work / mode)}, "history": {"default": mode},
-            })  # fmt: skip
+            mode: parse_config(
+                {
+                    "postgres": {"dsn": dsn},
+                    "publication": f"pub_{name}",
+                    "slot": f"bench_{mode}",
+                    "tables": [f"public.{name}"],
+                    "delta": {"root": str(work / mode)},
+                    "history": {"default": mode},
+                }
+            )  # fmt: skip
             for mode in ("none", "scd2")
         }
         rng = random.Random(24)
@@ -141,15 +152,17 @@ def scd2_cost(major: int, rows: int, rounds: int) -> None:
                         times[mode].append(elapsed)
                     print(f"round {round_number} {mode}: {elapsed:.2f} s")
             plain, versions = statistics.median(times["none"]), statistics.median(times["scd2"])
-            print(f"{RANDOM_UPDATES} random updates into {rows:,} rows: none {plain:.2f} s, scd2 {versions:.2f} s (medians "
-                  f"of {rounds}); scd2 / none: {versions / plain:.2f}")
+            print(
+                f"{RANDOM_UPDATES} random updates into {rows:,} rows: none {plain:.2f} s, scd2 {versions:.2f} s (medians "
+                f"of {rounds}); scd2 / none: {versions / plain:.2f}"
+            )
             config = configs["scd2"]
             history = config.history_path("public", name)
-            (current, total), = engine.spark.sql(
+            ((current, total),) = engine.spark.sql(
                 f"SELECT count_if(_pgcdc_is_current), count(_pgcdc_valid_from_lsn) FROM delta.`{history}`"
             ).collect()
             with psycopg.connect(dsn, autocommit=True) as conn:
-                (count,), = conn.execute(f"SELECT count(*) FROM {name}").fetchall()
+                ((count,),) = conn.execute(f"SELECT count(*) FROM {name}").fetchall()
             assert current == count and total == count + RANDOM_UPDATES * (rounds + 1), (current, total, count)
             print(f"check: {current:,} current versions (the table's rows), {total:,} versions")
     finally:

@@ -32,7 +32,9 @@ KEY_VARIABLE, SECRET_VARIABLE = "PGCDC_BENCH_S3_KEY", "PGCDC_BENCH_S3_SECRET"
 def add_arguments(parser: Any) -> None:
     parser.add_argument("--engine", default="sail", help="sail (embedded), spark (managed) or sc://host:port")
     parser.add_argument(
-        "--lake", default=None, help="directory, s3://bucket/prefix, or 's3' for a local S3 server (default: a temp dir)"
+        "--lake",
+        default=None,
+        help="directory, s3://bucket/prefix, or 's3' for a local S3 server (default: a temp dir)",
     )
 
 
@@ -59,7 +61,9 @@ def open_engine(spec: str, root: str, storage: dict[str, Any], config: dict[str,
     if spec == "sail":
         return SparkEngine.embedded(storage_environment=lake.engine_environment())
     if spec == "spark":
-        return SparkEngine.managed_spark({**lake.spark_settings(), **(config or {})}, storage_environment=lake.engine_environment())
+        return SparkEngine.managed_spark(
+            {**lake.spark_settings(), **(config or {})}, storage_environment=lake.engine_environment()
+        )
     if spec.startswith("sc://"):
         return SparkEngine.remote(spec)
     raise SystemExit(f"--engine {spec}: use sail, spark or sc://host:port")

@@ -37,7 +37,9 @@ def without_range(source: pa.Table, key_columns: Sequence[str]) -> list[str]:
 
 def rows(first: int, end: int, op: str | None, tag: int) -> pa.Table:
     keys = pa.array(range(first, end), pa.int64())
-    table = pa.table({"id": keys, "name": pc.cast(keys, pa.string()), "tag": pa.array([tag] * (end - first), pa.int64())})
+    table = pa.table(
+        {"id": keys, "name": pc.cast(keys, pa.string()), "tag": pa.array([tag] * (end - first), pa.int64())}
+    )
     return table if op is None else table.append_column(OP_COLUMN, pa.array([op] * (end - first)))
 
 

@@ -47,15 +47,14 @@ import psycopg
 import pyarrow.compute as pc
 
 from bench.lakes import open_engine
-from resources.config import parse_config, PgcdcConfig
+from resources.config import DEFAULT_TARGET_ROWS, parse_config, PgcdcConfig
+from resources.delta import merge
 from resources.delta.engine import SparkEngine
 from resources.delta.reads import delta_rs_rows
-from resources.config import DEFAULT_TARGET_ROWS
-from resources.delta import merge
+from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
-from resources.delta.spark_destination import lake_destination
 
 DEFAULT_SIZES = (100_000, 1_000_000, 10_000_000)
 NEWEST_UPDATES = NEWEST_INSERTS = 100
@@ -64,7 +63,11 @@ LOAD_BATCH = 1_000_000
 
 
 BUCKETED, UNBUCKETED, COPY_ON_WRITE, UPDATE_MERGE, NO_KEY_LIST = (
-    "bucketed", "unbucketed", "copy-on-write", "update-merge", "no-key-list"
+    "bucketed",
+    "unbucketed",
+    "copy-on-write",
+    "update-merge",
+    "no-key-list",
 )
 
 #: One benchmarked table: (rows, kind): BUCKETED (pgcdc's defaults), UNBUCKETED, COPY_ON_WRITE,
@@ -101,13 +104,19 @@ def load(dsn: str, table: Table) -> None:
 def config_for(dsn: str, table: Table, root: Path, target_rows: int) -> PgcdcConfig:
     name = table_name(table)
     tables = {f"public.{name}": {"bucketed": False}} if table[1] == UNBUCKETED else {}
-    return parse_config({
-        "postgres": {"dsn": dsn}, "publication": f"pub_{name}", "slot": f"slot_{name}", "tables": [f"public.{name}"],
-        "delta": {
-            "root": str(root), "buckets": {"target_rows": target_rows, "tables": tables},
-            "deletion_vectors": table[1] != COPY_ON_WRITE,
-        },
-    })
+    return parse_config(
+        {
+            "postgres": {"dsn": dsn},
+            "publication": f"pub_{name}",
+            "slot": f"slot_{name}",
+            "tables": [f"public.{name}"],
+            "delta": {
+                "root": str(root),
+                "buckets": {"target_rows": target_rows, "tables": tables},
+                "deletion_vectors": table[1] != COPY_ON_WRITE,
+            },
+        }
+    )
 
 
 def newest_changes(dsn: str, table: Table, round_number: int) -> None:
@@ -170,7 +179,11 @@ def merge_files(path: str) -> tuple[int, int, int]:
     files = table.file_uris()
     partitions = len({uri.rsplit("/", 1)[0] for uri in files})
     removed = next(
-        (int(commit["operationMetrics"].get("numTargetFilesRemoved", 0)) for commit in table.history() if commit["operation"] == "MERGE"),
+        (
+            int(commit["operationMetrics"].get("numTargetFilesRemoved", 0))
+            for commit in table.history()
+            if commit["operation"] == "MERGE"
+        ),
         0,
     )
     return len(files), partitions, removed
@@ -180,25 +193,44 @@ def check(dsn: str, table: Table, config: PgcdcConfig) -> None:
     name = table_name(table)
     delta = delta_rs_rows(config.table_path("public", name), ["id", "amount"])
     with psycopg.connect(dsn, autocommit=True) as conn:
-        (count, amount), = conn.execute(f"SELECT count(*), sum(amount) FROM {name}").fetchall()
+        ((count, amount),) = conn.execute(f"SELECT count(*), sum(amount) FROM {name}").fetchall()
     assert (delta.num_rows, pc.sum(delta.column("amount")).as_py()) == (count, amount), (name, delta.num_rows, count)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale big", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="table sizes in rows, comma-separated")
+    parser.add_argument(
+        "--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="table sizes in rows, comma-separated"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed drains per table and kind")
     parser.add_argument("--major", type=int, default=18)
     parser.add_argument("--target-rows", type=int, default=DEFAULT_TARGET_ROWS, help="delta.buckets.target_rows")
-    parser.add_argument("--unbucketed", action="store_true", help="snapshot without buckets (the layout before pgcdc chose one)")
+    parser.add_argument(
+        "--unbucketed", action="store_true", help="snapshot without buckets (the layout before pgcdc chose one)"
+    )
     parser.add_argument("--both", action="store_true", help="a bucketed and an unbucketed table per size, same run")
     parser.add_argument("--copy-on-write", action="store_true", help="tables without deletion vectors")
-    parser.add_argument("--vs-copy-on-write", action="store_true", help="a table with and one without deletion vectors per size")
-    parser.add_argument("--vs-update-merge", action="store_true", help="a table drained as now and one with pgcdc's earlier MERGE per size")
-    parser.add_argument("--vs-no-key-list", action="store_true", help="a table drained as now and one without the MERGE's key list per size")
+    parser.add_argument(
+        "--vs-copy-on-write", action="store_true", help="a table with and one without deletion vectors per size"
+    )
+    parser.add_argument(
+        "--vs-update-merge",
+        action="store_true",
+        help="a table drained as now and one with pgcdc's earlier MERGE per size",
+    )
+    parser.add_argument(
+        "--vs-no-key-list",
+        action="store_true",
+        help="a table drained as now and one without the MERGE's key list per size",
+    )
     parser.add_argument("--engine", default="sail", help="sail (embedded), spark (managed) or sc://host:port")
-    parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
-                        help="a setting for the managed Spark engine (repeatable), e.g. spark.driver.memory=4g")
+    parser.add_argument(
+        "--spark-conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for the managed Spark engine (repeatable), e.g. spark.driver.memory=4g",
+    )
     args = parser.parse_args(argv)
     sizes = sorted(int(size) for size in args.sizes.split(","))
     if args.both:
@@ -236,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 same_size = [table for table in tables if table[0] == rows]
                 newest: dict[Table, list[float]] = {table: [] for table in same_size}
                 uniform: dict[Table, list[float]] = {table: [] for table in same_size}
-                written: dict[Table, dict[str, list[int]]] = {table: {"newest": [], "random": []} for table in same_size}
+                written: dict[Table, dict[str, list[int]]] = {
+                    table: {"newest": [], "random": []} for table in same_size
+                }
                 warm_up_keys = rng.sample(range(1, rows + 1), RANDOM_UPDATES)
                 for table in same_size:  # one untimed drain of each pattern (a JVM engine compiles its hot paths)
                     newest_changes(dsn, table, 0)
@@ -249,7 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         newest[table].append(
                             timed_drain(configs[table], engine, paths[table], written[table]["newest"], table[1])
                         )
-                newest_removed = {table: merge_files(configs[table].table_path("public", table_name(table)))[2] for table in same_size}
+                newest_removed = {
+                    table: merge_files(configs[table].table_path("public", table_name(table)))[2] for table in same_size
+                }
                 for _ in range(args.rounds):
                     keys = rng.sample(range(1, rows + 1), RANDOM_UPDATES)  # the same keys in each kind's table
                     for table in same_size:
@@ -261,7 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     config = configs[table]
                     files, partitions, random_removed = merge_files(config.table_path("public", table_name(table)))
                     check(dsn, table, config)
-                    results[table] = {"newest": statistics.median(newest[table]), "random": statistics.median(uniform[table])}
+                    results[table] = {
+                        "newest": statistics.median(newest[table]),
+                        "random": statistics.median(uniform[table]),
+                    }
                     mb = {kind: statistics.median(written[table][kind]) / 1e6 for kind in ("newest", "random")}
                     print(
                         f"{describe(table)}: newest {results[table]['newest']:.2f}s, {mb['newest']:.3f} MB written "
@@ -269,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{mb['random']:.3f} MB written (rewrote {random_removed}); {files} files in {partitions} partition(s)",
                         flush=True,
                     )
-        print(f"\nratios against {sizes[0]:,} rows of the same kind (one run; the machine may be shared, figures vary):")
+        print(
+            f"\nratios against {sizes[0]:,} rows of the same kind (one run; the machine may be shared, figures vary):"
+        )
         for table in tables:
             base = results[(sizes[0], table[1])]
             print(

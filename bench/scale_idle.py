@@ -47,14 +47,14 @@ from dagster import AssetKey, DagsterInstance
 
 from bench.lakes import add_arguments, bench_lake, lake_storage
 from pgcdc_assets.builder import build_definitions
-from resources.config import PgcdcConfig, parse_config
+from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import EMBEDDED_ENVIRONMENT, SparkEngine
+from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
 
 GOAL_RATIO = 3.0
 SLOT_ASSET = AssetKey(["pgcdc", "slot"])
@@ -82,7 +82,9 @@ def update_one_row(config: PgcdcConfig, count: int, value: int) -> None:
         conn.execute(f"UPDATE {changed_table(count)} SET n = %s WHERE id = 1", (value,))
 
 
-def measure(config: PgcdcConfig, count: int, repeat: int, idle: Drain, change: Drain) -> tuple[list[float], list[float]]:
+def measure(
+    config: PgcdcConfig, count: int, repeat: int, idle: Drain, change: Drain
+) -> tuple[list[float], list[float]]:
     """Idle and 1-change drain times (s) over ``count`` tables, by ``idle``/``change``; Delta exact after."""
     # Warm-up, not measured: drains the WAL written since the slot was created (or since the
     # previous way of draining), and makes the session's first MERGE on this count's lake.
@@ -95,7 +97,9 @@ def measure(config: PgcdcConfig, count: int, repeat: int, idle: Drain, change: D
         update_one_row(config, count, round_ + 1)
         change_times.append(change(round_))
     table = changed_table(count)
-    assert_delta_equals_postgres(config.postgres.dsn, f"public.{table}", config.table_path("public", table), key=("id",))
+    assert_delta_equals_postgres(
+        config.postgres.dsn, f"public.{table}", config.table_path("public", table), key=("id",)
+    )
     return idle_times, change_times
 
 
@@ -147,7 +151,9 @@ def sail_url(environment: dict[str, str]) -> Iterator[str]:
         server.wait(timeout=60)
 
 
-def set_up(server: LocalPostgres, count: int, root: str, storage: dict, url: str, parallel: int, work: Path) -> tuple[PgcdcConfig, Path]:
+def set_up(
+    server: LocalPostgres, count: int, root: str, storage: dict, url: str, parallel: int, work: Path
+) -> tuple[PgcdcConfig, Path]:
     """One count's database, publication, slot and snapshotted lake; its configuration and configuration file."""
     with psycopg.connect(server.dsn(), autocommit=True) as admin:
         admin.execute(f"CREATE DATABASE tables_{count}")
@@ -165,7 +171,9 @@ def set_up(server: LocalPostgres, count: int, root: str, storage: dict, url: str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale idle", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tables", default="1,100,500", help="table counts, comma-separated; the first is the baseline")
+    parser.add_argument(
+        "--tables", default="1,100,500", help="table counts, comma-separated; the first is the baseline"
+    )
     parser.add_argument("--repeat", type=int, default=5, help="drains per measurement (median reported)")
     parser.add_argument("--major", type=int, default=18, help="PostgreSQL major version (15 or 18)")
     parser.add_argument("--parallel", type=int, default=4, help="snapshot.parallel_tables for the set-up")
@@ -201,26 +209,33 @@ def main(argv: list[str] | None = None) -> int:
                 for way, instance in instances.items():
                     began = time.monotonic()
                     drains[way] = dagster_drains(config_file, instance, count)
-                    print(f"  {way}: definitions of {count} tables built in {time.monotonic() - began:.1f} s", flush=True)
+                    print(
+                        f"  {way}: definitions of {count} tables built in {time.monotonic() - began:.1f} s", flush=True
+                    )
                 for way in ways:
                     figures[way][count] = measure(config, count, args.repeat, *drains[way])
                     print(f"  {way}: measured", flush=True)
-        print(f"\nPostgreSQL {args.major}, engine {args.engine}, lake {args.lake or 'local directory'}; median of "
-              f"{args.repeat} drains each (run_incremental: its duration; Dagster: wall time of execute_in_process)")
+        print(
+            f"\nPostgreSQL {args.major}, engine {args.engine}, lake {args.lake or 'local directory'}; median of "
+            f"{args.repeat} drains each (run_incremental: its duration; Dagster: wall time of execute_in_process)"
+        )
         print(f"{'way':<20} {'tables':>7} {'idle s':>8} {'ratio':>7} {'1-change s':>11} {'ratio':>7}")
         verdicts = []
         for way in ways:
             base_idle, base_change = (statistics.median(values) for values in figures[way][counts[0]])
             for count in counts:
                 idle, change = (statistics.median(values) for values in figures[way][count])
-                print(f"{way:<20} {count:>7} {idle:>8.3f} {idle / base_idle:>6.2f}x {change:>11.3f} "
-                      f"{change / base_change:>6.2f}x")
+                print(
+                    f"{way:<20} {count:>7} {idle:>8.3f} {idle / base_idle:>6.2f}x {change:>11.3f} "
+                    f"{change / base_change:>6.2f}x"
+                )
             largest = max(counts)
             for kind, base, values in (("idle", base_idle, figures[way][largest][0]),
                                        ("1-change", base_change, figures[way][largest][1])):  # fmt: skip
                 ratio = statistics.median(values) / base
-                verdicts.append(f"{way}, {kind} over {largest} tables: {ratio:.2f}x "
-                                f"({'met' if ratio <= GOAL_RATIO else 'NOT met'})")
+                verdicts.append(
+                    f"{way}, {kind} over {largest} tables: {ratio:.2f}x ({'met' if ratio <= GOAL_RATIO else 'NOT met'})"
+                )
         print(f"goal: within {GOAL_RATIO:.0f}x of {counts[0]} table(s)")
         for verdict in verdicts:
             print(f"  {verdict}")

@@ -45,16 +45,16 @@ from pathlib import Path
 import psycopg
 
 from resources.config import parse_config
+from resources.delta.deletion_vectors import deleted_rows
 from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.deletion_vectors import deleted_rows
 from resources.delta.maintenance import maintain_table
+from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import state_path
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
 
 SLOT = "scale_soak"
 FRESH_SLOT = "scale_soak_fresh"
@@ -90,7 +90,9 @@ def quarter_report(durations: list[float], written: list[int], samples: list[tup
     ``pgcdc/bytes_written``), and the median (and largest) of each figure sampled in it; flat when the
     last quarters match. ``samples`` are (drain number, figures)."""
     size = len(durations) // QUARTERS
-    lines = [f"{'quarter':<14}{'median drain s':>15}{'median KB written':>19}" + "".join(f"{name:>24}" for name in FIGURES)]
+    lines = [
+        f"{'quarter':<14}{'median drain s':>15}{'median KB written':>19}" + "".join(f"{name:>24}" for name in FIGURES)
+    ]
     for quarter in range(QUARTERS):
         first, last = quarter * size + 1, len(durations) if quarter == QUARTERS - 1 else (quarter + 1) * size
         inside = [figures for drain, figures in samples if first <= drain <= last]
@@ -99,11 +101,15 @@ def quarter_report(durations: list[float], written: list[int], samples: list[tup
             for name in FIGURES
         )
         kilobytes = statistics.median(written[first - 1 : last]) / 1024
-        lines.append(f"{first:>5}-{last:<8}{statistics.median(durations[first - 1 : last]):>15.3f}{kilobytes:>19,.1f}{cells}")
+        lines.append(
+            f"{first:>5}-{last:<8}{statistics.median(durations[first - 1 : last]):>15.3f}{kilobytes:>19,.1f}{cells}"
+        )
     return lines
 
 
-def write_changes(conn: psycopg.Connection, rows: int, changes: int, next_key: int, *, updates_only: bool = False) -> int:
+def write_changes(
+    conn: psycopg.Connection, rows: int, changes: int, next_key: int, *, updates_only: bool = False
+) -> int:
     """One transaction: ``changes`` random updates, and unless ``updates_only`` ``changes // 10``
     inserts and a few deletes; the next new key."""
     inserts = max(1, changes // 10)
@@ -119,7 +125,10 @@ def write_changes(conn: psycopg.Connection, rows: int, changes: int, next_key: i
             "INSERT INTO busy SELECT g, 0, 'new' FROM pg_catalog.generate_series(%s::bigint, %s::bigint) g",
             (next_key, next_key + inserts - 1),
         )
-        conn.execute("DELETE FROM busy WHERE id IN (SELECT (pg_catalog.random() * %s)::bigint + 1 FROM pg_catalog.generate_series(1, 3))", (rows - 1,))
+        conn.execute(
+            "DELETE FROM busy WHERE id IN (SELECT (pg_catalog.random() * %s)::bigint + 1 FROM pg_catalog.generate_series(1, 3))",
+            (rows - 1,),
+        )
     return next_key + inserts
 
 
@@ -213,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         assert_delta_equals_postgres(dsn, "public.busy", fresh.table_path("public", "busy"), key=("id",))
         first, last = statistics.median(durations[: args.window]), statistics.median(durations[-args.window :])
         print(f"\n{args.drains} drains in {time.monotonic() - began:.0f} s; oracle: {rows:,} rows equal")
-        print(f"median drain s: first {args.window} {first:.3f}, last {args.window} {last:.3f}, ratio {last / first:.2f}")
+        print(
+            f"median drain s: first {args.window} {first:.3f}, last {args.window} {last:.3f}, ratio {last / first:.2f}"
+        )
         for name in FIGURES:
             print(f"{name}: start {start[name]:,}, end {end[name]:,}")
         print(f"per quarter (figures sampled every {args.sample_every} drains, median and largest):")

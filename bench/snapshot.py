@@ -49,14 +49,14 @@ import pyarrow as pa
 
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.config import parse_config
-from resources.delta.engine import SparkEngine
 from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
+from resources.delta.engine import SparkEngine
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from resources.locations import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
-from resources.runs.snapshot import SnapshotResult, snapshot_table, snapshot_tables
+from resources.runs.snapshot import snapshot_table, snapshot_tables, SnapshotResult
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
-from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 
 PUBLICATION = "bench_pub"
 SLOT = "bench_slot"
@@ -76,7 +76,8 @@ _WIDE_VALUES = (
 )
 WIDE_DDL = "CREATE TABLE wide (id bigint PRIMARY KEY, " + ", ".join(_WIDE_BLOCK.format(k=k) for k in range(4)) + ")"
 WIDE_LOAD = (
-    "INSERT INTO wide SELECT g, " + ", ".join(_WIDE_VALUES.format(k=k) for k in range(4))
+    "INSERT INTO wide SELECT g, "
+    + ", ".join(_WIDE_VALUES.format(k=k) for k in range(4))
     + " FROM generate_series(1, %s) g"
 )
 
@@ -202,7 +203,9 @@ def psql_copy_seconds(server: LocalPostgres, table: str) -> float:
         return time.perf_counter() - started
 
 
-def best_of_each(runs: int, actions: dict[str, Callable[[], float]], cpu: Callable[[], Cpu]) -> dict[str, tuple[float, Cpu]]:
+def best_of_each(
+    runs: int, actions: dict[str, Callable[[], float]], cpu: Callable[[], Cpu]
+) -> dict[str, tuple[float, Cpu]]:
     """Per action, the shortest of ``runs`` timed runs after a warm-up, with the CPU each process
     spent in it; the actions take turns in every round."""
     for action in actions.values():
@@ -226,12 +229,16 @@ def main() -> None:
         "--writers", default="delta-rs", help="comma-separated snapshot writers to measure: delta-rs, engine"
     )
     parser.add_argument(
-        "--chunk-mb", type=int, default=16,
+        "--chunk-mb",
+        type=int,
+        default=16,
         help="heap megabytes per ctid range (snapshot.chunk_mb, default 64): 16 splits the default tables into"
         " 5 (narrow) and 4 (wide) ranges, so that 2 and 4 workers have work to share",
     )
     parser.add_argument(
-        "--chunked-ranges", type=int, default=0,
+        "--chunked-ranges",
+        type=int,
+        default=0,
         help="measure the snapshot in key ranges instead, each table in about this many ranges (0: one snapshot)",
     )
     add_arguments(parser)
@@ -272,8 +279,14 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
             set_engine_capabilities(engine.spark, EngineCapabilities(detected.delta_commands, writer == "delta-rs"))
             started = time.perf_counter()
             results[table, workers] = snapshot_table(
-                server.dsn(), PUBLICATION, TableName("public", table), SparkDeltaDestination(engine.spark, lake_storage(root, storage)),
-                join_location(root, table), slot=SLOT, workers=workers, chunk_mb=args.chunk_mb,
+                server.dsn(),
+                PUBLICATION,
+                TableName("public", table),
+                SparkDeltaDestination(engine.spark, lake_storage(root, storage)),
+                join_location(root, table),
+                slot=SLOT,
+                workers=workers,
+                chunk_mb=args.chunk_mb,
             )
             return time.perf_counter() - started
 
@@ -285,7 +298,9 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
                         table, workers, writer
                     )
             best = best_of_each(args.runs, actions, cpu)
-            print(f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)")
+            print(
+                f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)"
+            )
             with psycopg.connect(server.dsn()) as conn:
                 (csv_bytes,) = conn.execute(f"SELECT sum(length(t::text)) FROM {table} t").fetchone() or (0,)
             copy_s, copy_cpu = best["COPY"]
@@ -324,7 +339,9 @@ def report(
     print()
     print("CPU seconds of the best runs, per process:")
     for m in measurements:
-        print(f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s), {m.writer}: {m.pgcdc_cpu.describe()}")
+        print(
+            f"  {m.table:8} COPY: {m.copy_cpu.describe():48} pgcdc, {m.workers} worker(s), {m.writer}: {m.pgcdc_cpu.describe()}"
+        )
     report_memory(rss_mib, server_peak_mib, arrow_peak_mib, heap_peak, "a narrow snapshot")
 
 
@@ -346,7 +363,9 @@ def memory_peaks(engine: SparkEngine, last_run: Callable[[], object]) -> tuple[f
 
 def report_memory(rss_mib: float, server_peak_mib: float, arrow_peak_mib: float, heap_peak: float, during: str) -> None:
     print()
-    print(f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB")
+    print(
+        f"peak RSS of this process (PostgreSQL client, Arrow): {rss_mib:,.0f} MiB; of the Sail server: {server_peak_mib:,.0f} MiB"
+    )
     print(f"peak Arrow memory pool: {arrow_peak_mib:,.0f} MiB")
     print(f"peak Python heap during {during} (tracemalloc): {heap_peak / 2**20:,.1f} MiB")
 
@@ -397,22 +416,32 @@ def run_chunked(server: LocalPostgres, args: argparse.Namespace, root: str, stor
 
         for table in ("narrow", "wide"):
             best = best_of_each(
-                args.runs, {"COPY": lambda table=table: psql_copy_seconds(server, table), "walk": lambda table=table: walk(table)}, cpu
+                args.runs,
+                {"COPY": lambda table=table: psql_copy_seconds(server, table), "walk": lambda table=table: walk(table)},
+                cpu,
             )
             (copy_s, _), (walk_s, walk_cpu) = best["COPY"], best["walk"]
             result = results[table]
             assert result.key_ranges, f"{table} was not copied in key ranges"
             measurements.append(ChunkedMeasurement(table, result.rows, result.chunks, copy_s, walk_s, walk_cpu))
-            print(f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)")
+            print(
+                f"{table}: load average after its runs {' / '.join(f'{load:.1f}' for load in os.getloadavg())} (1 / 5 / 15 min)"
+            )
         memory = memory_peaks(engine, lambda: walk("narrow"))
     return measurements, *memory
 
 
 def report_chunked(
-    measurements: list[ChunkedMeasurement], rss_mib: float, server_peak_mib: float, arrow_peak_mib: float, heap_peak: float
+    measurements: list[ChunkedMeasurement],
+    rss_mib: float,
+    server_peak_mib: float,
+    arrow_peak_mib: float,
+    heap_peak: float,
 ) -> None:
     print()
-    print(f"{'table':8} {'rows':>10} {'ranges':>6} {'COPY s':>8} {'walk s':>8} {'rows/s':>10} {'ranges/s':>8} {'ratio':>6}")
+    print(
+        f"{'table':8} {'rows':>10} {'ranges':>6} {'COPY s':>8} {'walk s':>8} {'rows/s':>10} {'ranges/s':>8} {'ratio':>6}"
+    )
     for m in measurements:
         print(
             f"{m.table:8} {m.rows:>10,} {m.ranges:>6} {m.copy_s:>8.3f} {m.walk_s:>8.3f} {m.rows / m.walk_s:>10,.0f}"

@@ -33,8 +33,7 @@ from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 
 TABLE = "events"
 DDL = (
-    f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, n int, digest text, amount numeric(12,2),"
-    " at timestamptz, flag bool)"
+    f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, n int, digest text, amount numeric(12,2), at timestamptz, flag bool)"
 )
 ROWS = (
     f"INSERT INTO {TABLE} SELECT g, g % 100000, md5(g::text), (g % 1000000) / 100.0,"

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import psycopg
 
-from resources.config import PgcdcConfig, parse_config
-from resources.delta.engine import SparkEngine, process_memory_mib
-from resources.runs.incremental import IncrementalResult, run_incremental
-from resources.testing.local_postgres import bin_dir_for, start_local_postgres
-from resources.runs.snapshot import snapshot_tables
-from resources.testing.verify import assert_delta_equals_postgres, delta_rows
+from resources.config import parse_config, PgcdcConfig
+from resources.delta.engine import process_memory_mib, SparkEngine
 from resources.delta.spark_destination import lake_destination
+from resources.runs.incremental import IncrementalResult, run_incremental
+from resources.runs.snapshot import snapshot_tables
+from resources.testing.local_postgres import bin_dir_for, start_local_postgres
+from resources.testing.verify import assert_delta_equals_postgres, delta_rows
 
 PUBLICATION = "soak_pub"
 SLOT = "soak_slot"
@@ -132,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             admin.execute(f"CREATE DATABASE {DATABASE}")
         dsn = server.dsn(DATABASE)
         conn_args = ["-h", "127.0.0.1", "-p", str(server.port), "-U", server.superuser]
-        subprocess.run([pgbench, "-i", "-q", "-s", str(args.scale), *conn_args, DATABASE], check=True, capture_output=True)
+        subprocess.run(
+            [pgbench, "-i", "-q", "-s", str(args.scale), *conn_args, DATABASE], check=True, capture_output=True
+        )
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {', '.join(TABLES)}")
         config = parse_config(
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             snapshot_tables(config, lake_destination(engine.spark, config), None)
             print(f"PostgreSQL {args.major}, pgbench scale {args.scale}: snapshot in {time.monotonic() - began:.1f} s")
         print(f"pgbench -c {args.clients} -R {args.rate} -T {args.seconds}; incremental runs back to back")
-        print(f"{'run':>4} {'at s':>6} {'dur s':>6} {'changes':>8} {'chg/s':>8} {'lag before':>11} {'lag after':>10} {'RSS MiB':>8}")
+        print(
+            f"{'run':>4} {'at s':>6} {'dur s':>6} {'changes':>8} {'chg/s':>8} {'lag before':>11} {'lag after':>10} {'RSS MiB':>8}"
+        )
         load = subprocess.Popen(
             [pgbench, "-n", "-c", str(args.clients), "-j", str(min(args.clients, 2)), "-R", str(args.rate),
              "-T", str(args.seconds), *conn_args, DATABASE],
@@ -156,8 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                 result, memory = drain_once(config, args.chunk)
                 records.append(
                     RunRecord(
-                        len(records) + 1, time.monotonic() - load_began, result.duration_s, result.changes,
-                        result.transactions, result.lag_bytes_before, result.lag_bytes_after, memory,
+                        len(records) + 1,
+                        time.monotonic() - load_began,
+                        result.duration_s,
+                        result.changes,
+                        result.transactions,
+                        result.lag_bytes_before,
+                        result.lag_bytes_after,
+                        memory,
                     )  # fmt: skip
                 )
                 r = records[-1]
@@ -188,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                 first_lines = "\n".join(str(error).splitlines()[:3])
                 if equal_with_padding(dsn, table, config.table_path(schema, name)):
                     padding.append(table)
-                    print(f"oracle {table}: differs only in char(n) blank padding (verify.py casts to text):\n{first_lines}")
+                    print(
+                        f"oracle {table}: differs only in char(n) blank padding (verify.py casts to text):\n{first_lines}"
+                    )
                 else:
                     failures.append(table)
                     print(f"oracle {table}: DIFFERS\n{error}")

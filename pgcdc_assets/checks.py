@@ -29,16 +29,16 @@ from dagster import AssetCheckResult, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
-from resources.delta.layout import BUCKET_COLUMN
 from resources.config import PgcdcConfig
 from resources.delta.destination import Destination, NO_TABLE, TableLog
+from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.state_table import known_log, read_state, state_path, StateRow
-from resources.runs.incremental import IncrementalResult
 from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.pgtypes import spark_ddl_type
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.column_types import published_column_types
+from resources.runs.incremental import IncrementalResult
 
 
 def table_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
@@ -125,7 +125,9 @@ def evaluate_schema_check(
     )
 
 
-def evaluate_lag_check(config: PgcdcConfig, slot_key: AssetKey, slot_lag: int | None, names: PipelineNames) -> AssetCheckResult:
+def evaluate_lag_check(
+    config: PgcdcConfig, slot_key: AssetKey, slot_lag: int | None, names: PipelineNames
+) -> AssetCheckResult:
     """``slot_lag_within_bound`` of the pipeline's slot asset; ``slot_lag`` None means the slot does not exist."""
     bound = config.checks.max_lag_bytes
     if slot_lag is None:

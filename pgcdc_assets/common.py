@@ -14,7 +14,6 @@ from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
 from resources.postgres.publication import resolve_tables
 
-
 #: Retries a step whose PostgreSQL connection failed; every other error fails at once (see ``user_facing``).
 TRANSIENT_RETRY_POLICY = RetryPolicy(max_retries=3, delay=5, backoff=Backoff.EXPONENTIAL)
 

@@ -23,10 +23,10 @@ from pgcdc_assets.pipelines_file import load_pipeline_config
 from resources.config import load_config, PgcdcConfig
 from resources.delta.capabilities import SAIL_CAPABILITIES
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
-from resources.delta.lazy_session import deferred_session
-from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.delta.lake_storage import LakeStorage, open_lake
+from resources.delta.lazy_session import deferred_session
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.locations import StorageSettings
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
@@ -51,7 +51,8 @@ class SparkDeltaResource(PySparkResource):
 
     spark_config: dict[str, Any] = Field(default_factory=dict, description="Spark settings for the session")
     mode: SparkMode = Field(
-        default="embedded", description="embedded (Sail in a child process), spark (managed Spark + Delta), remote or classic"
+        default="embedded",
+        description="embedded (Sail in a child process), spark (managed Spark + Delta), remote or classic",
     )
     remote: str | None = Field(default=None, description="sc://host:port of the Spark Connect server (remote mode)")
     app_name: str = Field(default="pgcdc", description="Spark application name (classic mode)")
@@ -70,7 +71,9 @@ class SparkDeltaResource(PySparkResource):
     @classmethod
     def from_pgcdc_config(cls, config: PgcdcConfig) -> SparkDeltaResource:
         """Remote when the configuration names a Spark Connect server, else the engine it names."""
-        mode: SparkMode = "remote" if config.spark.remote else ("spark" if config.spark.engine == "spark" else "embedded")
+        mode: SparkMode = (
+            "remote" if config.spark.remote else ("spark" if config.spark.engine == "spark" else "embedded")
+        )
         return cls(
             spark_config=dict(config.spark.config),
             mode=mode,

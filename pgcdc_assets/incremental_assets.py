@@ -66,10 +66,10 @@ from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcSlotProps, PgcdcTableProps, PgcdcTranslator, schedule_interval
 from resources.config import PgcdcConfig
-from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
-from resources.names import PipelineNames, SCHEMA_CHECK, slot_pool, SLOT_LAG_CHECK, SNAPSHOT_JOB
+from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, slot_pool, SNAPSHOT_JOB
 from resources.postgres.catalog import TableName
+from resources.runs.incremental import IncrementalResult, run_incremental
 
 #: Changed tables listed (with links) in a slot materialization; the count is always complete.
 LISTED_TABLES = 50
@@ -245,7 +245,10 @@ def build_incremental_assets(
             *(translator.get_table_asset_spec(p) for p in props.values()),
             *(translator.get_history_asset_spec(p) for p in props.values() if p.history_path is not None),
         ],
-        check_specs=[*slot_check_specs(slot_key), *(spec for key in key_of.values() for spec in table_check_specs(key))],
+        check_specs=[
+            *slot_check_specs(slot_key),
+            *(spec for key in key_of.values() for spec in table_check_specs(key)),
+        ],
         can_subset=True,
         pool=slot_pool(config.slot),
         required_resource_keys={names.postgres_key, names.spark_key},
@@ -283,7 +286,9 @@ def build_incremental_assets(
                     without_snapshot = result is not None and str(table) in result.tables_without_snapshot
                     yield check_event(
                         checked,
-                        evaluate_schema_check(postgres, session, table_log, table, key_of[table], without_snapshot, names),
+                        evaluate_schema_check(
+                            postgres, session, table_log, table, key_of[table], without_snapshot, names
+                        ),
                     )
 
     return drain_slot

@@ -41,10 +41,10 @@ from pgcdc_assets.common import user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.config import HISTORY_SUFFIX, PgcdcConfig
 from resources.delta.lake_storage import open_lake
-from resources.locations import join_location
 from resources.delta.maintenance import describe, maintain_table, TableMaintenance
-from resources.delta.table_files import delta_tables_under, is_delta_table
 from resources.delta.state_table import PGCDC_TABLES_DIRECTORY
+from resources.delta.table_files import delta_tables_under, is_delta_table
+from resources.locations import join_location
 from resources.names import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, PipelineNames, slot_pool
 
 
@@ -129,7 +129,10 @@ def build_maintenance(
                 allow_retries=False,
             )
 
-    @job(name=names.scoped(MAINTENANCE_JOB), description="Table maintenance: compaction, vacuum after maintenance.retention_hours, log checkpoint and clean-up.")
+    @job(
+        name=names.scoped(MAINTENANCE_JOB),
+        description="Table maintenance: compaction, vacuum after maintenance.retention_hours, log checkpoint and clean-up.",
+    )
     def maintenance_job() -> None:
         maintain_tables()
 

@@ -24,8 +24,8 @@ from dagster import (
     AssetCheckExecutionContext,
     AssetCheckKey,
     AssetCheckResult,
-    AssetCheckSpec,
     AssetChecksDefinition,
+    AssetCheckSpec,
     AssetKey,
     Field,
     MetadataValue,
@@ -37,7 +37,7 @@ from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import drain_events, DrainEvent, recorded_position
 from resources.names import PipelineNames, RECONCILE_JOB, ROW_COUNT_CHECK, ROWS_MATCH_CHECK, slot_pool
 from resources.postgres.catalog import TableName
-from resources.runs.reconcile import RANGE_ROWS, ReconcileResult, reconcile, TableReconciliation
+from resources.runs.reconcile import RANGE_ROWS, reconcile, ReconcileResult, TableReconciliation
 
 SHOWN_RANGES = 20
 
@@ -147,7 +147,9 @@ def _range_metadata(outcome: TableReconciliation) -> dict[str, MetadataValue]:
     if outcome.mismatches:
         metadata["mismatches"] = MetadataValue.md(
             "| range | PostgreSQL rows | Delta rows |\n|---|---|---|\n"
-            + "\n".join(f"| `{m.range}` | {m.postgres_rows} | {m.delta_rows} |" for m in outcome.mismatches[:SHOWN_RANGES])
+            + "\n".join(
+                f"| `{m.range}` | {m.postgres_rows} | {m.delta_rows} |" for m in outcome.mismatches[:SHOWN_RANGES]
+            )
         )
     if outcome.differing_keys:
         metadata["differing_keys"] = MetadataValue.text(", ".join(outcome.differing_keys))

@@ -32,10 +32,10 @@ from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
-from resources.delta.lazy_session import engine_start_seconds
-from resources.delta.spark_destination import SparkDeltaDestination
 from resources.delta.layout import BUCKET_COLUMN
+from resources.delta.lazy_session import engine_start_seconds
 from resources.delta.markers import LSN_COLUMN
+from resources.delta.spark_destination import SparkDeltaDestination
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
 from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
 from resources.phases import describe_phases, phase_metadata, Phases

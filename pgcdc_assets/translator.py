@@ -173,7 +173,11 @@ class PgcdcTranslator:
         """The table's history (``props.history_path`` must be set), downstream of the table; skippable as
         the table is: materialized by the drains that wrote to it."""
         assert props.history_path is not None, "only a table that keeps history has a history asset"
-        what = "SCD type 2 table (a row per version of each key)" if props.history_mode == "scd2" else "changelog (a row per row change)"
+        what = (
+            "SCD type 2 table (a row per version of each key)"
+            if props.history_mode == "scd2"
+            else "changelog (a row per row change)"
+        )
         return AssetSpec(
             key=self.get_history_asset_key(props),
             deps=[self.get_table_asset_key(props)],
@@ -187,7 +191,9 @@ class PgcdcTranslator:
                 **self._metadata(props),
                 "pgcdc/history_mode": props.history_mode,
                 "pgcdc/delta_path": MetadataValue.path(props.history_path),
-                "dagster/uri": f"file://{props.history_path}" if "://" not in props.history_path else props.history_path,
+                "dagster/uri": f"file://{props.history_path}"
+                if "://" not in props.history_path
+                else props.history_path,
             },
             skippable=True,
         )

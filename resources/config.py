@@ -170,7 +170,10 @@ class SnapshotSettings(_Section):
         description="sessions copying one big table's ctid ranges under one snapshot (1 = one COPY per table)",
     )  # fmt: skip
     chunk_mb: int = Field(
-        default=DEFAULT_CHUNK_MB, ge=1, le=1024 * 1024, description="heap megabytes per ctid range; a smaller table is one COPY"
+        default=DEFAULT_CHUNK_MB,
+        ge=1,
+        le=1024 * 1024,
+        description="heap megabytes per ctid range; a smaller table is one COPY",
     )
     chunked_above_mb: float = Field(
         default=DEFAULT_CHUNKED_ABOVE_MB, ge=0,
@@ -178,7 +181,9 @@ class SnapshotSettings(_Section):
         "one short transaction each, resumable (docs/contracts.md); smaller or keyless tables use one snapshot",
     )  # fmt: skip
     key_chunk_mb: float = Field(
-        default=DEFAULT_KEY_CHUNK_MB, gt=0, description="heap megabytes per primary-key range of a table copied in key ranges"
+        default=DEFAULT_KEY_CHUNK_MB,
+        gt=0,
+        description="heap megabytes per primary-key range of a table copied in key ranges",
     )
 
 

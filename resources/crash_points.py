@@ -46,10 +46,20 @@ import signal
 
 FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
 FAULT_POINTS = (
-    "before_merge", "after_history_commit", "after_delta_commit", "after_confirm", "before_state_write",
-    "after_range_slot", "after_range_commit",
-    "after_snapshot_slot", "before_snapshot_create", "after_snapshot_create", "during_snapshot_write",
-    "after_snapshot_staged", "after_snapshot_commit", "before_snapshot_state_write",
+    "before_merge",
+    "after_history_commit",
+    "after_delta_commit",
+    "after_confirm",
+    "before_state_write",
+    "after_range_slot",
+    "after_range_commit",
+    "after_snapshot_slot",
+    "before_snapshot_create",
+    "after_snapshot_create",
+    "during_snapshot_write",
+    "after_snapshot_staged",
+    "after_snapshot_commit",
+    "before_snapshot_state_write",
 )
 
 

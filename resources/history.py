@@ -34,9 +34,9 @@ from resources.cdc.scd2 import (
     VALID_TO_LSN_COLUMN,
 )
 from resources.config import PgcdcConfig
+from resources.delta.lake_storage import LakeStorage
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.reads import read_rows
-from resources.delta.lake_storage import LakeStorage
 from resources.delta.table_log import table_exists
 from resources.errors import ConfigurationError, PgcdcError
 from resources.lsn import LSN
@@ -108,8 +108,13 @@ def version_lsn_at_time(versions: pa.Table, time: datetime) -> int | None:
     _require_zone(time)
     at = pa.scalar(time, COMMIT_TIME_TYPE)
     lsns = [
-        pc.min(versions.column(lsn_column).filter(pc.fill_null(pc.greater(versions.column(time_column), at), False))).as_py()
-        for lsn_column, time_column in ((VALID_FROM_LSN_COLUMN, VALID_FROM_COLUMN), (VALID_TO_LSN_COLUMN, VALID_TO_COLUMN))
+        pc.min(
+            versions.column(lsn_column).filter(pc.fill_null(pc.greater(versions.column(time_column), at), False))
+        ).as_py()
+        for lsn_column, time_column in (
+            (VALID_FROM_LSN_COLUMN, VALID_FROM_COLUMN),
+            (VALID_TO_LSN_COLUMN, VALID_TO_COLUMN),
+        )
     ]
     after = [lsn for lsn in lsns if lsn is not None]
     return int(min(after)) - 1 if after else None
@@ -117,7 +122,9 @@ def version_lsn_at_time(versions: pa.Table, time: datetime) -> int | None:
 
 def _require_zone(time: datetime) -> None:
     if time.tzinfo is None:
-        raise ConfigurationError(f"the time {time.isoformat()} has no time zone", "give one, e.g. 2026-11-25T18:00:00+00:00")
+        raise ConfigurationError(
+            f"the time {time.isoformat()} has no time zone", "give one, e.g. 2026-11-25T18:00:00+00:00"
+        )
 
 
 def lsn_at_time(changes: pa.Table, time: datetime) -> int | None:
@@ -136,10 +143,13 @@ def _changelog_path(config: PgcdcConfig, table: TableName, lake: LakeStorage | N
     path = config.history_path(table.schema, table.name)
     if path is None:
         raise ConfigurationError(
-            f"{table} keeps no history", f"set history.tables.{table}: changelog (or scd2), then snapshot the table again"
+            f"{table} keeps no history",
+            f"set history.tables.{table}: changelog (or scd2), then snapshot the table again",
         )
     if not table_exists(path, lake):
-        raise PgcdcError(f"{table} has no history yet at {path}", "it starts with the first drain that meets a change of the table")
+        raise PgcdcError(
+            f"{table} has no history yet at {path}", "it starts with the first drain that meets a change of the table"
+        )
     return path
 
 
@@ -151,7 +161,9 @@ def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
     # A fill shares the position of the change it comes before (commits may be read in any order).
     after_fill = pc.not_equal(changes.column(OP_COLUMN), "fill")
     order = pa.table({"lsn": changes.column(LSN_COLUMN), "seq": changes.column(SEQ_COLUMN), "after_fill": after_fill})
-    changes = changes.take(pc.sort_indices(order, [("lsn", "ascending"), ("seq", "ascending"), ("after_fill", "ascending")]))
+    changes = changes.take(
+        pc.sort_indices(order, [("lsn", "ascending"), ("seq", "ascending"), ("after_fill", "ascending")])
+    )
     ops = changes.column(OP_COLUMN).to_pylist()
     keys = changes.column(KEY_COLUMN).to_pylist()
     lsns = changes.column(LSN_COLUMN).to_pylist()
@@ -184,8 +196,12 @@ def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
         elif op == "fill":
             rows.fill(tuple(names.index(name) for name in json.loads(keys[i])), i)
         else:
-            raise PgcdcError(f"the changelog holds an unknown operation {op!r} at {LSN(lsns[i])}", "it was written by another writer")
-    return pa.table({name: changes.column(name).take(pa.array(rows.sources(p), pa.int64())) for p, name in enumerate(names)})
+            raise PgcdcError(
+                f"the changelog holds an unknown operation {op!r} at {LSN(lsns[i])}", "it was written by another writer"
+            )
+    return pa.table(
+        {name: changes.column(name).take(pa.array(rows.sources(p), pa.int64())) for p, name in enumerate(names)}
+    )
 
 
 class _Rows:
@@ -237,7 +253,6 @@ class _Rows:
     def clear(self) -> None:
         self._alive.clear()
         self._by.clear()
-
 
 
 def _canonical(value: Any) -> Any:

@@ -33,7 +33,9 @@ class StorageSettings(BaseModel):
         default=None, description="http(s)://host:port of an S3-compatible server; null = AWS S3 (or AWS_ENDPOINT_URL)"
     )
     region: str | None = Field(default=None, description="S3 region; null = AWS_REGION / AWS_DEFAULT_REGION")
-    path_style: bool = Field(default=True, description="bucket in the URL path (S3-compatible servers) vs in the host name")
+    path_style: bool = Field(
+        default=True, description="bucket in the URL path (S3-compatible servers) vs in the host name"
+    )
     allow_http: bool = Field(default=False, description="must be true for an http:// endpoint")
     access_key_id: str | None = Field(default=None, description="${ENV_VAR} holding the access key id")
     secret_access_key: str | None = Field(default=None, description="${ENV_VAR} holding the secret access key")
@@ -109,5 +111,3 @@ def _resolved_root(root: str, working_directory: str) -> str:
     """``root`` resolved against ``working_directory``: once per root, not once per table of a
     run (resolving walks the path with a system call per component)."""
     return str((Path(working_directory) / root).resolve())
-
-

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from resources.errors import ConfigurationError
 from resources.sql import quote_ident
 
-
 SNAPSHOT_JOB = "pgcdc_snapshot"
 RESNAPSHOT_JOB = "pgcdc_resnapshot"
 INCREMENTAL_JOB = "pgcdc_incremental"

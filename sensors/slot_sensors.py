@@ -132,7 +132,8 @@ def build_new_tables_sensor(
         unrecorded = [
             table
             for table in published
-            if table in snapshot_keys and context.instance.get_latest_materialization_event(snapshot_keys[table]) is None
+            if table in snapshot_keys
+            and context.instance.get_latest_materialization_event(snapshot_keys[table]) is None
         ]
         if unrecorded:
             lake = open_lake(config.delta.root, config.delta.storage)
@@ -192,7 +193,8 @@ def build_slot_health_sensor(names: PipelineNames, minimum_interval_seconds: int
             )
         if state.invalidated:
             raise invalidated_slot(
-                state, f"run the {resnapshot_job} job with no table list: it recreates the slot and re-snapshots every table"
+                state,
+                f"run the {resnapshot_job} job with no table list: it recreates the slot and re-snapshots every table",
             )
         if state.wal_status == "unreserved":
             raise SlotError(

@@ -23,7 +23,7 @@ import pytest
 pytest.register_assert_rewrite("tests.support")  # helpers that assert, imported by test modules before pytest sees them
 
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
-from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase, fresh_database
+from tests.support.postgres import fresh_database, PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
 from tests.support.tiers import assign_tier, COLLECTED_TIERS, named_tiers, refuse_servers
 
 

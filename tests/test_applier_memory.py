@@ -24,20 +24,34 @@ from resources.cdc.writer import OrderedWriter
 from resources.delta.layout import BUCKET_COLUMN, bucket_values, HASH, RANGE, TableLayout
 from resources.delta.markers import LSN_COLUMN
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
+from tests.support.memory_applier import (
+    destination_with_snapshot,
+    keyed_relation,
+    OID,
+    PATH,
+    SNAPSHOT_LSN,
+    TABLE,
+    transactions,
+)
 from tests.support.pgoutput_messages import delete, insert, relation, truncate, UNCHANGED, update
-from tests.support.memory_applier import OID, PATH, SNAPSHOT_LSN, TABLE, destination_with_snapshot, keyed_relation, transactions
 
 
 def keyless_relation() -> bytes:
     return relation(OID, "t", [("id", 23, False), ("body", 25, False)])
 
 
-def apply(destination: InMemoryDestination, txns: list[CommittedTransaction], *, max_changes: int = 1000,
-          durable_seen: list[int] | None = None) -> tuple[ChangeApplier, int]:
+def apply(
+    destination: InMemoryDestination,
+    txns: list[CommittedTransaction],
+    *,
+    max_changes: int = 1000,
+    durable_seen: list[int] | None = None,
+) -> tuple[ChangeApplier, int]:
     """Feed ``txns`` the way cdc/drain.py does; returns the applier and what finish() answered."""
     target = TableTarget(TABLE, PATH)  # its snapshot LSN is read from the destination's log
-    applier = ChangeApplier(destination, StaticTypes(), {TABLE: target}, max_changes=max_changes,
-                            max_bytes=1 << 30, log=lambda _: None)
+    applier = ChangeApplier(
+        destination, StaticTypes(), {TABLE: target}, max_changes=max_changes, max_bytes=1 << 30, log=lambda _: None
+    )
     try:
         for txn in txns:
             if not applier.fits(txn):
@@ -70,18 +84,26 @@ def test_truncate_inside_a_transaction_keeps_only_the_rows_after_it(tmp_path: Pa
 
 def test_folding_keeps_the_last_image_and_a_key_change_moves_the_row(tmp_path: Path) -> None:
     destination = destination_with_snapshot([(1, "a"), (2, "b")])
-    txns = transactions([
-        [keyed_relation(), insert(OID, b"3", b"c"), update(OID, (b"3", b"c2")), update(OID, (b"3", b"c3"))],
-        [update(OID, (b"20", UNCHANGED), key=(b"2", None)), delete(OID, key=(b"1", None)), insert(OID, b"1", b"again")],
-    ], tmp_path)
+    txns = transactions(
+        [
+            [keyed_relation(), insert(OID, b"3", b"c"), update(OID, (b"3", b"c2")), update(OID, (b"3", b"c3"))],
+            [
+                update(OID, (b"20", UNCHANGED), key=(b"2", None)),
+                delete(OID, key=(b"1", None)),
+                insert(OID, b"1", b"again"),
+            ],
+        ],
+        tmp_path,
+    )
     apply(destination, txns)
     assert table_of(destination) == {1: "again", 3: "c3", 20: "b"}
 
 
 def test_changes_at_or_below_the_snapshot_lsn_are_skipped(tmp_path: Path) -> None:
     destination = destination_with_snapshot([(1, "a")])
-    txns = transactions([[keyed_relation(), insert(OID, b"5", b"old")], [insert(OID, b"6", b"new")]], tmp_path,
-                        first_end=SNAPSHOT_LSN)
+    txns = transactions(
+        [[keyed_relation(), insert(OID, b"5", b"old")], [insert(OID, b"6", b"new")]], tmp_path, first_end=SNAPSHOT_LSN
+    )
     applier, _ = apply(destination, txns)
     assert table_of(destination) == {1: "a", 6: "new"}
     assert applier.changes_skipped == 1
@@ -103,18 +125,24 @@ def test_durable_lsn_only_names_whole_transactions_and_finish_the_last(tmp_path:
 
 def test_keyless_replay_skips_exactly_what_the_marker_covers(tmp_path: Path) -> None:
     destination = destination_with_snapshot([])
-    txns = transactions([
-        [keyless_relation(), insert(OID, b"1", b"a"), insert(OID, b"1", b"a")],
-        [insert(OID, b"2", b"b")],
-    ], tmp_path)
+    txns = transactions(
+        [
+            [keyless_relation(), insert(OID, b"1", b"a"), insert(OID, b"1", b"a")],
+            [insert(OID, b"2", b"b")],
+        ],
+        tmp_path,
+    )
     apply(destination, txns)
     first = sorted((row["id"], row["body"]) for row in destination.rows(PATH))
     assert first == [(1, "a"), (1, "a"), (2, "b")]
-    replay = transactions([
-        [keyless_relation(), insert(OID, b"1", b"a"), insert(OID, b"1", b"a")],
-        [insert(OID, b"2", b"b")],
-        [insert(OID, b"3", b"c")],
-    ], tmp_path / "replay")
+    replay = transactions(
+        [
+            [keyless_relation(), insert(OID, b"1", b"a"), insert(OID, b"1", b"a")],
+            [insert(OID, b"2", b"b")],
+            [insert(OID, b"3", b"c")],
+        ],
+        tmp_path / "replay",
+    )
     apply(destination, replay)
     assert sorted((row["id"], row["body"]) for row in destination.rows(PATH)) == [*first, (3, "c")]
 
@@ -126,9 +154,12 @@ LAYOUTS = st.sampled_from([None, TableLayout(RANGE, ("id",), 2), TableLayout(HAS
 
 
 @settings(max_examples=200, deadline=None)
-@given(OPS, st.lists(st.integers(1, 6), min_size=1, max_size=10), st.integers(1, 8), st.sets(st.integers(0, 4)), LAYOUTS)
-def test_random_changes_fold_to_what_one_by_one_gives(ops: list, sizes: list[int], max_changes: int,
-                                                      initial: set[int], layout: TableLayout | None) -> None:
+@given(
+    OPS, st.lists(st.integers(1, 6), min_size=1, max_size=10), st.integers(1, 8), st.sets(st.integers(0, 4)), LAYOUTS
+)
+def test_random_changes_fold_to_what_one_by_one_gives(
+    ops: list, sizes: list[int], max_changes: int, initial: set[int], layout: TableLayout | None
+) -> None:
     """I/U/D and key changes over five keys, unchanged TOAST included, cut into random transactions and chunks;
     unbucketed, and in range or hash buckets (so key changes move rows between buckets, which the memory
     merge prunes as Delta does)."""
@@ -151,12 +182,14 @@ def test_random_changes_fold_to_what_one_by_one_gives(ops: list, sizes: list[int
         elif op == "K" and key in model and new_key not in model:
             value = model.pop(key)
             model[new_key] = value if toast else body.decode()
-            messages.append(update(OID, (str(new_key).encode(), UNCHANGED if toast else body), key=(str(key).encode(), None)))
+            messages.append(
+                update(OID, (str(new_key).encode(), UNCHANGED if toast else body), key=(str(key).encode(), None))
+            )
     bodies, at = [], 0
     for size in sizes * (len(messages) // max(1, sum(sizes)) + 1):
         if at >= len(messages):
             break
-        bodies.append(messages[at:at + size])
+        bodies.append(messages[at : at + size])
         at += size
     destination = destination_with_snapshot([(key, f"v{key}") for key in initial], layout)
     with tempfile.TemporaryDirectory() as spill:
@@ -166,7 +199,9 @@ def test_random_changes_fold_to_what_one_by_one_gives(ops: list, sizes: list[int
 
 def test_the_memory_merge_refuses_two_changes_for_one_key() -> None:
     destination = destination_with_snapshot([])
-    source = pa.table({"id": pa.array([1, 1], pa.int32()), "body": ["a", "b"], LSN_COLUMN: [1, 2], "_pgcdc_op": ["I", "U"]})
+    source = pa.table(
+        {"id": pa.array([1, 1], pa.int32()), "body": ["a", "b"], LSN_COLUMN: [1, 2], "_pgcdc_op": ["I", "U"]}
+    )
     with pytest.raises(ValueError, match="two changes for key"):
         destination.merge_batch(PATH, source, ["id"])
 

@@ -28,15 +28,15 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import CONFIG_ENV_VAR, parse_config
-from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError
-from resources.runs.incremental import run_incremental
-from resources.testing.local_postgres import LocalPostgres, start_local_postgres
-from resources.postgres.connections import CONNECT_TIMEOUT_SECONDS
-from resources.postgres.preflight import MIN_SERVER_VERSION_NUM, check_server
-from resources.postgres.replication import ReplicationConnection
-from resources.runs.snapshot import snapshot_tables
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
-from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError
+from resources.postgres.connections import CONNECT_TIMEOUT_SECONDS
+from resources.postgres.preflight import check_server, MIN_SERVER_VERSION_NUM
+from resources.postgres.replication import ReplicationConnection
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -92,7 +92,9 @@ class State:
                 (SLOT,),
             ).fetchall()
         versions = tuple(
-            deltalake.DeltaTable(str(self.root / "public" / t)).version() if (self.root / "public" / t).exists() else None
+            deltalake.DeltaTable(str(self.root / "public" / t)).version()
+            if (self.root / "public" / t).exists()
+            else None
             for t in TABLES
         )
         return (slot, versions)
@@ -249,8 +251,10 @@ def test_silent_host_fails_within_the_connect_timeout_not_after_minutes(
     worker.join(6 * CONNECT_TIMEOUT_SECONDS)
     waited = time.monotonic() - began
     if worker.is_alive():
-        pytest.fail(f"run_incremental still connecting to a silent host after {waited:.0f} s "
-                    f"(connect_timeout is {CONNECT_TIMEOUT_SECONDS} s)")
+        pytest.fail(
+            f"run_incremental still connecting to a silent host after {waited:.0f} s "
+            f"(connect_timeout is {CONNECT_TIMEOUT_SECONDS} s)"
+        )
     assert outcome and isinstance(outcome[0], ConnectionFailure), outcome
     one_line(str(outcome[0]), "cannot reach PostgreSQL", "timeout expired")
 
@@ -259,7 +263,9 @@ def test_missing_database_fails_naming_dbname(pg: PgDatabase, tmp_path: Path, sp
     prepare(pg, tmp_path, spark)
     state = State(pg, tmp_path / "lake")
     missing = pg.server.dsn("no_such_database")
-    message = failed_step(write(tmp_path, settings(missing, tmp_path / "lake", tables=["public.orders", "public.notes"])))
+    message = failed_step(
+        write(tmp_path, settings(missing, tmp_path / "lake", tables=["public.orders", "public.notes"]))
+    )
     one_line(message, "database missing", "no_such_database", "fix dbname in the DSN")
     state.assert_unmoved()
 
@@ -279,7 +285,9 @@ def replica_server() -> Iterator[LocalPostgres]:
         server.destroy()
 
 
-def test_wal_level_replica_fails_the_snapshot_job_naming_wal_level(replica_server: LocalPostgres, tmp_path: Path) -> None:
+def test_wal_level_replica_fails_the_snapshot_job_naming_wal_level(
+    replica_server: LocalPostgres, tmp_path: Path
+) -> None:
     config_file = write(tmp_path, settings(replica_server.dsn(), tmp_path / "lake"))
     message = failed_step(config_file, "pgcdc_snapshot")
     one_line(message, "wal_level", "logical", "restart PostgreSQL")
@@ -349,9 +357,7 @@ def test_empty_publication_fails_instead_of_draining_nothing(
     one_line(str(outcome), '"pub"', "ALTER PUBLICATION")
 
 
-def test_table_in_config_but_not_published_fails_naming_it(
-    pg: PgDatabase, tmp_path: Path, spark: SparkSession
-) -> None:
+def test_table_in_config_but_not_published_fails_naming_it(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     good = prepare(pg, tmp_path, spark)
     pg.execute("CREATE TABLE hidden (id int PRIMARY KEY)")
     state = State(pg, tmp_path / "lake")
@@ -470,7 +476,9 @@ def test_delta_root_without_any_snapshot_does_not_advance_the_slot(
     except BaseException as error:  # noqa: BLE001 - asserted below
         outcome = error
     moved = state.read() != state.before
-    good_run = run_incremental(parse_config(good), SparkDeltaDestination(spark, None))  # back on the right root: is the lake still exact?
+    good_run = run_incremental(
+        parse_config(good), SparkDeltaDestination(spark, None)
+    )  # back on the right root: is the lake still exact?
     exact = good_run.changes > 0
     assert not moved and exact, "the slot moved past the pending changes: the right lake never gets them"
     assert isinstance(outcome, PgcdcError)

@@ -19,20 +19,20 @@ import deltalake
 import pytest
 from pyspark.sql import SparkSession
 
+from pgcdc_assets.checks import table_log_reader
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
-from resources.delta.reads import delta_rs_rows
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
-from pgcdc_assets.checks import table_log_reader
+from resources.delta.reads import delta_rs_rows
+from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import state_path
 from resources.errors import ConfigurationError
-from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
-from tests.support.postgres import PgDatabase
 from tests.support.delta_log import clean_log
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -49,17 +49,23 @@ DDL = """
 
 
 def config_with(pg: PgDatabase, lake: Path, tables: dict[str, dict]) -> PgcdcConfig:
-    return parse_config({
-        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"layout_{pg.name}",
-        "delta": {"root": str(lake), "buckets": {"tables": tables}},
-    })
+    return parse_config(
+        {
+            "postgres": {"dsn": pg.dsn},
+            "publication": "pub",
+            "slot": f"layout_{pg.name}",
+            "delta": {"root": str(lake), "buckets": {"tables": tables}},
+        }
+    )
 
 
 def drain_and_compare(
     pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, known: dict[str, TableLayout] | None = None
 ) -> dict[str, TableLayout | None]:
     """Drain, then compare both tables with PostgreSQL; ``known``: layouts the tables' logs no longer name."""
-    run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)  # several chunks, so moves span MERGEs
+    run_incremental(
+        config, lake_destination(spark, config), max_chunk_changes=7
+    )  # several chunks, so moves span MERGEs
     layouts = {}
     for table in ("acct", "fullpk"):
         path = config.table_path("public", table)
@@ -84,15 +90,18 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     # as earlier pgcdc versions wrote it: no bucket column, no layout in the marker
     old = config_with(pg, lake, {"public.acct": {"bucketed": False}, "public.fullpk": {"bucketed": False}})
     snapshot_tables(old, lake_destination(spark, old))
-    pg.execute("UPDATE acct SET id = id + 100, v = -v WHERE id IN (1, 2); DELETE FROM acct WHERE id = 4;"
-               " UPDATE fullpk SET n = -n WHERE code = 'c1'")
+    pg.execute(
+        "UPDATE acct SET id = id + 100, v = -v WHERE id IN (1, 2); DELETE FROM acct WHERE id = 4;"
+        " UPDATE fullpk SET n = -n WHERE code = 'c1'"
+    )
     assert drain_and_compare(pg, old, spark) == {"acct": None, "fullpk": None}
 
     # the same tables, re-snapshotted: range buckets of 10 keys, hash buckets for the text key
     new = config_with(pg, lake, {"public.acct": {"width": 10}, "public.fullpk": {"count": 3}})
     snapshot_tables(new, lake_destination(spark, new))
     assert drain_and_compare(pg, new, spark) == {
-        "acct": TableLayout(RANGE, ("id",), 10), "fullpk": TableLayout(HASH, ("code",), 3),
+        "acct": TableLayout(RANGE, ("id",), 10),
+        "fullpk": TableLayout(HASH, ("code",), 3),
     }
     with pg.connect() as conn:
         with conn.transaction():
@@ -115,14 +124,18 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     # log cleanup removes the adopting snapshot's commit; acct's property says "created unbucketed"
     acct_layout = TableLayout(RANGE, ("id",), 10)
     clean_log(path)
-    pg.execute("UPDATE acct SET id = 301 WHERE id = 7; UPDATE acct SET v = 1 WHERE id = 43; DELETE FROM acct WHERE id = 8")
+    pg.execute(
+        "UPDATE acct SET id = 301 WHERE id = 7; UPDATE acct SET v = 1 WHERE id = 43; DELETE FROM acct WHERE id = 8"
+    )
     drain_and_compare(pg, new, spark, {"acct": acct_layout})
     # the schema check expects the bucket column from the same record (pgcdc_assets/checks.py)
     assert table_log_reader(new, lake_destination(spark, new))(TableName("public", "acct")).layout == acct_layout
 
     # schema changes rewrite the table: the partitioning and the buckets must survive them
-    pg.execute("ALTER TABLE acct ALTER COLUMN v TYPE bigint; ALTER TABLE acct ADD COLUMN w int DEFAULT 7;"
-               " UPDATE acct SET v = v * 1000000000, id = id + 1000 WHERE id IN (10, 20)")
+    pg.execute(
+        "ALTER TABLE acct ALTER COLUMN v TYPE bigint; ALTER TABLE acct ADD COLUMN w int DEFAULT 7;"
+        " UPDATE acct SET v = v * 1000000000, id = id + 1000 WHERE id IN (10, 20)"
+    )
     drain_and_compare(pg, new, spark, {"acct": acct_layout})
     assert deltalake.DeltaTable(path).metadata().partition_columns == [BUCKET_COLUMN]
 
@@ -138,7 +151,9 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     assert unpruned is not None and "no record of its layout is left" in unpruned and "\n" not in unpruned
     assert BUCKET_COLUMN not in newest_merge_predicate(path)
     assert_delta_equals_postgres(pg.dsn, "public.acct", path)
-    assert set(delta_rs_rows(path, [BUCKET_COLUMN], where='"id" IN (3, 96)').column(BUCKET_COLUMN).to_pylist()) == {None}
+    assert set(delta_rs_rows(path, [BUCKET_COLUMN], where='"id" IN (3, 96)').column(BUCKET_COLUMN).to_pylist()) == {
+        None
+    }
     with pytest.raises(ConfigurationError, match="bucketed .* but no record of its layout is left"):
         snapshot_tables(new, lake_destination(spark, new), [TableName("public", "acct")])
     shutil.rmtree(path)
@@ -153,11 +168,14 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     # a table keeps the layout it was created with (its table property, which outlives the marker)
     created = config_with(pg, tmp_path / "created", {"public.acct": {"width": 10}, "public.fullpk": {"count": 3}})
     snapshot_tables(created, lake_destination(spark, created))
-    changed = config_with(pg, tmp_path / "created", {"public.acct": {"width": 20}, "public.fullpk": {"bucketed": False}})
+    changed = config_with(
+        pg, tmp_path / "created", {"public.acct": {"width": 20}, "public.fullpk": {"bucketed": False}}
+    )
     snapshot_tables(changed, lake_destination(spark, changed))
     pg.execute("UPDATE acct SET id = 42 WHERE id = 3")
     assert drain_and_compare(pg, changed, spark) == {
-        "acct": TableLayout(RANGE, ("id",), 10), "fullpk": TableLayout(HASH, ("code",), 3),
+        "acct": TableLayout(RANGE, ("id",), 10),
+        "fullpk": TableLayout(HASH, ("code",), 3),
     }
 
 
@@ -166,6 +184,8 @@ def test_a_width_for_a_key_that_is_not_one_integer_is_refused_before_writing(
 ) -> None:
     pg.execute(DDL)
     config = config_with(pg, tmp_path / "lake", {"public.fullpk": {"width": 10}})
-    with pytest.raises(ConfigurationError, match=r"delta\.buckets\.tables\.public\.fullpk: a bucket width needs a single integer key"):
+    with pytest.raises(
+        ConfigurationError, match=r"delta\.buckets\.tables\.public\.fullpk: a bucket width needs a single integer key"
+    ):
         snapshot_tables(config, lake_destination(spark, config))
     assert not (tmp_path / "lake" / "public" / "fullpk" / "_delta_log").exists()

@@ -72,7 +72,9 @@ Rule = Callable[[World, int, int], bool]  # (world, key, commit LSN) -> apply th
 def design_rule(world: World, key: int, lsn: int) -> bool:
     """The design: apply a half iff its key's range is done and the change is newer than that range's copy,
     decided by the code's own rule (``KeyRanges.applies``, which the ChangeApplier runs per row image)."""
-    return bool(key_ranges(tuple(world.done.get(i) for i in range(len(RANGES)))).applies(np.array([key]), np.array([lsn]))[0])
+    return bool(
+        key_ranges(tuple(world.done.get(i) for i in range(len(RANGES)))).applies(np.array([key]), np.array([lsn]))[0]
+    )
 
 
 @functools.cache

@@ -16,8 +16,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from resources.testing.local_postgres import start_local_postgres
 from resources.lsn import LSN
+from resources.testing.local_postgres import start_local_postgres
 from tests.support.postgres import PgDatabase
 
 pytestmark = pytest.mark.slow  # the CLI in child processes; tiers: docs/testing.md

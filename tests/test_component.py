@@ -23,11 +23,11 @@ import yaml
 from dagster import (
     AssetCheckKey,
     AssetKey,
+    build_sensor_context,
     DagsterInstance,
     Definitions,
     ExecuteInProcessResult,
     FreshnessPolicy,
-    build_sensor_context,
     instance_for_test,
     load_from_defs_folder,
 )
@@ -222,7 +222,10 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
 
     # Names, keys, groups, pools and freshness per pipeline.
     graph = defs.resolve_asset_graph()
-    orders, invoices = AssetKey(["pgcdc", "shop", "public", "orders"]), AssetKey(["pgcdc", "billing", "public", "invoices"])
+    orders, invoices = (
+        AssetKey(["pgcdc", "shop", "public", "orders"]),
+        AssetKey(["pgcdc", "billing", "public", "invoices"]),
+    )
     shop_slot, billing_slot = AssetKey(["pgcdc", "shop", "slot"]), AssetKey(["pgcdc", "billing", "slot"])
     assert {key for key in graph.get_all_asset_keys()} == {
         orders,
@@ -235,14 +238,19 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
         AssetKey(["pgcdc", "billing", "snapshot", "public", "invoices"]),
     }
     assert graph.get(orders).group_name == "pgcdc_shop"
-    assert graph.get(AssetKey(["pgcdc", "billing", "snapshot", "public", "invoices"])).group_name == "pgcdc_billing_snapshot"
+    assert (
+        graph.get(AssetKey(["pgcdc", "billing", "snapshot", "public", "invoices"])).group_name
+        == "pgcdc_billing_snapshot"
+    )
     assert graph.get(billing_slot).group_name == "pgcdc_billing"
     assert graph.get(billing_slot).freshness_policy == FreshnessPolicy.time_window(
         fail_window=timedelta(minutes=30), warn_window=timedelta(minutes=20)
     )
     assert graph.get(invoices).freshness_policy is None
     assert {job.name for job in defs.jobs} >= {
-        f"pgcdc_{p}_{job}" for p in pipelines for job in ("snapshot", "resnapshot", "incremental", "reconcile", "maintenance")
+        f"pgcdc_{p}_{job}"
+        for p in pipelines
+        for job in ("snapshot", "resnapshot", "incremental", "reconcile", "maintenance")
     }
     assert {s.name for s in defs.schedules} == {
         f"pgcdc_{p}_{schedule}" for p in pipelines for schedule in ("incremental_schedule", "maintenance_schedule")
@@ -253,11 +261,18 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     ]
     assert maintenance_nodes[0].definition.required_resource_keys == {"pgcdc_billing_postgres", "pgcdc_billing_spark"}
     assert {s.name for s in defs.sensors} == {
-        f"pgcdc_{p}_{sensor}" for p in pipelines for sensor in ("slot_lag_sensor", "new_tables_sensor", "slot_health_sensor")
+        f"pgcdc_{p}_{sensor}"
+        for p in pipelines
+        for sensor in ("slot_lag_sensor", "new_tables_sensor", "slot_health_sensor")
     }
     pools = {node.name: node.definition.pool for node in defs.resolve_job_def("pgcdc_shop_incremental").nodes}
     assert pools == {"pgcdc_shop_drain_slot": "pgcdc_slot_shop_slot"}
-    assert set(defs.resources) == {"pgcdc_shop_postgres", "pgcdc_shop_spark", "pgcdc_billing_postgres", "pgcdc_billing_spark"}
+    assert set(defs.resources) == {
+        "pgcdc_shop_postgres",
+        "pgcdc_shop_spark",
+        "pgcdc_billing_postgres",
+        "pgcdc_billing_spark",
+    }
     # The reconcile job too: its op, resource keys and pool are the pipeline's, its checks only its own tables'.
     reconcile = defs.resolve_job_def("pgcdc_shop_reconcile")
     (reconcile_op,) = reconcile.nodes
@@ -300,13 +315,18 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     }
     assert set(drained) == {shop_slot, *shop_tables}
     assert drained[shop_slot]["pgcdc/tables_changed"].value == 2
-    ((confirmed,),) = shop.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'shop_slot'")
+    ((confirmed,),) = shop.execute(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'shop_slot'"
+    )
     assert drained[shop_slot]["pgcdc/confirmed_flush_lsn"].value == confirmed
     assert_exact(shop, shop_lake, ["public.orders", "public.notes"])
     assert_exact(billing, billing_lake, ["public.invoices"])
     # One pipeline's reconcile job runs on its own resources and evaluates exactly its own checks.
     reconciled = run(defs, instance, "pgcdc_billing_reconcile").get_asset_check_evaluations()
-    assert {(e.asset_key, e.check_name) for e in reconciled} == {(invoices, ROW_COUNT_CHECK), (invoices, ROWS_MATCH_CHECK)}
+    assert {(e.asset_key, e.check_name) for e in reconciled} == {
+        (invoices, ROW_COUNT_CHECK),
+        (invoices, ROWS_MATCH_CHECK),
+    }
     assert all(e.passed for e in reconciled), reconciled
 
     # No password in resource config, run config or any event.
@@ -327,7 +347,9 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     assert "shop_slot" in evaluate_sensor(defs, "pgcdc_shop_slot_lag_sensor", instance).skip_message
     missing = evaluate_sensor(defs, "pgcdc_billing_slot_lag_sensor", instance)
     assert missing.skip_message == 'replication slot "billing_slot" does not exist: run the pgcdc_billing_snapshot job'
-    with pytest.raises(SlotError, match='replication slot "billing_slot" does not exist on .*run the pgcdc_billing_snapshot job'):
+    with pytest.raises(
+        SlotError, match='replication slot "billing_slot" does not exist on .*run the pgcdc_billing_snapshot job'
+    ):
         evaluate_sensor(defs, "pgcdc_billing_slot_health_sensor", instance)
 
     # A pipeline added to the YAML appears once the code location reloads; the others stay as they were.
@@ -440,7 +462,9 @@ def test_scaffolded_project_validates(tmp_path: Path) -> None:
     assert PASSWORD not in checked
     # A misspelled key fails the YAML stage, at its line, before any definitions are built.
     text = scaffolded.read_text()
-    scaffolded.write_text(text.replace("      publication: pgcdc_billing\n", "      publication: pgcdc_billing\n      slott: x\n"))
+    scaffolded.write_text(
+        text.replace("      publication: pgcdc_billing\n", "      publication: pgcdc_billing\n      slott: x\n")
+    )
     line = scaffolded.read_text().splitlines().index("  pipelines:") + 1
     done = subprocess.run([str(BIN / "dg"), "check", "defs"], cwd=project, env=env, capture_output=True, text=True,
                           timeout=180)  # fmt: skip

@@ -28,7 +28,9 @@ def test_table_paths_live_under_the_root(tmp_path: Path) -> None:
 
 
 def test_history_is_per_table_with_a_default(tmp_path: Path) -> None:
-    config = parse_config({**MINIMAL, "delta": {"root": str(tmp_path)}, "history": {"tables": {'public."Orders"': "changelog"}}})
+    config = parse_config(
+        {**MINIMAL, "delta": {"root": str(tmp_path)}, "history": {"tables": {'public."Orders"': "changelog"}}}
+    )
     assert config.history_path("public", "Orders") == str(tmp_path / "public" / "Orders__changes")
     assert config.history_path("public", "orders") is None  # the default: none
     everything = parse_config({**MINIMAL, "history": {"default": "changelog", "tables": {"public.audit": "none"}}})
@@ -46,7 +48,10 @@ def test_history_is_per_table_with_a_default(tmp_path: Path) -> None:
         ({"spark": {"remote": "http://spark:15002"}}, "'spark.remote'"),
         ({"publication": ""}, "'publication'"),
         ({"history": {"default": "scd9"}}, "'history.default'"),
-        ({"history": {"tables": {"orders": "changelog"}}}, "'history.tables': Value error, 'orders' is not schema.table"),
+        (
+            {"history": {"tables": {"orders": "changelog"}}},
+            "'history.tables': Value error, 'orders' is not schema.table",
+        ),
         ({"history": {"tables": {"public.orders": "log"}}}, "'history.tables.public.orders'"),
     ],
 )

@@ -18,11 +18,11 @@ from dagster import (
     DagsterRunStatus,
     ExecuteInProcessResult,
     FreshnessPolicy,
+    instance_for_test,
+    materialize,
     RunRequest,
     SensorResult,
     SkipReason,
-    instance_for_test,
-    materialize,
 )
 
 from pgcdc_assets.builder import build_definitions
@@ -31,25 +31,25 @@ from resources.errors import SlotError
 from resources.lsn import LSN
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
 from resources.testing.local_postgres import LocalPostgres
-from tests.support.postgres import fresh_database, PgDatabase
-from tests.support.tcp_proxy import TcpProxy
-from tests.support.delta_log import commit_bytes
 from tests.support.dagster_runs import (
     check_outcomes,
-    NOTES_KEY,
-    ORDERS_KEY,
     create_shop,
     delta_rows,
+    evaluate,
     invalidate_slot,
     materializations,
+    NOTES_KEY,
+    ORDERS_KEY,
     pg_notes,
     pg_orders,
-    evaluate,
     run_cli,
     run_job,
     slot_position,
     write_config,
 )
+from tests.support.delta_log import commit_bytes
+from tests.support.postgres import fresh_database, PgDatabase
+from tests.support.tcp_proxy import TcpProxy
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
@@ -92,16 +92,19 @@ def planned(instance: DagsterInstance, result: ExecuteInProcessResult) -> list[s
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def storage_instance(request: pytest.FixtureRequest, pg_server: LocalPostgres, tmp_path: Path) -> Iterator[DagsterInstance]:
+def storage_instance(
+    request: pytest.FixtureRequest, pg_server: LocalPostgres, tmp_path: Path
+) -> Iterator[DagsterInstance]:
     """A Dagster instance on SQLite files, or on a database of the test server through the
     dagster.yaml docs/deployment.md shows."""
     if request.param == "sqlite":
         with sqlite_instance(tmp_path / "dagster_home") as instance:
             yield instance
         return
-    with fresh_database(pg_server) as database, postgres_instance(
-        tmp_path / "dagster_home", pg_server, database.name
-    ) as instance:
+    with (
+        fresh_database(pg_server) as database,
+        postgres_instance(tmp_path / "dagster_home", pg_server, database.name) as instance,
+    ):
         yield instance
 
 
@@ -140,7 +143,10 @@ def test_drains_materialize_the_slot_always_and_tables_only_when_changed(
     assert isinstance(slot["pgcdc/slot_lag_bytes_after"], int)
     assert slot["pgcdc/duration_s"] > 0
     assert slot["pgcdc/tables_changed"] == 2
-    assert slot["pgcdc/changed_tables"] == "- [public.notes](/assets/pgcdc/public/notes)\n- [public.orders](/assets/pgcdc/public/orders)"
+    assert (
+        slot["pgcdc/changed_tables"]
+        == "- [public.notes](/assets/pgcdc/public/notes)\n- [public.orders](/assets/pgcdc/public/orders)"
+    )
     assert (orders["pgcdc/inserted"], orders["pgcdc/updated"], orders["pgcdc/deleted"]) == (3, 2, 1)
     assert (notes["pgcdc/inserted"], notes["pgcdc/updated"], notes["pgcdc/deleted"]) == (2, 0, 0)
     assert orders["pgcdc/truncates"] == 0
@@ -406,7 +412,10 @@ def test_history_assets_are_downstream_of_their_tables_and_materialized_when_wri
 ) -> None:
     history = {"default": "none", "tables": {"public.orders": "scd2", "public.notes": "changelog"}}
     defs = build_definitions(write_config(tmp_path, shop, history=history))
-    orders_history, notes_history = AssetKey(["pgcdc", "history", "public", "orders"]), AssetKey(["pgcdc", "history", "public", "notes"])
+    orders_history, notes_history = (
+        AssetKey(["pgcdc", "history", "public", "orders"]),
+        AssetKey(["pgcdc", "history", "public", "notes"]),
+    )
     graph = defs.resolve_asset_graph()
     assert graph.get(orders_history).parent_keys == {ORDERS} and graph.get(notes_history).parent_keys == {NOTES}
     run_job(defs, instance, "pgcdc_snapshot")

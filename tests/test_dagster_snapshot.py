@@ -18,19 +18,30 @@ import yaml
 from dagster import AssetKey, DagsterInstance, Definitions, ExecuteInProcessResult, TableColumn, TableSchema
 from pyspark.sql import SparkSession
 
+import resources.runs.snapshot as snapshot_module
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-import resources.runs.snapshot as snapshot_module
 from resources.config import parse_config
 from resources.delta.lazy_session import engine_start_seconds
-from tests.support.marker_reads import read_snapshot_lsn
 from resources.delta.table_log import read_table_log
 from resources.errors import ConnectionFailure, SnapshotError
-from resources.runs.key_range_copy import copy_key_range, RangeCopy
 from resources.lsn import LSN
-from tests.support.postgres import PgDatabase
+from resources.runs.key_range_copy import copy_key_range, RangeCopy
+from tests.support.dagster_runs import (
+    create_shop,
+    delta_rows,
+    invalidate_slot,
+    materializations,
+    NOTES_KEY,
+    ORDERS_KEY,
+    pg_notes,
+    pg_orders,
+    run_cli,
+    write_config,
+)
 from tests.support.engine_fixtures import assert_delta_jars
-from tests.support.dagster_runs import NOTES_KEY, ORDERS_KEY, create_shop, delta_rows, invalidate_slot, materializations, pg_notes, pg_orders, run_cli, write_config
+from tests.support.marker_reads import read_snapshot_lsn
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
@@ -158,7 +169,9 @@ def test_assets_jobs_and_specs_from_the_publication(shop: PgDatabase, tmp_path: 
 # --------------------------------------------------------------------------- snapshot
 
 
-def run_snapshot(defs: Definitions, instance: DagsterInstance, job: str = "pgcdc_snapshot", **kwargs: object) -> ExecuteInProcessResult:
+def run_snapshot(
+    defs: Definitions, instance: DagsterInstance, job: str = "pgcdc_snapshot", **kwargs: object
+) -> ExecuteInProcessResult:
     result = defs.resolve_job_def(job).execute_in_process(instance=instance, **kwargs)
     assert result.success
     return result
@@ -208,7 +221,11 @@ def test_snapshot_job_copies_every_table_with_metadata(
     )  # fmt: skip
     assert orders["pgcdc/layout"] == "range buckets of 1,000,000 keys of id"
     # where the step's time went: its own phases before the copies, then the table's (resources/phases.py)
-    phases = {key.removeprefix("pgcdc/phase_seconds/"): value for key, value in orders.items() if key.startswith("pgcdc/phase_seconds/")}
+    phases = {
+        key.removeprefix("pgcdc/phase_seconds/"): value
+        for key, value in orders.items()
+        if key.startswith("pgcdc/phase_seconds/")
+    }
     assert set(phases) == {
         "configuration", "slot_check", "publication", "engine_start", "recopy_check", "slot", "state_read",
         "log_read", "slot_and_catalog", "writer_start", "first_rows", "copy", "commit", "metadata_read",
@@ -289,7 +306,10 @@ def test_lost_slot_is_recreated_and_every_table_resnapshotted(
 
 
 def test_a_stopped_snapshot_in_key_ranges_resumes_in_the_next_run(
-    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, monkeypatch: pytest.MonkeyPatch,
+    shop: PgDatabase,
+    tmp_path: Path,
+    instance: DagsterInstance,
+    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A run of the snapshot job stopped at a range boundary (its step fails right after the second

@@ -18,21 +18,21 @@ from dagster import MetadataValue
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.incremental_assets import drain_metadata
-from resources.delta.lake_storage import LakeStorage
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.lake_storage import LakeStorage
 from resources.delta.layout import BUCKET_COLUMN, bucket_values, HASH, TableLayout, TEXT_CAST_HASH
 from resources.delta.maintenance import maintain_table
 from resources.delta.markers import LAYOUT_PROPERTY, pgcdc_marker
 from resources.delta.snapshot_writes import DELETION_VECTORS_PROPERTY, write_snapshot
+from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import state_path
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
 from tests.support.deletion_vectors import has_deletion_vectors
-from tests.support.postgres import PgDatabase
 from tests.support.delta_log import commit_bytes, commits_after
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -110,7 +110,9 @@ def test_keyed_and_full_tables_get_deletion_vectors_and_a_drain_rewrites_no_data
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
 
 
-def test_keyless_tables_and_opted_out_tables_are_copy_on_write(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+def test_keyless_tables_and_opted_out_tables_are_copy_on_write(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
     pg.execute(DDL)
     # opted out per table while the global default is on
     config = config_for(pg, tmp_path / "lake", deletion_vectors_tables={"public.acct": False})
@@ -137,7 +139,9 @@ def test_keyless_tables_and_opted_out_tables_are_copy_on_write(pg: PgDatabase, t
     off = config_for(pg, tmp_path / "off", deletion_vectors=False)
     pg.execute("SELECT pg_drop_replication_slot('pgcdc_slot')")
     snapshot_tables(off, lake_destination(spark, off))
-    assert not has_deletion_vectors(off.table_path("public", "acct")) and not has_deletion_vectors(off.table_path("public", "doc"))
+    assert not has_deletion_vectors(off.table_path("public", "acct")) and not has_deletion_vectors(
+        off.table_path("public", "doc")
+    )
     random_changes(pg, 7)
     run_incremental(off, lake_destination(spark, off))
     assert exact(pg, off, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
@@ -229,15 +233,21 @@ def test_a_drain_reports_the_bytes_its_commits_wrote_in_proportion_to_the_rows_i
         path = config.table_path("public", "wide")
         before = deltalake.DeltaTable(path)
         table_bytes[deletion_vectors] = sum(before.get_add_actions(flatten=True).column("size_bytes").to_pylist())
-        pg.execute(f"UPDATE wide SET v = v + 1, note = '{slot}' WHERE id % 300 = 7")  # 200 rows over the whole key space
+        pg.execute(
+            f"UPDATE wide SET v = v + 1, note = '{slot}' WHERE id % 300 = 7"
+        )  # 200 rows over the whole key space
         result = run_incremental(config, lake_destination(spark, config))
         stats = result.tables["public.wide"]
         assert stats.updated == 200 and stats.bytes_written == commit_bytes(path, before.version()) > 0
         metadata = drain_metadata(result, TableName("public", "wide"))
         assert metadata["pgcdc/bytes_written"] == MetadataValue.int(stats.bytes_written)
         reported[deletion_vectors] = stats.bytes_written
-        added = [action["add"] for commit in commits_after(path, before.version()) for action in commit if "add" in action]
-        new_rows[deletion_vectors] = sum(json.loads(add["stats"])["numRecords"] for add in added if not add.get("deletionVector"))
+        added = [
+            action["add"] for commit in commits_after(path, before.version()) for action in commit if "add" in action
+        ]
+        new_rows[deletion_vectors] = sum(
+            json.loads(add["stats"])["numRecords"] for add in added if not add.get("deletionVector")
+        )
         assert exact(pg, config, "wide") == 60000
         pg.execute(f"SELECT pg_drop_replication_slot('{slot}')")
     # with deletion vectors only the changed rows are written; copy-on-write, every row of the bucket again
@@ -292,7 +302,9 @@ def test_a_lake_of_the_previous_version_keeps_draining_exactly_on_its_old_hash_b
     shutil.rmtree(state_path(str(lake), "pgcdc_slot"))  # the previous version kept no state table
     days = deltalake.DeltaTable(path).to_pyarrow_table(columns=["day"]).column("day")
     typed = TableLayout(HASH, old.key, old.size)
-    assert bucket_values(old, [days]) != bucket_values(typed, [days]), "the two hashes must differ on this key for the test to mean anything"
+    assert bucket_values(old, [days]) != bucket_values(typed, [days]), (
+        "the two hashes must differ on this key for the test to mean anything"
+    )
     assert assert_buckets_right(path) == old
     protocol = deltalake.DeltaTable(path).protocol()
 

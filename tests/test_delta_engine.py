@@ -2,54 +2,58 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from decimal import Decimal
 from pathlib import Path
 
-import datetime as dt
-import json
-
 import deltalake
 import pyarrow as pa
-import pytest
 import pyarrow.compute as pc
+import pytest
 from pyspark.sql import SparkSession
 
+from resources.delta.batch_columns import OP_COLUMN, unchanged_flag_column
 from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.delta.dataframes import nullable_schema
-from resources.delta.layout import TableLayout
 from resources.delta.engine import classic_delta_config, SparkEngine
-from tests.support.marker_reads import read_commit_metadata
-from resources.delta.batch_columns import OP_COLUMN, unchanged_flag_column
+from resources.delta.layout import TableLayout
 from resources.delta.merge import delete_all_rows, merge_batch, replace_rows
 from resources.delta.schema_changes import add_columns
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
 from resources.testing.memory_destination import InMemoryDestination
 from tests.support.engine_fixtures import assert_delta_jars
+from tests.support.marker_reads import read_commit_metadata
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
-SCHEMA = pa.schema([
-    pa.field("id", pa.int64(), nullable=False),
-    pa.field("name", pa.string()),
-    pa.field("amount", pa.decimal128(10, 2)),
-    pa.field("seen", pa.timestamp("us")),
-    pa.field("at", pa.timestamp("us", tz="UTC")),
-    pa.field("tags", pa.list_(pa.int32())),
-    pa.field("blob", pa.binary()),
-])
+SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.int64(), nullable=False),
+        pa.field("name", pa.string()),
+        pa.field("amount", pa.decimal128(10, 2)),
+        pa.field("seen", pa.timestamp("us")),
+        pa.field("at", pa.timestamp("us", tz="UTC")),
+        pa.field("tags", pa.list_(pa.int32())),
+        pa.field("blob", pa.binary()),
+    ]
+)
 
 
 def rows(ids: list[int]) -> pa.Table:
-    return pa.table({
-        "id": pa.array(ids, pa.int64()),
-        "name": pa.array([f"n{i}" for i in ids]),
-        "amount": pa.array([Decimal(i) / 100 for i in ids], pa.decimal128(10, 2)),
-        "seen": pa.array([dt.datetime(2024, 1, 1) + dt.timedelta(microseconds=i) for i in ids], pa.timestamp("us")),
-        "at": pa.array([i * 1_000_001 for i in ids], pa.timestamp("us", tz="UTC")),
-        "tags": pa.array([[i, None] for i in ids], pa.list_(pa.int32())),
-        "blob": pa.array([bytes([i % 256]) for i in ids], pa.binary()),
-    }, schema=SCHEMA)
+    return pa.table(
+        {
+            "id": pa.array(ids, pa.int64()),
+            "name": pa.array([f"n{i}" for i in ids]),
+            "amount": pa.array([Decimal(i) / 100 for i in ids], pa.decimal128(10, 2)),
+            "seen": pa.array([dt.datetime(2024, 1, 1) + dt.timedelta(microseconds=i) for i in ids], pa.timestamp("us")),
+            "at": pa.array([i * 1_000_001 for i in ids], pa.timestamp("us", tz="UTC")),
+            "tags": pa.array([[i, None] for i in ids], pa.list_(pa.int32())),
+            "blob": pa.array([bytes([i % 256]) for i in ids], pa.binary()),
+        },
+        schema=SCHEMA,
+    )
 
 
 def expected(ids: list[int]) -> pa.Table:
@@ -95,7 +99,11 @@ def test_chunked_snapshot_lands_in_one_commit(spark: SparkSession, tmp_path: Pat
     version = write_snapshot(spark, batches, SCHEMA, str(path), "new", chunk_bytes=1)
     assert version == 2
     assert read_back(path).equals(expected(list(range(500))))
-    assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path))] == [(2, "new"), (1, "old"), (0, None)]
+    assert [(c.version, c.user_metadata) for c in read_commit_metadata(spark, str(path))] == [
+        (2, "new"),
+        (1, "old"),
+        (0, None),
+    ]
     assert not (path / STAGING_DIRECTORY).exists()
     one_big_batch = rows(list(range(300)))
     version = write_snapshot(spark, one_big_batch, SCHEMA, str(path), "sliced", chunk_bytes=one_big_batch.nbytes // 3)
@@ -118,14 +126,15 @@ def test_both_snapshot_writers_give_the_same_delta_table(spark: SparkSession, tm
     Spark's, and key ranges') write the same schema for every Arrow type pgtypes maps to, the same
     partitioning, layout property, protocol versions and marker: what drains, markers.py and table_log.py
     read cannot tell them apart (a delta-rs upgrade that changes any of it fails here)."""
-    table = rows([1, 2, 3]).append_column(
-        pa.field('odd, "name"', pa.int16()), pa.array([1, None, -32768], pa.int16())
-    ).append_column("ratio", pa.array([0.5, None, -0.25], pa.float32())).append_column(
-        "f8", pa.array([1e300, None, float("-inf")], pa.float64())
-    ).append_column("ok", pa.array([True, None, False])).append_column(
-        "day", pa.array([dt.date(1, 1, 1), None, dt.date(9999, 12, 31)], pa.date32())
-    ).append_column("words", pa.array([["a", None], None, []], pa.list_(pa.string()))).append_column(
-        "n32", pa.array([1, 2, None], pa.int32())
+    table = (
+        rows([1, 2, 3])
+        .append_column(pa.field('odd, "name"', pa.int16()), pa.array([1, None, -32768], pa.int16()))
+        .append_column("ratio", pa.array([0.5, None, -0.25], pa.float32()))
+        .append_column("f8", pa.array([1e300, None, float("-inf")], pa.float64()))
+        .append_column("ok", pa.array([True, None, False]))
+        .append_column("day", pa.array([dt.date(1, 1, 1), None, dt.date(9999, 12, 31)], pa.date32()))
+        .append_column("words", pa.array([["a", None], None, []], pa.list_(pa.string())))
+        .append_column("n32", pa.array([1, 2, None], pa.int32()))
     )
     layout = TableLayout("range", ("id",), 2)
     detected = engine_capabilities(spark)
@@ -134,7 +143,9 @@ def test_both_snapshot_writers_give_the_same_delta_table(spark: SparkSession, tm
         for delta_rs in (False, True):
             set_engine_capabilities(spark, EngineCapabilities(detected.delta_commands, delta_rs))
             tables[delta_rs] = tmp_path / ("delta-rs" if delta_rs else "engine")
-            write_snapshot(spark, table, table.schema, str(tables[delta_rs]), '{"pgcdc": {"kind": "snapshot"}}', layout=layout)
+            write_snapshot(
+                spark, table, table.schema, str(tables[delta_rs]), '{"pgcdc": {"kind": "snapshot"}}', layout=layout
+            )
     finally:
         set_engine_capabilities(spark, detected)
     engine, delta_rs = _log_actions(tables[False]), _log_actions(tables[True])
@@ -158,8 +169,9 @@ def test_empty_snapshot_keeps_schema(spark: SparkSession, tmp_path: Path) -> Non
 
 def test_converted_postgres_values_survive_delta(spark: SparkSession, tmp_path: Path) -> None:
     """Infinity and BC timestamps are written and read back bit for bit."""
-    column = PgColumnType(column="valid_to", type_oid=1184, type_name="timestamp with time zone",
-                          base_name="timestamptz")
+    column = PgColumnType(
+        column="valid_to", type_oid=1184, type_name="timestamp with time zone", base_name="timestamptz"
+    )
     values = to_arrow(pa.array(["infinity", "0044-03-15 12:00:00+00 BC", "-infinity", None]), column)
     table = pa.table({"valid_to": values}, schema=arrow_schema([column]))
     write_snapshot(spark, table, table.schema, str(tmp_path / "t"), "m")
@@ -170,7 +182,8 @@ def test_converted_postgres_values_survive_delta(spark: SparkSession, tmp_path: 
 def changes(ops: list[str], ids: list[int], names: list[str | None], keep_name: list[bool]) -> pa.Table:
     base = rows(ids).set_column(1, "name", pa.array(names, pa.string()))
     return base.append_column(OP_COLUMN, pa.array(ops)).append_column(
-        unchanged_flag_column("name"), pa.array(keep_name))
+        unchanged_flag_column("name"), pa.array(keep_name)
+    )
 
 
 def test_merge_inserts_updates_deletes_and_keeps_unchanged_toast(spark: SparkSession, tmp_path: Path) -> None:
@@ -221,8 +234,12 @@ def test_add_column_then_rows_carry_it(spark: SparkSession, tmp_path: Path) -> N
     assert table.schema.names == [*SCHEMA.names, "note", "when"]
     assert table.schema.field("when").type == pa.timestamp("us")
     assert table["note"].to_pylist() == [None]
-    batch = rows([2]).append_column("note", pa.array(["hello"])).append_column(
-        "when", pa.array([None], pa.timestamp("us"))).append_column(OP_COLUMN, pa.array(["I"]))
+    batch = (
+        rows([2])
+        .append_column("note", pa.array(["hello"]))
+        .append_column("when", pa.array([None], pa.timestamp("us")))
+        .append_column(OP_COLUMN, pa.array(["I"]))
+    )
     merge_batch(spark, str(path), batch, ["id"])
     assert read_back(path)["note"].to_pylist() == [None, "hello"]
 
@@ -238,7 +255,9 @@ def test_delete_all_rows_keeps_schema_and_history(spark: SparkSession, tmp_path:
 
 
 @pytest.mark.parametrize("deletion_vectors", [False, True], ids=["copy-on-write", "deletion-vectors"])
-def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_path: Path, deletion_vectors: bool) -> None:
+def test_the_in_memory_destination_merges_like_sail(
+    spark: SparkSession, tmp_path: Path, deletion_vectors: bool
+) -> None:
     """The same folded batches through merge_batch on Sail and through InMemoryDestination give the same rows.
 
     This keeps the fast applier tests (test_applier_memory.py) honest: their destination must
@@ -247,18 +266,41 @@ def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_pat
     (resources/delta/merge.py: merge_statement); both on tables with and without deletion vectors.
     """
     schema = pa.schema([pa.field("id", pa.int64()), pa.field("body", pa.string()), pa.field("n", pa.int32())])
-    start = pa.table({"id": [1, 2, 3, 4], "body": ["a", "b", "c", "d"], "n": pa.array([1, 2, 3, 4], pa.int32())}, schema=schema)
+    start = pa.table(
+        {"id": [1, 2, 3, 4], "body": ["a", "b", "c", "d"], "n": pa.array([1, 2, 3, 4], pa.int32())}, schema=schema
+    )
     flag = unchanged_flag_column("body")
     batches = [
-        pa.table({"id": [1, 2, 9], "body": ["a1", None, "new"], "n": pa.array([10, None, 90], pa.int32()),
-                  OP_COLUMN: ["U", "D", "I"]}),
-        pa.table({"id": [3, 7, 4], "body": [None, None, "d2"], "n": pa.array([30, 70, 40], pa.int32()),
-                  flag: [True, True, False], "_pgcdc_oldkey_id": pa.array([None, 1, None], pa.int64()),
-                  OP_COLUMN: ["U", "U", "U"]}),
+        pa.table(
+            {
+                "id": [1, 2, 9],
+                "body": ["a1", None, "new"],
+                "n": pa.array([10, None, 90], pa.int32()),
+                OP_COLUMN: ["U", "D", "I"],
+            }
+        ),
+        pa.table(
+            {
+                "id": [3, 7, 4],
+                "body": [None, None, "d2"],
+                "n": pa.array([30, 70, 40], pa.int32()),
+                flag: [True, True, False],
+                "_pgcdc_oldkey_id": pa.array([None, 1, None], pa.int64()),
+                OP_COLUMN: ["U", "U", "U"],
+            }
+        ),
         pa.table({"id": [8, 9], "body": [None, "x"], "n": pa.array([None, 99], pa.int32()), OP_COLUMN: ["D", "U"]}),
         # 4 deleted, 3 moved onto 4 keeping its value: the match under 4 is stale, 3's value wins.
-        pa.table({"id": [3, 4], "body": [None, None], "n": pa.array([None, 41], pa.int32()),
-                  flag: [None, True], "_pgcdc_oldkey_id": pa.array([None, 3], pa.int64()), OP_COLUMN: ["D", "U"]}),
+        pa.table(
+            {
+                "id": [3, 4],
+                "body": [None, None],
+                "n": pa.array([None, 41], pa.int32()),
+                flag: [None, True],
+                "_pgcdc_oldkey_id": pa.array([None, 3], pa.int64()),
+                OP_COLUMN: ["D", "U"],
+            }
+        ),
     ]
     path = str(tmp_path / "t")
     memory = InMemoryDestination()
@@ -270,6 +312,10 @@ def test_the_in_memory_destination_merges_like_sail(spark: SparkSession, tmp_pat
     on_sail = spark.read.format("delta").load(path).toArrow().sort_by("id").to_pylist()
     assert on_sail == memory.tables[path].sort_by("id").to_pylist()
     assert {row["id"]: row["body"] for row in on_sail} == {1: "a1", 4: "c", 7: "a1", 9: "x"}
-    log = [json.loads(line) for commit in (Path(path) / "_delta_log").glob("*.json") for line in commit.read_text().splitlines()]
+    log = [
+        json.loads(line)
+        for commit in (Path(path) / "_delta_log").glob("*.json")
+        for line in commit.read_text().splitlines()
+    ]
     marked = [action["add"]["deletionVector"] for action in log if action.get("add", {}).get("deletionVector")]
     assert bool(marked) == deletion_vectors  # rows marked deleted, not files rewritten

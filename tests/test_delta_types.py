@@ -9,10 +9,27 @@ from pyspark.sql.pandas.types import from_arrow_type
 from resources.delta.delta_types import delta_type_name, is_safe_widening
 
 SCALARS = [
-    pa.bool_(), pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string(),
-    pa.large_string(), pa.binary(), pa.large_binary(), pa.binary(16), pa.date32(), pa.time64("us"),
-    pa.timestamp("us"), pa.timestamp("us", tz="UTC"), pa.duration("us"), pa.null(),
-    pa.decimal128(10, 2), pa.decimal128(38, 0), pa.decimal128(1, 1),
+    pa.bool_(),
+    pa.int8(),
+    pa.int16(),
+    pa.int32(),
+    pa.int64(),
+    pa.float32(),
+    pa.float64(),
+    pa.string(),
+    pa.large_string(),
+    pa.binary(),
+    pa.large_binary(),
+    pa.binary(16),
+    pa.date32(),
+    pa.time64("us"),
+    pa.timestamp("us"),
+    pa.timestamp("us", tz="UTC"),
+    pa.duration("us"),
+    pa.null(),
+    pa.decimal128(10, 2),
+    pa.decimal128(38, 0),
+    pa.decimal128(1, 1),
 ]
 NESTED = [
     *(pa.list_(kind) for kind in SCALARS),

@@ -91,7 +91,9 @@ def test_demo_runs_and_verifies_every_run(demo_dir: Path) -> None:
             dsn = kept.rsplit("/", 1)[0] + f"/{database}"
             for table in module.TABLES:
                 path = str(demo_dir / "lake" / pipeline / module.SCHEMA / table)
-                rows = assert_delta_equals_postgres(dsn, f"{module.SCHEMA}.{table}", path, key=module.KEYS.get(table, ()))
+                rows = assert_delta_equals_postgres(
+                    dsn, f"{module.SCHEMA}.{table}", path, key=module.KEYS.get(table, ())
+                )
                 assert rows > 0, (pipeline, table)
     finally:
         subprocess.run(stop, check=True, capture_output=True, timeout=60)

@@ -28,11 +28,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
-from importlib import metadata
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import TextIO
 
@@ -40,58 +40,73 @@ import deltalake
 import pytest
 import yaml
 
-from resources.delta.lake_storage import LakeStorage
-from resources.postgres.catalog import TableName
-from resources.config import PgcdcConfig, parse_config
+from resources.config import parse_config, PgcdcConfig
+from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.deletion_vectors import file_deletions
-from resources.delta.maintenance import (
-    describe, maintain_table, MAINTENANCE_OPERATIONS, RETENTION_PROPERTIES, TableMaintenance,
-)
-from resources.crash_points import FAULT_POINT_ENV
-from resources.runs.incremental import run_incremental
-from resources.lsn import LSN
-from resources.testing.local_postgres import LocalPostgres, start_local_postgres
-from resources.runs.snapshot import snapshot_tables, SnapshotProgress
-from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, pgcdc_marker
-from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
 from resources.delta.engine import SparkEngine
-from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION, free_port
-from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, delta_rows
-from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
-from tests.support.deletion_vectors import assert_deletion_vectors
-from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
-
-pytest.register_assert_rewrite("tests.support.engine_fixtures", "tests.support.s3_fixtures")  # imported here before pytest loads them as plugins
-from tests.support.engine_fixtures import ENGINES, EngineUnderTest, group_alive
-from tests.support.s3_fixtures import S3Server
-from tests.support.fault_child import SNAPSHOT_WRITER_ENV
-from tests.support.delta_log import clean_log, commit_bytes
-from tests.support.key_shapes import (
-    IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, PublisherOracle, run_key_shapes, SHAPES,
+from resources.delta.lake_storage import LakeStorage
+from resources.delta.maintenance import (
+    describe,
+    maintain_table,
+    MAINTENANCE_OPERATIONS,
+    RETENTION_PROPERTIES,
+    TableMaintenance,
 )
-from tests.support.key_range_writer import Writer
-from tests.support.history_oracle import assert_as_of_equals, capture
-from tests.support.object_storage_lifecycle import lifecycle as object_storage_lifecycle
-from tests.support.randomized_replay import Replay
-from tests.support.workload import generate
+from resources.delta.markers import layout_from_property, LAYOUT_PROPERTY, pgcdc_marker
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
+from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION, free_port
+from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
+from resources.lsn import LSN
+from resources.postgres.catalog import TableName
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables, SnapshotProgress
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres, delta_rows
+from tests.support.deletion_vectors import assert_deletion_vectors
+from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
+
+pytest.register_assert_rewrite(
+    "tests.support.engine_fixtures", "tests.support.s3_fixtures"
+)  # imported here before pytest loads them as plugins
+from tests.support.delta_log import clean_log, commit_bytes
+from tests.support.engine_fixtures import ENGINES, EngineUnderTest, group_alive
+from tests.support.fault_child import SNAPSHOT_WRITER_ENV
 from tests.support.fault_runs import (
-    REPO,
-    SLOT,
-    NEVER_TRUNCATED_DDL,
-    Child,
     assert_never_truncated_exact,
     assert_one_line_failure,
     backlog,
+    Child,
     confirmed,
+    NEVER_TRUNCATED_DDL,
+    REPO,
     rerun_converges,
+    SLOT,
     wait_mid_drain,
 )
+from tests.support.history_oracle import assert_as_of_equals, capture
+from tests.support.key_range_writer import Writer
+from tests.support.key_shapes import (
+    IDENTITY_CHANGES,
+    key_shapes_config,
+    key_shapes_ddl,
+    PublisherOracle,
+    run_key_shapes,
+    SHAPES,
+)
+from tests.support.object_storage_lifecycle import lifecycle as object_storage_lifecycle
+from tests.support.randomized_replay import Replay
+from tests.support.s3_fixtures import S3Server
+from tests.support.workload import generate
 
 pytest_plugins = ["tests.support.engine_fixtures", "tests.support.s3_fixtures"]
-pytestmark = pytest.mark.spark  # the JVM engines, Sail's standalone server and a classic session in a child; tiers: docs/testing.md
+pytestmark = (
+    pytest.mark.spark
+)  # the JVM engines, Sail's standalone server and a classic session in a child; tiers: docs/testing.md
 
-LIFECYCLE_DDL = NEVER_TRUNCATED_DDL + """
+LIFECYCLE_DDL = (
+    NEVER_TRUNCATED_DDL
+    + """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text, seen timestamptz);
     CREATE TABLE dup (k int, v text);
     ALTER TABLE dup REPLICA IDENTITY FULL;
@@ -103,6 +118,7 @@ LIFECYCLE_DDL = NEVER_TRUNCATED_DDL + """
     INSERT INTO journal VALUES (-1, 'seed', 'infinity');
     CREATE PUBLICATION pub FOR TABLE acct, dup, journal, ledger, tally;
 """
+)
 """``infinity`` (stored at the int64 microsecond limits) is the regression test of Spark's INT96
 timestamps, which delta-rs cannot read there (resources/delta/dataframes.py: WRITE_SETTINGS)."""
 #: The lifecycle's table on the copy-on-write opt-out (``delta.deletion_vectors_tables``).
@@ -198,8 +214,10 @@ def writes(pg: PgDatabase, transactions: int, offset: int) -> None:
     with pg.connect() as conn:
         for i in range(transactions):
             with conn.transaction():
-                conn.execute("UPDATE acct SET balance = balance + 1, note = %s, seen = 'infinity' WHERE id = %s",
-                             (f"w{i}", 1 + i % 50))
+                conn.execute(
+                    "UPDATE acct SET balance = balance + 1, note = %s, seen = 'infinity' WHERE id = %s",
+                    (f"w{i}", 1 + i % 50),
+                )
                 conn.execute("INSERT INTO journal VALUES (%s, 'w', '-infinity')", (offset + i,))
                 conn.execute("INSERT INTO dup VALUES (%s, 'x'), (%s, 'x')", (i % 3, i % 3))
 
@@ -230,7 +248,12 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
 
     # acct as an earlier pgcdc wrote it (unbucketed); its re-snapshot below adopts buckets
     unbucketed = engine_config(
-        pg, tmp_path, engine, {"tables": {"public.acct": {"bucketed": False}}}, copy_on_write=LIFECYCLE_COPY_ON_WRITE, history=history
+        pg,
+        tmp_path,
+        engine,
+        {"tables": {"public.acct": {"bucketed": False}}},
+        copy_on_write=LIFECYCLE_COPY_ON_WRITE,
+        history=history,
     )
     step("snapshot", lambda: snapshot_tables(unbucketed, SparkDeltaDestination(spark, None)))
     assert_deletion_vectors(config, {"public.acct": True, "public.dup": False, "public.tally": True})
@@ -258,29 +281,40 @@ def test_lifecycle_kill_and_crash_match_postgres(engine: EngineUnderTest, pg: Pg
     # for acct's Delta id.
     acct = config.table_path("public", "acct")
     layout = read_table_log(acct).layout
-    assert layout is not None and layout_from_property(deltalake.DeltaTable(acct).metadata().configuration.get(LAYOUT_PROPERTY)) is None
+    assert (
+        layout is not None
+        and layout_from_property(deltalake.DeltaTable(acct).metadata().configuration.get(LAYOUT_PROPERTY)) is None
+    )
     clean_log(acct)
 
     # TRUNCATE of the keyless table and of a keyed one, with rows after it.
-    pg.execute("TRUNCATE journal; INSERT INTO journal VALUES (1, 'after'), (1, 'after');"
-               " TRUNCATE acct; INSERT INTO acct SELECT g, g, 'reborn' FROM generate_series(1, 50) g")
+    pg.execute(
+        "TRUNCATE journal; INSERT INTO journal VALUES (1, 'after'), (1, 'after');"
+        " TRUNCATE acct; INSERT INTO acct SELECT g, g, 'reborn' FROM generate_series(1, 50) g"
+    )
     capture_acct()
     step("drain with TRUNCATE", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
 
     # A column added with a default reaches the rows no change touched.
-    pg.execute("ALTER TABLE acct ADD COLUMN status text NOT NULL DEFAULT 'new'; UPDATE acct SET balance = -1 WHERE id = 1")
+    pg.execute(
+        "ALTER TABLE acct ADD COLUMN status text NOT NULL DEFAULT 'new'; UPDATE acct SET balance = -1 WHERE id = 1"
+    )
     step("drain with ADD COLUMN", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
     assert assert_buckets_right(acct, known=layout) == layout
 
     # REPLICA IDENTITY FULL with identical rows: one copy changes, one is deleted, NULLs included.
-    pg.execute("UPDATE dup SET v = 'c' WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 1 AND v = 'a');"
-               " DELETE FROM dup WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 3);"
-               " INSERT INTO dup VALUES (2, 'b')")
+    pg.execute(
+        "UPDATE dup SET v = 'c' WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 1 AND v = 'a');"
+        " DELETE FROM dup WHERE ctid = (SELECT min(ctid) FROM dup WHERE k = 3);"
+        " INSERT INTO dup VALUES (2, 'b')"
+    )
     step("drain on FULL identity", lambda: run_incremental(config, lake_destination(spark, config)))
     assert_lake_exact(pg, config, 50)
-    if history:  # the changelogs folded whole and acct's current versions equal the tables; acct's versions at each moment
+    if (
+        history
+    ):  # the changelogs folded whole and acct's current versions equal the tables; acct's versions at each moment
         step("history as of", lambda: [
             *(assert_as_of_equals(pg, spark, config, table, None, table) for table in LIFECYCLE_HISTORY),
             *(assert_as_of_equals(pg, spark, config, "public.acct", lsn, f"public.past_{k}_acct") for k, lsn in enumerate(moments)),
@@ -330,7 +364,9 @@ def engine_killed_mid_drain(engine: EngineUnderTest, pg: PgDatabase, tmp_path: P
     after_failure = confirmed(pg)
     engine.restart()
     assert confirmed(pg) == after_failure  # nothing moved the slot meanwhile
-    rerun_converges(pg, engine_config(pg, tmp_path, engine), engine.spark, exact=assert_lake_exact)  # new port if managed
+    rerun_converges(
+        pg, engine_config(pg, tmp_path, engine), engine.spark, exact=assert_lake_exact
+    )  # new port if managed
 
 
 def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
@@ -340,7 +376,11 @@ def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None
     config = engine_config(pg, tmp_path, engine)
     backlog(pg, 30)
     own_jvm = engine.name == "spark-local"
-    child_config = config.model_copy(update={"spark": config.spark.model_copy(update={"remote": None, "engine": "spark"})}) if own_jvm else config
+    child_config = (
+        config.model_copy(update={"spark": config.spark.model_copy(update={"remote": None, "engine": "spark"})})
+        if own_jvm
+        else config
+    )
     child = Child(write_config(child_config, tmp_path), chunk=100, env={FAULT_POINT_ENV: CRASH_POINT[engine.name]})
     try:
         assert child.wait(timeout=600) == -9, child.output()
@@ -368,7 +408,9 @@ def test_randomized_workload_on_spark_matches_postgres(engine: EngineUnderTest, 
     steps = generate(seed, ops)
     rendered = "\n".join(" ".join(step.statements) for step in steps if step.kind == "sql")
     for feature in ("TRUNCATE", "ADD COLUMN", "UPDATE dup_t", "INSERT INTO log_t", "UPDATE full_t", "infinity"):
-        assert feature in rendered, f"seed {seed} no longer covers {feature}: tests/support/workload.py changed, pick another"
+        assert feature in rendered, (
+            f"seed {seed} no longer covers {feature}: tests/support/workload.py changed, pick another"
+        )
     replay = Replay(pg, tmp_path, engine.spark, seed, ops)
     replay.execute(steps)
     assert replay.most_duplicates > 0, "dup_t never held identical rows"
@@ -451,7 +493,9 @@ def test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres(
           f"{writer.transactions} concurrent transactions")  # fmt: skip
 
 
-def test_a_snapshot_killed_on_spark_recovers_on_the_next_run(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+def test_a_snapshot_killed_on_spark_recovers_on_the_next_run(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
     """Snapshot processes on Delta on Spark (connected to the engine, which outlives them) SIGKILLed
     under writes (docs/contracts.md, "Snapshot crash points"): first by delta-rs between its create and
     its commit (a lake moved from the embedded engine), then by the engine's writer while staging and
@@ -467,7 +511,9 @@ def test_a_snapshot_killed_on_spark_recovers_on_the_next_run(engine: EngineUnder
     left = []
     with Writer(pg, seed=pg.major, pause=0.05) as writer:
         for point, snapshot_writer in (
-            ("after_snapshot_create", "delta-rs"), ("during_snapshot_write", "engine"), ("after_snapshot_commit", "engine"),
+            ("after_snapshot_create", "delta-rs"),
+            ("during_snapshot_write", "engine"),
+            ("after_snapshot_commit", "engine"),
         ):
             child = Child(config_file, "snapshot", env={FAULT_POINT_ENV: point, SNAPSHOT_WRITER_ENV: snapshot_writer})
             assert child.wait(300) == -9, (point, child.output())
@@ -500,7 +546,9 @@ DELETION_VECTORS_DDL = """
 """
 
 
-@pytest.mark.timeout(1800)  # the engine's start, five drains and three maintenance runs on a JVM: 3 minutes idle, 12 under load 20
+@pytest.mark.timeout(
+    1800
+)  # the engine's start, five drains and three maintenance runs on a JVM: 3 minutes idle, 12 under load 20
 def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
 ) -> None:
@@ -524,9 +572,15 @@ def test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact(
     drained = run_incremental(config, lake_destination(spark, config)).tables["public.acct"]
     assert drained.bytes_written == commit_bytes(acct, snapshotted) > 0, drained
     assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
-    kept = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5, spark=spark)
-    assert kept.method == "spark" and kept.deleted_before.deleted == 300 and kept.deleted_after == kept.deleted_before, kept
-    done = maintain_table(acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.05, spark=spark)
+    kept = maintain_table(
+        acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.5, spark=spark
+    )
+    assert (
+        kept.method == "spark" and kept.deleted_before.deleted == 300 and kept.deleted_after == kept.deleted_before
+    ), kept
+    done = maintain_table(
+        acct, lake, retention_hours=1, target_file_bytes=1 << 27, max_deleted_rows_ratio=0.05, spark=spark
+    )
     assert done.deleted_before.fraction == 0.1 and done.deleted_after.deleted == 0, done
     assert done.deleted_after.rows == 2700 and done.files_compacted >= 3, done
     assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",))
@@ -608,9 +662,13 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
         print(f"maintained after drains: {done}")
         assert [m["method"] for m in done] == ["spark", "spark"]
         for maintained in done:
-            assert maintained["properties_set"] == [f"{name}: (unset) -> interval 1 seconds" for name in RETENTION_PROPERTIES]
+            assert maintained["properties_set"] == [
+                f"{name}: (unset) -> interval 1 seconds" for name in RETENTION_PROPERTIES
+            ]
         configuration = deltalake.DeltaTable(acct).metadata().configuration
-        assert {name: configuration.get(name) for name in RETENTION_PROPERTIES} == dict.fromkeys(RETENTION_PROPERTIES, "interval 1 seconds")
+        assert {name: configuration.get(name) for name in RETENTION_PROPERTIES} == dict.fromkeys(
+            RETENTION_PROPERTIES, "interval 1 seconds"
+        )
         # Spark names its property commit as delta-rs does: maintenance, not a writer (log clean-up's horizon).
         commit = (Path(acct) / "_delta_log" / f"{drained.version() + 1:020d}.json").read_text()
         assert json.loads(commit.splitlines()[0])["commitInfo"]["operation"] == "SET TBLPROPERTIES"
@@ -625,7 +683,9 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
         assert on_journal["table_after"]["files"] == on_journal["files_written"] == 1, on_journal
         for path in (acct, journal):
             table = deltalake.DeltaTable(path)
-            on_storage = {p.relative_to(path).as_posix() for p in Path(path).rglob("*.parquet") if "_delta_log" not in p.parts}
+            on_storage = {
+                p.relative_to(path).as_posix() for p in Path(path).rglob("*.parquet") if "_delta_log" not in p.parts
+            }
             assert set(table.get_add_actions(flatten=True).column("path").to_pylist()) <= on_storage
             assert sorted(map(repr, delta_rows(path)[1])) == at_drained[path]  # the same rows, fewer files
         assert_lake_exact(pg, config, 300)

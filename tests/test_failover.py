@@ -24,20 +24,20 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.spark_destination import lake_destination
 from resources.errors import ConfigurationError, PgcdcError, SlotError
-from resources.runs.incremental import run_incremental
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
 from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.slots import read_slot
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import free_port, LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
-from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
 from tests.support.dagster_runs import evaluate
 from tests.support.fault_runs import assert_one_line_failure, Child, confirmed, wait_mid_drain, write_config
+from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # standbys promoted and slots synchronized; tiers: docs/testing.md
@@ -84,9 +84,9 @@ def test_failover_slot_is_refused_before_17_and_created_or_turned_on_from_17(pg:
         unreachable = failover_problems(conn, state, f"postgresql://postgres@127.0.0.1:{free_port()}/{pg.name}")
     # A standby that cannot be reached is one more problem, never a failed drain.
     assert [str(problem) for problem in unreachable[:-1]] == problems
-    assert str(unreachable[-1]).startswith(
-        "cannot check the slot's copy on the standby postgres@127.0.0.1:"
-    ) and str(unreachable[-1]).endswith("; or fix postgres.standby_dsn"), unreachable
+    assert str(unreachable[-1]).startswith("cannot check the slot's copy on the standby postgres@127.0.0.1:") and str(
+        unreachable[-1]
+    ).endswith("; or fix postgres.standby_dsn"), unreachable
     assert problems == [
         "synchronized_standby_slots is empty on the primary: a drain can confirm changes no standby has received,"
         " and a promoted standby would lack changes Delta already holds: set it to the standby's physical slot"
@@ -355,8 +355,11 @@ def test_without_failover_slots_a_failover_names_the_resnapshot_which_restores_a
     finally:
         servers.destroy()
 
+
 def standby_slots(server: LocalPostgres) -> list[tuple]:
-    return PgDatabase(server, DATABASE).execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'logical'")
+    return PgDatabase(server, DATABASE).execute(
+        "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'logical'"
+    )
 
 
 # --------------------------------------------------------------------------- a standby as the source
@@ -369,7 +372,9 @@ def wait_replayed(primary: LocalPostgres, standby: LocalPostgres, timeout: float
     deadline = time.monotonic() + timeout
     with psycopg.connect(standby.dsn(), autocommit=True) as conn:
         while time.monotonic() < deadline:
-            ((behind,),) = conn.execute("SELECT pg_wal_lsn_diff(%s, pg_last_wal_replay_lsn()) > 0", (target,)).fetchall()
+            ((behind,),) = conn.execute(
+                "SELECT pg_wal_lsn_diff(%s, pg_last_wal_replay_lsn()) > 0", (target,)
+            ).fetchall()
             if not behind:
                 return
             time.sleep(0.1)
@@ -401,8 +406,12 @@ def test_snapshot_and_drains_from_a_standby_are_exact_against_the_primary(
     result = run_incremental(config, lake_destination(spark, config))
     assert result.changes > 0
     assert_exact(primary.dsn(DATABASE), config)
-    on_primary = PgDatabase(primary, DATABASE).execute("SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'")
-    on_standby = PgDatabase(standby, DATABASE).execute("SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'logical'")
+    on_primary = PgDatabase(primary, DATABASE).execute(
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'"
+    )
+    on_standby = PgDatabase(standby, DATABASE).execute(
+        "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'logical'"
+    )
     assert on_primary == [(0,)] and on_standby == [(SLOT,)]
 
     # A failover slot belongs on the primary: asking for one on the standby is refused in one line.

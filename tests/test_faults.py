@@ -25,35 +25,53 @@ from dagster import AssetKey, DagsterInstance
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
-from resources.config import CONFIG_ENV_VAR, PgcdcConfig, parse_config
-from resources.delta.reads import delta_rs_rows
-from resources.errors import SlotError
+from resources.config import CONFIG_ENV_VAR, parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
+from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
-from resources.runs.incremental import run_incremental
-from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.errors import SlotError
 from resources.lsn import LSN
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
+from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.deletion_vectors import assert_deletion_vectors
-from tests.support.postgres import POSTGRES_VERSIONS, TEST_SERVER_SETTINGS, PgDatabase
+from tests.support.fault_runs import (
+    assert_exact,
+    assert_one_line_failure,
+    backlog,
+    Child,
+    confirmed,
+    flush_lsn,
+    NEVER_TRUNCATED_DDL,
+    REPO,
+    rerun_converges,
+    SLOT,
+    slot_active_pid,
+    wait_mid_drain,
+    write_config,
+)
+from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
 from tests.support.tcp_proxy import TcpProxy
 
-from resources.testing.verify import assert_delta_equals_postgres
-from tests.support.fault_runs import Child, NEVER_TRUNCATED_DDL, REPO, SLOT, assert_exact, assert_one_line_failure, backlog, confirmed, flush_lsn, rerun_converges, slot_active_pid, wait_mid_drain, write_config
-
 pytest_plugins = ["tests.support.spark_fixtures"]
-pytestmark = pytest.mark.slow  # drains killed, servers restarted, network cut, in child processes; tiers: docs/testing.md
+pytestmark = (
+    pytest.mark.slow
+)  # drains killed, servers restarted, network cut, in child processes; tiers: docs/testing.md
 
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 
 
-DDL = NEVER_TRUNCATED_DDL + """
+DDL = (
+    NEVER_TRUNCATED_DDL
+    + """
     CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
     CREATE TABLE journal (entry int, note text);
     INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 400) g;
     INSERT INTO journal VALUES (-1, 'seed');
     CREATE PUBLICATION pub FOR TABLE acct, journal, ledger, tally;
 """
+)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -74,16 +92,21 @@ def new_database(server: LocalPostgres) -> PgDatabase:
 def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, dsn: str | None = None) -> PgcdcConfig:
     """Tables, publication, snapshot (which creates the slot); ``dsn`` overrides how pgcdc connects."""
     pg.execute(DDL)
-    config = parse_config({
-        "postgres": {"dsn": dsn or pg.dsn},
-        "publication": "pub",
-        "slot": SLOT,
-        # acct in range buckets of 50 keys (its re-inserted keys open new ones), so every crash
-        # below is replayed into a bucketed table; acct copy-on-write (the opt-out: the crash matrix of
-        # tests/test_incremental.py runs its keyed table with deletion vectors), tally with them
-        "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.acct": {"width": 50}}},
-                  "deletion_vectors_tables": {"public.acct": False}},
-    })
+    config = parse_config(
+        {
+            "postgres": {"dsn": dsn or pg.dsn},
+            "publication": "pub",
+            "slot": SLOT,
+            # acct in range buckets of 50 keys (its re-inserted keys open new ones), so every crash
+            # below is replayed into a bucketed table; acct copy-on-write (the opt-out: the crash matrix of
+            # tests/test_incremental.py runs its keyed table with deletion vectors), tally with them
+            "delta": {
+                "root": str(tmp_path / "lake"),
+                "buckets": {"tables": {"public.acct": {"width": 50}}},
+                "deletion_vectors_tables": {"public.acct": False},
+            },
+        }
+    )
     snapshot_tables(config, lake_destination(spark, config), None)
     assert_deletion_vectors(config, {"public.acct": False, "public.tally": True})
     return config
@@ -230,7 +253,9 @@ def test_slot_lost_to_max_slot_wal_keep_size_fails_naming_resnapshot_and_resnaps
         (failure,) = [e for e in failed.all_events if e.event_type_value == "STEP_FAILURE"]
         assert failure.step_failure_data.error.message.strip().endswith(message)
         # Nothing moved: no Delta commit, the slot as PostgreSQL left it.
-        assert pg.execute("SELECT confirmed_flush_lsn, restart_lsn, wal_status FROM pg_replication_slots") == slot_before
+        assert (
+            pg.execute("SELECT confirmed_flush_lsn, restart_lsn, wal_status FROM pg_replication_slots") == slot_before
+        )
         for table, version in versions.items():
             assert deltalake.DeltaTable(f"{config.delta.root}/public/{table}").version() == version
 
@@ -346,8 +371,8 @@ def test_sigkill_after_the_final_confirm_before_dagster_records_metadata(
         assert crashed.status.value == "STARTED"  # ... but the run never finished
         assert instance.get_latest_materialization_event(AssetKey(["pgcdc", "public", "acct"])) is None
 
-        result = build_definitions(config_file).resolve_job_def("pgcdc_incremental").execute_in_process(
-            instance=instance
+        result = (
+            build_definitions(config_file).resolve_job_def("pgcdc_incremental").execute_in_process(instance=instance)
         )
         assert result.success
         (event,) = [

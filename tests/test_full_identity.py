@@ -23,8 +23,8 @@ from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
 from resources.runs.snapshot import snapshot_tables
 from tests.support.deletion_vectors import assert_deletion_vectors
-from tests.support.postgres import PgDatabase
 from tests.support.incremental_runs import drain, run_child, same, settings, setup, slot_confirmed
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -40,10 +40,15 @@ def delta_values(config: PgcdcConfig, table: str, column: str = "x") -> list:
 
 def test_issue_repro_duplicates_are_separate_rows(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """Identical rows of a REPLICA IDENTITY FULL table stay separate rows, a drain after each statement."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE t (x text); ALTER TABLE t REPLICA IDENTITY FULL;
         INSERT INTO t VALUES ('a'), ('b'), ('b'); CREATE PUBLICATION pub FOR TABLE t;
-    """)
+    """,
+    )
     assert delta_values(config, "t") == ["a", "b", "b"]
     steps = [
         ("UPDATE t SET x = 'bb' WHERE x = 'b'", ["a", "bb", "bb"]),
@@ -98,11 +103,16 @@ def test_many_changes_to_equal_rows_in_one_transaction_and_one_batch(
 
 
 def test_update_of_one_copy_among_several(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE u (k int, v text); ALTER TABLE u REPLICA IDENTITY FULL;
         INSERT INTO u SELECT 1, 'p' FROM generate_series(1, 5);
         CREATE PUBLICATION pub FOR TABLE u;
-    """)
+    """,
+    )
     one_copy = "ctid = (SELECT min(ctid) FROM u WHERE v = %s)"
     for statement, value, expected in [
         (f"UPDATE u SET v = 'q' WHERE {one_copy}", "p", {"p": 4, "q": 1}),
@@ -116,11 +126,16 @@ def test_update_of_one_copy_among_several(pg: PgDatabase, tmp_path: Path, spark:
 
 
 def test_nulls_in_duplicate_rows_compare_equal(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE n (a int, b text, c date); ALTER TABLE n REPLICA IDENTITY FULL;
         INSERT INTO n VALUES (NULL, NULL, NULL), (NULL, NULL, NULL), (NULL, NULL, NULL), (1, NULL, NULL), (1, NULL, NULL);
         CREATE PUBLICATION pub FOR TABLE n;
-    """)
+    """,
+    )
     pg.execute("DELETE FROM n WHERE ctid = (SELECT min(ctid) FROM n WHERE a IS NULL)")
     pg.execute("UPDATE n SET b = 'x' WHERE ctid = (SELECT max(ctid) FROM n WHERE a IS NULL)")
     pg.execute("UPDATE n SET c = '2024-01-01' WHERE ctid = (SELECT min(ctid) FROM n WHERE a = 1)")
@@ -133,13 +148,18 @@ def test_nulls_in_duplicate_rows_compare_equal(pg: PgDatabase, tmp_path: Path, s
 def test_toasted_values_in_duplicate_rows(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """An update that leaves the TOASTed column alone sends it as unchanged TOAST; FULL's old image
     holds it whole, so the moved copy keeps it."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE big (id int, body text); ALTER TABLE big REPLICA IDENTITY FULL;
         ALTER TABLE big ALTER COLUMN body SET STORAGE EXTERNAL;
         INSERT INTO big SELECT 1, repeat(md5('one'), 300) FROM generate_series(1, 3);
         INSERT INTO big SELECT 2, repeat(md5('two'), 300) FROM generate_series(1, 2);
         CREATE PUBLICATION pub FOR TABLE big;
-    """)
+    """,
+    )
     with pg.connect() as conn, conn.transaction():
         conn.execute("UPDATE big SET id = 10 WHERE ctid = (SELECT min(ctid) FROM big WHERE id = 1)")
         conn.execute("UPDATE big SET id = 20 WHERE id = 2")
@@ -157,7 +177,11 @@ def test_values_equal_in_postgresql_or_spark_but_printed_apart_stay_apart(
     """-0 and 0 (equal for PostgreSQL's float8 = and for Spark's GROUP BY), NaNs, 1.0 and 1.00 as
     unconstrained numeric, infinite timestamps, arrays, bytea, jsonb: PostgreSQL changes the row
     whose text the old image carries, and so does pgcdc."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE v (f float8, r real, num numeric, ts timestamptz, arr float8[], words text[], raw bytea, doc jsonb);
         ALTER TABLE v REPLICA IDENTITY FULL;
         INSERT INTO v VALUES ('-0', '-0', '1.0', 'infinity', '{-0,NaN}', '{"a, b"}', '\\x00', '{"k": 1}'),
@@ -167,7 +191,8 @@ def test_values_equal_in_postgresql_or_spark_but_printed_apart_stay_apart(
                              ('NaN', 'NaN', 'NaN', '-infinity', NULL, '{}', NULL, 'null'),
                              ('NaN', 'NaN', 'NaN', '-infinity', NULL, '{}', NULL, 'null');
         CREATE PUBLICATION pub FOR TABLE v;
-    """)
+    """,
+    )
     pg.execute("DELETE FROM v WHERE ctid = (SELECT min(ctid) FROM v WHERE num::text = '1.0')")
     pg.execute("UPDATE v SET raw = '\\x01' WHERE ctid = (SELECT max(ctid) FROM v WHERE num::text = '1.00')")
     pg.execute("DELETE FROM v WHERE ctid = (SELECT min(ctid) FROM v WHERE f = 'NaN')")
@@ -175,22 +200,26 @@ def test_values_equal_in_postgresql_or_spark_but_printed_apart_stay_apart(
     assert same(pg, config, "public.v", key=()) == 4
     # The oracle compares floats as Python does (-0.0 == 0.0): count the signs separately.
     table = delta_rs_rows(config.table_path("public", "v"))
-    signs = Counter((math.copysign(1, f), num) for f, num in zip(table["f"].to_pylist(), table["num"].to_pylist())
-                    if f == 0)
+    signs = Counter(
+        (math.copysign(1, f), num) for f, num in zip(table["f"].to_pylist(), table["num"].to_pylist()) if f == 0
+    )
     assert signs == Counter({(-1.0, "1.0"): 1, (1.0, "1.00"): 2})
 
 
-def test_replayed_commits_add_and_remove_no_copy_twice(
-    pg: PgDatabase, tmp_path: Path, spark: SparkSession
-) -> None:
+def test_replayed_commits_add_and_remove_no_copy_twice(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """Killed between the Delta commits of a chunk and the slot confirm (``after_delta_commit``), then
     the same chunk replayed twice over: as committed, and as if the crash had come after only some of
     its commits (the newest commits taken out of the Delta log). Every copy counts once."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE c (x text, n int); ALTER TABLE c REPLICA IDENTITY FULL;
         INSERT INTO c VALUES ('a', 1), ('a', 1), ('a', 1), ('b', NULL), ('b', NULL), (NULL, NULL);
         CREATE PUBLICATION pub FOR TABLE c;
-    """)
+    """,
+    )
     start = slot_confirmed(pg)
     with pg.connect() as conn:
         conn.execute("INSERT INTO c VALUES ('a', 1)")
@@ -224,12 +253,17 @@ def test_replayed_commits_add_and_remove_no_copy_twice(
 def test_a_full_table_with_a_primary_key_is_merged_per_key(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """A primary key rules out duplicates: REPLICA IDENTITY FULL with one takes the keyed MERGE
     (no row-value rewrite, no replace marker), key changes and unchanged TOAST included."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE docs (id int PRIMARY KEY, body text, n int); ALTER TABLE docs REPLICA IDENTITY FULL;
         ALTER TABLE docs ALTER COLUMN body SET STORAGE EXTERNAL;
         INSERT INTO docs SELECT g, repeat(md5(g::text), 300), 0 FROM generate_series(1, 5) g;
         CREATE PUBLICATION pub FOR TABLE docs;
-    """)
+    """,
+    )
     with pg.connect() as conn, conn.transaction():
         conn.execute("UPDATE docs SET n = 1 WHERE id IN (1, 2)")
         conn.execute("UPDATE docs SET id = 20 WHERE id = 3")

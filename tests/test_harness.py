@@ -4,7 +4,7 @@ from tests.support.postgres import PgDatabase
 
 
 def test_server_is_logical_and_of_the_expected_version(pg: PgDatabase) -> None:
-    (version_num, wal_level, prepared), = pg.execute(
+    ((version_num, wal_level, prepared),) = pg.execute(
         "SELECT current_setting('server_version_num')::int, current_setting('wal_level'),"
         " current_setting('max_prepared_transactions')::int"
     )

@@ -32,22 +32,22 @@ import pyarrow.compute as pc
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.runs.cli import main as cli_main
 from resources.config import parse_config, PgcdcConfig
+from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import maintain_table
 from resources.delta.reads import read_rows
+from resources.delta.spark_destination import lake_destination
 from resources.history import read_as_of
-from resources.runs.incremental import run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
+from resources.runs.cli import main as cli_main
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
-from tests.support.postgres import PgDatabase
 from tests.support.fault_runs import Child, confirmed, write_config
 from tests.support.history_oracle import assert_as_of_equals, capture
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # crash points in child processes around changelog commits; tiers: docs/testing.md
@@ -90,14 +90,14 @@ def workload_step(conn: psycopg.Connection, rng: random.Random, step: int) -> No
             for _ in range(rng.randint(1, 6)):
                 choice = rng.random()
                 if choice < 0.2:
-                    conn.execute(
-                        "INSERT INTO orders SELECT nextval('ids'), 'new', repeat(md5(random()::text), 100)"
-                    )
+                    conn.execute("INSERT INTO orders SELECT nextval('ids'), 'new', repeat(md5(random()::text), 100)")
                 elif choice < 0.4:  # body is TOASTed and unchanged: sent as 'u'
                     conn.execute("UPDATE orders SET status = %s WHERE id = (SELECT id FROM orders ORDER BY random() LIMIT 1)",
                                  (f"s{rng.randint(0, 99)}",))  # fmt: skip
                 elif choice < 0.5:  # a key move keeping the TOASTed body
-                    conn.execute("UPDATE orders SET id = nextval('ids') WHERE id = (SELECT id FROM orders ORDER BY random() LIMIT 1)")
+                    conn.execute(
+                        "UPDATE orders SET id = nextval('ids') WHERE id = (SELECT id FROM orders ORDER BY random() LIMIT 1)"
+                    )
                 elif choice < 0.55:
                     conn.execute("DELETE FROM orders WHERE id = (SELECT id FROM orders ORDER BY random() LIMIT 1)")
                 elif choice < 0.7:
@@ -106,7 +106,10 @@ def workload_step(conn: psycopg.Connection, rng: random.Random, step: int) -> No
                     conn.execute("UPDATE dups SET b = b || 'x' WHERE ctid = (SELECT ctid FROM dups WHERE a = %s LIMIT 1)",
                                  (rng.randint(0, 4),))  # fmt: skip
                 elif choice < 0.85:
-                    conn.execute("DELETE FROM dups WHERE ctid = (SELECT ctid FROM dups WHERE a = %s LIMIT 1)", (rng.randint(0, 4),))
+                    conn.execute(
+                        "DELETE FROM dups WHERE ctid = (SELECT ctid FROM dups WHERE a = %s LIMIT 1)",
+                        (rng.randint(0, 4),),
+                    )
                 else:
                     conn.execute("INSERT INTO events VALUES (%s, 'e')", (rng.randint(0, 9),))
     if step == 2:
@@ -182,7 +185,9 @@ def assert_each_change_once(config: PgcdcConfig, spark: SparkSession) -> None:
         ops = rows.column("_pgcdc_op").to_pylist()
         positions = Counter(  # a fill shares the position of the change it comes right before
             (*position, op == "fill")
-            for position, op in zip(zip(rows.column("_pgcdc_lsn").to_pylist(), rows.column("_pgcdc_seq").to_pylist()), ops)
+            for position, op in zip(
+                zip(rows.column("_pgcdc_lsn").to_pylist(), rows.column("_pgcdc_seq").to_pylist()), ops
+            )
             if op not in SEED
         )
         seeds = Counter(ops)["reset"]
@@ -205,12 +210,16 @@ def test_as_of_reads_equal_postgres_at_every_captured_moment(
             workload_step(conn, rng, step)
             moments.append(capture(conn, step, TABLES))
             if step in (1, 3):
-                run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)  # small chunks: many history commits
+                run_incremental(
+                    config, lake_destination(spark, config), max_chunk_changes=7
+                )  # small chunks: many history commits
             if step == 4 and orders_history == "scd2":
                 # Changes only a re-snapshot sees: the versions of the rows it no longer holds as they were
                 # close at its LSN, and the rows it holds anew open there.
                 run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)
-                conn.execute("UPDATE orders SET status = 'resnapshotted' WHERE id IN (SELECT id FROM orders ORDER BY id LIMIT 3)")
+                conn.execute(
+                    "UPDATE orders SET status = 'resnapshotted' WHERE id IN (SELECT id FROM orders ORDER BY id LIMIT 3)"
+                )
                 conn.execute("DELETE FROM orders WHERE id = (SELECT max(id) FROM orders)")
                 snapshot_tables(config, lake_destination(spark, config), [TableName("public", "orders")])
     run_incremental(config, lake_destination(spark, config), max_chunk_changes=7)
@@ -261,16 +270,24 @@ def assert_versions_of_orders(config: PgcdcConfig, spark: SparkSession, moments:
         f"AND (_pgcdc_valid_to_lsn IS NULL OR _pgcdc_valid_to_lsn > {lsn})"
     ).collect()
     expected = read_as_of(spark, config, TableName("public", "orders"), LSN(lsn))
-    assert sorted((row["id"], row["status"]) for row in at) == sorted(zip(expected.column("id").to_pylist(), expected.column("status").to_pylist()))
+    assert sorted((row["id"], row["status"]) for row in at) == sorted(
+        zip(expected.column("id").to_pylist(), expected.column("status").to_pylist())
+    )
 
 
 def assert_orders_changelog(config: PgcdcConfig, spark: SparkSession) -> None:
-    orders = changelog(config, "public.orders", spark).sort_by([("_pgcdc_lsn", "ascending"), ("_pgcdc_seq", "ascending")])
+    orders = changelog(config, "public.orders", spark).sort_by(
+        [("_pgcdc_lsn", "ascending"), ("_pgcdc_seq", "ascending")]
+    )
     ops = orders.column("_pgcdc_op").to_pylist()
-    bodies = [body for op, body in zip(ops, orders.column("body").to_pylist()) if op in ("snapshot", "insert", "update")]
+    bodies = [
+        body for op, body in zip(ops, orders.column("body").to_pylist()) if op in ("snapshot", "insert", "update")
+    ]
     assert all(body is not None and len(body) == 3200 for body in bodies), "an unchanged TOAST value was not resolved"
     assert set(ops) >= {"reset", "snapshot", "insert", "update", "delete"}
-    times = [t for op, t in zip(ops, orders.column("_pgcdc_commit_time").to_pylist()) if op != "snapshot" and op != "reset"]
+    times = [
+        t for op, t in zip(ops, orders.column("_pgcdc_commit_time").to_pylist()) if op != "snapshot" and op != "reset"
+    ]
     assert all(t is not None for t in times) and times == sorted(times)
     # docs/history.md's query of every status an order went through
     path = config.history_path("public", "orders")
@@ -320,12 +337,18 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     for table in TABLES:  # the same change rows as a drain that was never interrupted, no more, no fewer
         assert change_rows(config, table, spark) == change_rows(reference, table, spark), table
     # The command line prints the same rows as the Python read.
-    assert cli_main(["as-of", "--table", "public.orders", "--lsn", str(moments[1][0]), "--config", str(config_file)]) == 0
+    assert (
+        cli_main(["as-of", "--table", "public.orders", "--lsn", str(moments[1][0]), "--config", str(config_file)]) == 0
+    )
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     expected = read_as_of(spark, config, TableName.parse("public.orders"), moments[1][0]).to_pylist()
-    assert Counter(json.dumps(row, sort_keys=True) for row in printed) == Counter(json.dumps(row, sort_keys=True) for row in expected)
+    assert Counter(json.dumps(row, sort_keys=True) for row in printed) == Counter(
+        json.dumps(row, sort_keys=True) for row in expected
+    )
     assert cli_main(["as-of", "--table", "public.dups", "--lsn", str(moments[0][0]), "--config", str(config_file)]) == 0
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     expected = read_as_of(spark, config, TableName.parse("public.dups"), moments[0][0]).to_pylist()
-    assert Counter(json.dumps(row, sort_keys=True) for row in printed) == Counter(json.dumps(row, sort_keys=True) for row in expected)
+    assert Counter(json.dumps(row, sort_keys=True) for row in printed) == Counter(
+        json.dumps(row, sort_keys=True) for row in expected
+    )
     assert deltalake.DeltaTable(config.history_path("public", "orders")).version() > 0

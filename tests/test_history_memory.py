@@ -21,18 +21,39 @@ from resources.cdc.writer import OrderedWriter
 from resources.errors import PgcdcError
 from resources.history import fold_changelog, versions_as_of
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
+from tests.support.memory_applier import (
+    destination_with_snapshot,
+    keyed_relation,
+    OID,
+    PATH,
+    SNAPSHOT_LSN,
+    TABLE,
+    transactions,
+)
 from tests.support.pgoutput_messages import delete, insert, relation, truncate, UNCHANGED, update
-from tests.support.memory_applier import destination_with_snapshot, keyed_relation, OID, PATH, SNAPSHOT_LSN, TABLE, transactions
 
 HISTORY = PATH + "__changes"
 VERSIONS = PATH + "__history"
 
 
-def apply_with_history(destination: InMemoryDestination, txns: list[CommittedTransaction], *, max_changes: int = 1000,
-                       primary_key: tuple[str, ...] = (), types: StaticTypes | None = None, scd2: bool = False) -> ChangeApplier:
+def apply_with_history(
+    destination: InMemoryDestination,
+    txns: list[CommittedTransaction],
+    *,
+    max_changes: int = 1000,
+    primary_key: tuple[str, ...] = (),
+    types: StaticTypes | None = None,
+    scd2: bool = False,
+) -> ChangeApplier:
     target = TableTarget(TABLE, PATH, history_path=VERSIONS if scd2 else HISTORY, history_scd2=scd2)
-    applier = ChangeApplier(destination, types or StaticTypes(primary_key=primary_key), {TABLE: target},
-                            max_changes=max_changes, max_bytes=1 << 30, log=lambda _: None)
+    applier = ChangeApplier(
+        destination,
+        types or StaticTypes(primary_key=primary_key),
+        {TABLE: target},
+        max_changes=max_changes,
+        max_bytes=1 << 30,
+        log=lambda _: None,
+    )
     try:
         for txn in txns:
             if not applier.fits(txn):
@@ -73,12 +94,16 @@ def test_a_transaction_with_every_operation_is_folded_back_at_each_lsn(tmp_path:
 
 def test_a_replay_appends_nothing_and_a_later_drain_only_its_changes(tmp_path: Path) -> None:
     destination = destination_with_snapshot([(1, "a")])
-    txns = transactions([[keyed_relation(), insert(OID, b"2", b"b")], [update(OID, (b"2", UNCHANGED), key=(b"2", None))]], tmp_path)
+    txns = transactions(
+        [[keyed_relation(), insert(OID, b"2", b"b")], [update(OID, (b"2", UNCHANGED), key=(b"2", None))]], tmp_path
+    )
     apply_with_history(destination, txns)
     before = destination.tables[HISTORY]
     apply_with_history(destination, txns)  # a crash before the confirm: the same transactions again
     assert destination.tables[HISTORY].equals(before)
-    more = transactions([[keyed_relation(), delete(OID, key=(b"1", None))]], tmp_path / "more", first_end=SNAPSHOT_LSN + 30)
+    more = transactions(
+        [[keyed_relation(), delete(OID, key=(b"1", None))]], tmp_path / "more", first_end=SNAPSHOT_LSN + 30
+    )
     apply_with_history(destination, more)
     assert destination.tables[HISTORY].num_rows == before.num_rows + 1
     assert as_of(destination) == [(2, "b")] == table_rows(destination)
@@ -125,7 +150,9 @@ def test_history_on_a_table_changed_since_its_snapshot_is_refused(tmp_path: Path
     destination = destination_with_snapshot([(1, "a")])
     first = transactions([[keyed_relation(), insert(OID, b"2", b"b")]], tmp_path)
     target = TableTarget(TABLE, PATH)
-    applier = ChangeApplier(destination, StaticTypes(), {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None)
+    applier = ChangeApplier(
+        destination, StaticTypes(), {TABLE: target}, max_changes=100, max_bytes=1 << 30, log=lambda _: None
+    )
     applier.add(first[0])
     applier.flush()
     applier.finish()
@@ -172,10 +199,16 @@ OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=OPS, sizes=st.lists(st.integers(1, 5), min_size=1, max_size=12), max_changes=st.integers(1, 12),
-       full=st.booleans(), scd2=st.booleans())
-def test_random_changes_fold_back_to_the_model_at_every_lsn(tmp_path_factory: pytest.TempPathFactory, ops: list,
-                                                              sizes: list[int], max_changes: int, full: bool, scd2: bool) -> None:
+@given(
+    ops=OPS,
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=12),
+    max_changes=st.integers(1, 12),
+    full=st.booleans(),
+    scd2=st.booleans(),
+)
+def test_random_changes_fold_back_to_the_model_at_every_lsn(
+    tmp_path_factory: pytest.TempPathFactory, ops: list, sizes: list[int], max_changes: int, full: bool, scd2: bool
+) -> None:
     """Keyed or REPLICA IDENTITY FULL (with a primary key, so still matched per key), with a changelog or
     SCD type 2 versions; every transaction's end is checked, then a replay of everything must change no
     history row."""
@@ -222,8 +255,13 @@ def test_random_changes_fold_back_to_the_model_at_every_lsn(tmp_path_factory: py
     if scd2:
         assert_versions_chain(destination)
     written = destination.tables[VERSIONS if scd2 else HISTORY]
-    apply_with_history(destination, transactions(bodies, tmp_path / "replay"), max_changes=max_changes,
-                       primary_key=("id",) if full else (), scd2=scd2)
+    apply_with_history(
+        destination,
+        transactions(bodies, tmp_path / "replay"),
+        max_changes=max_changes,
+        primary_key=("id",) if full else (),
+        scd2=scd2,
+    )
     assert destination.tables[VERSIONS if scd2 else HISTORY].equals(written)
 
 
@@ -244,7 +282,9 @@ def assert_versions_chain(destination: InMemoryDestination) -> None:
                 assert version["_pgcdc_is_current"] == (version["_pgcdc_valid_to_lsn"] is None), (key, version)
                 continue
             assert not version["_pgcdc_is_current"] and version["_pgcdc_valid_to_lsn"] is not None, (key, versions)
-            assert version["_pgcdc_valid_from_lsn"] <= version["_pgcdc_valid_to_lsn"] <= following["_pgcdc_valid_from_lsn"]
+            assert (
+                version["_pgcdc_valid_from_lsn"] <= version["_pgcdc_valid_to_lsn"] <= following["_pgcdc_valid_from_lsn"]
+            )
             if not version["_pgcdc_is_deleted"]:
                 assert version["_pgcdc_valid_to_lsn"] == following["_pgcdc_valid_from_lsn"], (key, versions)
 
@@ -277,7 +317,9 @@ def test_scd2_keeps_every_version_of_each_key_with_its_validity(tmp_path: Path) 
         assert as_of(destination, second, scd2=True) == [(3, "c"), (4, "a2")]
         assert as_of(destination, scd2=True) == table_rows(destination) == [(5, "e")]
     times = destination.tables[VERSIONS].column("_pgcdc_valid_from").to_pylist()
-    assert sum(time is None for time in times) == 2 + 1  # the snapshot's versions have no commit time, nor the marker row
+    assert (
+        sum(time is None for time in times) == 2 + 1
+    )  # the snapshot's versions have no commit time, nor the marker row
 
 
 def test_scd2_opens_every_version_again_when_a_column_is_filled(tmp_path: Path) -> None:
@@ -287,8 +329,12 @@ def test_scd2_opens_every_version_again_when_a_column_is_filled(tmp_path: Path) 
         apply_with_history(destination, txns, types=FILLED_EXTRA, scd2=True)
         assert as_of(destination, SNAPSHOT_LSN + 10, scd2=True) == [(1, "a", None), (2, "b", None)]
         assert as_of(destination, scd2=True) == [(1, "a", None), (2, "b", 5), (3, "c", 9)]
-        assert as_of(destination, scd2=True) == sorted((row["id"], row["body"], row["extra"]) for row in destination.rows(PATH))
-        assert destination.tables[VERSIONS].num_rows == 6 + 1  # 1 and 2, their filled versions, 3, 1's update; the marker row
+        assert as_of(destination, scd2=True) == sorted(
+            (row["id"], row["body"], row["extra"]) for row in destination.rows(PATH)
+        )
+        assert (
+            destination.tables[VERSIONS].num_rows == 6 + 1
+        )  # 1 and 2, their filled versions, 3, 1's update; the marker row
 
 
 def test_scd2_refuses_a_table_without_a_key(tmp_path: Path) -> None:

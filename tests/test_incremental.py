@@ -18,9 +18,10 @@ import yaml
 from pyspark.sql import SparkSession
 
 from resources.cdc.schema import SchemaChangeError
-from resources.delta.merge import KEY_LIST_MOST_VALUES
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.merge import KEY_LIST_MOST_VALUES
 from resources.delta.reads import delta_rs_rows
+from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import read_state, state_path
 from resources.errors import ConfigurationError, SlotError
 from resources.lsn import LSN
@@ -28,11 +29,20 @@ from resources.pgoutput.options import PgOutputOptions
 from resources.postgres.catalog import TableName
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.stream import ReplicationStream
-from resources.delta.spark_destination import lake_destination
 from resources.runs.snapshot import snapshot_tables
-from tests.support.postgres import PgDatabase
+from tests.support.incremental_runs import (
+    assert_refused_with_the_resnapshot_fix,
+    drain,
+    path_of,
+    run_child,
+    same,
+    settings,
+    setup,
+    SLOT,
+    slot_confirmed,
+)
 from tests.support.memory_child import measured
-from tests.support.incremental_runs import SLOT, assert_refused_with_the_resnapshot_fix, drain, path_of, run_child, same, settings, setup, slot_confirmed
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -45,14 +55,19 @@ def delta_version(config: PgcdcConfig, table: str) -> int:
 
 
 def test_inserts_updates_deletes_of_many_types(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE items (id int PRIMARY KEY, name text, price numeric(10,2), big bigint, at timestamptz,
                             day date, ok boolean, doc jsonb, tags int[], raw numeric, blob bytea);
         INSERT INTO items SELECT g, 'n' || g, g * 1.25, g * 10000000000, '2024-01-01'::timestamptz + g * interval '1 hour',
                                  '2024-01-01'::date + g, g % 2 = 0, jsonb_build_object('g', g), ARRAY[g, NULL], g / 7.0, '\\x00ff'
                           FROM generate_series(1, 50) g;
         CREATE PUBLICATION pub FOR TABLE items;
-    """)
+    """,
+    )
     pg.execute("""
         INSERT INTO items SELECT g, 'new' || g, NULL, NULL, 'infinity', NULL, NULL, '[1, "x"]', '{}', 'NaN', NULL
           FROM generate_series(51, 60) g;
@@ -70,11 +85,16 @@ def test_inserts_updates_deletes_of_many_types(pg: PgDatabase, tmp_path: Path, s
 def test_key_change_and_many_changes_to_one_key_in_one_batch(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE t (id int PRIMARY KEY, v text);
         INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 10) g;
         CREATE PUBLICATION pub FOR TABLE t;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute("UPDATE t SET id = 100 WHERE id = 1")  # key change: row 1 must vanish
         conn.execute("UPDATE t SET id = 2000, v = 'moved' WHERE id = 2")
@@ -95,12 +115,17 @@ def test_key_change_and_many_changes_to_one_key_in_one_batch(
 
 
 def test_unchanged_toast_keeps_the_delta_value(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE docs (id int PRIMARY KEY, body text, n int);
         ALTER TABLE docs ALTER COLUMN body SET STORAGE EXTERNAL;
         INSERT INTO docs SELECT g, repeat(md5(g::text), 400), 0 FROM generate_series(1, 6) g;
         CREATE PUBLICATION pub FOR TABLE docs;
-    """)
+    """,
+    )
     # The values exist only in Delta (snapshot): every update below sends body as unchanged TOAST.
     pg.execute("UPDATE docs SET n = 1 WHERE id IN (1, 2)")
     pg.execute("UPDATE docs SET id = 20, n = 2 WHERE id = 3")  # key change: body comes from Delta's row 3
@@ -127,30 +152,44 @@ def test_a_batch_of_more_keys_than_the_key_list_leaves_the_rows_between_them_alo
     """A MERGE source with more keys than the key list takes bounds the target by the keys' range: the
     rows inside that range the batch does not name (every other key here, on both sides of each
     change, and negative keys below a batch's lowest) stay as they are, exactly."""
-    config = setup(pg, tmp_path, spark, f"""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        f"""
         CREATE TABLE spread (id bigint PRIMARY KEY, v text);
         INSERT INTO spread SELECT g, 'seed ' || g FROM generate_series(-50, {4 * KEY_LIST_MOST_VALUES}) g;
         CREATE PUBLICATION pub FOR TABLE spread;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute(f"UPDATE spread SET v = 'odd' WHERE id % 2 = 1 AND id BETWEEN 1 AND {3 * KEY_LIST_MOST_VALUES}")
         conn.execute(f"DELETE FROM spread WHERE id % 6 = 0 AND id BETWEEN 300 AND {4 * KEY_LIST_MOST_VALUES}")
-        conn.execute(f"INSERT INTO spread SELECT g, 'new' FROM generate_series({10 * KEY_LIST_MOST_VALUES}, {12 * KEY_LIST_MOST_VALUES}, 3) g")
+        conn.execute(
+            f"INSERT INTO spread SELECT g, 'new' FROM generate_series({10 * KEY_LIST_MOST_VALUES}, {12 * KEY_LIST_MOST_VALUES}, 3) g"
+        )
         conn.execute("UPDATE spread SET id = -id - 1000 WHERE id BETWEEN 700 AND 703")
     drain(config, spark)
     assert same(pg, config, "public.spread") == pg.execute("SELECT count(*) FROM spread")[0][0]
-    (odd, seeds), = pg.execute("SELECT count(*) FILTER (WHERE v = 'odd'), count(*) FILTER (WHERE v LIKE 'seed %') FROM spread")
+    ((odd, seeds),) = pg.execute(
+        "SELECT count(*) FILTER (WHERE v = 'odd'), count(*) FILTER (WHERE v LIKE 'seed %') FROM spread"
+    )
     assert odd > KEY_LIST_MOST_VALUES and seeds > KEY_LIST_MOST_VALUES  # both kinds of row in the range
 
 
 def test_truncate_applies_in_order(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE a (id int PRIMARY KEY, v text);
         CREATE TABLE b (id int PRIMARY KEY);
         INSERT INTO a SELECT g, 'old' FROM generate_series(1, 5) g;
         INSERT INTO b VALUES (1), (2);
         CREATE PUBLICATION pub FOR TABLE a, b;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute("INSERT INTO a VALUES (6, 'before')")
         conn.execute("TRUNCATE a, b")
@@ -165,11 +204,16 @@ def test_truncate_applies_in_order(pg: PgDatabase, tmp_path: Path, spark: SparkS
 
 
 def test_added_dropped_and_widened_columns(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE s (id int PRIMARY KEY, small int2, name varchar(5), gone text, amount numeric(6,2));
         INSERT INTO s VALUES (1, 1, 'a', 'g1', 1.50), (2, 2, 'b', 'g2', 2.50);
         CREATE PUBLICATION pub FOR TABLE s;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute("INSERT INTO s VALUES (3, 3, 'c', 'g3', 3.50)")
         conn.execute("ALTER TABLE s ADD COLUMN extra text")
@@ -196,13 +240,18 @@ def test_added_columns_give_existing_delta_rows_what_postgres_gave_its_rows(
     pgtypes, also for rows written earlier in the transaction that adds the column and for keyless
     tables; rows written after the ADD keep their own values; a column added again under the name
     of a dropped one (kept in Delta) is NULL in the old rows, as in PostgreSQL."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE t (id int PRIMARY KEY, v text);
         INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 3) g;
         CREATE TABLE k (body text);
         INSERT INTO k VALUES ('old');
         CREATE PUBLICATION pub FOR TABLE t, k;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         with conn.transaction():
             conn.execute("INSERT INTO t VALUES (4, 'v4')")
@@ -232,11 +281,16 @@ def test_added_column_with_a_default_not_in_the_catalog_fails_with_the_resnapsho
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
     """A volatile default rewrites the table (no WAL row changes, no missing value): refuse, move nothing."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE r (id int PRIMARY KEY);
         INSERT INTO r VALUES (1);
         CREATE PUBLICATION pub FOR TABLE r;
-    """)
+    """,
+    )
     start = slot_confirmed(pg)
     version = delta_version(config, "public.r")
     with pg.connect() as conn:
@@ -245,7 +299,9 @@ def test_added_column_with_a_default_not_in_the_catalog_fails_with_the_resnapsho
     with pytest.raises(SchemaChangeError) as failure:
         drain(config, spark)
     message = str(failure.value)
-    assert message.startswith("column 'x' of public.r was added with a default that PostgreSQL wrote into the existing rows")
+    assert message.startswith(
+        "column 'x' of public.r was added with a default that PostgreSQL wrote into the existing rows"
+    )
     assert "pgcdc_resnapshot" in message and "\n" not in message
     assert slot_confirmed(pg) == start and delta_version(config, "public.r") == version
 
@@ -253,13 +309,21 @@ def test_added_column_with_a_default_not_in_the_catalog_fails_with_the_resnapsho
 def test_type_change_that_is_not_a_widening_fails_with_the_resnapshot_fix(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE c (id int PRIMARY KEY, code int);
         INSERT INTO c VALUES (1, 1);
         CREATE PUBLICATION pub FOR TABLE c;
-    """)
+    """,
+    )
     assert_refused_with_the_resnapshot_fix(
-        pg, config, spark, ["ALTER TABLE c ALTER COLUMN code TYPE text", "INSERT INTO c VALUES (2, 'two')"],
+        pg,
+        config,
+        spark,
+        ["ALTER TABLE c ALTER COLUMN code TYPE text", "INSERT INTO c VALUES (2, 'two')"],
         "'code' of public.c changed type from int to text",
     )
 
@@ -270,13 +334,21 @@ def test_a_renamed_column_fails_with_the_resnapshot_fix_instead_of_losing_its_va
     """RENAME COLUMN keeps the column's attnum, so the renamed column stands where it stood, before
     columns Delta has: its existing values never reach the stream, and taking it for an added column
     would leave them NULL in Delta."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE r2 (id int PRIMARY KEY, v int, note text);
         INSERT INTO r2 VALUES (1, 10, 'a'), (2, 20, 'b');
         CREATE PUBLICATION pub FOR TABLE r2;
-    """)
+    """,
+    )
     assert_refused_with_the_resnapshot_fix(
-        pg, config, spark, ["ALTER TABLE r2 RENAME COLUMN v TO w", "INSERT INTO r2 VALUES (3, 30, 'c')"],
+        pg,
+        config,
+        spark,
+        ["ALTER TABLE r2 RENAME COLUMN v TO w", "INSERT INTO r2 VALUES (3, 30, 'c')"],
         "column 'w' of public.r2 appeared before columns Delta already has",
     )
 
@@ -285,13 +357,18 @@ def test_a_renamed_column_fails_with_the_resnapshot_fix_instead_of_losing_its_va
 
 
 def test_replica_identity_full_without_key(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE f (a int, b text, c numeric(8,3));
         ALTER TABLE f REPLICA IDENTITY FULL;
         ALTER TABLE f ALTER COLUMN b SET STORAGE EXTERNAL;
         INSERT INTO f VALUES (1, 'x', 1.5), (2, NULL, NULL), (3, repeat('big', 3000), 3);
         CREATE PUBLICATION pub FOR TABLE f;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute("UPDATE f SET c = 2.25 WHERE a = 2")  # NULLs in the old row: matched null-safe
         conn.execute("UPDATE f SET a = 30 WHERE a = 3")  # b is unchanged TOAST: taken from the old row
@@ -303,11 +380,16 @@ def test_replica_identity_full_without_key(pg: PgDatabase, tmp_path: Path, spark
 
 
 def test_keyless_table_appends_inserts_and_truncates(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE events (kind text, n int);
         INSERT INTO events VALUES ('old', 1);
         CREATE PUBLICATION pub FOR TABLE events;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute("INSERT INTO events VALUES ('dup', 1), ('dup', 1)")
         conn.execute("TRUNCATE events")
@@ -323,11 +405,16 @@ def test_keyless_table_appends_inserts_and_truncates(pg: PgDatabase, tmp_path: P
 def test_streamed_transactions_committed_aborted_and_with_rolled_back_savepoint(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE big (id int PRIMARY KEY, pad text);
         INSERT INTO big VALUES (0, 'seed');
         CREATE PUBLICATION pub FOR TABLE big;
-    """)
+    """,
+    )
     with pg.connect() as large, pg.connect() as small:
         with large.transaction():
             large.execute("INSERT INTO big SELECT g, repeat('p', 100) FROM generate_series(1, 4000) g")
@@ -347,7 +434,7 @@ def test_streamed_transactions_committed_aborted_and_with_rolled_back_savepoint(
     result = drain(config, spark, max_chunk_changes=1500)
     assert same(pg, config, "public.big") == 3992
     assert result.tables["public.big"].inserted == 4001
-    (streamed_after,), = pg.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (SLOT,))
+    ((streamed_after,),) = pg.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (SLOT,))
     # The committed one was streamed. PostgreSQL 16+ does not stream a transaction it already
     # knows aborted when decoding it (here: decoded after the fact), 15 streams it and then aborts it.
     assert streamed_after >= (2 if pg.major < 16 else 1)
@@ -357,12 +444,18 @@ def test_streamed_transactions_committed_aborted_and_with_rolled_back_savepoint(
 
 
 def test_changes_up_to_the_snapshot_lsn_are_skipped(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE first (id int PRIMARY KEY);
         INSERT INTO first VALUES (1);
         CREATE TABLE log (line text);
         CREATE PUBLICATION pub FOR TABLE first, log;
-    """, snapshot=["public.first"])  # creates the slot: the stream starts here
+    """,
+        snapshot=["public.first"],
+    )  # creates the slot: the stream starts here
     pg.execute("INSERT INTO log VALUES ('before the snapshot of log')")  # in the stream and in the snapshot
     snapshot_tables(config, lake_destination(spark, config), [TableName("public", "log")])
     pg.execute("INSERT INTO log VALUES ('after')")
@@ -372,12 +465,18 @@ def test_changes_up_to_the_snapshot_lsn_are_skipped(pg: PgDatabase, tmp_path: Pa
 
 
 def test_table_without_snapshot_is_untouched_and_reported(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE done (id int PRIMARY KEY);
         INSERT INTO done VALUES (0);
         CREATE TABLE later (id int PRIMARY KEY);
         CREATE PUBLICATION pub FOR TABLE done, later;
-    """, snapshot=["public.done"])
+    """,
+        snapshot=["public.done"],
+    )
     pg.execute("INSERT INTO done VALUES (1); INSERT INTO later VALUES (1)")
     result = drain(config, spark)
     assert result.tables_without_snapshot == ["public.later"]
@@ -392,11 +491,16 @@ def test_table_whose_snapshot_commit_left_the_delta_log_keeps_replicating(
 ) -> None:
     """Delta's log cleanup (delta.logRetentionDuration, 30 days by default) deletes the commits
     a newer checkpoint covers, the snapshot commit and its marker among them."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE kept (id int PRIMARY KEY, n int);
         INSERT INTO kept VALUES (0, 0);
         CREATE PUBLICATION pub FOR TABLE kept;
-    """)
+    """,
+    )
     log = Path(path_of(config, "public.kept")) / "_delta_log"
     for n in range(1, 12):  # one MERGE commit per run; the engine checkpoints every 10 versions
         pg.execute("UPDATE kept SET n = %s", (n,))
@@ -419,12 +523,17 @@ def test_table_whose_snapshot_commit_left_the_delta_log_keeps_replicating(
 def test_idle_slot_advances_and_a_second_run_changes_nothing(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE p (id int PRIMARY KEY);
         INSERT INTO p VALUES (0);
         CREATE TABLE unpublished (id int);
         CREATE PUBLICATION pub FOR TABLE p;
-    """)
+    """,
+    )
     pg.execute("INSERT INTO unpublished SELECT generate_series(1, 1000)")  # WAL, but nothing for the slot
     first = drain(config, spark)
     assert first.changes == 0 and first.tables["public.p"].applied_lsn is None
@@ -451,7 +560,7 @@ def test_preflight_refuses_missing_publication_missing_slot_and_busy_slot(
     with ReplicationConnection(pg.dsn) as other:
         stream = ReplicationStream(other)
         stream.start(SLOT, options=PgOutputOptions(["pub"]))
-        (pid,), = pg.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+        ((pid,),) = pg.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
         with pytest.raises(SlotError) as busy:
             drain(config, spark)
         stream.stop()
@@ -521,10 +630,10 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
         assert after_crash > start
     else:
         assert after_crash == start  # the first chunk was never confirmed
-    (before_rerun,), = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
+    ((before_rerun,),) = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
     rerun = run_child(config, tmp_path, None, chunk=10)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    (after_rerun,), = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
+    ((after_rerun,),) = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
     # The rerun confirms its end position: the flush LSN when it started, which background
     # WAL (checkpoints, autovacuum) may have moved past the workload's end.
     assert LSN.parse(before_rerun) <= slot_confirmed(pg) <= LSN.parse(after_rerun)
@@ -534,7 +643,8 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
     assert same(pg, config, "public.tally", key=()) == 2 + 30 - 7  # FULL identity, identical rows
     state = read_state(state_path(config.delta.root, SLOT))  # the rerun recorded what Delta holds
     assert {table: row.log.version for table, row in state.items()} == {
-        table: delta_version(config, table) for table in ("public.acct", "public.journal", "public.ledger", "public.tally")
+        table: delta_version(config, table)
+        for table in ("public.acct", "public.journal", "public.ledger", "public.tally")
     }
 
 
@@ -557,12 +667,17 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     """Two drains, of 20k and then 80k changes, each in a child process that reports its peak resident
     memory over its baseline and Arrow's pool maximum (tests/support/memory_child.py): below a stated bound
     smaller than the larger backlog, and about the same for both, so chunks, not backlogs, are held."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE wide (id int PRIMARY KEY, pad text);
         ALTER TABLE wide ALTER COLUMN pad SET STORAGE MAIN;
         INSERT INTO wide VALUES (-1, 'seed');
         CREATE PUBLICATION pub FOR TABLE wide;
-    """)
+    """,
+    )
     config_file = tmp_path / "pgcdc.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump()))
     held: dict[int, float] = {}
@@ -588,11 +703,16 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
 def test_float4_widened_to_float8_keeps_every_value(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """float4 -> float8 is a documented widening: Delta's column becomes double, the rows written as
     float keep their values (1.5, NaN, -0.1 as float4's nearest value), later rows carry float8's."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE r (id int PRIMARY KEY, f float4);
         INSERT INTO r VALUES (1, 1.5), (2, -0.1), (3, 'NaN'), (4, '-Infinity');
         CREATE PUBLICATION pub FOR TABLE r;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute("INSERT INTO r VALUES (5, 3.25)")
         conn.execute("ALTER TABLE r ALTER COLUMN f TYPE float8")

@@ -104,8 +104,13 @@ class World:
             todo = todo[: self.rng.randrange(len(todo) + 1)]
         target = TableTarget(TABLE, PATH)
         applier = ChangeApplier(
-            self.lake, StaticTypes(), {TABLE: target}, max_changes=self.rng.randint(1, 12), max_bytes=1 << 30,
-            log=lambda _: None, recopy_range=self.recopy,
+            self.lake,
+            StaticTypes(),
+            {TABLE: target},
+            max_changes=self.rng.randint(1, 12),
+            max_bytes=1 << 30,
+            log=lambda _: None,
+            recopy_range=self.recopy,
         )
         try:
             with TransactionAssembler(1, self.tmp) as assembler:

@@ -23,16 +23,16 @@ import yaml
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config
+from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.reads import delta_rs_rows
+from resources.delta.spark_destination import lake_destination
 from resources.delta.table_log import read_table_log
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables, SnapshotProgress
-from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
-from tests.support.postgres import PgDatabase
 from tests.support.fault_runs import Child
 from tests.support.key_range_writer import DDL, ROWS, Writer
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -42,14 +42,16 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
     pg: PgDatabase, spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     pg.execute(DDL)
-    config = parse_config({
-        "postgres": {"dsn": pg.dsn},
-        "publication": "pub",
-        "slot": "pgcdc_slot",
-        # big in range buckets of 1,000 keys: every range commit and drain writes a bucketed table
-        "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.big": {"width": 1000}}}},
-        "snapshot": {"chunked_above_mb": 0.05, "key_chunk_mb": 0.04},
-    })
+    config = parse_config(
+        {
+            "postgres": {"dsn": pg.dsn},
+            "publication": "pub",
+            "slot": "pgcdc_slot",
+            # big in range buckets of 1,000 keys: every range commit and drain writes a bucketed table
+            "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.big": {"width": 1000}}}},
+            "snapshot": {"chunked_above_mb": 0.05, "key_chunk_mb": 0.04},
+        }
+    )
     path = str(tmp_path / "lake" / "public" / "big")
     moved: list[str] = []
 
@@ -61,7 +63,12 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
             moved.append("done")
 
     with caplog.at_level(logging.INFO), Writer(pg, seed=pg.major) as writer:
-        results = {str(r.table): r for r in snapshot_tables(config, lake_destination(spark, config), on_progress=move_toast_into_a_copied_range)}
+        results = {
+            str(r.table): r
+            for r in snapshot_tables(
+                config, lake_destination(spark, config), on_progress=move_toast_into_a_copied_range
+            )
+        }
     assert writer.transactions > 20 and moved
     assert results["public.big"].key_ranges and results["public.big"].chunks >= 4
     assert not results["public.flat"].key_ranges
@@ -87,7 +94,9 @@ def test_a_snapshot_in_key_ranges_under_writes_crashes_and_a_toast_move_is_exact
             assert child.wait() == -9, (point, child.output())
             log = read_table_log(path)
             # a re-snapshot in place: part-way, yet every range has a point and Delta the whole table
-            assert log.chunks is not None and log.chunks.next_range() is not None and log.snapshot_lsn is not None, point
+            assert log.chunks is not None and log.chunks.next_range() is not None and log.snapshot_lsn is not None, (
+                point
+            )
             assert delta_rs_rows(path, ["id"]).num_rows > ROWS // 2, point
             progress.append(log.chunks.done)
         child = Child(config_file, "snapshot:public.big")

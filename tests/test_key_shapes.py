@@ -22,9 +22,9 @@ from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig
 from resources.lsn import LSN
+from tests.support.key_shapes import IDENTITY_CHANGES, key_shapes_config, key_shapes_ddl, run_key_shapes, SHAPES
 from tests.support.postgres import PgDatabase
 from tests.support.subscriber_oracle import Subscriber
-from tests.support.key_shapes import IDENTITY_CHANGES, SHAPES, key_shapes_config, key_shapes_ddl, run_key_shapes
 
 pytest_plugins = ["tests.support.spark_fixtures", "tests.support.subscriber_oracle"]
 pytestmark = pytest.mark.slow  # PostgreSQL subscribers beside each key shape; tiers: docs/testing.md

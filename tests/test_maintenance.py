@@ -27,24 +27,24 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import PgcdcConfig
+from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import maintain_table, properties_to_set, RETENTION_PROPERTIES
-from resources.delta.table_files import delta_tables_under
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
-from tests.support.marker_reads import read_snapshot_lsn
 from resources.delta.reads import delta_rs_rows
+from resources.delta.spark_destination import lake_destination
+from resources.delta.table_files import delta_tables_under
 from resources.delta.table_log import read_table_log
 from resources.history import read_as_of
-from resources.runs.incremental import run_incremental
-from resources.postgres.catalog import TableName
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
+from resources.postgres.catalog import TableName
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
-from resources.delta.spark_destination import lake_destination
-from tests.support.postgres import POSTGRES_VERSIONS, PgDatabase
+from tests.support.fault_runs import Child, confirmed, SLOT, write_config
+from tests.support.marker_reads import read_snapshot_lsn
+from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS
 from tests.support.s3_fixtures import S3Server
-from tests.support.fault_runs import SLOT, Child, confirmed, write_config
 
 pytest_plugins = ["tests.support.spark_fixtures", "tests.support.s3_fixtures"]
 
@@ -87,7 +87,9 @@ def table_files(path: str) -> set[str]:
 
 def storage_files(path: str) -> set[str]:
     """The data files on disk, as the log names them (bucketed tables keep theirs under ``_pgcdc_bucket=N/``)."""
-    return {file.relative_to(path).as_posix() for file in Path(path).rglob("*.parquet") if "_delta_log" not in file.parts}
+    return {
+        file.relative_to(path).as_posix() for file in Path(path).rglob("*.parquet") if "_delta_log" not in file.parts
+    }
 
 
 def rows_at(path: str, version: int) -> list[dict]:
@@ -219,7 +221,9 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         first = defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(instance=instance)
         assert first.success
         assert len(table_files(state)) == 1
-        assert len(table_files(acct_changes)) == 1 and retention_properties(acct_changes) == RETENTION  # the changelog too
+        assert (
+            len(table_files(acct_changes)) == 1 and retention_properties(acct_changes) == RETENTION
+        )  # the changelog too
         for table, path in paths.items():
             observed = observations(first, AssetKey(["pgcdc", "public", table]))
             assert len(observed) == 1
@@ -334,11 +338,15 @@ def test_maintenance_of_an_object_store_lake_through_delta_rs(s3_server: S3Serve
     # delta-rs writes the table here as Sail would (this test needs no engine); maintenance then commits without the flag.
     writing = {**lake.object_store_options(), "AWS_S3_ALLOW_UNSAFE_RENAME": "true"}
     for i in range(4):
-        deltalake.write_deltalake(path, pa.table({"table": [f"t{i}"], "version": [i]}), mode="append", storage_options=writing)
+        deltalake.write_deltalake(
+            path, pa.table({"table": [f"t{i}"], "version": [i]}), mode="append", storage_options=writing
+        )
     assert delta_tables_under(lake, f"{s3_root}/_pgcdc") == [path]
     done = maintain_table(path, lake, retention_hours=RETENTION_HOURS, target_file_bytes=1 << 27)
     assert (done.method, done.table_before.files, done.table_after.files) == ("delta-rs", 4, 1)
-    assert done.storage_after.files == 5 and done.log_files_after == 7  # 6 commits (one setting the retention) and a checkpoint
+    assert (
+        done.storage_after.files == 5 and done.log_files_after == 7
+    )  # 6 commits (one setting the retention) and a checkpoint
     table = deltalake.DeltaTable(path, storage_options=lake.object_store_options())
     assert sorted(table.to_pyarrow_table().column("version").to_pylist()) == [0, 1, 2, 3]
     assert {name: table.metadata().configuration.get(name) for name in RETENTION_PROPERTIES} == RETENTION
@@ -363,7 +371,9 @@ def test_vacuum_deletes_files_whose_tombstones_a_checkpoint_already_dropped(tmp_
     done = maintain_table(path, open_lake(path), retention_hours=1, target_file_bytes=1 << 20)
 
     assert done.files_vacuumed == 4, done
-    assert [p.name for p in Path(path).glob("*.parquet")] == [Path(f).name for f in deltalake.DeltaTable(path).file_uris()]
+    assert [p.name for p in Path(path).glob("*.parquet")] == [
+        Path(f).name for f in deltalake.DeltaTable(path).file_uris()
+    ]
     assert deltalake.DeltaTable(path).to_pyarrow_table().sort_by("id").equals(rows)
 
 
@@ -378,7 +388,9 @@ def test_retention_properties_follow_the_retention_whatever_was_set_by_hand(tmp_
     }  # fmt: skip
     assert properties_to_set({}, 180) == {name: "interval 180 seconds" for name in RETENTION_PROPERTIES}
     path = str(tmp_path / "t")
-    deltalake.write_deltalake(path, pa.table({"id": [1]}), configuration={"delta.logRetentionDuration": "interval 30 days"})
+    deltalake.write_deltalake(
+        path, pa.table({"id": [1]}), configuration={"delta.logRetentionDuration": "interval 30 days"}
+    )
     with pytest.raises(ValueError, match="at least one second"):
         maintain_table(path, open_lake(path), retention_hours=0.0001, target_file_bytes=1 << 20)
     assert deltalake.DeltaTable(path).version() == 0

@@ -79,7 +79,9 @@ def assert_same(pg: PgDatabase, destination: InMemoryDestination, config: PgcdcC
         assert memory_rows(destination, config, table) == postgres_rows(pg, table), table
 
 
-def test_a_whole_snapshot_and_incremental_runs_against_the_in_memory_destination(pg: PgDatabase, tmp_path: Path) -> None:
+def test_a_whole_snapshot_and_incremental_runs_against_the_in_memory_destination(
+    pg: PgDatabase, tmp_path: Path
+) -> None:
     pg.execute(DDL)
     config = config_for(pg, tmp_path / "lake")
     destination = InMemoryDestination()

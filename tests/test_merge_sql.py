@@ -10,7 +10,6 @@ from __future__ import annotations
 import pyarrow as pa
 
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.snapshot_writes import staged_source_sql
 from resources.delta.merge import (
     KEY_LIST_MOST_VALUES,
     merge_statement,
@@ -18,6 +17,7 @@ from resources.delta.merge import (
     OP_COLUMN,
     unchanged_flag_column,
 )
+from resources.delta.snapshot_writes import staged_source_sql
 
 PATH = "/lake/public/orders"
 STAGED = "/lake/public/orders/_pgcdc_staging/merge_source"
@@ -46,7 +46,9 @@ def test_keyed_unbucketed() -> None:
 
 
 def test_bucket_predicate_names_the_batch_buckets_and_the_null_bucket() -> None:
-    source = batch(id=[30, 10, 11, 99], name=["a", "b", "c", "d"], **{BUCKET_COLUMN: [3, 1, 1, None]}, op=["I", "U", "D", "U"])
+    source = batch(
+        id=[30, 10, 11, 99], name=["a", "b", "c", "d"], **{BUCKET_COLUMN: [3, 1, 1, None]}, op=["I", "U", "D", "U"]
+    )
     statement = merge_statement(PATH, STAGED, source, ["id"], delete_and_insert=False)
     assert (
         f" ON t.`id` = s.`id` AND (t.`{BUCKET_COLUMN}` IN (1, 3) OR t.`{BUCKET_COLUMN}` IS NULL) AND t.`id` IN (10, 11, 30, 99) "
@@ -139,11 +141,12 @@ def test_moved_key_with_unchanged_toast_reads_the_old_row() -> None:
 
 
 def test_moved_key_unpruned_reads_the_whole_table_for_old_rows() -> None:
-    source = batch(
-        id=[2], doc=[None], **{unchanged_flag_column("doc"): [True], OLD_KEY_PREFIX + "id": [1]}, op=["U"]
-    )
+    source = batch(id=[2], doc=[None], **{unchanged_flag_column("doc"): [True], OLD_KEY_PREFIX + "id": [1]}, op=["U"])
     statement = merge_statement(PATH, STAGED, source, ["id"])
-    assert f"FROM {source_sql(source)} s LEFT JOIN {TARGET} o ON o.`id` = s.`_pgcdc_oldkey_id`) s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN" in statement
+    assert (
+        f"FROM {source_sql(source)} s LEFT JOIN {TARGET} o ON o.`id` = s.`_pgcdc_oldkey_id`) s ON t.`id` = s.`id` AND t.`id` IN (2) WHEN"
+        in statement
+    )
 
 
 def test_old_keys_without_kept_values_need_no_join() -> None:
@@ -168,18 +171,23 @@ def test_integer_keys_are_listed_up_to_the_limit_then_bounded_by_their_range() -
     assert " ON t.`code` = s.`code` WHEN MATCHED" in merge_statement(PATH, STAGED, text_key, ["code"])
     most = batch(id=list(range(KEY_LIST_MOST_VALUES)), op=["U"] * KEY_LIST_MOST_VALUES)
     assert "t.`id` IN (0, 1, 2, " in merge_statement(PATH, STAGED, most, ["id"])
-    many = batch(id=pa.array([*range(-3, KEY_LIST_MOST_VALUES), None], pa.int64()), op=["U"] * (KEY_LIST_MOST_VALUES + 4))
+    many = batch(
+        id=pa.array([*range(-3, KEY_LIST_MOST_VALUES), None], pa.int64()), op=["U"] * (KEY_LIST_MOST_VALUES + 4)
+    )
     assert f" ON t.`id` = s.`id` AND t.`id` BETWEEN -3 AND {KEY_LIST_MOST_VALUES - 1} WHEN MATCHED" in merge_statement(
         PATH, STAGED, many, ["id"]
     )
     only_nulls = batch(id=pa.nulls(2, pa.int64()), op=["D", "D"])
     assert " ON t.`id` = s.`id` WHEN MATCHED" in merge_statement(PATH, STAGED, only_nulls, ["id"])
-    composite = batch(tenant=[1] * (KEY_LIST_MOST_VALUES + 1), id=list(range(KEY_LIST_MOST_VALUES + 1)), op=["U"] * (KEY_LIST_MOST_VALUES + 1))
+    composite = batch(
+        tenant=[1] * (KEY_LIST_MOST_VALUES + 1),
+        id=list(range(KEY_LIST_MOST_VALUES + 1)),
+        op=["U"] * (KEY_LIST_MOST_VALUES + 1),
+    )
     assert (
         " ON t.`tenant` = s.`tenant` AND t.`id` = s.`id` AND t.`tenant` IN (1)"
         f" AND t.`id` BETWEEN 0 AND {KEY_LIST_MOST_VALUES} WHEN MATCHED"
     ) in merge_statement(PATH, STAGED, composite, ["tenant", "id"])
-
 
 
 def doubled(source: pa.Table) -> str:
@@ -221,8 +229,9 @@ def test_delete_and_insert_unpruned_composite_and_with_old_keys() -> None:
 def test_kept_values_or_key_only_rows_keep_the_update_form() -> None:
     """An update keeping a target value must read it; a row of key columns only has nothing to replace."""
     kept = batch(id=[1], doc=[None], **{unchanged_flag_column("doc"): [True]}, op=["U"])
-    assert f"USING {source_sql(kept)} s ON t.`id` = s.`id` AND t.`id` IN (1) WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE " in (
-        merge_statement(PATH, STAGED, kept, ["id"])
+    assert (
+        f"USING {source_sql(kept)} s ON t.`id` = s.`id` AND t.`id` IN (1) WHEN MATCHED AND s._pgcdc_op = 'D' THEN DELETE "
+        in (merge_statement(PATH, STAGED, kept, ["id"]))
     )
     key_only = batch(a=[1], b=["x"], op=["I"])
     assert "_pgcdc_delete_row" not in merge_statement(PATH, STAGED, key_only, ["a", "b"])

@@ -22,18 +22,18 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.delta import snapshot_writes
 from resources.config import parse_config
+from resources.delta import snapshot_writes
+from resources.delta.lake_storage import LakeStorage, object_store_options, open_lake, remove_tree, storage_client
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
+from resources.delta.spark_destination import lake_destination
 from resources.errors import ConfigurationError
 from resources.locations import StorageSettings
-from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
-from resources.delta.lake_storage import LakeStorage, object_store_options, open_lake, remove_tree, storage_client
 from resources.runs.snapshot import snapshot_tables
+from tests.support.object_storage_lifecycle import DDL, lifecycle, settings, SLOT, staged_objects
 from tests.support.postgres import PgDatabase
-from tests.support.s3_fixtures import BUCKET, TEST_SECRET, S3Server
-from tests.support.object_storage_lifecycle import DDL, SLOT, lifecycle, settings, staged_objects
+from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
 
 pytest_plugins = ["tests.support.s3_fixtures"]
 
@@ -68,7 +68,9 @@ def test_storage_settings_refuse_literal_secrets_and_plain_http_without_saying_t
 # --------------------------------------------------------------------------- lifecycle
 
 
-def test_lifecycle_on_s3_matches_postgres(pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession) -> None:
+def test_lifecycle_on_s3_matches_postgres(
+    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession
+) -> None:
     lifecycle(pg, s3_server, s3_root, s3_spark, copy_on_write="public.dups")
 
 
@@ -77,17 +79,25 @@ def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
 ) -> None:
     lake = open_lake(s3_root, s3_server.lake(s3_root).settings)
     removed: list[str] = []
-    monkeypatch.setattr(snapshot_writes, "remove_tree", lambda location, lake: (removed.append(location), remove_tree(location, lake)))
+    monkeypatch.setattr(
+        snapshot_writes, "remove_tree", lambda location, lake: (removed.append(location), remove_tree(location, lake))
+    )
     schema = pa.schema([("id", pa.int64())])
     batches = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(4))
     path = f"{s3_root}/public/t"
     options = s3_server.lake(s3_root).object_store_options()
-    assert write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800, lake=lake) == 1  # version 0: delta-rs's create
-    assert sorted(deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table().column("id").to_pylist()) == list(range(400))
+    assert (
+        write_snapshot(s3_spark, batches, schema, path, "m", chunk_bytes=800, lake=lake) == 1
+    )  # version 0: delta-rs's create
+    assert sorted(
+        deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table().column("id").to_pylist()
+    ) == list(range(400))
     assert removed == []  # streamed into the table by delta-rs, nothing staged
     # A key range of a snapshot in key ranges goes through the engine, staged: a chunk per batch.
     again = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(2, 4))
-    assert write_snapshot(s3_spark, again, schema, path, "r", chunk_bytes=800, replace_where="id >= 200", lake=lake) == 2
+    assert (
+        write_snapshot(s3_spark, again, schema, path, "r", chunk_bytes=800, replace_where="id >= 200", lake=lake) == 2
+    )
     table = deltalake.DeltaTable(path, storage_options=options)
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
     assert [location.startswith(f"{path}/{STAGING_DIRECTORY}/") for location in removed] == [True]
@@ -100,9 +110,17 @@ def test_an_object_store_location_is_reached_only_through_the_lake_passed_with_i
     refused with the fix; a local location needs none."""
     lake = LakeStorage("s3://bucket/lake", StorageSettings(endpoint="http://127.0.0.1:9", region="r1", allow_http=True))
     inside = object_store_options("s3://bucket/lake/public/t", lake)
-    assert (inside["AWS_ENDPOINT_URL"], inside["AWS_REGION"], inside["AWS_ALLOW_HTTP"]) == ("http://127.0.0.1:9", "r1", "true")
+    assert (inside["AWS_ENDPOINT_URL"], inside["AWS_REGION"], inside["AWS_ALLOW_HTTP"]) == (
+        "http://127.0.0.1:9",
+        "r1",
+        "true",
+    )
     assert storage_client("s3://bucket/lake/public/t", lake)[1] == "bucket/lake/public/t"
-    for location, given in (("s3://bucket/lake/t", None), ("s3://bucket/lakeside/t", lake), ("s3://other/lake/t", lake)):
+    for location, given in (
+        ("s3://bucket/lake/t", None),
+        ("s3://bucket/lakeside/t", lake),
+        ("s3://other/lake/t", lake),
+    ):
         with pytest.raises(ConfigurationError, match="outside the lake pgcdc was given") as refused:
             object_store_options(location, given)
         assert "open_lake(delta.root, delta.storage)" in refused.value.fix
@@ -118,8 +136,16 @@ def test_an_object_store_location_is_reached_only_through_the_lake_passed_with_i
 
 BAD_STORAGE = {
     "wrong bucket": ("s3://no-such-bucket/lake", {}, ("no-such-bucket", "fix delta.root")),
-    "unset credential variable": (None, {"secret_access_key": "${PGCDC_TEST_UNSET}"}, ("delta.storage.secret_access_key", "PGCDC_TEST_UNSET")),
-    "no credentials": (None, {"access_key_id": None, "secret_access_key": None}, ("no S3 credentials", "delta.storage.access_key_id")),
+    "unset credential variable": (
+        None,
+        {"secret_access_key": "${PGCDC_TEST_UNSET}"},
+        ("delta.storage.secret_access_key", "PGCDC_TEST_UNSET"),
+    ),
+    "no credentials": (
+        None,
+        {"access_key_id": None, "secret_access_key": None},
+        ("no S3 credentials", "delta.storage.access_key_id"),
+    ),
     "unreachable endpoint": (None, {"endpoint": "http://127.0.0.1:9"}, ("unreachable", "delta.storage.endpoint")),
 }
 
@@ -155,7 +181,10 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
     root, overrides, fragments = BAD_STORAGE[case]
     storage = {key: value for key, value in {**s3_server.storage(), **overrides}.items() if value is not None}
     bad = parse_config(settings(pg, root or s3_root, storage))
-    for run in (lambda: run_incremental(bad, lake_destination(s3_spark, bad)), lambda: snapshot_tables(bad, lake_destination(s3_spark, bad))):
+    for run in (
+        lambda: run_incremental(bad, lake_destination(s3_spark, bad)),
+        lambda: snapshot_tables(bad, lake_destination(s3_spark, bad)),
+    ):
         started = time.monotonic()
         with pytest.raises(ConfigurationError) as failure:
             run()

@@ -285,9 +285,7 @@ def test_unchanged_toast_value(pg: PgDatabase) -> None:
     pg.execute("CREATE TABLE docs (id int PRIMARY KEY, body text, hits int)")
     pg.execute("ALTER TABLE docs ALTER COLUMN body SET STORAGE EXTERNAL")
     make_slot(pg)
-    pg.execute(
-        "INSERT INTO docs SELECT 1, string_agg(md5(random()::text), '') , 0 FROM generate_series(1, 12000)"
-    )
+    pg.execute("INSERT INTO docs SELECT 1, string_agg(md5(random()::text), '') , 0 FROM generate_series(1, 12000)")
     pg.execute("UPDATE docs SET hits = 1 WHERE id = 1")
     ((body,),) = pg.execute("SELECT body FROM docs")
     assert len(body) == 12000 * 32

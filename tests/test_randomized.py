@@ -31,15 +31,14 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.config import PgcdcConfig, parse_config
+from resources.config import parse_config, PgcdcConfig
 from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from tests.support.postgres import PgDatabase
-from tests.support.workload import generate
-
 from resources.testing.verify import assert_delta_equals_postgres
+from tests.support.postgres import PgDatabase
 from tests.support.randomized_replay import Replay
+from tests.support.workload import generate
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # long seeded workloads; tiers: docs/testing.md
@@ -81,13 +80,17 @@ def test_randomized_workload_matches_postgres_after_every_run(
     replay = Replay(pg, tmp_path, spark, seed, ops)
     print(f"replay with: {replay.replay_hint()}")
     replay.execute(steps)
-    (streamed,), = pg.execute("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (replay.slot,))
+    ((streamed,),) = pg.execute(
+        "SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (replay.slot,)
+    )
     if any(step.note.startswith("large") for step in steps):
         assert streamed > 0, "no transaction was streamed: the workload no longer exercises streaming"
     print(f"seed {seed}: {streamed} streamed transactions, up to {replay.most_duplicates} duplicate rows in dup_t")
     assert replay.most_duplicates > 0, "dup_t never held identical rows: the workload no longer exercises them"
-    print(f"seed {seed}: {len(steps)} steps, {replay.runs} runs, {replay.oracle_checks} table comparisons, "
-          f"{time.monotonic() - started:.1f}s; runs {' '.join(replay.run_times)}")
+    print(
+        f"seed {seed}: {len(steps)} steps, {replay.runs} runs, {replay.oracle_checks} table comparisons, "
+        f"{time.monotonic() - started:.1f}s; runs {' '.join(replay.run_times)}"
+    )
 
 
 # --------------------------------------------------------------------------- findings (regression tests)
@@ -95,10 +98,15 @@ def test_randomized_workload_matches_postgres_after_every_run(
 
 def _single_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str) -> PgcdcConfig:
     pg.execute(ddl)
-    config = parse_config({
-        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"rand_{pg.name}", "tables": [],
-        "delta": {"root": str(tmp_path / "lake")},
-    })
+    config = parse_config(
+        {
+            "postgres": {"dsn": pg.dsn},
+            "publication": "pub",
+            "slot": f"rand_{pg.name}",
+            "tables": [],
+            "delta": {"root": str(tmp_path / "lake")},
+        }
+    )
     snapshot_tables(config, lake_destination(spark, config))
     return config
 
@@ -112,11 +120,16 @@ def test_walsender_keeps_the_connection_while_one_transaction_is_applied_in_many
     now send status updates (same durable position) at a quarter of wal_sender_timeout. Here:
     wal_sender_timeout 1 s, a 40-row transaction, max_chunk_changes=1 (about 2 s of Delta commits).
     """
-    config = _single_table(pg, tmp_path, spark, """
+    config = _single_table(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE w (id int PRIMARY KEY, v text);
         INSERT INTO w VALUES (0, 'seed');
         CREATE PUBLICATION pub FOR TABLE w;
-    """)
+    """,
+    )
     pg.execute(f"ALTER DATABASE \"{pg.name}\" SET wal_sender_timeout = '1s'")  # the walsender of this database
     pg.execute("INSERT INTO w SELECT g, 'v' || g FROM generate_series(1, 40) g")
     run_incremental(config, lake_destination(spark, config), max_chunk_changes=1)
@@ -131,11 +144,16 @@ def test_added_column_with_default_reaches_existing_rows_in_delta(
     pg_attribute.attmissingval). Delta had NULL there for every untouched row; now the rows
     already in Delta get the missing value when the column first appears in a Relation message.
     """
-    config = _single_table(pg, tmp_path, spark, """
+    config = _single_table(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE d (id int PRIMARY KEY, v text);
         INSERT INTO d SELECT g, 'v' FROM generate_series(1, 3) g;
         CREATE PUBLICATION pub FOR TABLE d;
-    """)
+    """,
+    )
     pg.execute("ALTER TABLE d ADD COLUMN status text NOT NULL DEFAULT 'new'")
     pg.execute("UPDATE d SET v = 'changed' WHERE id = 1")  # the Relation message announcing status
     run_incremental(config, lake_destination(spark, config))

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from dagster import AssetCheckEvaluation, AssetKey, DagsterInstance, ExecuteInProcessResult, instance_for_test
 from pyspark.sql import SparkSession
-
-import pyarrow.compute as pc
 
 import pgcdc_assets.checks
 import resources.cdc.apply_batches
@@ -31,8 +30,8 @@ from resources.lsn import LSN
 from resources.pgtypes import PgColumnType, to_arrow
 from resources.runs.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
 from resources.testing.verify import compare_table
-from tests.support.postgres import PgDatabase
 from tests.support.dagster_runs import create_shop, slot_position, write_config
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -86,8 +85,9 @@ def oracle_beside_reconcile(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | 
     outcomes: dict[str, int | AssertionError] = {}
     reconcile_table = resources.runs.reconcile._compare_table
 
-    def with_oracle(reader: psycopg.Connection, publication: str, spark: SparkSession, table: object, path: str,
-                    range_rows: int) -> TableReconciliation:
+    def with_oracle(
+        reader: psycopg.Connection, publication: str, spark: SparkSession, table: object, path: str, range_rows: int
+    ) -> TableReconciliation:
         try:
             outcomes[str(table)] = compare_table(reader, str(table), path)
         except AssertionError as failure:
@@ -131,7 +131,8 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         pg.execute("UPDATE orders SET customer = 'x' WHERE id = 5")
         first = evaluations(run(defs, instance, "pgcdc_incremental"))
         assert {key: e.passed for key, e in first.items()} == {
-            (SLOT, LAG): True, **{(table, SCHEMA): True for table in (ORDERS, NOTES, LABELS)}
+            (SLOT, LAG): True,
+            **{(table, SCHEMA): True for table in (ORDERS, NOTES, LABELS)},
         }
         assert sorted(catalog_reads) == ["public.labels", "public.notes", "public.orders"]
 
@@ -143,7 +144,9 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
         assert catalog_reads == []
 
         # An ALTER TABLE seen in the drain: evaluated for that table alone, against the catalog.
-        pg.execute("ALTER TABLE orders ADD COLUMN channel text DEFAULT 'web'; UPDATE orders SET amount = 0 WHERE id = 7")
+        pg.execute(
+            "ALTER TABLE orders ADD COLUMN channel text DEFAULT 'web'; UPDATE orders SET amount = 0 WHERE id = 7"
+        )
         altered = evaluations(run(defs, instance, "pgcdc_incremental"))
         assert set(altered) == {(ORDERS, SCHEMA), (SLOT, LAG)}
         assert altered[(ORDERS, SCHEMA)].passed
@@ -166,7 +169,9 @@ def test_schema_check_follows_relation_changes_and_reconcile_is_exact_under_writ
             writer.stop()
         assert during > 0
         # The job's drain is recorded like a drain: the slot at the fixed LSN, and the tables it changed.
-        drained = {e.asset_key: e.event_specific_data.materialization for e in reconciled.get_asset_materialization_events()}
+        drained = {
+            e.asset_key: e.event_specific_data.materialization for e in reconciled.get_asset_materialization_events()
+        }
         assert set(drained) == {SLOT, ORDERS, NOTES, LABELS}
         assert drained[SLOT].metadata["pgcdc/confirmed_flush_lsn"].value == str(confirmed)
         checks = evaluations(reconciled)
@@ -231,7 +236,9 @@ def test_a_conversion_broken_in_the_writer_only_fails_the_oracle_and_rows_match_
     with instance_for_test() as instance:
         run(defs, instance, "pgcdc_snapshot")
         monkeypatch.setattr(resources.cdc.apply_batches, "to_arrow", placed_an_hour_late)
-        pg.execute("UPDATE orders SET placed = placed + interval '1 day' WHERE id IN (7, 300); INSERT INTO notes VALUES ('n')")
+        pg.execute(
+            "UPDATE orders SET placed = placed + interval '1 day' WHERE id IN (7, 300); INSERT INTO notes VALUES ('n')"
+        )
         oracle = oracle_beside_reconcile(monkeypatch)
         checks = evaluations(run(defs, instance, "pgcdc_reconcile"))
     assert {key for key, e in checks.items() if not e.passed} == {(ORDERS, ROWS_MATCH)}

@@ -25,7 +25,7 @@ from collections import Counter
 from resources.lsn import LSN
 from resources.testing.memory_destination import InMemoryDestination
 from resources.testing.recorded_changes import Recording, replay_drain, replay_snapshot, snapshot_path
-from tests.support.change_recorder import RECORDING, record
+from tests.support.change_recorder import record, RECORDING
 from tests.support.postgres import PgDatabase
 
 
@@ -44,7 +44,9 @@ def replayed(recording: Recording) -> tuple[dict[str, Counter[tuple]], list[tupl
     destination = InMemoryDestination()
     replay_snapshot(recording, destination)
     confirms: list[tuple[LSN, dict[str, Counter[tuple]]]] = []
-    replay_drain(recording, destination, on_confirm=lambda lsn: confirms.append((lsn, memory_tables(recording, destination))))
+    replay_drain(
+        recording, destination, on_confirm=lambda lsn: confirms.append((lsn, memory_tables(recording, destination)))
+    )
     return memory_tables(recording, destination), confirms
 
 
@@ -70,4 +72,6 @@ def test_a_new_recording_replays_to_the_committed_one(pg: PgDatabase) -> None:
     committed = Recording.load(RECORDING)
     assert expected_tables(fresh) == expected_tables(committed)
     assert replayed(fresh)[0] == replayed(committed)[0] == expected_tables(fresh)
-    assert [(c.table, c.columns, c.csv) for c in fresh.copies] == [(c.table, c.columns, c.csv) for c in committed.copies]
+    assert [(c.table, c.columns, c.csv) for c in fresh.copies] == [
+        (c.table, c.columns, c.csv) for c in committed.copies
+    ]

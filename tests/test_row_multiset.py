@@ -24,11 +24,13 @@ NO_ROW = (None, None)
 
 def typed(rows: list[tuple], lsns: list[int]) -> pa.Table:
     """Text-form rows as the typed table Delta would hold."""
-    return pa.table({
-        "x": pa.array([None if x is None else x.decode() for x, _ in rows], pa.string()),
-        "f": pa.array([None if f is None else float(f) for _, f in rows], pa.float64()),
-        "_pgcdc_lsn": pa.array(lsns, pa.int64()),
-    })
+    return pa.table(
+        {
+            "x": pa.array([None if x is None else x.decode() for x, _ in rows], pa.string()),
+            "f": pa.array([None if f is None else float(f) for _, f in rows], pa.float64()),
+            "_pgcdc_lsn": pa.array(lsns, pa.int64()),
+        }
+    )
 
 
 def sequential(start: list[tuple], changes: list[tuple]) -> Counter:
@@ -147,11 +149,13 @@ def test_new_copies_get_the_change_lsn_and_null_in_columns_the_change_lacks() ->
 def test_comparable_rows_follow_the_text_form() -> None:
     """-0.0 and 0.0 differ (PostgreSQL prints them apart), NaNs are one value, NULL equals NULL,
     infinite timestamps (beyond Python's datetime) and arrays of floats compare exactly."""
-    table = pa.table({
-        "f": pa.array([0.0, -0.0, float("nan"), float("nan"), None, None], pa.float64()),
-        "ts": pa.array([2**63 - 1, 2**63 - 1, -(2**63), -(2**63), None, None], pa.timestamp("us", "UTC")),
-        "arr": pa.array([[0.0], [-0.0], [float("nan")], [float("nan")], None, None], pa.list_(pa.float64())),
-    })
+    table = pa.table(
+        {
+            "f": pa.array([0.0, -0.0, float("nan"), float("nan"), None, None], pa.float64()),
+            "ts": pa.array([2**63 - 1, 2**63 - 1, -(2**63), -(2**63), None, None], pa.timestamp("us", "UTC")),
+            "arr": pa.array([[0.0], [-0.0], [float("nan")], [float("nan")], None, None], pa.list_(pa.float64())),
+        }
+    )
     keys = comparable_rows(table, ["f", "ts", "arr"])
     assert keys[0] != keys[1] and keys[2] == keys[3] and keys[4] == keys[5]
     sliced = table.slice(2)  # offsets of a sliced list column

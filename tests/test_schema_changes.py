@@ -14,11 +14,11 @@ from pyspark.sql import SparkSession
 
 from resources.cdc.renames import unproven_addition
 from resources.delta.reads import delta_rs_rows
+from resources.delta.spark_destination import lake_destination
 from resources.postgres.catalog import read_table, table_attributes, TableName
 from resources.runs.snapshot import snapshot_tables
-from resources.delta.spark_destination import lake_destination
-from tests.support.postgres import PgDatabase
 from tests.support.incremental_runs import assert_refused_with_the_resnapshot_fix, drain, path_of, same, setup
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -26,11 +26,16 @@ pytest_plugins = ["tests.support.spark_fixtures"]
 def test_drop_and_add_of_the_last_column_drain_exactly(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """DROP + ADD of the last snapshot column, then of a column added since the snapshot: the new
     columns are NULL in the rows that existed before them, as in PostgreSQL; the dropped ones stay."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE d (id int PRIMARY KEY, v int, note text);
         INSERT INTO d VALUES (1, 10, 'a'), (2, 20, 'b');
         CREATE PUBLICATION pub FOR TABLE d;
-    """)
+    """,
+    )
     with pg.connect() as conn:
         conn.execute("ALTER TABLE d DROP COLUMN note")
         conn.execute("ALTER TABLE d ADD COLUMN memo text")
@@ -55,13 +60,21 @@ def test_a_rename_of_the_last_column_fails_with_the_resnapshot_fix_and_a_resnaps
 ) -> None:
     """RENAME of the last snapshot column: refused, nothing confirmed; after a re-snapshot the renamed
     column holds its values in Delta. Then a column added since that snapshot, renamed while last: refused."""
-    config = setup(pg, tmp_path, spark, """
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
         CREATE TABLE r (id int PRIMARY KEY, v int, note text);
         INSERT INTO r VALUES (1, 10, 'a'), (2, 20, 'b');
         CREATE PUBLICATION pub FOR TABLE r;
-    """)
+    """,
+    )
     assert_refused_with_the_resnapshot_fix(
-        pg, config, spark, ["ALTER TABLE r RENAME COLUMN note TO memo", "INSERT INTO r VALUES (3, 30, 'c')"],
+        pg,
+        config,
+        spark,
+        ["ALTER TABLE r RENAME COLUMN note TO memo", "INSERT INTO r VALUES (3, 30, 'c')"],
         "public.r: column 'memo' existed when the table was snapshotted (a RENAME COLUMN",
     )
     snapshot_tables(config, lake_destination(spark, config), [TableName.parse("public.r")])
@@ -74,7 +87,10 @@ def test_a_rename_of_the_last_column_fails_with_the_resnapshot_fix_and_a_resnaps
     table = delta_rs_rows(path_of(config, "public.r")).sort_by("id")
     assert table.column("memo").to_pylist() == ["a", "b", "c", "d"]
     assert_refused_with_the_resnapshot_fix(
-        pg, config, spark, ["ALTER TABLE r RENAME COLUMN z TO zz", "INSERT INTO r VALUES (5, 50, 'e', 5)"],
+        pg,
+        config,
+        spark,
+        ["ALTER TABLE r RENAME COLUMN z TO zz", "INSERT INTO r VALUES (5, 50, 'e', 5)"],
         "public.r: column(s) zz appeared as z disappeared, and PostgreSQL holds 0 column(s) dropped before them",
     )
 
@@ -119,17 +135,28 @@ def judge(
         (["ALTER TABLE x DROP note", "ALTER TABLE x ADD memo text"], [], None),
         (["ALTER TABLE x DROP note, ADD memo text"], ["ALTER TABLE x ADD y int"], None),
         (["ALTER TABLE x RENAME note TO memo"], ["ALTER TABLE x ADD y int"], "'memo' existed when"),
-        (["ALTER TABLE x RENAME note TO memo"], ["ALTER TABLE x DROP memo"], "'memo' appeared as note disappeared and is gone again"),
+        (
+            ["ALTER TABLE x RENAME note TO memo"],
+            ["ALTER TABLE x DROP memo"],
+            "'memo' appeared as note disappeared and is gone again",
+        ),
         (["ALTER TABLE x DROP note, ADD memo text"], ["ALTER TABLE x RENAME memo TO z"], "is gone again"),
         (
-            ["ALTER TABLE x RENAME note TO memo"], ["ALTER TABLE x RENAME memo TO z", "ALTER TABLE x ADD memo text"],
+            ["ALTER TABLE x RENAME note TO memo"],
+            ["ALTER TABLE x RENAME memo TO z", "ALTER TABLE x ADD memo text"],
             "'note' disappeared but is not dropped in PostgreSQL",
         ),
         (["ALTER TABLE x DROP note", "ALTER TABLE x ADD note text"], [], None),  # no new name: not a rename
     ],
     ids=[
-        "rename", "drop-add", "drop-add-then-add", "rename-then-add", "rename-then-drop", "drop-add-then-rename",
-        "rename-away-and-add-the-name-again", "drop-and-add-the-same-name",
+        "rename",
+        "drop-add",
+        "drop-add-then-add",
+        "rename-then-add",
+        "rename-then-drop",
+        "drop-add-then-rename",
+        "rename-away-and-add-the-name-again",
+        "drop-and-add-the-same-name",
     ],
 )
 def test_rename_or_drop_and_add_decided_from_the_catalog_read_after_later_ddl(
@@ -188,8 +215,12 @@ def test_without_recorded_numbers_a_column_gone_and_one_new_fails(pg: PgDatabase
     with pg.connect() as conn:
         oid = int(conn.execute("SELECT 'x'::regclass::oid").fetchone()[0])  # type: ignore[index]
         conn.execute("ALTER TABLE x DROP note, ADD memo text")
-        dropped_and_added = unproven_addition(None, ["id", "v", "note"], ["id", "v", "memo"], lambda: table_attributes(conn, oid))
+        dropped_and_added = unproven_addition(
+            None, ["id", "v", "note"], ["id", "v", "memo"], lambda: table_attributes(conn, oid)
+        )
         conn.execute("ALTER TABLE x ADD z int")
-        added = unproven_addition(None, ["id", "v", "memo"], ["id", "v", "memo", "z"], lambda: table_attributes(conn, oid))
+        added = unproven_addition(
+            None, ["id", "v", "memo"], ["id", "v", "memo", "z"], lambda: table_attributes(conn, oid)
+        )
     assert dropped_and_added is not None and "recorded no column numbers" in dropped_and_added
     assert added is None

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import DagsterInstance, RunRequest, SkipReason, instance_for_test
+from dagster import DagsterInstance, instance_for_test, RunRequest, SkipReason
 
 import resources.postgres.connections
 from pgcdc_assets.builder import build_definitions
-from resources.runs.cli import build_parser, print_changes
 from resources.postgres.connections import connect
+from resources.runs.cli import build_parser, print_changes
 from resources.testing.verify import assert_delta_equals_postgres, delta_rows
-from tests.support.postgres import PgDatabase
 from tests.support.dagster_runs import check_outcomes, evaluate, run_job, write_config
+from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs under hostile search paths; tiers: docs/testing.md
@@ -62,19 +62,36 @@ FUNCTIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
 PARTITION_TREE = "TABLE(relid regclass, parentrelid regclass, isleaf boolean, level integer)"
 SET_FUNCTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "unnest": (
-        ("oid[]", "SETOF oid"), ("integer[]", "SETOF integer"), ("bigint[]", "SETOF bigint"),
-        ("text[]", "SETOF text"), ("anyarray", "SETOF anyelement"),
+        ("oid[]", "SETOF oid"),
+        ("integer[]", "SETOF integer"),
+        ("bigint[]", "SETOF bigint"),
+        ("text[]", "SETOF text"),
+        ("anyarray", "SETOF anyelement"),
     ),
     "pg_partition_tree": tuple((arguments, PARTITION_TREE) for arguments in ("oid", "bigint", "integer", "regclass")),
 }
 #: Operators on the types pgcdc compares: name/text/oid/int/char/varchar/timestamp.
 OPERATORS: dict[str, tuple[tuple[str, str], ...]] = {
     "=": (
-        ("name", "name"), ("name", "text"), ("text", "name"), ("text", "text"), ("oid", "oid"),
-        ("oid", "regclass"), ("regclass", "oid"), ("oid", "integer"), ("oid", "bigint"), ("integer", "oid"),
-        ("smallint", "smallint"), ("smallint", "integer"), ("integer", "integer"), ("bigint", "bigint"),
-        ('"char"', '"char"'), ('"char"', "text"), ("character varying", "character varying"),
-        ("character varying", "text"), ("timestamp without time zone", "timestamp without time zone"),
+        ("name", "name"),
+        ("name", "text"),
+        ("text", "name"),
+        ("text", "text"),
+        ("oid", "oid"),
+        ("oid", "regclass"),
+        ("regclass", "oid"),
+        ("oid", "integer"),
+        ("oid", "bigint"),
+        ("integer", "oid"),
+        ("smallint", "smallint"),
+        ("smallint", "integer"),
+        ("integer", "integer"),
+        ("bigint", "bigint"),
+        ('"char"', '"char"'),
+        ('"char"', "text"),
+        ("character varying", "character varying"),
+        ("character varying", "text"),
+        ("timestamp without time zone", "timestamp without time zone"),
     ),
     "<>": (('"char"', '"char"'), ("oid", "oid"), ("integer", "integer"), ('"char"', "text")),
     ">": (("smallint", "integer"), ("smallint", "smallint"), ("integer", "integer")),
@@ -252,7 +269,9 @@ def defense(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Both defenses together as shipped, or the schema-qualified SQL in sessions that search
     the planted schemas first (the connect-time setting swapped for a hostile one)."""
     if request.param == "qualified SQL alone":
-        monkeypatch.setattr(resources.postgres.connections, "SEARCH_PATH_SETTINGS", {"search_path": "evil, pg_catalog, public"})
+        monkeypatch.setattr(
+            resources.postgres.connections, "SEARCH_PATH_SETTINGS", {"search_path": "evil, pg_catalog, public"}
+        )
     return str(request.param)
 
 
@@ -276,9 +295,7 @@ def test_planted_objects_catch_unqualified_sql(source: Source) -> None:
     }
 
 
-def test_every_pgcdc_session_starts_with_an_empty_search_path(
-    source: Source, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_every_pgcdc_session_starts_with_an_empty_search_path(source: Source, monkeypatch: pytest.MonkeyPatch) -> None:
     """Over ALTER DATABASE, ALTER ROLE and the DSN's own options, normal and walsender sessions alike;
     the DSN's (or PGOPTIONS') other settings are kept."""
     schemas = "SELECT pg_catalog.current_schemas(true)::pg_catalog.text, pg_catalog.current_setting('work_mem')"

@@ -22,14 +22,14 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.builder import build_definitions
 from resources.config import load_config
+from resources.delta.spark_destination import lake_destination
 from resources.errors import SlotError
-from resources.runs.incremental import run_incremental
 from resources.postgres.preflight import ensure_slot
+from resources.runs.incremental import run_incremental
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
-from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
 from tests.support.dagster_runs import create_shop, evaluate, run_job, write_config
+from tests.support.postgres import PgDatabase, TEST_SERVER_SETTINGS
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs against a lost slot; tiers: docs/testing.md
@@ -83,7 +83,9 @@ def test_idle_timeout_is_warned_before_and_named_with_its_fix_after(
         # Before: a timeout the schedule's 300 s gaps can outlast is a warning and a failed tick.
         set_idle_timeout(pg, "7min")
         warnings: list[str] = []
-        run_incremental(config, lake_destination(spark, config), warn=warnings.append, schedule_gap=timedelta(minutes=5))
+        run_incremental(
+            config, lake_destination(spark, config), warn=warnings.append, schedule_gap=timedelta(minutes=5)
+        )
         risk = (
             "idle_replication_slot_timeout is 420 s, less than 2 x the schedule's longest gap between drains (300 s):"
             f' PostgreSQL can invalidate slot "{SLOT}" while it waits for a drain, and every table must then be'
@@ -96,7 +98,9 @@ def test_idle_timeout_is_warned_before_and_named_with_its_fix_after(
         assert str(at_risk.value) == risk
         set_idle_timeout(pg, "10min")
         warnings.clear()
-        run_incremental(config, lake_destination(spark, config), warn=warnings.append, schedule_gap=timedelta(minutes=5))
+        run_incremental(
+            config, lake_destination(spark, config), warn=warnings.append, schedule_gap=timedelta(minutes=5)
+        )
         assert warnings == []
 
         # After: the slot idled out. Every reader names the cause and the fix, in one line.
@@ -154,7 +158,9 @@ def test_an_unreserved_slot_fails_the_health_sensor_before_it_is_lost(server: Lo
         pg.execute("SELECT pg_switch_wal()")
         if pg.execute("SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)) == [("unreserved",)]:
             break
-    ((status, safe),) = pg.execute("SELECT wal_status, safe_wal_size FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+    ((status, safe),) = pg.execute(
+        "SELECT wal_status, safe_wal_size FROM pg_replication_slots WHERE slot_name = %s", (SLOT,)
+    )
     assert status == "unreserved" and safe <= 0, (status, safe)
     with DagsterInstance.ephemeral() as instance, pytest.raises(SlotError) as at_risk:
         evaluate(build_definitions(config_file), "pgcdc_slot_health_sensor", instance, config_file)

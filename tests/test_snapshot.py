@@ -22,10 +22,9 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.reads import delta_rs_rows
-from resources.testing.verify import assert_buckets_right
 from resources.delta.markers import LSN_COLUMN
-from tests.support.marker_reads import read_snapshot_lsn
+from resources.delta.reads import delta_rs_rows
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from resources.errors import ConfigurationError, SlotError, SnapshotError
 from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS, TIMESTAMP_NEGATIVE_INFINITY, TIMESTAMP_POSITIVE_INFINITY
@@ -36,9 +35,10 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.replication import CreatedSlot
 from resources.runs import snapshot
 from resources.runs.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
-from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
-from tests.support.postgres import PgDatabase
+from resources.testing.verify import assert_buckets_right
+from tests.support.marker_reads import read_snapshot_lsn
 from tests.support.memory_child import measured
+from tests.support.postgres import PgDatabase
 from tests.support.snapshot_checks import assert_md5_payloads
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -244,7 +244,9 @@ def test_column_list_and_row_filter_are_honoured(pg: PgDatabase, spark: SparkSes
         """
     )
     ensure_slot(pg.dsn, SLOT)
-    result = snapshot_table(pg.dsn, PUB, TableName("public", "orders"), SparkDeltaDestination(spark, None), str(tmp_path / "o"), slot=SLOT)
+    result = snapshot_table(
+        pg.dsn, PUB, TableName("public", "orders"), SparkDeltaDestination(spark, None), str(tmp_path / "o"), slot=SLOT
+    )
     table = delta_table(tmp_path / "o").sort_by("id")
     assert table.column_names == ["id", "customer", "total", LSN_COLUMN]
     assert table.drop_columns([LSN_COLUMN]).to_pylist() == [
@@ -291,7 +293,12 @@ def test_keyless_partitioned_and_empty_tables_in_parallel(
     monkeypatch.setattr(snapshot, "snapshot_table", snapshot_table)
     results = snapshot_tables(config, lake_destination(spark, config))
 
-    assert [str(r.table) for r in results] == ["public.logs", "public.measures", "public.nothing_yet", "public.MixedCase"]
+    assert [str(r.table) for r in results] == [
+        "public.logs",
+        "public.measures",
+        "public.nothing_yet",
+        "public.MixedCase",
+    ]
     assert sorted(started) == sorted(str(r.table) for r in results) and not side_by_side.broken
     logs = delta_table(config.table_path("public", "logs"))
     assert logs.num_rows == 3002 and results[0].rows == 3002
@@ -337,16 +344,28 @@ def test_resnapshot_replaces_rows_and_moves_the_snapshot_lsn(
     def watch(progress: SnapshotProgress) -> None:
         temp_seen.extend(temporary_slots(pg))
 
-    first = snapshot_table(pg.dsn, PUB, TableName("public", "items"), SparkDeltaDestination(spark, None), path, slot=SLOT, on_progress=watch)
+    first = snapshot_table(
+        pg.dsn,
+        PUB,
+        TableName("public", "items"),
+        SparkDeltaDestination(spark, None),
+        path,
+        slot=SLOT,
+        on_progress=watch,
+    )
     (oid,) = pg.execute("SELECT 'items'::regclass::oid::int")[0]
-    (temp_name, temp_point), = set(temp_seen)
+    ((temp_name, temp_point),) = set(temp_seen)
     assert temp_name.startswith(f"pgcdc_sync_{oid}_") and len(temp_name) <= 63
     assert first.snapshot_lsn == LSN.parse(temp_point) >= created.consistent_point
     assert read_snapshot_lsn(spark, path) == first.snapshot_lsn
 
-    pg.execute("DELETE FROM items WHERE id > 50; UPDATE items SET name = 'v2-' || id WHERE id <= 10;"
-               "INSERT INTO items VALUES (1000, 'new')")
-    second = snapshot_table(pg.dsn, PUB, TableName("public", "items"), SparkDeltaDestination(spark, None), path, slot=SLOT)
+    pg.execute(
+        "DELETE FROM items WHERE id > 50; UPDATE items SET name = 'v2-' || id WHERE id <= 10;"
+        "INSERT INTO items VALUES (1000, 'new')"
+    )
+    second = snapshot_table(
+        pg.dsn, PUB, TableName("public", "items"), SparkDeltaDestination(spark, None), path, slot=SLOT
+    )
     table = delta_table(path).sort_by("id")
     assert table["id"].to_pylist() == [*range(1, 51), 1000]
     assert table["name"].to_pylist() == [f"v2-{g}" for g in range(1, 11)] + [f"v1-{g}" for g in range(11, 51)] + ["new"]
@@ -468,7 +487,11 @@ def test_bad_input_fails_clearly_and_writes_nothing(pg: PgDatabase, spark: Spark
     _refused(lambda: ensure_publication(make_config(pg, root, create_publication=True)), ConfigurationError,
              "no tables are configured")  # fmt: skip
     pg.execute(f"CREATE PUBLICATION {PUB}")
-    _refused(lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None)), ConfigurationError, "publishes no tables")
+    _refused(
+        lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None)),
+        ConfigurationError,
+        "publishes no tables",
+    )
     pg.execute(f"ALTER PUBLICATION {PUB} ADD TABLE a")
     _refused(lambda: snapshot_tables(make_config(pg, root, tables=["public.b"]), SparkDeltaDestination(spark, None)), ConfigurationError,
              "public.b not published", "ALTER PUBLICATION")  # fmt: skip
@@ -478,7 +501,12 @@ def test_bad_input_fails_clearly_and_writes_nothing(pg: PgDatabase, spark: Spark
              ConfigurationError, "public.b", "not in publication")  # fmt: skip
 
     pg.execute(f"SELECT pg_create_logical_replication_slot('{SLOT}', 'test_decoding')")
-    _refused(lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None)), SlotError, "test_decoding", "not pgoutput")
+    _refused(
+        lambda: snapshot_tables(make_config(pg, root), SparkDeltaDestination(spark, None)),
+        SlotError,
+        "test_decoding",
+        "not pgoutput",
+    )
     pg.execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
     pg.execute(f"SELECT pg_create_physical_replication_slot('{SLOT}')")
     _refused(lambda: ensure_slot(pg.dsn, SLOT), SlotError, "physical")
@@ -506,7 +534,13 @@ def test_a_refused_value_fails_its_table_only(pg: PgDatabase, spark: SparkSessio
     )
     root = tmp_path / "lake"
     config = make_config(pg, root, snapshot={"parallel_tables": 2})
-    message = _refused(lambda: snapshot_tables(config, lake_destination(spark, config)), SnapshotError, "public.prices", "'NaN'", "as text")
+    message = _refused(
+        lambda: snapshot_tables(config, lake_destination(spark, config)),
+        SnapshotError,
+        "public.prices",
+        "'NaN'",
+        "as text",
+    )
     assert "amount" in message
     assert delta_table(config.table_path("public", "good")).num_rows == 10
     assert not (Path(config.table_path("public", "prices")) / "_delta_log").exists()
@@ -558,11 +592,11 @@ def test_a_table_named_with_spaces_and_percent_replicates(pg: PgDatabase, spark:
     from resources.testing.verify import assert_delta_equals_postgres
 
     pg.execute(
-        '''
+        """
         CREATE SCHEMA "Sales 2024";
         CREATE TABLE "Sales 2024"."Mixed Case" (id int PRIMARY KEY, "100% Note" text);
         INSERT INTO "Sales 2024"."Mixed Case" SELECT g, 'n' || g FROM generate_series(1, 50) g;
-        '''
+        """
     )
     root = tmp_path / "lake"
     config = make_config(pg, root, create_publication=True, tables=['"Sales 2024"."Mixed Case"'])
@@ -575,11 +609,11 @@ def test_a_table_named_with_spaces_and_percent_replicates(pg: PgDatabase, spark:
     assert read_snapshot_lsn(spark, path) == result.snapshot_lsn
 
     pg.execute(
-        '''
+        """
         UPDATE "Sales 2024"."Mixed Case" SET "100% Note" = 'changed' WHERE id <= 10;
         DELETE FROM "Sales 2024"."Mixed Case" WHERE id > 45;
         INSERT INTO "Sales 2024"."Mixed Case" VALUES (100, 'new');
-        '''
+        """
     )
     run_incremental(config, lake_destination(spark, config), log=lambda *_: None)
     assert assert_delta_equals_postgres(pg.dsn, "Sales 2024.Mixed Case", path, key=("id",)) == 46
@@ -604,7 +638,15 @@ def test_values_the_csv_reader_refuses_fall_back_to_the_exact_mapping(
     )
     ensure_slot(pg.dsn, SLOT)
     path = tmp_path / "mixed"
-    snapshot_table(pg.dsn, PUB, TableName("public", "mixed"), SparkDeltaDestination(spark, None), str(path), slot=SLOT, chunk_bytes=256 * 1024)
+    snapshot_table(
+        pg.dsn,
+        PUB,
+        TableName("public", "mixed"),
+        SparkDeltaDestination(spark, None),
+        str(path),
+        slot=SLOT,
+        chunk_bytes=256 * 1024,
+    )
     with psycopg.connect(pg.dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS)) as conn:
         cursor = conn.cursor(row_factory=psycopg.rows.dict_row)
         expected = cursor.execute(

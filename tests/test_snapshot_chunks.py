@@ -19,21 +19,21 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
-from tests.support.marker_reads import read_snapshot_lsn
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from resources.errors import ConfigurationError, SnapshotError
 from resources.pgtypes import SESSION_SETTINGS
-from resources.postgres.catalog import ColumnInfo, TableInfo, TableName
 from resources.postgres import connections
+from resources.postgres.catalog import ColumnInfo, TableInfo, TableName
 from resources.postgres.connections import connect
 from resources.postgres.copy import block_ranges
 from resources.postgres.preflight import ensure_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables
 from resources.testing.verify import compare_table, delta_rows
-from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.deletion_vectors import assert_deletion_vectors
-from tests.support.postgres import PgDatabase
+from tests.support.marker_reads import read_snapshot_lsn
 from tests.support.memory_child import measured
+from tests.support.postgres import PgDatabase
 from tests.support.snapshot_checks import assert_md5_payloads
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -61,7 +61,7 @@ def test_ranged_copy_query_keeps_the_row_filter_and_qualifies_operators() -> Non
     column = ColumnInfo("id", 1, 20, -1, "bigint", True, True)
     info = TableInfo(1, TableName("public", "t"), "r", "d", (column,), "(id > 5) OR (id < 2)")
     assert info.copy_query((128, 256)) == (
-        "COPY (SELECT \"id\" FROM ONLY \"public\".\"t\" WHERE ((id > 5) OR (id < 2))"
+        'COPY (SELECT "id" FROM ONLY "public"."t" WHERE ((id > 5) OR (id < 2))'
         " AND ctid OPERATOR(pg_catalog.>=) '(128,0)'::pg_catalog.tid"
         " AND ctid OPERATOR(pg_catalog.<) '(256,0)'::pg_catalog.tid) TO STDOUT WITH (FORMAT csv)"
     )
@@ -127,12 +127,25 @@ def test_parallel_ctid_chunks_give_the_table_one_copy_gives(
             assert {row[LSN_COLUMN] for row in delta_rows(str(parallel))[1]} == {int(split.snapshot_lsn)}
             if publication != "via_leaves":  # the leaves are the root's rows again
                 one = tmp_path / publication / f"{name}_one"
-                single = snapshot_table(pg.dsn, publication, TableName("public", name), SparkDeltaDestination(spark, None), str(one), slot=SLOT, workers=1)
+                single = snapshot_table(
+                    pg.dsn,
+                    publication,
+                    TableName("public", name),
+                    SparkDeltaDestination(spark, None),
+                    str(one),
+                    slot=SLOT,
+                    workers=1,
+                )
                 assert (single.chunks, single.workers) == (1, 1)
                 assert split.rows == single.rows and _content(parallel) == _content(one), name
             if publication == "filtered":  # what the row filter and column list publish, no more
                 ((published_rows,),) = pg.execute("SELECT count(*) FROM narrow WHERE id % 5 <> 0")
-                assert split.rows == published_rows and delta_rows(str(parallel))[0].names == ["id", "v", LSN_COLUMN, BUCKET_COLUMN]
+                assert split.rows == published_rows and delta_rows(str(parallel))[0].names == [
+                    "id",
+                    "v",
+                    LSN_COLUMN,
+                    BUCKET_COLUMN,
+                ]
                 continue
             with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:
                 assert compare_table(conn, f"public.{name}", str(parallel)) == split.rows
@@ -173,11 +186,17 @@ def test_parallel_chunks_under_concurrent_writes_then_drains_are_exact(
                 n += 1
                 with conn.transaction():
                     conn.execute("UPDATE accounts SET balance = balance - 1 WHERE id = %s", (n * 7919 % 40000 + 1,))
-                    conn.execute("UPDATE accounts SET balance = balance + 1, note = 'moved' WHERE id = %s", (n * 104729 % 40000 + 1,))
+                    conn.execute(
+                        "UPDATE accounts SET balance = balance + 1, note = 'moved' WHERE id = %s",
+                        (n * 104729 % 40000 + 1,),
+                    )
                     conn.execute("INSERT INTO ledger VALUES (%s, 1, 'during')", (n % 1000,))
                     if n % 5 == 0:
                         conn.execute("INSERT INTO accounts VALUES (%s, 0, 'opened')", (100000 + n,))
-                        conn.execute("DELETE FROM ledger WHERE ctid = (SELECT min(ctid) FROM ledger WHERE account = %s)", (n % 1000,))
+                        conn.execute(
+                            "DELETE FROM ledger WHERE ctid = (SELECT min(ctid) FROM ledger WHERE account = %s)",
+                            (n % 1000,),
+                        )
                     if n % 7 == 0:
                         conn.execute("DELETE FROM accounts WHERE id = %s", (n * 31 % 40000 + 1,))
                 committed[0] = n
@@ -250,7 +269,16 @@ def test_a_refused_value_in_one_range_fails_the_table_and_leaves_nothing(
     assert pg.execute("SELECT pg_relation_size('prices') > 1024 * 1024")[0][0]  # more than one 1 MB range
     path = tmp_path / "prices"
     with pytest.raises(SnapshotError) as refused:
-        snapshot_table(pg.dsn, "pub", TableName("public", "prices"), SparkDeltaDestination(spark, None), str(path), slot=SLOT, workers=3, chunk_mb=1)
+        snapshot_table(
+            pg.dsn,
+            "pub",
+            TableName("public", "prices"),
+            SparkDeltaDestination(spark, None),
+            str(path),
+            slot=SLOT,
+            workers=3,
+            chunk_mb=1,
+        )
     assert "public.prices" in str(refused.value) and "'NaN'" in str(refused.value) and "amount" in str(refused.value)
     assert not (path / "_delta_log").exists() and read_snapshot_lsn(spark, str(path)) is None
     leftovers = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgcdc_snapshot'"
@@ -295,7 +323,14 @@ def test_parallel_chunks_call_nothing_a_search_path_could_plant(
         with pytest.raises(psycopg.errors.RaiseException, match="planted"):
             probe.execute("SELECT count(*) FROM wide_rows WHERE ctid >= '(1,0)'")
     result = snapshot_table(
-        pg.dsn, "pub", TableName("public", "wide_rows"), SparkDeltaDestination(spark, None), str(tmp_path / "w"), slot=SLOT, workers=2, chunk_mb=1
+        pg.dsn,
+        "pub",
+        TableName("public", "wide_rows"),
+        SparkDeltaDestination(spark, None),
+        str(tmp_path / "w"),
+        slot=SLOT,
+        workers=2,
+        chunk_mb=1,
     )
     assert result.chunks >= 2 and result.workers == 2
     with connect(pg.dsn, application_name="test", session_settings=SESSION_SETTINGS) as conn:

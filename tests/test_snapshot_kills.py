@@ -29,26 +29,28 @@ from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 from pyspark.sql import SparkSession
 
 from resources.config import CONFIG_ENV_VAR, load_config, parse_config, PgcdcConfig
+from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.capabilities import engine_capabilities, set_engine_capabilities
 from resources.delta.lake_storage import open_lake
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property, snapshot_marker
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from resources.delta.state_table import read_state, state_path
 from resources.delta.table_log import read_table_log, table_exists, unfinished_create
 from resources.errors import ConfigurationError
-from resources.runs.incremental import run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
+from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from tests.support.postgres import PgDatabase
 
-pytest.register_assert_rewrite("tests.support.s3_fixtures")  # imported below (through the Dagster tests) before pytest loads it as a plugin
-from tests.support.fault_child import SNAPSHOT_WRITER_ENV, use_snapshot_writer
+pytest.register_assert_rewrite(
+    "tests.support.s3_fixtures"
+)  # imported below (through the Dagster tests) before pytest loads it as a plugin
 from tests.support.dagster_runs import create_shop, DAGSTER, delta_rows, pg_notes, pg_orders, REPO, write_config
+from tests.support.fault_child import SNAPSHOT_WRITER_ENV, use_snapshot_writer
 from tests.support.fault_runs import Child
 from tests.support.key_range_writer import DDL, ROWS, Writer
 
@@ -63,11 +65,18 @@ WRITERS = ("delta-rs", "engine")
 #: Every phase of a one-snapshot run each writer passes through, in order.
 POINTS = {
     "delta-rs": (
-        "after_snapshot_slot", "before_snapshot_create", "after_snapshot_create", "during_snapshot_write",
-        "after_snapshot_commit", "before_snapshot_state_write",
+        "after_snapshot_slot",
+        "before_snapshot_create",
+        "after_snapshot_create",
+        "during_snapshot_write",
+        "after_snapshot_commit",
+        "before_snapshot_state_write",
     ),
     "engine": (
-        "after_snapshot_slot", "during_snapshot_write", "after_snapshot_staged", "after_snapshot_commit",
+        "after_snapshot_slot",
+        "during_snapshot_write",
+        "after_snapshot_staged",
+        "after_snapshot_commit",
         "before_snapshot_state_write",
     ),
 }
@@ -85,15 +94,17 @@ def snapshot_writer(spark: SparkSession, writer: str) -> Iterator[None]:
 
 
 def kill_config(pg: PgDatabase, root: Path, slot: str, width: int = 1000, **snapshot: object) -> PgcdcConfig:
-    return parse_config({
-        "postgres": {"dsn": pg.dsn},
-        "publication": "pub",
-        "slot": slot,
-        # big in range buckets of ``width`` keys (its writer's inserts open new ones); flat is keyless
-        "delta": {"root": str(root), "buckets": {"tables": {"public.big": {"width": width}}}},
-        # one table at a time: big first, so each kill lands in big's snapshot
-        "snapshot": {"parallel_tables": 1, **snapshot},
-    })
+    return parse_config(
+        {
+            "postgres": {"dsn": pg.dsn},
+            "publication": "pub",
+            "slot": slot,
+            # big in range buckets of ``width`` keys (its writer's inserts open new ones); flat is keyless
+            "delta": {"root": str(root), "buckets": {"tables": {"public.big": {"width": width}}}},
+            # one table at a time: big first, so each kill lands in big's snapshot
+            "snapshot": {"parallel_tables": 1, **snapshot},
+        }
+    )
 
 
 def killed_child(config: PgcdcConfig, config_file: Path, point: str, writer: str, what: str = "snapshot") -> None:
@@ -157,7 +168,9 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
             # Configured otherwise by now: a table the kill left without a snapshot gets the layout
             # configured now (its created table's layout property included), one with a snapshot keeps its own.
             with snapshot_writer(spark, writer):
-                snapshot_tables(kill_config(pg, tmp_path / point, f"kill_{number}", width=700), SparkDeltaDestination(spark, None))
+                snapshot_tables(
+                    kill_config(pg, tmp_path / point, f"kill_{number}", width=700), SparkDeltaDestination(spark, None)
+                )
         assert traffic.transactions > 0
         run_incremental(config, lake_destination(spark, config))
         assert_exact(pg, config)
@@ -165,7 +178,8 @@ def test_a_snapshot_killed_at_each_phase_recovers_on_the_next_run(
         assert layout is not None and layout.size == (1000 if LEFT[writer, point] == "snapshot" else 700), point
         rows = read_state(state_path(config.delta.root, config.slot))
         assert {table: row.log.version for table, row in rows.items()} == {
-            "public.big": read_table_log(big).version, "public.flat": read_table_log(flat).version,
+            "public.big": read_table_log(big).version,
+            "public.flat": read_table_log(flat).version,
         }, point
 
         # The same phase again, now that the tables have their snapshots (a re-snapshot): the table keeps
@@ -242,7 +256,9 @@ def test_a_snapshot_in_key_ranges_killed_at_each_phase_resumes(
 
 
 def files_under(directory: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()
+    }
 
 
 def foreign_tables(path: Path) -> Iterator[str]:
@@ -257,14 +273,19 @@ def foreign_tables(path: Path) -> Iterator[str]:
     shutil.rmtree(path / "_delta_log")
     # pgcdc's layout property, but a commit after the create: something was committed to it
     deltalake.DeltaTable.create(
-        str(path), bucketed.schema, partition_by=[BUCKET_COLUMN], configuration={LAYOUT_PROPERTY: "none"},
+        str(path),
+        bucketed.schema,
+        partition_by=[BUCKET_COLUMN],
+        configuration={LAYOUT_PROPERTY: "none"},
         raise_if_key_not_exists=False,
     )
     deltalake.write_deltalake(str(path), bucketed, mode="append")
     yield "a created table with a commit after its creation"
 
 
-def test_a_table_pgcdc_did_not_create_is_refused_and_left_as_it_is(pg: PgDatabase, spark: SparkSession, tmp_path: Path) -> None:
+def test_a_table_pgcdc_did_not_create_is_refused_and_left_as_it_is(
+    pg: PgDatabase, spark: SparkSession, tmp_path: Path
+) -> None:
     """A bucketed Delta table without a record of its layout that is not pgcdc's unfinished create:
     the snapshot still refuses it (one line naming the fix) and deletes nothing of it, on either writer."""
     pg.execute(DDL)
@@ -307,11 +328,15 @@ def test_a_failed_write_takes_away_only_what_it_created(spark: SparkSession, tmp
         assert not table_exists(str(there)) and not (there / "_delta_log").exists()
 
 
-def run_dagster(home: Path, config_file: Path, *args: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_dagster(
+    home: Path, config_file: Path, *args: str, fault: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """``dagster job execute`` in a subprocess on the instance at ``home``; ``fault``: the point where the
     process running the snapshot step (the job's in-process executor: the run's process) SIGKILLs itself."""
     env = {key: value for key, value in os.environ.items() if key != FAULT_POINT_ENV}
-    env.update({CONFIG_ENV_VAR: str(config_file), "DAGSTER_HOME": str(home), **({FAULT_POINT_ENV: fault} if fault else {})})
+    env.update(
+        {CONFIG_ENV_VAR: str(config_file), "DAGSTER_HOME": str(home), **({FAULT_POINT_ENV: fault} if fault else {})}
+    )
     try:
         return subprocess.run(
             [DAGSTER, "job", "execute", "-m", "pgcdc_assets.definitions", *args],
@@ -361,7 +386,9 @@ def test_a_killed_dagster_snapshot_run_is_followed_by_a_run_that_succeeds(
     run_config = tmp_path / "resnapshot.yaml"
     run_config.write_text(yaml.safe_dump({"ops": {"snapshot_tables": {"config": {"tables": ["public.orders"]}}}}))
     pg.execute("DELETE FROM orders WHERE id = 7")
-    killed = run_dagster(home, config_file, "-j", "pgcdc_resnapshot", "-c", str(run_config), fault="during_snapshot_write")
+    killed = run_dagster(
+        home, config_file, "-j", "pgcdc_resnapshot", "-c", str(run_config), fault="during_snapshot_write"
+    )
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert end_killed_runs(home) == 1
     pg.execute("INSERT INTO orders VALUES (900, 'new', 1.00, NULL, NULL)")
@@ -391,7 +418,9 @@ def test_an_unfinished_create_on_s3_is_created_again(s3_server: S3Server, s3_roo
     batches = (pa.record_batch([pa.array(range(i * 100, i * 100 + 100), pa.int64())], schema=schema) for i in range(4))
     marker = snapshot_marker(LSN(1), "s", "public.t", layout)
     with snapshot_writer(s3_spark, "delta-rs"):
-        assert write_snapshot(s3_spark, batches, schema, path, marker, layout=layout, lake=lake) == 1  # a new create, then the commit
+        assert (
+            write_snapshot(s3_spark, batches, schema, path, marker, layout=layout, lake=lake) == 1
+        )  # a new create, then the commit
     table = deltalake.DeltaTable(path, storage_options=options)
     assert table.metadata().configuration[LAYOUT_PROPERTY] == layout_property(layout)
     assert sorted(table.to_pyarrow_table().column("id").to_pylist()) == list(range(400))
@@ -411,6 +440,8 @@ def test_a_log_directory_without_commits_is_no_table(spark: SparkSession, tmp_pa
     layout = TableLayout("range", ("id",), 10)
     marker = snapshot_marker(LSN(1), "s", "public.t", layout)
     with snapshot_writer(spark, writer):
-        write_snapshot(spark, pa.table({"id": pa.array(range(30), pa.int64())}), schema, str(path), marker, layout=layout)
+        write_snapshot(
+            spark, pa.table({"id": pa.array(range(30), pa.int64())}), schema, str(path), marker, layout=layout
+        )
     assert read_table_log(str(path)).layout == layout
     assert sorted(deltalake.DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()) == list(range(30))

@@ -25,18 +25,17 @@ from pyspark.sql import SparkSession
 
 from resources.column_numbers import ColumnNumbers
 from resources.config import parse_config, PgcdcConfig
+from resources.crash_points import FAULT_POINT_ENV
 from resources.delta import table_log
 from resources.delta.destination import TableLog
 from resources.delta.layout import HASH, TableLayout
-from resources.delta.spark_destination import SparkDeltaDestination
+from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from resources.delta.state_table import read_state, state_path, StateRow, write_state
-from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables
-from resources.crash_points import FAULT_POINT_ENV
 from resources.testing.verify import assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -46,9 +45,14 @@ SLOT = "pgcdc_slot"
 
 def configure(pg: PgDatabase, tmp_path: Path, ddl: str) -> PgcdcConfig:
     pg.execute(ddl)
-    return parse_config({
-        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path / "lake")},
-    })
+    return parse_config(
+        {
+            "postgres": {"dsn": pg.dsn},
+            "publication": "pub",
+            "slot": SLOT,
+            "delta": {"root": str(tmp_path / "lake")},
+        }
+    )
 
 
 def path_of(config: PgcdcConfig, table: str) -> str:
@@ -66,7 +70,9 @@ def state_of(spark: SparkSession, config: PgcdcConfig) -> dict[str, StateRow]:
 def resnapshot_without_state(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, table: str) -> None:
     """A snapshot whose process died after its Delta commit, before its state write (snapshot_table
     alone writes no state row)."""
-    snapshot_table(pg.dsn, "pub", TableName("public", table), SparkDeltaDestination(spark, None), path_of(config, table), slot=SLOT)
+    snapshot_table(
+        pg.dsn, "pub", TableName("public", table), SparkDeltaDestination(spark, None), path_of(config, table), slot=SLOT
+    )
 
 
 def crashing_child(config: PgcdcConfig, tmp_path: Path, fault: str) -> subprocess.CompletedProcess[str]:
@@ -75,7 +81,10 @@ def crashing_child(config: PgcdcConfig, tmp_path: Path, fault: str) -> subproces
     config_file.write_text(yaml.safe_dump(config.model_dump()))
     return subprocess.run(
         [sys.executable, "-m", "tests.support.incremental_child", str(config_file), "1000"],
-        env={**os.environ, FAULT_POINT_ENV: fault}, capture_output=True, text=True, timeout=300,
+        env={**os.environ, FAULT_POINT_ENV: fault},
+        capture_output=True,
+        text=True,
+        timeout=300,
         cwd=Path(__file__).parent.parent,
     )
 
@@ -96,13 +105,17 @@ def drained(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, expected: 
 def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    config = configure(pg, tmp_path, """
+    config = configure(
+        pg,
+        tmp_path,
+        """
         CREATE TABLE acct (id int PRIMARY KEY, n int);
         CREATE TABLE journal (entry int, note text);
         INSERT INTO acct VALUES (1, 0), (2, 0);
         INSERT INTO journal VALUES (0, 'seed');
         CREATE PUBLICATION pub FOR TABLE acct, journal;
-    """)
+    """,
+    )
     snapshots = {str(r.table): r for r in snapshot_tables(config, lake_destination(spark, config))}
     state = state_of(spark, config)
     assert {t: (r.log.snapshot_lsn, r.log.snapshot_version, r.log.version, r.log.layout) for t, r in state.items()} == {
@@ -118,12 +131,15 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     killed = crashing_child(config, tmp_path, "before_state_write")
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     assert {t: version_of(config, t) for t in versions} == {t: v + 1 for t, v in versions.items()}
-    assert {t: r.log.version for t, r in state_of(spark, config).items()} == {f"public.{t}": v for t, v in versions.items()}
+    assert {t: r.log.version for t, r in state_of(spark, config).items()} == {
+        f"public.{t}": v for t, v in versions.items()
+    }
     first = drained(pg, config, spark, {"acct": 2, "journal": 2})
     assert first.tables["public.journal"].inserted == 0 and first.changes_skipped == 1  # applied before the crash
     # The drain's rows keep the column numbers the snapshot markers recorded (for once log cleanup removes them).
     assert {t: r.log.columns for t, r in state_of(spark, config).items()} == {
-        "public.acct": ColumnNumbers({"id": 1, "n": 2}, 2), "public.journal": ColumnNumbers({"entry": 1, "note": 2}, 2),
+        "public.acct": ColumnNumbers({"id": 1, "n": 2}, 2),
+        "public.journal": ColumnNumbers({"entry": 1, "note": 2}, 2),
     }
 
     # A re-snapshot whose state write was lost: the state names the old snapshot. The rows
@@ -141,21 +157,32 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     # believed, it would skip the next change of acct. The log's snapshot commit says otherwise.
     real = state_of(spark, config)
     forged = real["public.acct"]
-    (now,), = pg.execute("SELECT pg_current_wal_lsn()::text")
+    ((now,),) = pg.execute("SELECT pg_current_wal_lsn()::text")
     lying = replace(forged.log, snapshot_lsn=LSN.parse(now) + 1_000_000, applied_marker=None)
     write_state(state_path(config.delta.root, SLOT), real, [StateRow(forged.table, forged.path, lying, None)])
     # And a row one commit behind (a crash after an intermediate confirm, before the state write).
     behind = real["public.journal"]
-    write_state(state_path(config.delta.root, SLOT), state_of(spark, config), [
-        StateRow(behind.table, behind.path, replace(behind.log, version=behind.log.version - 1, applied_marker=None), None)
-    ])
+    write_state(
+        state_path(config.delta.root, SLOT),
+        state_of(spark, config),
+        [
+            StateRow(
+                behind.table,
+                behind.path,
+                replace(behind.log, version=behind.log.version - 1, applied_marker=None),
+                None,
+            )
+        ],
+    )
     pg.execute("UPDATE acct SET n = 2 WHERE id = 2; INSERT INTO journal VALUES (4, 'four')")
     third = drained(pg, config, spark, {"acct": 2, "journal": 5})
     assert third.tables["public.acct"].updated == 1 and third.tables["public.journal"].inserted == 1
 
     # A table added to the publication later: unknown to the state, read from its log every run
     # until it has a snapshot; its snapshot's state write lost too.
-    pg.execute("CREATE TABLE extra (id int PRIMARY KEY); ALTER PUBLICATION pub ADD TABLE extra; INSERT INTO extra VALUES (1)")
+    pg.execute(
+        "CREATE TABLE extra (id int PRIMARY KEY); ALTER PUBLICATION pub ADD TABLE extra; INSERT INTO extra VALUES (1)"
+    )
     fourth = run_incremental(config, lake_destination(spark, config), log=print)
     assert fourth.tables_without_snapshot == ["public.extra"] and "public.extra" not in state_of(spark, config)
     resnapshot_without_state(pg, config, spark, "extra")
@@ -170,7 +197,11 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     shutil.rmtree(path_of(config, "extra"))
     real = state_of(spark, config)
     other_layout = replace(real["public.acct"].log, layout=TableLayout(HASH, ("id",), 7))
-    write_state(state_path(config.delta.root, SLOT), real, [StateRow("public.acct", path_of(config, "acct"), other_layout, None)])
+    write_state(
+        state_path(config.delta.root, SLOT),
+        real,
+        [StateRow("public.acct", path_of(config, "acct"), other_layout, None)],
+    )
     pg.execute("INSERT INTO extra VALUES (3); UPDATE acct SET n = 3 WHERE id = 1")
     sixth = drained(pg, config, spark, {"acct": 2, "journal": 5})
     assert sixth.tables_without_snapshot == ["public.extra"] and sixth.tables["public.extra"].delta_version is None
@@ -182,9 +213,12 @@ def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tables = [f"t{i}" for i in range(12)]
-    config = configure(pg, tmp_path, "".join(
-        f"CREATE TABLE {t} (id int PRIMARY KEY, n int); INSERT INTO {t} VALUES (1, 0);" for t in tables
-    ) + f"CREATE PUBLICATION pub FOR TABLE {', '.join(tables)};")
+    config = configure(
+        pg,
+        tmp_path,
+        "".join(f"CREATE TABLE {t} (id int PRIMARY KEY, n int); INSERT INTO {t} VALUES (1, 0);" for t in tables)
+        + f"CREATE PUBLICATION pub FOR TABLE {', '.join(tables)};",
+    )
     snapshot_tables(config, lake_destination(spark, config))
     destination_reads: list[str] = []
     log_files: list[str] = []

@@ -21,12 +21,12 @@ import psycopg
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.config import PgcdcConfig, parse_config
-from resources.runs.incremental import run_incremental
-from resources.testing.local_postgres import LocalPostgres
-from resources.lsn import LSN
-from resources.runs.snapshot import snapshot_tables
+from resources.config import parse_config, PgcdcConfig
 from resources.delta.spark_destination import lake_destination
+from resources.lsn import LSN
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
+from resources.testing.local_postgres import LocalPostgres
 from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import PgDatabase
 from tests.support.subscriber_oracle import Subscriber, SubscriberError
@@ -99,12 +99,15 @@ class MixedWorkload:
     def _keyed(self, r: random.Random) -> str:
         x, k = r.random(), r.randint(0, 79)
         if x < 0.3:
-            return (f"INSERT INTO keyed VALUES ({k}, {value(r, 'text')}, {value(r, 'bigint')}, {value(r, 'numeric')},"
-                    f" {value(r, 'ts')}, {value(r, 'jsonb')}, {value(r, 'intarr')}, {value(r, 'toast')})"
-                    f" ON CONFLICT (id) DO UPDATE SET name = EXCLUDED.name, n = EXCLUDED.n")
+            return (
+                f"INSERT INTO keyed VALUES ({k}, {value(r, 'text')}, {value(r, 'bigint')}, {value(r, 'numeric')},"
+                f" {value(r, 'ts')}, {value(r, 'jsonb')}, {value(r, 'intarr')}, {value(r, 'toast')})"
+                f" ON CONFLICT (id) DO UPDATE SET name = EXCLUDED.name, n = EXCLUDED.n"
+            )
         if x < 0.6:  # body untouched: it arrives as unchanged TOAST
-            return (f"UPDATE keyed SET n = {value(r, 'bigint')}, doc = {value(r, 'jsonb')}"
-                    f" WHERE id BETWEEN {k} AND {k + 5}")
+            return (
+                f"UPDATE keyed SET n = {value(r, 'bigint')}, doc = {value(r, 'jsonb')} WHERE id BETWEEN {k} AND {k + 5}"
+            )
         if x < 0.7:
             return f"UPDATE keyed SET body = {value(r, 'toast')} WHERE id = {k}"
         if x < 0.85:
@@ -115,14 +118,18 @@ class MixedWorkload:
     def _filtered_key(self, r: random.Random) -> str:
         x, k = r.random(), r.randint(0, 89)
         if x < 0.3:
-            return (f"INSERT INTO filtered_key VALUES ({k}, {r.randint(0, 9)}, {value(r, 'text')})"
-                    " ON CONFLICT (id) DO UPDATE SET note = EXCLUDED.note")
+            return (
+                f"INSERT INTO filtered_key VALUES ({k}, {r.randint(0, 9)}, {value(r, 'text')})"
+                " ON CONFLICT (id) DO UPDATE SET note = EXCLUDED.note"
+            )
         if x < 0.55:
             return f"UPDATE filtered_key SET note = {value(r, 'text')} WHERE id BETWEEN {k} AND {k + 4}"
         if x < 0.85:  # the key decides the filter: rows move into and out of the publication
             new = r.randint(0, 89)
-            return (f"UPDATE filtered_key SET id = {new}, grp = {r.randint(0, 9)} WHERE id = {k}"
-                    f" AND NOT EXISTS (SELECT 1 FROM filtered_key WHERE id = {new})")
+            return (
+                f"UPDATE filtered_key SET id = {new}, grp = {r.randint(0, 9)} WHERE id = {k}"
+                f" AND NOT EXISTS (SELECT 1 FROM filtered_key WHERE id = {new})"
+            )
         return f"DELETE FROM filtered_key WHERE id BETWEEN {k} AND {k + 2}"
 
     def _filtered_full(self, r: random.Random) -> str:
@@ -140,12 +147,16 @@ class MixedWorkload:
     def _narrow(self, r: random.Random) -> str:
         x, k = r.random(), r.randint(0, 59)
         if x < 0.3:
-            return (f"INSERT INTO narrow VALUES ({k}, {value(r, 'text')}, {value(r, 'int')}, 'secret',"
-                    f" {value(r, 'toast')}) ON CONFLICT (id) DO UPDATE SET visible = EXCLUDED.visible,"
-                    " secret = 'changed'")
+            return (
+                f"INSERT INTO narrow VALUES ({k}, {value(r, 'text')}, {value(r, 'int')}, 'secret',"
+                f" {value(r, 'toast')}) ON CONFLICT (id) DO UPDATE SET visible = EXCLUDED.visible,"
+                " secret = 'changed'"
+            )
         if x < 0.5:  # only unpublished columns change: an update with nothing new to publish
-            return (f"UPDATE narrow SET secret = {value(r, 'text', nullable=False)}, body = {value(r, 'toast')}"
-                    f" WHERE id = {k}")
+            return (
+                f"UPDATE narrow SET secret = {value(r, 'text', nullable=False)}, body = {value(r, 'toast')}"
+                f" WHERE id = {k}"
+            )
         if x < 0.7:
             return f"UPDATE narrow SET n = {value(r, 'int')} WHERE id BETWEEN {k} AND {k + 4}"
         if x < 0.85:
@@ -156,8 +167,10 @@ class MixedWorkload:
     def _parted(self, r: random.Random) -> str:
         x, k = r.random(), r.randint(0, 299)
         if x < 0.3:
-            return (f"INSERT INTO parted VALUES ({k}, {r.randint(0, 9)}, {value(r, 'text')}, {value(r, 'toast')})"
-                    " ON CONFLICT (id) DO NOTHING")
+            return (
+                f"INSERT INTO parted VALUES ({k}, {r.randint(0, 9)}, {value(r, 'text')}, {value(r, 'toast')})"
+                " ON CONFLICT (id) DO NOTHING"
+            )
         if x < 0.5:
             return f"UPDATE parted SET grp = {r.randint(0, 9)} WHERE id BETWEEN {k} AND {k + 6}"
         if x < 0.8:  # to another partition or within one, into or out of the root's filter
@@ -253,10 +266,15 @@ def _transaction(rng: random.Random, statement: Callable[[], str]) -> list[str]:
 
 def _config(pg: PgDatabase, tmp_path: Path, deletion_vectors: bool = True) -> PgcdcConfig:
     """pgcdc on publication ``pub`` with its own slot; ``deletion_vectors=False``: the copy-on-write opt-out."""
-    return parse_config({
-        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"pgcdc_{pg.name}", "tables": [],
-        "delta": {"root": str(tmp_path / "lake"), "deletion_vectors": deletion_vectors},
-    })
+    return parse_config(
+        {
+            "postgres": {"dsn": pg.dsn},
+            "publication": "pub",
+            "slot": f"pgcdc_{pg.name}",
+            "tables": [],
+            "delta": {"root": str(tmp_path / "lake"), "deletion_vectors": deletion_vectors},
+        }
+    )
 
 
 def _snapshot(pg: PgDatabase, tmp_path: Path, spark: SparkSession, deletion_vectors: bool = True) -> PgcdcConfig:
@@ -342,7 +360,14 @@ def test_filters_column_lists_and_partitions_match_the_subscriber(
     workload = MixedWorkload(seed, via_root)
     # Through the root on deletion-vector tables (the default), through the leaves on the copy-on-write opt-out.
     counts, committed = run_against_subscriber(
-        pg, tmp_path, spark, subscribe, seed, workload.ddl(), workload.statement, workload.scheduled,
+        pg,
+        tmp_path,
+        spark,
+        subscribe,
+        seed,
+        workload.ddl(),
+        workload.statement,
+        workload.scheduled,
         deletion_vectors=via_root,
     )
     assert_deletion_vectors(_config(pg, tmp_path), {"public.keyed": via_root, "public.filtered_full": via_root})
@@ -351,12 +376,16 @@ def test_filters_column_lists_and_partitions_match_the_subscriber(
     truncated = {name for text in committed if text.startswith("TRUNCATE ") for name in text[9:].split(", ")}
     assert {"filtered_key", "filtered_full", "narrow", "parted"} <= truncated, committed
     partitions = {"public.parted"} if via_root else {"public.parted_low", "public.parted_high", "public.parted_rest"}
-    assert set(counts[0]) == {"public.keyed", "public.filtered_key", "public.filtered_full", "public.narrow",
-                              "public.appended"} | partitions
+    assert (
+        set(counts[0])
+        == {"public.keyed", "public.filtered_key", "public.filtered_full", "public.narrow", "public.appended"}
+        | partitions
+    )
     # The row filters held rows back, in the snapshot and in some drain: the expected state was not the publisher's.
     for name in ("public.filtered_key", "public.filtered_full", "public.parted" if via_root else "public.parted_high"):
         held_back = [delta < publisher for delta, publisher, _ in (c[name] for c in counts)]
         assert held_back[0] and any(held_back[1:]), (name, counts)
+
 
 def test_duplicate_rows_under_replica_identity_full_match_the_subscriber(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, subscribe: Callable[[str], Subscriber]
@@ -391,11 +420,12 @@ def test_a_row_moved_into_a_row_filter_with_unchanged_toast_matches_the_subscrib
         assert conn.execute("SELECT id, length(body) FROM t ORDER BY id").fetchall() == [(2, None), (4, 6)]
     assert pg.execute("SELECT id, length(body) FROM t ORDER BY id") == [(2, 5000), (4, 6)]
 
+
 # --------------------------------------------------------------------------- the harness itself
 
 
 def _current_lsn(pg: PgDatabase) -> LSN:
-    (lsn,), = pg.execute("SELECT pg_current_wal_lsn()::text")
+    ((lsn,),) = pg.execute("SELECT pg_current_wal_lsn()::text")
     return LSN.parse(lsn)
 
 
@@ -435,7 +465,9 @@ def test_an_apply_error_on_the_subscriber_fails_the_wait_at_once_with_its_log(
     pg.execute("INSERT INTO t VALUES (1)")
     with pytest.raises(SubscriberError, match=r"(?s)failed before publisher position .*Key \(id\)=\(1\)"):
         subscriber.wait_for(_current_lsn(pg), timeout=30)
-    (slots,), = pg.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (subscriber.subscription,))
+    ((slots,),) = pg.execute(
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (subscriber.subscription,)
+    )
     assert slots == 1  # its own slot, dropped with the subscription at teardown
 
 

@@ -14,8 +14,17 @@ import pyarrow as pa
 import pytest
 
 from resources.delta.layout import (
-    bucket_values, BucketOverride, choose_layout, HASH, LayoutError, RANGE, row_buckets, TableLayout, TableSize,
-    TEXT_CAST_HASH, TYPED_HASH,
+    bucket_values,
+    BucketOverride,
+    choose_layout,
+    HASH,
+    LayoutError,
+    RANGE,
+    row_buckets,
+    TableLayout,
+    TableSize,
+    TEXT_CAST_HASH,
+    TYPED_HASH,
 )
 
 #: A bucket count of 2**62 shows (almost) the whole 64-bit hash, so a pinned value below pins the hash.
@@ -53,13 +62,20 @@ def test_the_typed_hash_is_pinned_for_every_key_type(type_name: str) -> None:
 
 def test_the_typed_hash_follows_the_value_not_its_type() -> None:
     """Equal values in the types Delta widens between, or that PostgreSQL stores alike, hash alike."""
+
     def hashes(array: pa.Array) -> list[int | None]:
         return bucket_values(WIDE, [array]).to_pylist()
 
     assert hashes(pa.array([1.5, 0.0], pa.float32())) == hashes(pa.array([1.5, -0.0], pa.float64()))
-    assert hashes(pa.array([Decimal("12"), Decimal("-3")], pa.decimal128(20, 0))) == hashes(pa.array([12, -3], pa.int64()))
-    assert hashes(pa.array([Decimal("1.50")], pa.decimal128(6, 2))) == hashes(pa.array([Decimal("1.5000")], pa.decimal128(12, 4)))
-    huge = pa.array([Decimal("99999999999999999999"), Decimal("5")], pa.decimal128(21, 1))  # beyond int64, then integral
+    assert hashes(pa.array([Decimal("12"), Decimal("-3")], pa.decimal128(20, 0))) == hashes(
+        pa.array([12, -3], pa.int64())
+    )
+    assert hashes(pa.array([Decimal("1.50")], pa.decimal128(6, 2))) == hashes(
+        pa.array([Decimal("1.5000")], pa.decimal128(12, 4))
+    )
+    huge = pa.array(
+        [Decimal("99999999999999999999"), Decimal("5")], pa.decimal128(21, 1)
+    )  # beyond int64, then integral
     assert hashes(huge)[1:] == hashes(pa.array([5], pa.int64())) and hashes(huge)[0] == 647731516526726446
     moment = dt.datetime(2024, 2, 29, 12, 0, 0, 5)
     assert hashes(pa.array([moment], pa.timestamp("us", "UTC"))) == hashes(pa.array([moment], pa.timestamp("us")))
@@ -91,7 +107,10 @@ def test_bucket_values_are_pinned() -> None:
     composite = TableLayout(HASH, ("a", "b"), 1000)
     keys = [pa.array(["x", "", "héllo"]), pa.array([1, -2, 3**30], pa.int64())]
     assert bucket_values(composite, keys).to_pylist() == [293, 320, 701]
-    assert bucket_values(TableLayout(HASH, ("a",), 1000), [pa.array([b"\x00\xff", b""], pa.binary())]).to_pylist() == [332, 0]
+    assert bucket_values(TableLayout(HASH, ("a",), 1000), [pa.array([b"\x00\xff", b""], pa.binary())]).to_pylist() == [
+        332,
+        0,
+    ]
     ranges = TableLayout(RANGE, ("id",), 10)
     assert bucket_values(ranges, [pa.array([-11, -1, 0, 9, 10, 25], pa.int32())]).to_pylist() == [-2, -1, 0, 0, 1, 2]
 
@@ -102,7 +121,9 @@ def test_bucket_values_do_not_depend_on_slicing_width_or_nulls() -> None:
     assert bucket_values(layout, [text.slice(1)]).to_pylist() == bucket_values(layout, [text]).to_pylist()[1:]
     assert bucket_values(layout, [text]).to_pylist()[2] is None
     # int4 widened to int8 in Delta: same buckets
-    assert bucket_values(layout, [pa.array([5, -7], pa.int32())]) == bucket_values(layout, [pa.array([5, -7], pa.int64())])
+    assert bucket_values(layout, [pa.array([5, -7], pa.int32())]) == bucket_values(
+        layout, [pa.array([5, -7], pa.int64())]
+    )
 
 
 def test_range_width_follows_the_key_density() -> None:

@@ -47,9 +47,13 @@ commit_kinds = st.one_of(
 layouts = st.sampled_from([None, TableLayout(RANGE, ("id",), 1000), TableLayout(HASH, ("id", "k"), 8)])
 OTHER_LAYOUT = TableLayout(HASH, ("id",), 3)
 
-METADATA_TYPE = pa.struct([
-    ("id", pa.string()), ("partitionColumns", pa.list_(pa.string())), ("configuration", pa.map_(pa.string(), pa.string())),
-])
+METADATA_TYPE = pa.struct(
+    [
+        ("id", pa.string()),
+        ("partitionColumns", pa.list_(pa.string())),
+        ("configuration", pa.map_(pa.string(), pa.string())),
+    ]
+)
 TABLE_ID = "5f1c7a0e-table"
 
 
@@ -76,7 +80,9 @@ def write_log(path: Path, history: list[tuple], cleaned_below: int, layout: Tabl
     if recorded:
         configuration[LAYOUT_PROPERTY] = layout_property(layout)
     table_metadata = {
-        "id": TABLE_ID, "partitionColumns": [BUCKET_COLUMN] if layout is not None else [], "configuration": configuration,
+        "id": TABLE_ID,
+        "partitionColumns": [BUCKET_COLUMN] if layout is not None else [],
+        "configuration": configuration,
     }
     for version, commit in enumerate(history):
         if version < cleaned_below:
@@ -91,14 +97,21 @@ def write_log(path: Path, history: list[tuple], cleaned_below: int, layout: Tabl
         (log / f"{version:020d}.json").write_text("\n".join(json.dumps(a) for a in actions) + "\n")
     if cleaned_below:
         configuration = list(configuration.items())
-        checkpoint = pa.table({"metaData": pa.array([None, {**table_metadata, "configuration": configuration}], METADATA_TYPE)})
+        checkpoint = pa.table(
+            {"metaData": pa.array([None, {**table_metadata, "configuration": configuration}], METADATA_TYPE)}
+        )
         pq.write_table(checkpoint, log / f"{cleaned_below:020d}.checkpoint.parquet")
         (log / "_last_checkpoint").write_text(json.dumps({"version": cleaned_below, "size": 1}))
 
 
 def truth(
-    history: list[tuple], upto: int, cleaned_below: int, markers_from: int, layout: TableLayout | None,
-    expired_layout: TableLayout | None = None, expired_columns: ColumnNumbers | None = None,
+    history: list[tuple],
+    upto: int,
+    cleaned_below: int,
+    markers_from: int,
+    layout: TableLayout | None,
+    expired_layout: TableLayout | None = None,
+    expired_columns: ColumnNumbers | None = None,
 ) -> TableLog:
     """The TableLog as of version ``upto`` from the history, as far as commits >= ``cleaned_below`` show
     the snapshot, and commits >= ``markers_from`` the applied markers (``layout``: the table's;
@@ -126,7 +139,12 @@ def truth(
     data=st.data(),
 )
 def test_reads_from_scratch_and_from_any_earlier_answer_agree_with_the_history(
-    tmp_path_factory, history: list[tuple], cleanup: float, layout: TableLayout | None, recorded: bool, data: st.DataObject
+    tmp_path_factory,
+    history: list[tuple],
+    cleanup: float,
+    layout: TableLayout | None,
+    recorded: bool,
+    data: st.DataObject,
 ) -> None:
     path = tmp_path_factory.mktemp("table")
     newest = len(history) - 1

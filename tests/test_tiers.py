@@ -25,5 +25,7 @@ def test_the_tiers_are_registered_markers(pytestconfig: pytest.Config) -> None:
     assert set(FIXTURE_TIERS.values()) <= set(TIERS)
 
 
-def test_a_fixture_that_starts_postgres_puts_its_tests_in_the_pg_tier(pg_server: object, request: pytest.FixtureRequest) -> None:
+def test_a_fixture_that_starts_postgres_puts_its_tests_in_the_pg_tier(
+    pg_server: object, request: pytest.FixtureRequest
+) -> None:
     assert request.config.stash[COLLECTED_TIERS][request.node.nodeid] == ["pg"]

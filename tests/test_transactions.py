@@ -23,8 +23,10 @@ def text_tuple(*values: bytes | None) -> bytes:
 
 
 def relation(xid: int) -> bytes:
-    columns = b"".join(struct.pack(">B", 1 if name == b"id" else 0) + name + b"\0" + struct.pack(">Ii", 23, -1)
-                       for name in (b"id", b"body"))
+    columns = b"".join(
+        struct.pack(">B", 1 if name == b"id" else 0) + name + b"\0" + struct.pack(">Ii", 23, -1)
+        for name in (b"id", b"body")
+    )
     return b"R" + struct.pack(">II", xid, OID) + b"public\0t\0d" + struct.pack(">H", 2) + columns
 
 
@@ -36,16 +38,32 @@ def insert(value: bytes, xid: int | None = None) -> bytes:
 def test_streamed_transactions_interleave_spill_and_abort(tmp_path: Path) -> None:
     """Two streamed transactions around a regular one; one aborts whole, one loses a subtransaction."""
     messages = [
-        b"S" + struct.pack(">IB", 700, 1), relation(700), insert(b"1", 700), insert(b"2", 701), b"E",
-        b"S" + struct.pack(">IB", 800, 1), insert(b"100", 800), b"E",
-        b"B" + struct.pack(">QqI", 6, 0, 900), relation(0)[:1] + relation(0)[5:], insert(b"50"),
+        b"S" + struct.pack(">IB", 700, 1),
+        relation(700),
+        insert(b"1", 700),
+        insert(b"2", 701),
+        b"E",
+        b"S" + struct.pack(">IB", 800, 1),
+        insert(b"100", 800),
+        b"E",
+        b"B" + struct.pack(">QqI", 6, 0, 900),
+        relation(0)[:1] + relation(0)[5:],
+        insert(b"50"),
         b"C" + struct.pack(">BQQq", 0, 6, 7, 0),
-        b"S" + struct.pack(">IB", 700, 0), insert(b"3", 702), insert(b"4", 700), b"E",
+        b"S" + struct.pack(">IB", 700, 0),
+        insert(b"3", 702),
+        insert(b"4", 700),
+        b"E",
         b"A" + struct.pack(">II", 700, 702),
         b"A" + struct.pack(">II", 800, 800),
         b"S" + struct.pack(">IB", 700, 0),
-        b"U" + struct.pack(">II", 700, OID) + b"K" + struct.pack(">H", 2) + b"t\0\0\0\x014n"
-        + b"N" + text_tuple(b"40", None),
+        b"U"
+        + struct.pack(">II", 700, OID)
+        + b"K"
+        + struct.pack(">H", 2)
+        + b"t\0\0\0\x014n"
+        + b"N"
+        + text_tuple(b"40", None),
         b"E",
         b"c" + struct.pack(">IBQQq", 700, 0, 14, 15, 0),
     ]
@@ -64,8 +82,12 @@ def test_streamed_transactions_interleave_spill_and_abort(tmp_path: Path) -> Non
     streamed = released[1][3]
     # 3 was in aborted subtransaction 702; transaction 800 left nothing.
     assert [change[0] for change in streamed] == ["R", "I", "I", "I", "U"]
-    values = [change[2][change[3]:] for change in streamed[1:]]
-    assert values == [text_tuple(b"1", b"body 1"), text_tuple(b"2", b"body 2"), text_tuple(b"4", b"body 4"),
-                      text_tuple(b"40", None)]
+    values = [change[2][change[3] :] for change in streamed[1:]]
+    assert values == [
+        text_tuple(b"1", b"body 1"),
+        text_tuple(b"2", b"body 2"),
+        text_tuple(b"4", b"body 4"),
+        text_tuple(b"40", None),
+    ]
     update = streamed[-1]
-    assert update[2][update[4]:update[3] - 1] == struct.pack(">H", 2) + b"t\0\0\0\x014n"  # the old key image
+    assert update[2][update[4] : update[3] - 1] == struct.pack(">H", 2) + b"t\0\0\0\x014n"  # the old key image

@@ -102,7 +102,9 @@ def test_taken_rows_equal_the_rows_parsed_where_they_are(rows: list[tuple], pick
     payloads = [insert(16384, *row) for row in rows]
     parsed = tuple_columns(payloads, [HEAD] * len(payloads), ncols)
     absent = insert(16384, *[None] * ncols)  # a payload whose image is not read
-    columns, masks = tuple_columns([payloads[p] if p >= 0 else absent for p in picks], [HEAD if p >= 0 else -1 for p in picks], ncols)
+    columns, masks = tuple_columns(
+        [payloads[p] if p >= 0 else absent for p in picks], [HEAD if p >= 0 else -1 for p in picks], ncols
+    )
     taken, taken_masks = take_rows(*parsed, np.array(picks, np.int64))
     assert [column.to_pylist() for column in taken] == [column.to_pylist() for column in columns]
     assert [mask.tolist() for mask in taken_masks] == [mask.tolist() for mask in masks]

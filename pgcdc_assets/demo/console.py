@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

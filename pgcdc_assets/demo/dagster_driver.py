@@ -16,7 +16,6 @@ from typing import Any
 
 from pgcdc_assets.demo.console import DemoFailure, install_signal_handlers, REPO_ROOT, say
 
-
 QUIET_RUN_CONFIG: dict[str, Any] = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
@@ -48,7 +47,9 @@ class DagsterDriver:
                 for event in result.all_events
                 if event.is_step_failure and event.step_failure_data.error is not None
             ]
-            raise DemoFailure(f"Dagster run {result.run_id} of {job} failed: {' | '.join(failures) or 'see the run log'}")
+            raise DemoFailure(
+                f"Dagster run {result.run_id} of {job} failed: {' | '.join(failures) or 'see the run log'}"
+            )
         return result
 
     def close(self) -> None:
@@ -145,7 +146,9 @@ def serve_dagster(env: dict[str, str], module: str, port: int, stop_after: float
         with socket.create_server(("127.0.0.1", port)):
             pass
     except OSError:
-        raise DemoFailure(f"port {port} on 127.0.0.1 is in use: pass --port N (make demo DEMO_ARGS='--port N')") from None
+        raise DemoFailure(
+            f"port {port} on 127.0.0.1 is in use: pass --port N (make demo DEMO_ARGS='--port N')"
+        ) from None
     say(f"$ {shlex.join(command)}   (output in {log_path})")
     with open(log_path, "wb") as log:
         # Its own session: Ctrl-C reaches only us, and we stop it once, cleanly.
@@ -167,8 +170,12 @@ def serve_dagster(env: dict[str, str], module: str, port: int, stop_after: float
                     break
                 time.sleep(1)
             say(f"Dagster UI: http://127.0.0.1:{port}  (jobs: {', '.join(jobs) or 'still loading'})")
-            say("  Assets > pgcdc > shop|inventory > slot: every drain (confirmed_flush_lsn, lag, the tables it changed),")
-            say("  the lag check and freshness; > <schema> > <table>: a materialization per drain that changed the table;")
+            say(
+                "  Assets > pgcdc > shop|inventory > slot: every drain (confirmed_flush_lsn, lag, the tables it changed),"
+            )
+            say(
+                "  the lag check and freshness; > <schema> > <table>: a materialization per drain that changed the table;"
+            )
             say("  Runs: the snapshot and incremental runs above. Press Ctrl-C to stop.")
             if stop_after is not None:
                 time.sleep(stop_after)

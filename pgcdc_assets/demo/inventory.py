@@ -52,9 +52,7 @@ def create_inventory(dsn: str) -> dict[str, int]:
         conn.execute(INVENTORY_DDL)
         with conn.transaction():
             conn.execute(INVENTORY_SEED)
-        counts = {
-            name: conn.execute(f"SELECT count(*) FROM {SCHEMA}.{name}").fetchall()[0][0] for name in TABLES
-        }
+        counts = {name: conn.execute(f"SELECT count(*) FROM {SCHEMA}.{name}").fetchall()[0][0] for name in TABLES}
         conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {', '.join(f'{SCHEMA}.{t}' for t in TABLES)}")
     return counts
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from pgcdc_assets.demo import inventory, shop
 from pgcdc_assets.demo.console import DemoFailure, install_signal_handlers, REPO_ROOT, say, step
 from pgcdc_assets.demo.dagster_driver import (
     check_summary,
@@ -27,7 +28,6 @@ from pgcdc_assets.demo.dagster_driver import (
     reconcile_under_load,
     serve_dagster,
 )
-from pgcdc_assets.demo import inventory, shop
 from pgcdc_assets.demo.load import LoadGenerator
 from pgcdc_assets.demo.project import (
     demo_pipelines,
@@ -107,7 +107,8 @@ def peek_with_cli(dsn: str) -> None:
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (PEEK_SLOT,)
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                (PEEK_SLOT,),
             )
     say(f"scratch slot {PEEK_SLOT} dropped")
 
@@ -184,8 +185,8 @@ def incremental_with_load(
 
 def _verify_connection(dsn: str, *, autocommit: bool = True) -> psycopg.Connection:
     """A session that reads PostgreSQL's values in the text forms pgcdc's sessions produce them."""
-    from resources.postgres.connections import connect
     from resources.pgtypes import SESSION_SETTINGS
+    from resources.postgres.connections import connect
 
     return connect(dsn, application_name="pgcdc-demo-verify", session_settings=SESSION_SETTINGS, autocommit=autocommit)
 
@@ -390,7 +391,9 @@ def as_of_read(directory: Path, pipeline: DemoPipeline, snapshot: dict[str, Any]
     for line in rows[:3]:
         say("  " + _clip(line))
     if len(rows) != snapshot["dagster/row_count"]:
-        raise DemoFailure(f"as-of read FAILED: {len(rows):,} rows as of {lsn}, the snapshot copied {snapshot['dagster/row_count']:,}")
+        raise DemoFailure(
+            f"as-of read FAILED: {len(rows):,} rows as of {lsn}, the snapshot copied {snapshot['dagster/row_count']:,}"
+        )
     say(f"  ... {len(rows):,} rows, as many as the snapshot copied at {lsn}; the versions since are in"
         f" {pipeline.lake / shop.SCHEMA / 'orders__history'}")  # fmt: skip
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import psycopg
 
-
 PUBLICATION = "pgcdc_demo"
 
 

@@ -244,4 +244,3 @@ class ChangeApplier(RelationHandling):
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
         self._writer.close()
-

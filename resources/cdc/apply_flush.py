@@ -9,8 +9,9 @@ from resources.cdc.apply_keyed import KeyedFold
 from resources.cdc.apply_marked import MarkedWrites
 from resources.cdc.row_batches import gather
 from resources.cdc.tables import APPEND, FULL, TableTarget
-from resources.lsn import LSN
 from resources.crash_points import fault_point
+from resources.lsn import LSN
+
 
 class TableFlush(HistoryHandOff, KeyRangeRule, KeyedFold, MarkedWrites):
     """Writes a table's pending changes through the part its write mode needs."""

@@ -7,25 +7,25 @@ import functools
 import numpy as np
 import pyarrow as pa
 
+from resources.cdc import scd2
+from resources.cdc.apply_batches import BatchAssembly
 from resources.cdc.history import (
     changelog_rows,
     changes_marker,
-    history_position,
     DeltaLookups,
     event_row,
+    history_position,
     read_marker,
     resolve_lookups,
     seed_marker,
     seed_rows,
     with_schema,
 )
-from resources.cdc import scd2
-from resources.cdc.apply_batches import BatchAssembly
 from resources.cdc.row_batches import PendingRows
 from resources.cdc.tables import TableTarget
+from resources.crash_points import fault_point
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
 from resources.errors import PgcdcError
-from resources.crash_points import fault_point
 
 
 class HistoryHandOff(BatchAssembly):
@@ -94,7 +94,9 @@ class HistoryHandOff(BatchAssembly):
         if not len(kept):
             return
         self._seed_if_due(target)
-        batch, lookups = changelog_rows(target, rows, keep, self._transactions, functools.partial(self._convert, target))
+        batch, lookups = changelog_rows(
+            target, rows, keep, self._transactions, functools.partial(self._convert, target)
+        )
         end, position = int(rows.lsns[kept[-1]]), int(history_position(rows.seqs[kept[-1]]))
         self._writer.write(self._append_history, target, batch, lookups, self._history_marker(target, end, position))
         self._writer.next_behind()  # the table's write of the same changes follows, while the next chunk is built
@@ -112,7 +114,9 @@ class HistoryHandOff(BatchAssembly):
         self, target: TableTarget, op: str, values: pa.Table | None, end: int, seq: int, position: int
     ) -> None:
         """Queue a changelog row for the whole table (a truncate, a fill) unless the changelog has it."""
-        if target.history_path is None or (target.history_marker is not None and (end, position) <= target.history_marker):
+        if target.history_path is None or (
+            target.history_marker is not None and (end, position) <= target.history_marker
+        ):
             return
         self._seed_if_due(target)
         row = event_row(op, values, end, seq, self._transactions[end])
@@ -136,7 +140,9 @@ class HistoryHandOff(BatchAssembly):
         assert target.history_path is not None
         path = target.history_path
         if lookups is not None:
-            batch = resolve_lookups(batch, lookups, self._destination.read_rows(target.path, lookups.keys), target.table)
+            batch = resolve_lookups(
+                batch, lookups, self._destination.read_rows(target.path, lookups.keys), target.table
+            )
         if target.history_scd2:
             scd2.write_versions(self._destination, target, batch, marker)
             fault_point("after_history_commit")

@@ -64,7 +64,9 @@ class KeyRangeRule(ApplierState):
             if stop == len(rows):
                 return
             k = int(chunks.ranges_of(new_keys[stop : stop + 1])[0])
-            self._recopy(target, k, int(rows.lsns[stop]), "a row moved into it kept unchanged-TOAST values of a row not in Delta")
+            self._recopy(
+                target, k, int(rows.lsns[stop]), "a row moved into it kept unchanged-TOAST values of a row not in Delta"
+            )
             start = stop
 
     def _recopy(self, target: TableTarget, k: int, lsn: int, why: str) -> None:
@@ -90,7 +92,11 @@ class KeyRangeRule(ApplierState):
 
 def _integer_keys(values: pa.Array) -> np.ndarray:
     """Integer key values from their text (absent images: 0, never used)."""
-    return pc.cast(pc.cast(pc.cast(values, pa.binary()), pa.string()), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+    return (
+        pc.cast(pc.cast(pc.cast(values, pa.binary()), pa.string()), pa.int64())
+        .fill_null(0)
+        .to_numpy(zero_copy_only=False)
+    )
 
 
 def _halves(rows: PendingRows, start: int, new_applies: np.ndarray, old_applies: np.ndarray) -> PendingRows:
@@ -101,4 +107,6 @@ def _halves(rows: PendingRows, start: int, new_applies: np.ndarray, old_applies:
     new = np.where(new_applies, rows.new[start:stop], -1)
     old = np.where(old_applies, rows.old[start:stop], -1)
     keep = new_applies | old_applies
-    return PendingRows(rows.data, ops[keep], new[keep], old[keep], rows.lsns[start:stop][keep], rows.seqs[start:stop][keep])
+    return PendingRows(
+        rows.data, ops[keep], new[keep], old[keep], rows.lsns[start:stop][keep], rows.seqs[start:stop][keep]
+    )

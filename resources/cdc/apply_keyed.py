@@ -38,8 +38,9 @@ class KeyedFold(BatchAssembly):
             if start == 0:
                 self._writer.write(self._destination.merge_batch, target.path, piece, key_columns, target.prune_buckets)
             else:
-                self._writer.write_behind(self._destination.merge_batch, target.path, piece, key_columns, target.prune_buckets)
-
+                self._writer.write_behind(
+                    self._destination.merge_batch, target.path, piece, key_columns, target.prune_buckets
+                )
 
     def _merge_columnar(self, target: TableTarget, rows: PendingRows) -> bool:
         """The fast path for keyed tables: parse every row image column-wise, keep the last per key.
@@ -61,7 +62,9 @@ class KeyedFold(BatchAssembly):
             return False
         keys = {f"k{i}": pc.cast(columns[i], pa.binary()) for i in target.key_index}
         keys["row"] = pa.array(np.arange(len(positions), dtype=np.int64))
-        last = pa.table(keys).group_by([f"k{i}" for i in target.key_index], use_threads=False).aggregate([("row", "max")])
+        last = (
+            pa.table(keys).group_by([f"k{i}" for i in target.key_index], use_threads=False).aggregate([("row", "max")])
+        )
         index = np.sort(last.column("row_max").to_numpy())
         batch = self._arrow_batch(target, columns, [None] * len(columns), pa.array(lsns[index]), None, pa.array(index))
         kept = ops[index]

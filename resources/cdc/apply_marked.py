@@ -57,7 +57,13 @@ class MarkedWrites(BatchAssembly):
                 lsn_column=LSN_COLUMN,
                 on_missing=functools.partial(self._warn_missing_rows, target),
             )
-            self._writer.write(self._destination.replace_rows, target.path, probe.select(value_columns), rewrite, applied_marker(REPLACE_MARKER, end, seq))
+            self._writer.write(
+                self._destination.replace_rows,
+                target.path,
+                probe.select(value_columns),
+                rewrite,
+                applied_marker(REPLACE_MARKER, end, seq),
+            )
             target.applied_marker = (end, seq)
         stats = target.stats
         stats.inserted += int((rows.ops == INSERT).sum())

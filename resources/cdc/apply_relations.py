@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-
+from resources.cdc import scd2
+from resources.cdc.apply_flush import TableFlush
 from resources.cdc.history import (
     history_position,
 )
-from resources.cdc import scd2
-from resources.cdc.apply_flush import TableFlush
 from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
+from resources.crash_points import fault_point
 from resources.delta.layout import BUCKET_COLUMN
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import arrow_type
-from resources.crash_points import fault_point
 
 
 class RelationHandling(TableFlush):
@@ -85,7 +84,9 @@ class RelationHandling(TableFlush):
         types = {column.column: arrow_type(column) for column in target.columns}
         matched = [target.columns[i].column for i in target.key_index] if target.mode == KEYED else []
         if layout is None:
-            why = "no record of its layout is left (its snapshot commit left the Delta log and the pgcdc state has none)"
+            why = (
+                "no record of its layout is left (its snapshot commit left the Delta log and the pgcdc state has none)"
+            )
             restore = "remove the table's Delta directory and snapshot the table again"
         elif any(name not in types for name in layout.key):
             why = f"its layout column(s) ({', '.join(layout.key)}) are no longer published"
@@ -95,7 +96,9 @@ class RelationHandling(TableFlush):
             restore = "remove the table's Delta directory and snapshot the table again"
         elif not set(layout.key) <= set(matched):
             identity = f"({', '.join(matched)})" if matched else "whole rows (REPLICA IDENTITY FULL)"
-            why = f"its changes are matched by {identity}, which does not hold its layout's key ({', '.join(layout.key)})"
+            why = (
+                f"its changes are matched by {identity}, which does not hold its layout's key ({', '.join(layout.key)})"
+            )
             restore = f"a replica identity that includes ({', '.join(layout.key)}) again"
         else:
             target.prune_buckets = True

@@ -26,7 +26,9 @@ class ChangeSource(Protocol):
     @property
     def confirmed_lsn(self) -> LSN: ...
 
-    def drain_batches(self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20) -> Iterator[XLogData | list[bytes]]:
+    def drain_batches(
+        self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20
+    ) -> Iterator[XLogData | list[bytes]]:
         """Frames up to ``end_lsn`` ending on a transaction boundary; consecutive row changes inside a
         transaction as one list of payloads (``ReplicationStream.drain_batches``)."""
         ...

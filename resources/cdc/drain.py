@@ -8,12 +8,12 @@ from collections.abc import Callable
 from resources.cdc.applier import ChangeApplier
 from resources.cdc.change_source import ChangeSource
 from resources.cdc.transactions import TransactionAssembler
+from resources.crash_points import fault_point
 from resources.errors import SlotError
 from resources.lsn import LSN
 from resources.pgoutput.options import PgOutputOptions
 from resources.postgres.slots import slot_in_use
 from resources.postgres.stream import ReplicationStream
-from resources.crash_points import fault_point
 
 
 def drain(

@@ -32,9 +32,9 @@ import pyarrow.compute as pc
 from resources.cdc.row_batches import PendingRows
 from resources.cdc.schema import RESNAPSHOT_FIX
 from resources.cdc.tables import FULL, TableTarget
+from resources.delta.delta_types import is_safe_widening
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.delta_types import is_safe_widening
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.pgoutput.messages import UNCHANGED_TOAST
@@ -115,7 +115,9 @@ def changelog_rows(
     lookups = None
     if any(mask.any() for mask in unchanged):
         new_columns, lookups = _resolve_unchanged(target, rows, new_columns, unchanged, full, kept, convert)
-    new_typed = [convert(pc.cast(column, pa.binary()), pg).take(kept) for column, pg in zip(new_columns, target.columns)]
+    new_typed = [
+        convert(pc.cast(column, pa.binary()), pg).take(kept) for column, pg in zip(new_columns, target.columns)
+    ]
     old_typed = []
     no_old_image = is_update & (rows.old < 0)
     for i, (column, pg) in enumerate(zip(old_columns, target.columns)):
@@ -220,11 +222,15 @@ def resolve_lookups(batch: pa.Table, lookups: DeltaLookups, found: pa.Table, tab
         values = found.column(name).take(pa.array(np.asarray(rows_of_keys)[ids])).cast(column.type).combine_chunks()
         mask = np.zeros(batch.num_rows, bool)
         mask[at] = True
-        batch = batch.set_column(batch.column_names.index(name), name, pc.replace_with_mask(column, pa.array(mask), values))
+        batch = batch.set_column(
+            batch.column_names.index(name), name, pc.replace_with_mask(column, pa.array(mask), values)
+        )
     return batch
 
 
-def _transaction_columns(lsns: np.ndarray, transactions: Mapping[int, tuple[int, datetime]]) -> tuple[pa.Array, pa.Array]:
+def _transaction_columns(
+    lsns: np.ndarray, transactions: Mapping[int, tuple[int, datetime]]
+) -> tuple[pa.Array, pa.Array]:
     distinct, inverse = np.unique(lsns, return_inverse=True)
     xids = pa.array([transactions[lsn][0] for lsn in distinct.tolist()], pa.int64())
     times = pa.array([transactions[lsn][1] for lsn in distinct.tolist()], COMMIT_TIME_TYPE)
@@ -268,7 +274,9 @@ def seed_rows(table: pa.Table, snapshot_lsn: int) -> pa.Table:
 
 def seed_marker(snapshot_lsn: int, table: str) -> str:
     """The seed commit's marker: a snapshot marker, so the changelog's log says which snapshot it starts from."""
-    return json.dumps({"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(LSN(snapshot_lsn)), "table": table, "history": True}})
+    return json.dumps(
+        {"pgcdc": {"kind": "snapshot", "snapshot_lsn": str(LSN(snapshot_lsn)), "table": table, "history": True}}
+    )
 
 
 def history_position(seq: int | np.ndarray, before: bool = False) -> int | np.ndarray:
@@ -283,7 +291,16 @@ def changes_marker(end: int, position: int, seed_lsn: int) -> str:
     """The marker of a commit of changes: the keyless appends' marker (rows up to ``position``,
     :func:`history_position`, of the transaction ending at ``end``), plus the seed it continues, so the
     newest commit says it all."""
-    return json.dumps({"pgcdc": {"kind": "append", "applied_lsn": str(LSN(end)), "applied_seq": position, "history_of": str(LSN(seed_lsn))}})
+    return json.dumps(
+        {
+            "pgcdc": {
+                "kind": "append",
+                "applied_lsn": str(LSN(end)),
+                "applied_seq": position,
+                "history_of": str(LSN(seed_lsn)),
+            }
+        }
+    )
 
 
 def read_marker(table: object, marker: dict[str, Any] | None) -> tuple[int | None, tuple[int, int] | None]:

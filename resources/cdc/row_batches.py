@@ -57,7 +57,8 @@ class RowBatch:
         if not valid.all():
             i = int(np.flatnonzero(~valid)[0])
             raise ProtocolError(
-                f"unexpected row change layout ({chr(ops[i])!r} with tuple kind {chr(kind[i])!r})", "restart replication"
+                f"unexpected row change layout ({chr(ops[i])!r} with tuple kind {chr(kind[i])!r})",
+                "restart replication",
             )
         new = np.where(plain, at + 1, -1)
         old = np.where(with_old, at + 1, -1)
@@ -105,7 +106,9 @@ class PendingRows:
 
     __slots__ = ("data", "ops", "new", "old", "lsns", "seqs", "_parsed")
 
-    def __init__(self, data: bytes, ops: np.ndarray, new: np.ndarray, old: np.ndarray, lsns: np.ndarray, seqs: np.ndarray) -> None:
+    def __init__(
+        self, data: bytes, ops: np.ndarray, new: np.ndarray, old: np.ndarray, lsns: np.ndarray, seqs: np.ndarray
+    ) -> None:
         self.data, self.ops, self.new, self.old, self.lsns, self.seqs = data, ops, new, old, lsns, seqs
         self._parsed: tuple[int, np.ndarray, tuple[list[pa.Array], list[np.ndarray]]] | None = None
 

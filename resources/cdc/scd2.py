@@ -47,10 +47,10 @@ from resources.cdc.history import (
 )
 from resources.cdc.row_multiset import comparable_rows
 from resources.cdc.tables import KEYED, TableTarget
+from resources.delta.batch_columns import CLOSE_COLUMN, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.delta.destination import Destination
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.batch_columns import CLOSE_COLUMN, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.errors import PgcdcError
 
 __all__ = [
@@ -149,13 +149,19 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
         opened.append_column(flag, pa.repeat(pa.scalar(False), opened.num_rows)),
         _marker_row(opened.schema, marker).append_column(flag, pa.array([True])),
     ])  # fmt: skip
-    destination.merge_versions(target.history_path, source, key, target.prune_buckets and BUCKET_COLUMN in opened.column_names)
+    destination.merge_versions(
+        target.history_path, source, key, target.prune_buckets and BUCKET_COLUMN in opened.column_names
+    )
 
 
 def _marker_row(schema: pa.Schema, marker: str) -> pa.Table:
     """The marker row (``resources/delta/versions.py``): NULL everywhere but its marker."""
     return pa.Table.from_arrays(
-        [pa.array([marker], field.type) if field.name == MARKER_COLUMN else pa.nulls(1, field.type) for field in schema], schema=schema
+        [
+            pa.array([marker], field.type) if field.name == MARKER_COLUMN else pa.nulls(1, field.type)
+            for field in schema
+        ],
+        schema=schema,
     )
 
 
@@ -210,7 +216,9 @@ def _closes(changes: pa.Table, opened: pa.Table, key: Sequence[str]) -> tuple[pa
     return _with_closes(opened, closes_opened), pa.table(columns)
 
 
-def _versions(values: pa.Table, lsn: int | pa.ChunkedArray, seq: int | pa.ChunkedArray, time: pa.ChunkedArray | None) -> pa.Table:
+def _versions(
+    values: pa.Table, lsn: int | pa.ChunkedArray, seq: int | pa.ChunkedArray, time: pa.ChunkedArray | None
+) -> pa.Table:
     """``values`` as current versions opened at ``lsn`` / ``seq`` (one each, or one per row), at ``time``."""
     n = values.num_rows
     return values.append_column(VALID_FROM_LSN_COLUMN, pa.array([lsn] * n, pa.int64()) if isinstance(lsn, int) else lsn) \
@@ -270,7 +278,12 @@ def _with_closes(versions: pa.Table, closes: dict[int, tuple[int, datetime | Non
     deleted = versions.column(DELETED_COLUMN).to_pylist()
     for i, (lsn, time, gone) in closes.items():
         to_lsn[i], to_time[i], current[i], deleted[i] = lsn, time, False, gone
-    for name, values in ((VALID_TO_LSN_COLUMN, to_lsn), (VALID_TO_COLUMN, to_time), (CURRENT_COLUMN, current), (DELETED_COLUMN, deleted)):
+    for name, values in (
+        (VALID_TO_LSN_COLUMN, to_lsn),
+        (VALID_TO_COLUMN, to_time),
+        (CURRENT_COLUMN, current),
+        (DELETED_COLUMN, deleted),
+    ):
         at = versions.column_names.index(name)
         versions = versions.set_column(at, name, pa.array(values, versions.schema.field(name).type))
     return versions
@@ -302,7 +315,9 @@ def _refilled(
     n = current.num_rows
     for name in filled_names:
         at = reopened.column_names.index(name)
-        reopened = reopened.set_column(at, name, pa.repeat(values.column(name)[0], n).cast(reopened.schema.field(name).type))
+        reopened = reopened.set_column(
+            at, name, pa.repeat(values.column(name)[0], n).cast(reopened.schema.field(name).type)
+        )
     opened = _versions(reopened.drop_columns([name for name in reopened.column_names if name in _VERSION_COLUMNS]), lsn, seq,
                        pa.chunked_array([pa.array([time] * n, COMMIT_TIME_TYPE)]))  # fmt: skip
     return pa.concat_tables([_closed_all(current, lsn, time, False), _aligned(opened, current.schema)])
@@ -330,8 +345,11 @@ def _reseed(current: pa.Table, seed: pa.Table, key: Sequence[str], snapshot_lsn:
     for i, row in enumerate(comparable_rows(current, present)):
         j = seed_at.get(tuple(row[present.index(name)] for name in key))
         # a column the history lacks is NULL in it
-        if j is not None and all(seed_rows[j][p] is None for p in range(len(names)) if p not in at_present) \
-                and all(value == seed_rows[j][p] for value, p in zip(row, at_present)):
+        if (
+            j is not None
+            and all(seed_rows[j][p] is None for p in range(len(names)) if p not in at_present)
+            and all(value == seed_rows[j][p] for value, p in zip(row, at_present))
+        ):
             unchanged.add(j)
         else:
             closes[i] = (snapshot_lsn, None, j is None)

@@ -9,16 +9,15 @@ import pyarrow as pa
 from resources.cdc.renames import unproven_addition
 from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
+from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
 from resources.postgres.column_types import ColumnTypes
-
 
 RESNAPSHOT_FIX = f"re-snapshot the table (materialize its snapshot asset or run the {RESNAPSHOT_JOB} job)"
 
@@ -132,9 +131,7 @@ class SchemaReconciler:
             self._writer.call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
         if widened or added or fills:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
-        target.dropped = [
-            f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")
-        ]
+        target.dropped = [f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")]
         return previous is not None or bool(widened or added or fills or target.dropped)
 
     def _fills(

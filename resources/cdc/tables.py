@@ -13,7 +13,6 @@ from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
 from resources.postgres.catalog import TableName
 
-
 KEYED, FULL, APPEND = "keyed", "full", "append"
 
 

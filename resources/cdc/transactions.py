@@ -46,7 +46,6 @@ from resources.cdc.row_batches import Change, RowBatch
 from resources.errors import ProtocolError
 from resources.lsn import LSN
 from resources.pgoutput.decoder import PgOutputDecoder
-from resources.pgoutput.relations import RelationCache
 from resources.pgoutput.messages import (
     Begin,
     Commit,
@@ -58,6 +57,7 @@ from resources.pgoutput.messages import (
     StreamStop,
     Truncate,
 )
+from resources.pgoutput.relations import RelationCache
 from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 
 __all__ = [
@@ -80,7 +80,20 @@ class ChangeLog:
     without rewriting the file.
     """
 
-    __slots__ = ("_directory", "_name", "_spill_bytes", "_buffer", "_buffer_bytes", "_file", "_path", "_dropped", "streamed", "relations", "count", "nbytes")
+    __slots__ = (
+        "_directory",
+        "_name",
+        "_spill_bytes",
+        "_buffer",
+        "_buffer_bytes",
+        "_file",
+        "_path",
+        "_dropped",
+        "streamed",
+        "relations",
+        "count",
+        "nbytes",
+    )
 
     def __init__(self, directory: Path, name: str, spill_bytes: int, streamed: bool = False) -> None:
         self._directory = directory
@@ -331,7 +344,9 @@ class TransactionAssembler:
         elif type(message) is StreamCommit:
             log = self._streams.pop(message.xid, None) or self._new_log(f"s{message.xid}", streamed=True)
             log.relations = self.decoder.relations
-            return CommittedTransaction(message.xid, message.commit_lsn, message.end_lsn, message.commit_time, True, log)
+            return CommittedTransaction(
+                message.xid, message.commit_lsn, message.end_lsn, message.commit_time, True, log
+            )
         elif type(message) is StreamAbort:
             if message.subxid == message.xid:
                 aborted = self._streams.pop(message.xid, None)

@@ -4,7 +4,6 @@ names, no engine."""
 
 from __future__ import annotations
 
-
 OP_COLUMN = "_pgcdc_op"
 """Merge source column holding 'I', 'U' or 'D' for each change."""
 

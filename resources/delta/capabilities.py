@@ -64,7 +64,9 @@ def engine_capabilities(spark: SparkSession) -> EngineCapabilities:
     if known is None:
         delta_commands = _has_describe_history(spark)
         known = EngineCapabilities(
-            delta_commands=delta_commands, delta_rs_snapshots=not delta_commands, merge_delete_and_insert=not delta_commands
+            delta_commands=delta_commands,
+            delta_rs_snapshots=not delta_commands,
+            merge_delete_and_insert=not delta_commands,
         )
         _DETECTED[spark] = known
     return known
@@ -74,7 +76,9 @@ SAIL_CAPABILITIES = EngineCapabilities(delta_commands=False, delta_rs_snapshots=
 """What embedded Sail 0.7.2 can do: an engine pgcdc started itself is known, not probed (the probe
 is a fresh engine's first statement: 0.3-0.6 s on Sail, 4-7 s on a fresh JVM)."""
 
-DELTA_SPARK_CAPABILITIES = EngineCapabilities(delta_commands=True, delta_rs_snapshots=False, merge_delete_and_insert=False)
+DELTA_SPARK_CAPABILITIES = EngineCapabilities(
+    delta_commands=True, delta_rs_snapshots=False, merge_delete_and_insert=False
+)
 """What the managed Apache Spark with Delta's jars can do (declared like :data:`SAIL_CAPABILITIES`)."""
 
 

@@ -10,7 +10,6 @@ import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
-
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 """Arrow bytes sent per createDataFrame: bounds client memory and stays under Spark Connect's
 local-relation cache threshold (64 MiB by default)."""

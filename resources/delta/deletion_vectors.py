@@ -65,7 +65,9 @@ def table_file_deletions(table: object) -> list[FileDeletions]:
     files = []
     for action in actions.select(["path", "num_records", *partition_columns]).to_pylist():
         partition = tuple(
-            (name.removeprefix("partition."), "=", str(action[name])) for name in partition_columns if action[name] is not None
+            (name.removeprefix("partition."), "=", str(action[name]))
+            for name in partition_columns
+            if action[name] is not None
         )
         files.append(FileDeletions(partition, action["num_records"] or 0, deleted.get(unquote(action["path"]), 0)))
     return files

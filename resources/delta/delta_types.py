@@ -57,9 +57,4 @@ def is_safe_widening(old: pa.DataType, new: pa.DataType) -> bool:
     the same scale and at least the precision."""
     if (delta_type_name(old), delta_type_name(new)) in _SAFE_WIDENINGS:
         return True
-    return (
-        types.is_decimal(old)
-        and types.is_decimal(new)
-        and new.scale == old.scale
-        and new.precision >= old.precision
-    )
+    return types.is_decimal(old) and types.is_decimal(new) and new.scale == old.scale and new.precision >= old.precision

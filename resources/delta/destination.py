@@ -114,7 +114,11 @@ class Destination(Protocol):
         """One MERGE of an SCD type 2 table's close rows, new versions and marker row (``resources/delta/versions.py``)."""
 
     def replace_versions(
-        self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
+        self,
+        path: str,
+        rewrite: Callable[[pa.Table | None], pa.Table],
+        deletion_vectors: bool,
+        layout: TableLayout | None,
     ) -> None:
         """Replace every current version and the marker row of an SCD type 2 table by ``rewrite``'s answer
         for them, in one commit; a new table (with ``deletion_vectors``) holding ``rewrite(None)`` where none is."""

@@ -30,7 +30,10 @@ from pyspark.sql import SparkSession
 
 from resources.config import SparkSettings
 from resources.delta.capabilities import (
-    DELTA_SPARK_CAPABILITIES, expected_refusal, SAIL_CAPABILITIES, set_engine_capabilities,
+    DELTA_SPARK_CAPABILITIES,
+    expected_refusal,
+    SAIL_CAPABILITIES,
+    set_engine_capabilities,
 )
 from resources.delta.spark_connect import connect_session
 from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
@@ -102,8 +105,10 @@ class SparkEngine:
         set there); ``master`` defaults to ``local[<cores>]``. ``storage_environment`` goes to the
         server's environment: object-store credentials reach the JVM there, not on its command line.
         """
-        request: dict[str, Any] = {"master": master or f"local[{len(os.sched_getaffinity(0))}]",
-                   "config": managed_server_config(config)}
+        request: dict[str, Any] = {
+            "master": master or f"local[{len(os.sched_getaffinity(0))}]",
+            "config": managed_server_config(config),
+        }
         server = subprocess.Popen(
             [sys.executable, "-m", "resources.delta.spark_server", json.dumps(request)],
             stdin=subprocess.PIPE,
@@ -260,5 +265,3 @@ def classic_session_builder(app_name: str, user_config: Mapping[str, str] | None
     """
     builder = SparkSession.builder.appName(app_name).master(f"local[{len(os.sched_getaffinity(0))}]")
     return _with_config(builder, classic_delta_config(user_config))
-
-

@@ -138,7 +138,9 @@ class KeySpan:
 
     def holds(self, value: int | None) -> bool:
         """Whether a row whose key is ``value`` lies in the span (a NULL key lies in none)."""
-        return value is not None and (self.low is None or value >= self.low) and (self.high is None or value < self.high)
+        return (
+            value is not None and (self.low is None or value >= self.low) and (self.high is None or value < self.high)
+        )
 
     def predicate(self) -> str:
         """The span as a Delta predicate (``true`` for one span covering all)."""

@@ -153,9 +153,7 @@ def choose_layout(
     if override is not None:
         if override.width is not None:
             if not is_range_key(key_types):
-                raise LayoutError(
-                    f"a bucket width needs a single integer key, and the key is ({', '.join(key)})"
-                )
+                raise LayoutError(f"a bucket width needs a single integer key, and the key is ({', '.join(key)})")
             return TableLayout(RANGE, tuple(key), override.width)
         if override.count is not None:
             return TableLayout(HASH, tuple(key), override.count)
@@ -311,7 +309,10 @@ def _list_hashes(array: pa.Array) -> np.ndarray:
     element_hashes = _typed_hashes(elements)
     if elements.null_count:
         element_hashes = np.where(np.asarray(elements.is_null(), dtype=bool), _NULL_ELEMENT, element_hashes)
-    return _mix(_polynomial_sums(element_hashes, offsets[:-1] - offsets[0], lengths) ^ (lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
+    return _mix(
+        _polynomial_sums(element_hashes, offsets[:-1] - offsets[0], lengths)
+        ^ (lengths.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    )
 
 
 def _text_hashes(array: pa.Array) -> np.ndarray:
@@ -320,7 +321,11 @@ def _text_hashes(array: pa.Array) -> np.ndarray:
     A polynomial over the bytes, computed with prefix sums (numpy wraps uint64 arithmetic
     modulo 2**64), so it costs a few vector passes whatever the row count.
     """
-    if pa.types.is_binary(array.type) or pa.types.is_large_binary(array.type) or pa.types.is_fixed_size_binary(array.type):
+    if (
+        pa.types.is_binary(array.type)
+        or pa.types.is_large_binary(array.type)
+        or pa.types.is_fixed_size_binary(array.type)
+    ):
         text = array.cast(pa.large_binary())
     else:
         text = pc.cast(array, pa.large_string()).cast(pa.large_binary())

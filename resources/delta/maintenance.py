@@ -60,11 +60,18 @@ from pyspark.sql import SparkSession
 
 from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import session_settings
+from resources.delta.deletion_vectors import deleted_rows, DeletedRows, table_file_deletions
 from resources.delta.lake_storage import LakeStorage
+from resources.delta.markers import layout_from_property, LAYOUT_PROPERTY, LSN_COLUMN
+from resources.delta.table_files import (
+    DELTA_LOG,
+    delta_rs_table,
+    filesystem_path,
+    log_entries,
+    log_files,
+    storage_files,
+)
 from resources.locations import join_location
-from resources.delta.markers import LAYOUT_PROPERTY, layout_from_property, LSN_COLUMN
-from resources.delta.deletion_vectors import DeletedRows, deleted_rows, table_file_deletions
-from resources.delta.table_files import DELTA_LOG, delta_rs_table, filesystem_path, log_entries, log_files, storage_files
 
 RETENTION_PROPERTIES = ("delta.logRetentionDuration", "delta.deletedFileRetentionDuration")
 """The table properties pgcdc sets to the retention on every table it maintains."""
@@ -172,7 +179,9 @@ def properties_to_set(configuration: dict[str, str], retention_s: int) -> dict[s
     """The retention properties whose value differs from the retention (unset ones included), each
     mapped to it; an equal duration written otherwise ("interval 7 days") stays as it is."""
     interval = retention_interval(retention_s)
-    return {name: interval for name in RETENTION_PROPERTIES if _interval_seconds(configuration.get(name, "")) != retention_s}
+    return {
+        name: interval for name in RETENTION_PROPERTIES if _interval_seconds(configuration.get(name, "")) != retention_s
+    }
 
 
 def _property_changes(configuration: dict[str, str], changed: dict[str, str]) -> tuple[str, ...]:
@@ -270,7 +279,9 @@ class _DeltaRsMaintenance:
         clean-up of what it covers, then the orphaned ``.crc`` files. Nothing (no checkpoint
         either) while no file below ``keep_from`` has expired."""
         cutoff = time.time() - log_retention_s
-        if not any(int(name[:20]) < keep_from and mtime < cutoff for name, mtime in log_entries(self.lake, self.path).items()):
+        if not any(
+            int(name[:20]) < keep_from and mtime < cutoff for name, mtime in log_entries(self.lake, self.path).items()
+        ):
             return
         self._checkpoint(keep_from)
         self._open_at(keep_from).cleanup_metadata()
@@ -306,7 +317,11 @@ class _SparkMaintenance:
         assert row is not None
         newest = self.spark.sql(f"DESCRIBE HISTORY {self.table} LIMIT 1").select("version").first()
         assert newest is not None
-        return int(newest["version"]), FileStats(int(row["numFiles"]), int(row["sizeInBytes"])), dict(row["properties"] or {})
+        return (
+            int(newest["version"]),
+            FileStats(int(row["numFiles"]), int(row["sizeInBytes"])),
+            dict(row["properties"] or {}),
+        )
 
     def run(self, retention_s: int, target_file_bytes: int, max_deleted_rows_ratio: float) -> _Done:
         version_before, table_before, configuration = self._detail()
@@ -409,4 +424,3 @@ def describe(result: TableMaintenance) -> str:
         f" version {result.version_before} -> {result.version_after}; {result.duration_s:.2f} s"
         + (f"; set {', '.join(result.properties_set)}" if result.properties_set else "")
     )
-

@@ -99,16 +99,28 @@ def fold_table_log(
             kind = marker.get("kind")
             if kind == "snapshot":
                 return TableLog(
-                    marker_snapshot_lsn(marker), version, newest, applied, marker_layout(marker), table_id,
-                    marker_chunks(marker), marker_columns(marker),
+                    marker_snapshot_lsn(marker),
+                    version,
+                    newest,
+                    applied,
+                    marker_layout(marker),
+                    table_id,
+                    marker_chunks(marker),
+                    marker_columns(marker),
                 )
             if kind in (APPEND_MARKER, REPLACE_MARKER) and applied is None:
                 applied = int(LSN.parse(marker["applied_lsn"])), int(marker["applied_seq"])
     if known is None:
         return TableLog(None, None, newest, applied, None)
     return TableLog(
-        known.snapshot_lsn, known.snapshot_version, newest, applied or known.applied_marker, known.layout, table_id,
-        known.chunks, known.columns,
+        known.snapshot_lsn,
+        known.snapshot_version,
+        newest,
+        applied or known.applied_marker,
+        known.layout,
+        table_id,
+        known.chunks,
+        known.columns,
     )
 
 

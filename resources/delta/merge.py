@@ -13,8 +13,7 @@ from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes, spark_dataframe
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.snapshot_writes import STAGE_FILE_BYTES, staged_source_sql, stage_parquet, STAGING_DIRECTORY
-
+from resources.delta.snapshot_writes import STAGE_FILE_BYTES, stage_parquet, staged_source_sql, STAGING_DIRECTORY
 
 DELETE_ROW_COLUMN = "_pgcdc_delete_row"
 """Column a delete-and-insert MERGE adds to its source (:func:`merge_statement`): True on the row that
@@ -111,7 +110,9 @@ def merge_statement(
     if delete_and_insert and not kept and any(name not in matched_on for name in value_columns):
         return _delete_and_insert_statement(target, staged_source, source, matched_on, pruned, value_columns)
     old_rows_joined = bool(old_keys and kept)
-    using = _joined_to_old_rows(target, staged_source, source, old_keys, kept, pruned) if old_rows_joined else staged_source
+    using = (
+        _joined_to_old_rows(target, staged_source, source, old_keys, kept, pruned) if old_rows_joined else staged_source
+    )
     on = _match(source, matched_on, pruned)
     moved_flag = next((name for name in old_keys if name != OLD_KEY_PREFIX + BUCKET_COLUMN), None)
     moved = f"s.{quote_column(moved_flag)} IS NOT NULL" if moved_flag else "false"
@@ -167,7 +168,12 @@ def _joined_to_old_rows(
 
 
 def _delete_and_insert_statement(
-    target: str, staged_source: str, source: pa.Table, key_columns: Sequence[str], pruned: bool, value_columns: Sequence[str]
+    target: str,
+    staged_source: str,
+    source: pa.Table,
+    key_columns: Sequence[str],
+    pruned: bool,
+    value_columns: Sequence[str],
 ) -> str:
     """:func:`merge_statement`'s MERGE for changes that replace whole rows: its source is each change
     as a row that deletes its key's target row (:data:`DELETE_ROW_COLUMN` true, the only rows the ON
@@ -212,9 +218,7 @@ def _value_columns(source: pa.Table) -> list[str]:
     return [
         name
         for name in source.column_names
-        if name != OP_COLUMN
-        and not name.startswith(UNCHANGED_PREFIX)
-        and not name.startswith(OLD_KEY_PREFIX)
+        if name != OP_COLUMN and not name.startswith(UNCHANGED_PREFIX) and not name.startswith(OLD_KEY_PREFIX)
     ]
 
 
@@ -305,9 +309,7 @@ def replace_rows(
     columns = [F.col(quote_column(name)) for name in probe.column_names]
     probed = scan.select(*columns).where(F.lit(False)).unionByName(spark_dataframe(spark, probe))
     hashes = probed.select(F.xxhash64(*columns).alias("hash")).distinct().toArrow().column("hash").to_pylist()
-    predicate = (
-        f"xxhash64({', '.join(quote_column(name) for name in probe.column_names)}) IN ({', '.join(map(str, sorted(hashes)))})"
-    )
+    predicate = f"xxhash64({', '.join(quote_column(name) for name in probe.column_names)}) IN ({', '.join(map(str, sorted(hashes)))})"
     replacement = rewrite(scan.where(predicate).toArrow())
     (
         scan.where(F.lit(False))
@@ -320,7 +322,9 @@ def replace_rows(
     )
 
 
-def append_rows(spark: SparkSession, path: str, rows: pa.Table, user_metadata: str, lake: LakeStorage | None = None) -> None:
+def append_rows(
+    spark: SparkSession, path: str, rows: pa.Table, user_metadata: str, lake: LakeStorage | None = None
+) -> None:
     """Append ``rows`` in one commit carrying ``user_metadata`` (the progress marker of keyless tables
     and changelogs).
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 import pyarrow as pa
-from pyspark.sql import Column, DataFrame, SparkSession
-from pyspark.sql import functions as F
+from pyspark.sql import Column, DataFrame, functions as F, SparkSession
 
 from resources.delta.dataframes import spark_dataframe
 

@@ -85,12 +85,16 @@ def fill_columns(spark: SparkSession, path: str, values: pa.Table, lsn_column: s
     fill = spark_dataframe(spark, values.rename_columns([fill_names[name] for name in values.column_names]))
     joined = frame.crossJoin(fill)
     columns = [
-        F.when(lsn_column_le, F.col(fill_names[field.name])).otherwise(F.col(quote_column(field.name))).alias(field.name)
+        F.when(lsn_column_le, F.col(fill_names[field.name]))
+        .otherwise(F.col(quote_column(field.name)))
+        .alias(field.name)
         if field.name in fill_names
         else F.col(quote_column(field.name))
         for field in existing
     ]
     columns += [
-        F.when(lsn_column_le, F.col(fill_names[name])).alias(name) for name in values.column_names if name not in existing.names
+        F.when(lsn_column_le, F.col(fill_names[name])).alias(name)
+        for name in values.column_names
+        if name not in existing.names
     ]
     _rewrite(joined.select(*columns), existing, path)

@@ -13,15 +13,14 @@ from pyarrow.fs import FileType
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
-from resources.locations import is_object_store
-from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
+from resources.crash_points import fault_point
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
+from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property
 from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
-from resources.crash_points import fault_point
-
+from resources.locations import is_object_store
 
 STAGING_DIRECTORY = "_pgcdc_staging"
 """Inside a table directory; Delta readers and VACUUM ignore directories starting with '_'."""
@@ -93,18 +92,7 @@ def write_snapshot(
       arrive (:func:`_write_with_delta_rs`), rows in arrival order within a bucket (COPY's heap
       order): 1.6-2x the engine path's speed on 2 cores (docs/engine-notes.md, "Snapshots
       written by delta-rs").
-    * **the engine** (Delta on Spark; key ranges): one file per bucket, sorted by key (the sort
-      clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
-      the batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
-      each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
-      staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
-      the engine reads the staged files and overwrites the table in the one commit; the staging
-      directory is removed afterwards (a crash leaves only staging debris). Against shipping each
-      piece as a Spark Connect temporary view (docs/engine-notes.md, "Staged Parquet and a bounded
-      engine pool"): about 0.2 CPU-seconds less per million narrow rows and one engine operation
-      per snapshot. The staged files name their columns by position (``c0``, ``c1``, ...), so no
-      column name can trip a Parquet reader, and are cast back to exactly the types
-      :func:`spark_dataframe` would give.
+    * **the engine** (Delta on Spark; key ranges): :func:`_write_with_engine`.
 
     ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
     range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
@@ -122,18 +110,64 @@ def write_snapshot(
         _write_with_delta_rs(data, schema, path, user_metadata, layout, deletion_vectors, lake)
     else:
         new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path, lake)
-        staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
-        try:
-            stage_parquet(data, schema, staging, max(1, min(chunk_bytes, STAGE_FILE_BYTES)), lake)
-            fault_point("after_snapshot_staged")
-            _overwrite(
-                _staged_frame(spark, schema, staging), path, user_metadata, layout, replace_where, new_with_deletion_vectors,
-                rows_outside_where,
-            )
-        finally:
-            remove_tree(staging, lake)
+        _write_with_engine(
+            spark,
+            data,
+            schema,
+            path,
+            user_metadata,
+            layout,
+            replace_where,
+            new_with_deletion_vectors,
+            rows_outside_where,
+            max(1, min(chunk_bytes, STAGE_FILE_BYTES)),
+            lake,
+        )
     fault_point("after_snapshot_commit")
     return version_with_metadata(path, user_metadata, lake)
+
+
+def _write_with_engine(
+    spark: SparkSession,
+    data: Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    path: str,
+    user_metadata: str,
+    layout: TableLayout | None,
+    replace_where: str | None,
+    new_with_deletion_vectors: bool,
+    rows_outside_where: bool,
+    file_bytes: int,
+    lake: LakeStorage | None,
+) -> None:
+    """The engine's write of :func:`write_snapshot` (Delta on Spark; key ranges): one file per bucket,
+    sorted by key (the sort clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
+    the batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
+    each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
+    staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
+    the engine reads the staged files and overwrites the table in the one commit; the staging
+    directory is removed afterwards (a crash leaves only staging debris). Against shipping each
+    piece as a Spark Connect temporary view (docs/engine-notes.md, "Staged Parquet and a bounded
+    engine pool"): about 0.2 CPU-seconds less per million narrow rows and one engine operation
+    per snapshot. The staged files name their columns by position (``c0``, ``c1``, ...), so no
+    column name can trip a Parquet reader, and are cast back to exactly the types
+    :func:`spark_dataframe` would give.
+    """
+    staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}/{uuid.uuid4().hex}"
+    try:
+        stage_parquet(data, schema, staging, file_bytes, lake)
+        fault_point("after_snapshot_staged")
+        _overwrite(
+            _staged_frame(spark, schema, staging),
+            path,
+            user_metadata,
+            layout,
+            replace_where,
+            new_with_deletion_vectors,
+            rows_outside_where,
+        )
+    finally:
+        remove_tree(staging, lake)
 
 
 def _watched(data: pa.Table | Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -244,7 +278,11 @@ def _write_with_delta_rs(
 
 
 def stage_parquet(
-    data: pa.Table | Iterable[pa.RecordBatch], schema: pa.Schema, staging: str, file_bytes: int, lake: LakeStorage | None = None
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    staging: str,
+    file_bytes: int,
+    lake: LakeStorage | None = None,
 ) -> None:
     """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging``, columns
     named by position (``c0``, ``c1``, ...; :func:`staged_source_sql` names them back); at least one

@@ -8,11 +8,11 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql import SparkSession
 
+from resources.config import PgcdcConfig
 from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log, versions
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeySpan
-from resources.config import PgcdcConfig
 from resources.delta.lake_storage import LakeStorage, open_lake
 from resources.delta.layout import TableLayout
 
@@ -65,7 +65,11 @@ class SparkDeltaDestination:
         versions.merge_versions(self.spark, path, source, key_columns, prune_buckets, self.lake)
 
     def replace_versions(
-        self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
+        self,
+        path: str,
+        rewrite: Callable[[pa.Table | None], pa.Table],
+        deletion_vectors: bool,
+        layout: TableLayout | None,
     ) -> None:
         versions.replace_versions(self.spark, path, rewrite, deletion_vectors, layout, self.lake)
 

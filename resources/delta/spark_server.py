@@ -140,8 +140,14 @@ def remember_resolved_jars(session_jars: str) -> None:
 def managed_server_config(user_config: Mapping[str, str] | None = None) -> dict[str, str]:
     """Everything a managed (or classic) Spark with Delta is started with; user settings win,
     except that a user's ``spark.jars`` is added to Delta's rather than replacing them."""
-    config = {**SMALL_TABLE_CONFIG, **DELTA_MERGE_CONFIG, "spark.driver.memory": "1g", "spark.log.level": "WARN", **DELTA_SQL_CONFIG,
-              **delta_jar_config()}
+    config = {
+        **SMALL_TABLE_CONFIG,
+        **DELTA_MERGE_CONFIG,
+        "spark.driver.memory": "1g",
+        "spark.log.level": "WARN",
+        **DELTA_SQL_CONFIG,
+        **delta_jar_config(),
+    }
     user = dict(user_config or {})
     if "spark.jars" in config and user.get("spark.jars"):
         user["spark.jars"] = f"{config['spark.jars']},{user['spark.jars']}"
@@ -170,7 +176,9 @@ def new_group_dying_with_parent() -> None:
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def start_jvm(master: str, port: int, config: Mapping[str, str], log_path: Path, work_dir: Path) -> subprocess.Popen[bytes]:
+def start_jvm(
+    master: str, port: int, config: Mapping[str, str], log_path: Path, work_dir: Path
+) -> subprocess.Popen[bytes]:
     """``spark-submit`` of the Spark Connect server; ``spark-class`` execs java, so the pid is the JVM's."""
     args = [
         str(spark_home() / "bin" / "spark-submit"),
@@ -201,8 +209,9 @@ def wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float, 
                 return
         except OSError:
             time.sleep(0.2)
-    raise RuntimeError(f"the Spark Connect server did not listen within {timeout:.0f} s "
-                       f"(raise {START_TIMEOUT_ENV}): {_tail(log_path)}")
+    raise RuntimeError(
+        f"the Spark Connect server did not listen within {timeout:.0f} s (raise {START_TIMEOUT_ENV}): {_tail(log_path)}"
+    )
 
 
 def _tail(log_path: Path) -> str:

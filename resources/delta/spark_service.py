@@ -18,16 +18,22 @@ import shutil
 import signal
 import tempfile
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
 from resources.config import PgcdcConfig
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.spark_server import (
-    DEFAULT_START_TIMEOUT_S, managed_server_config, START_TIMEOUT_ENV, start_jvm, stop_group, wait_listening,
+    DEFAULT_START_TIMEOUT_S,
+    managed_server_config,
+    start_jvm,
+    START_TIMEOUT_ENV,
+    stop_group,
+    wait_listening,
 )
+
 
 def serve(config: PgcdcConfig, port: int, out: TextIO, stop: threading.Event | None = None) -> int:
     """Run the managed Spark with Delta for ``config``'s lake and ``spark.config`` on 127.0.0.1:``port``
@@ -46,8 +52,10 @@ def serve(config: PgcdcConfig, port: int, out: TextIO, stop: threading.Event | N
     jvm = start_jvm(f"local[{len(os.sched_getaffinity(0))}]", port, settings, log_path, work_dir)
     try:
         wait_listening(port, jvm, float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S)), log_path)
-        out.write(f"pgcdc: Spark with Delta listening at sc://127.0.0.1:{port} (JVM pid {jvm.pid}, log {log_path}); "
-                  "set spark.remote to it; SIGTERM or Ctrl-C stops it\n")
+        out.write(
+            f"pgcdc: Spark with Delta listening at sc://127.0.0.1:{port} (JVM pid {jvm.pid}, log {log_path}); "
+            "set spark.remote to it; SIGTERM or Ctrl-C stops it\n"
+        )
         out.flush()
         while not stop.wait(1.0):
             if jvm.poll() is not None:

@@ -41,10 +41,10 @@ from resources.column_numbers import ColumnNumbers
 from resources.delta.dataframes import nullable_schema
 from resources.delta.destination import TableLog
 from resources.delta.lake_storage import LakeStorage, object_store_options
-from resources.delta.reads import delta_rs_rows
-from resources.locations import join_location
 from resources.delta.layout import TableLayout
+from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import table_exists
+from resources.locations import join_location
 from resources.lsn import LSN
 
 PGCDC_TABLES_DIRECTORY = "_pgcdc"
@@ -54,20 +54,22 @@ no PostgreSQL schema name maps there in practice (``_pgcdc.state`` would)."""
 STATE_TABLES_DIRECTORY = (PGCDC_TABLES_DIRECTORY, "state")
 """``<delta.root>/_pgcdc/state/``: one state table per slot below it."""
 
-STATE_SCHEMA = pa.schema([
-    pa.field("table", pa.string()),
-    pa.field("path", pa.string()),
-    pa.field("snapshot_lsn", pa.int64()),
-    pa.field("snapshot_version", pa.int64()),
-    pa.field("delta_version", pa.int64()),
-    pa.field("applied_lsn", pa.int64()),
-    pa.field("marker_lsn", pa.int64()),
-    pa.field("marker_seq", pa.int64()),
-    pa.field("layout", pa.string()),  # TableLayout.to_json as JSON; null: unbucketed
-    pa.field("table_id", pa.string()),  # Delta's metaData.id of the table the layout belongs to; null: not read
-    pa.field("columns", pa.string()),  # ColumnNumbers.to_json of the snapshot as JSON; null: not recorded
-    pa.field("updated_at", pa.timestamp("us", tz="UTC")),
-])
+STATE_SCHEMA = pa.schema(
+    [
+        pa.field("table", pa.string()),
+        pa.field("path", pa.string()),
+        pa.field("snapshot_lsn", pa.int64()),
+        pa.field("snapshot_version", pa.int64()),
+        pa.field("delta_version", pa.int64()),
+        pa.field("applied_lsn", pa.int64()),
+        pa.field("marker_lsn", pa.int64()),
+        pa.field("marker_seq", pa.int64()),
+        pa.field("layout", pa.string()),  # TableLayout.to_json as JSON; null: unbucketed
+        pa.field("table_id", pa.string()),  # Delta's metaData.id of the table the layout belongs to; null: not read
+        pa.field("columns", pa.string()),  # ColumnNumbers.to_json of the snapshot as JSON; null: not recorded
+        pa.field("updated_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
 
 
 @dataclass(frozen=True, slots=True)

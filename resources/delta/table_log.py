@@ -43,8 +43,8 @@ from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import (
     EXPIRED_SNAPSHOT_LSN,
     fold_table_log,
-    LAYOUT_PROPERTY,
     layout_from_property,
+    LAYOUT_PROPERTY,
     marker_chunks,
     marker_columns,
     marker_layout,
@@ -88,7 +88,9 @@ def rows_unchanged_after(path: str, version: int, newest: int, lake: LakeStorage
     """Whether every commit after ``version`` up to ``newest`` only maintains the table (table
     properties, compaction, vacuum: :data:`~resources.delta.maintenance.MAINTENANCE_OPERATIONS`),
     so its rows are those of ``version``; reads those commits only."""
-    from resources.delta.maintenance import MAINTENANCE_OPERATIONS  # maintenance imports the snapshot writes, which import this
+    from resources.delta.maintenance import (
+        MAINTENANCE_OPERATIONS,  # maintenance imports the snapshot writes, which import this
+    )
 
     log = _Log(path, lake)
     for later in range(version + 1, newest + 1):
@@ -199,9 +201,15 @@ def unfinished_create(path: str, lake: LakeStorage | None = None) -> bool:
     actions = [json.loads(line) for line in text.splitlines() if line.strip()]
     if any("add" in action or "remove" in action for action in actions):
         return False
-    if any(pgcdc_marker(action["commitInfo"].get("userMetadata")) is not None for action in actions if "commitInfo" in action):
+    if any(
+        pgcdc_marker(action["commitInfo"].get("userMetadata")) is not None
+        for action in actions
+        if "commitInfo" in action
+    ):
         return False
-    if not any(LAYOUT_PROPERTY in (action["metaData"].get("configuration") or {}) for action in actions if "metaData" in action):
+    if not any(
+        LAYOUT_PROPERTY in (action["metaData"].get("configuration") or {}) for action in actions if "metaData" in action
+    ):
         return False
     versions, checkpoint = log.versions()
     return versions == [0] and checkpoint is None and log.read(LAST_CHECKPOINT) is None
@@ -318,7 +326,14 @@ def _after_known(log: _Log, known: TableLog) -> TableLog | None:
             # The row's column numbers stay true: a newer snapshot would be among the commits read below.
             columns = known.columns if known.table_id == metadata.table_id else None
             known = TableLog(
-                EXPIRED_SNAPSHOT_LSN, None, known.version, known.applied_marker, layout, metadata.table_id, None, columns
+                EXPIRED_SNAPSHOT_LSN,
+                None,
+                known.version,
+                known.applied_marker,
+                layout,
+                metadata.table_id,
+                None,
+                columns,
             )
         else:
             recorded = None if snapshot_commit is None else _snapshot(snapshot_commit)

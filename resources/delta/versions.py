@@ -37,7 +37,13 @@ from resources.delta.dataframes import prepare_writes
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.merge import DELETE_ROW_COLUMN, key_lists, quote_column
-from resources.delta.snapshot_writes import STAGE_FILE_BYTES, staged_source_sql, stage_parquet, STAGING_DIRECTORY, write_snapshot
+from resources.delta.snapshot_writes import (
+    STAGE_FILE_BYTES,
+    stage_parquet,
+    staged_source_sql,
+    STAGING_DIRECTORY,
+    write_snapshot,
+)
 from resources.delta.table_log import table_exists
 
 __all__ = [
@@ -50,7 +56,6 @@ __all__ = [
     "replace_versions",
     "VALID_TO_LSN_COLUMN",
 ]
-
 
 
 def merge_versions(
@@ -77,7 +82,9 @@ def merge_versions(
     staging = f"{path.rstrip('/')}/{STAGING_DIRECTORY}"
     closes = deletes.filter(pc.is_null(deletes.column(MARKER_COLUMN)))
     closed = _closed_versions(spark, path, closes, key_columns, buckets, f"{staging}/versions_closes", lake)
-    inserts = pa.concat_tables([closed, source.filter(pc.or_(pc.invert(closing), pc.is_valid(source.column(MARKER_COLUMN)))).select(columns)])
+    inserts = pa.concat_tables(
+        [closed, source.filter(pc.or_(pc.invert(closing), pc.is_valid(source.column(MARKER_COLUMN)))).select(columns)]
+    )
     merge_source = pa.concat_tables([
         deletes.append_column(DELETE_ROW_COLUMN, pa.repeat(pa.scalar(True), deletes.num_rows)),
         inserts.append_column(DELETE_ROW_COLUMN, pa.repeat(pa.scalar(False), inserts.num_rows)),
@@ -120,7 +127,8 @@ def _closed_versions(
     stage_parquet(closes, closes.schema, staged, STAGE_FILE_BYTES, lake)
     try:
         picked = ", ".join(
-            f"{'s' if name in CLOSED_SET else 't'}.{quote_column(name)} AS {quote_column(name)}" for name in closes.column_names
+            f"{'s' if name in CLOSED_SET else 't'}.{quote_column(name)} AS {quote_column(name)}"
+            for name in closes.column_names
         )
         on = " AND ".join(f"t.{quote_column(key)} = s.{quote_column(key)}" for key in key_columns)
         where = " AND ".join([
@@ -133,7 +141,9 @@ def _closed_versions(
         ).toArrow()
     finally:
         remove_tree(staged, lake)
-    return pa.Table.from_arrays([closed.column(field.name).cast(field.type) for field in closes.schema], schema=closes.schema)
+    return pa.Table.from_arrays(
+        [closed.column(field.name).cast(field.type) for field in closes.schema], schema=closes.schema
+    )
 
 
 def _current_rows(rows: pa.Table, key_columns: Sequence[str], buckets: str | None) -> list[str]:
@@ -189,12 +199,22 @@ def replace_versions(
         predicate = None
     marker = rows.filter(pc.is_valid(rows.column(MARKER_COLUMN))).column(MARKER_COLUMN)[0].as_py()
     write_snapshot(
-        spark, rows, rows.schema, path, marker, layout=layout, replace_where=predicate, deletion_vectors=deletion_vectors,
-        lake=lake, rows_outside_where=True,  # the rewrite closes current versions: they leave the predicate
+        spark,
+        rows,
+        rows.schema,
+        path,
+        marker,
+        layout=layout,
+        replace_where=predicate,
+        deletion_vectors=deletion_vectors,
+        lake=lake,
+        rows_outside_where=True,  # the rewrite closes current versions: they leave the predicate
     )
 
 
-def read_versions_marker(spark: SparkSession, path: str, lake: LakeStorage | None = None) -> tuple[int | None, dict[str, Any] | None]:
+def read_versions_marker(
+    spark: SparkSession, path: str, lake: LakeStorage | None = None
+) -> tuple[int | None, dict[str, Any] | None]:
     """(0, the marker row's pgcdc marker) of the SCD type 2 table at ``path``, (None, None) without a
     table: the shape of :meth:`Destination.newest_marker`. Reads the NULL bucket only, when bucketed."""
     if not table_exists(path, lake):

@@ -198,7 +198,9 @@ class PgOutputDecoder:
         if type(wal_start) is not LSN:
             wal_start = LSN(wal_start)
         if not data:
-            raise ProtocolError(f"empty pgoutput message at {wal_start}", "check that the slot uses the pgoutput plugin")
+            raise ProtocolError(
+                f"empty pgoutput message at {wal_start}", "check that the slot uses the pgoutput plugin"
+            )
         kind = data[0]
         handler = self._dispatch.get(kind)
         if handler is None:
@@ -305,9 +307,7 @@ class PgOutputDecoder:
             type_oid, type_modifier = _RELATION_COLUMN_TAIL.unpack_from(data, pos)
             pos += 8
             columns.append(RelationColumn(flags, column_name, type_oid, type_modifier))
-        relation = Relation(
-            wal_start, xid, oid, namespace or "pg_catalog", name, replica_identity, tuple(columns)
-        )
+        relation = Relation(wal_start, xid, oid, namespace or "pg_catalog", name, replica_identity, tuple(columns))
         self.relations.update(relation)
         return relation, pos
 
@@ -385,7 +385,9 @@ class PgOutputDecoder:
 
     def _stream_start(self, data: bytes, wal_start: LSN) -> tuple[StreamStart, int]:
         if self._in_stream:
-            raise self._stream_state_error(STREAM_START, wal_start, f"arrived inside the stream of xid {self._stream_xid}")
+            raise self._stream_state_error(
+                STREAM_START, wal_start, f"arrived inside the stream of xid {self._stream_xid}"
+            )
         xid, first = _STREAM_START.unpack_from(data, 1)
         if len(data) == 6:  # state changes only for a well-formed message
             self._in_stream = True

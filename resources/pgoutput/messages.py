@@ -8,7 +8,6 @@ from typing import Final, TypeAlias
 
 from resources.lsn import LSN
 
-
 PG_EPOCH: Final = datetime(2000, 1, 1, tzinfo=UTC)
 
 

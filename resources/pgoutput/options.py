@@ -9,7 +9,6 @@ from typing import Literal
 from resources.errors import ConfigurationError
 from resources.sql import quote_ident, quote_literal
 
-
 StreamingMode = Literal["off", "on", "parallel"]
 
 

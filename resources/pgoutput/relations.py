@@ -8,7 +8,6 @@ from resources.errors import ProtocolError
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation, Type
 
-
 _Described = TypeVar("_Described", Relation, Type)
 
 

@@ -9,7 +9,6 @@ from resources.errors import PgcdcError, ProtocolError
 from resources.pgoutput.messages import UNCHANGED_TOAST
 from resources.pgoutput.tags import BINARY, NULL, TEXT, UNCHANGED
 
-
 SLICE_BYTES = 1 << 30
 """Payload bytes parsed at once: string views address their buffer with 32-bit offsets."""
 
@@ -68,7 +67,9 @@ def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[li
     present = start >= 0
     pos = np.where(present, start, 0) + 2
     if pos.max() > last + 1:
-        raise PgcdcError("a row image lies outside its message", "the replication stream is inconsistent; restart replication")
+        raise PgcdcError(
+            "a row image lies outside its message", "the replication stream is inconsistent; restart replication"
+        )
     counts = (buf[pos - 2].astype(np.int64) << 8) | buf[pos - 1]
     if (counts[present] != ncols).any():
         raise PgcdcError(
@@ -91,7 +92,10 @@ def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[li
         )
         data_at = at + 5
         if (has & (data_at + size > len(buf))).any():
-            raise PgcdcError("a value runs past the end of its message", "the replication stream is inconsistent; restart replication")
+            raise PgcdcError(
+                "a value runs past the end of its message",
+                "the replication stream is inconsistent; restart replication",
+            )
         inline = buf[np.minimum(data_at[:, None] + _LANES, last)]
         inline[_LANES[None, :] >= size[:, None]] = 0
         views = np.zeros((n, 16), np.uint8)
@@ -110,7 +114,9 @@ def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[li
     return columns, masks
 
 
-def take_rows(columns: list[pa.Array], masks: list[np.ndarray], index: np.ndarray) -> tuple[list[pa.Array], list[np.ndarray]]:
+def take_rows(
+    columns: list[pa.Array], masks: list[np.ndarray], index: np.ndarray
+) -> tuple[list[pa.Array], list[np.ndarray]]:
     """Rows ``index`` (-1: an absent row, all NULL) of the columns and masks :func:`tuple_columns_at`
     parsed: their views and validity rearranged, no value copied (Arrow has no ``take`` of ``binary_view``)."""
     valid = index >= 0
@@ -121,9 +127,11 @@ def take_rows(columns: list[pa.Array], masks: list[np.ndarray], index: np.ndarra
         rows = np.zeros((len(index), 16), np.uint8)
         rows[valid] = np.frombuffer(views, np.uint8).reshape(-1, 16)[at]
         present = np.zeros(len(index), bool)
-        present[valid] = True if validity is None else np.unpackbits(
-            np.frombuffer(validity, np.uint8), count=len(column), bitorder="little"
-        )[at].astype(bool)
+        present[valid] = (
+            True
+            if validity is None
+            else np.unpackbits(np.frombuffer(validity, np.uint8), count=len(column), bitorder="little")[at].astype(bool)
+        )
         buffers = [pa.py_buffer(np.packbits(present, bitorder="little")), pa.py_buffer(rows), *data]
         taken.append(pa.Array.from_buffers(pa.binary_view(), len(index), buffers))
     taken_masks = []

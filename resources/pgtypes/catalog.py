@@ -80,8 +80,7 @@ def column_type_from_catalog(
     column: str, row: Sequence[object], *, nullable: bool = True, as_text: bool = False
 ) -> PgColumnType:
     """Build a ``PgColumnType`` from one row of :func:`pg_type_catalog_query`."""
-    (_, type_oid, _, type_name, base_name, kind, base_typmod,
-     element_name, element_kind, element_typmod) = row
+    (_, type_oid, _, type_name, base_name, kind, base_typmod, element_name, element_kind, element_typmod) = row
     return PgColumnType(
         column=column,
         type_oid=int(type_oid),  # type: ignore[call-overload]

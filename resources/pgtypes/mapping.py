@@ -23,9 +23,7 @@ TIMESTAMP_POSITIVE_INFINITY = 2**63 - 1
 TIMESTAMP_NEGATIVE_INFINITY = -(2**63)
 """Microseconds since the Unix epoch that stand for PostgreSQL's timestamp '-infinity'."""
 
-_STRING_TYPES = frozenset(
-    {"text", "varchar", "bpchar", "name", "citext", "char", "uuid", "json", "jsonb", "xml"}
-)
+_STRING_TYPES = frozenset({"text", "varchar", "bpchar", "name", "citext", "char", "uuid", "json", "jsonb", "xml"})
 INTEGER_TYPES: dict[str, pa.DataType] = {"int2": pa.int16(), "int4": pa.int32(), "int8": pa.int64()}
 FLOAT_TYPES: dict[str, pa.DataType] = {"float4": pa.float32(), "float8": pa.float64()}
 _TIMESTAMP_TYPES: dict[str, pa.DataType] = {
@@ -146,9 +144,7 @@ def arrow_type(col: PgColumnType) -> pa.DataType:
 
 def arrow_schema(columns: Iterable[PgColumnType]) -> pa.Schema:
     """The Arrow schema of a table's converted batches, in column order."""
-    return pa.schema(
-        [pa.field(col.column, arrow_type(col), nullable=col.nullable) for col in columns]
-    )
+    return pa.schema([pa.field(col.column, arrow_type(col), nullable=col.nullable) for col in columns])
 
 
 def csv_direct_type(col: PgColumnType) -> pa.DataType | None:

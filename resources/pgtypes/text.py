@@ -75,7 +75,9 @@ def _numeric_to_arrow(text: pa.Array, col: PgColumnType, target: pa.DataType) ->
 
 def _bool_to_arrow(text: pa.Array, col: PgColumnType) -> pa.Array:
     known = pc.or_kleene(pc.equal(text, "t"), pc.equal(text, "f"))
-    if not pc.all(pc.or_kleene(known, pc.is_null(text)), min_count=0).as_py():  # an empty input (every bool[] empty or NULL) is fine
+    if not pc.all(
+        pc.or_kleene(known, pc.is_null(text)), min_count=0
+    ).as_py():  # an empty input (every bool[] empty or NULL) is fine
         bad = _first_failure(text, lambda v: v in ("t", "f"))
         raise PgValueError(f"column {col.column!r} (boolean) holds {bad!r}, not t or f")
     return pc.equal(text, "t")
@@ -90,8 +92,7 @@ def _bytea_to_arrow(text: pa.Array, col: PgColumnType) -> pa.Array:
             decoded.append(bytes.fromhex(value[2:]))
         else:
             raise PgValueError(
-                f"column {col.column!r} (bytea) holds {value[:40]!r}: expected hex output "
-                "(bytea_output=hex)"
+                f"column {col.column!r} (bytea) holds {value[:40]!r}: expected hex output (bytea_output=hex)"
             )
     return pa.array(decoded, pa.binary())
 
@@ -138,8 +139,7 @@ def _timestamp_micros(value: str, col: PgColumnType) -> int:
     match = _TIMESTAMP_TEXT.match(value)
     if match is None:
         raise PgValueError(f"column {col.column!r} ({col.type_name}) holds {value!r}: not a timestamp")
-    (year, month, day, hour, minute, second, fraction,
-     sign, offset_h, offset_m, offset_s, bc) = match.groups()
+    (year, month, day, hour, minute, second, fraction, sign, offset_h, offset_m, offset_s, bc) = match.groups()
     astronomical_year = 1 - int(year) if bc else int(year)
     micros = _days_from_civil(astronomical_year, int(month), int(day)) * _MICROS_PER_DAY
     micros += ((int(hour) * 60 + int(minute)) * 60 + int(second)) * 1_000_000
@@ -170,9 +170,7 @@ def _timestamp_to_arrow(text: pa.Array, col: PgColumnType, target: pa.DataType) 
         if is_special and value is not None
     ]
     special_with_values = pc.and_(special, pc.is_valid(text))
-    micros = pc.replace_with_mask(
-        plain.cast(pa.int64()), special_with_values, pa.array(special_micros, pa.int64())
-    )
+    micros = pc.replace_with_mask(plain.cast(pa.int64()), special_with_values, pa.array(special_micros, pa.int64()))
     return micros.cast(target)
 
 
@@ -195,9 +193,7 @@ def _array_to_arrow(text: pa.Array, col: PgColumnType) -> pa.Array:
     )
 
 
-def parse_array_literal(
-    literal: str, delimiter: str = ",", col: PgColumnType | None = None
-) -> list[str | None]:
+def parse_array_literal(literal: str, delimiter: str = ",", col: PgColumnType | None = None) -> list[str | None]:
     """Elements of a one-dimensional PostgreSQL array's text output, NULL as None.
 
     Quoted elements are unescaped (backslash escapes the next character); an unquoted

@@ -103,14 +103,18 @@ def server_version_num(conn: psycopg.Connection) -> int:
 
 def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str, int]:
     """(oid, relkind, relreplident, relnatts) of ``table``; fails naming the table if it does not exist."""
-    row = client_cursor(conn).execute(
-        "SELECT c.oid::pg_catalog.int8, c.relkind::pg_catalog.text, c.relreplident::pg_catalog.text,"
-        " c.relnatts::pg_catalog.int4"
-        " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
-        " WHERE n.nspname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
-        " AND c.relname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
-        (table.schema, table.name),
-    ).fetchone()
+    row = (
+        client_cursor(conn)
+        .execute(
+            "SELECT c.oid::pg_catalog.int8, c.relkind::pg_catalog.text, c.relreplident::pg_catalog.text,"
+            " c.relnatts::pg_catalog.int4"
+            " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+            " WHERE n.nspname OPERATOR(pg_catalog.=) %s::pg_catalog.name"
+            " AND c.relname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
+            (table.schema, table.name),
+        )
+        .fetchone()
+    )
     if row is None:
         raise ConfigurationError(f"table {table} does not exist", "fix the table name in the configuration")
     return int(row[0]), str(row[1]), str(row[2]), int(row[3])
@@ -163,12 +167,16 @@ def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> 
 
 def table_attributes(conn: psycopg.Connection, oid: int) -> list[tuple[int, str, bool]]:
     """(attnum, name, dropped) of every user column of the table, dropped ones included, as of now."""
-    rows = client_cursor(conn).execute(
-        "SELECT a.attnum::pg_catalog.int4, a.attname::pg_catalog.text, a.attisdropped FROM pg_catalog.pg_attribute a"
-        " WHERE a.attrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND a.attnum OPERATOR(pg_catalog.>) 0"
-        " ORDER BY a.attnum",
-        {"oid": oid},
-    ).fetchall()
+    rows = (
+        client_cursor(conn)
+        .execute(
+            "SELECT a.attnum::pg_catalog.int4, a.attname::pg_catalog.text, a.attisdropped FROM pg_catalog.pg_attribute a"
+            " WHERE a.attrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND a.attnum OPERATOR(pg_catalog.>) 0"
+            " ORDER BY a.attnum",
+            {"oid": oid},
+        )
+        .fetchall()
+    )
     return [(int(attnum), str(name), bool(dropped)) for attnum, name, dropped in rows]
 
 
@@ -176,28 +184,36 @@ def primary_key_columns(conn: psycopg.Connection, oid: int) -> tuple[str, ...]:
     """The table's primary-key columns in the key's order (its first ``indnkeyatts`` index columns:
     ``INCLUDE`` columns are payload, not key); empty without one. (Client-side
     parameters, as every query here: a replication connection has no extended protocol.)"""
-    rows = client_cursor(conn).execute(
-        "SELECT a.attname FROM pg_catalog.pg_index i"
-        " CROSS JOIN LATERAL pg_catalog.unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k(attnum, position)"
-        " JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) i.indrelid"
-        " AND a.attnum OPERATOR(pg_catalog.=) k.attnum"
-        " WHERE i.indrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND i.indisprimary"
-        " AND k.position OPERATOR(pg_catalog.<=) i.indnkeyatts ORDER BY k.position",
-        {"oid": oid},
-    ).fetchall()
+    rows = (
+        client_cursor(conn)
+        .execute(
+            "SELECT a.attname FROM pg_catalog.pg_index i"
+            " CROSS JOIN LATERAL pg_catalog.unnest(i.indkey::pg_catalog.int2[]) WITH ORDINALITY AS k(attnum, position)"
+            " JOIN pg_catalog.pg_attribute a ON a.attrelid OPERATOR(pg_catalog.=) i.indrelid"
+            " AND a.attnum OPERATOR(pg_catalog.=) k.attnum"
+            " WHERE i.indrelid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid AND i.indisprimary"
+            " AND k.position OPERATOR(pg_catalog.<=) i.indnkeyatts ORDER BY k.position",
+            {"oid": oid},
+        )
+        .fetchall()
+    )
     return tuple(name for (name,) in rows)
 
 
 def size_estimate(conn: psycopg.Connection, oid: int) -> tuple[float, int]:
     """PostgreSQL's estimate of the table's rows (negative: never counted) and its heap pages,
     summed over its leaf partitions (a partitioned table's own entry holds neither)."""
-    row = client_cursor(conn).execute(
-        "SELECT pg_catalog.sum(c.reltuples::pg_catalog.float8), pg_catalog.sum(c.relpages)::pg_catalog.int8,"
-        " pg_catalog.bool_or(c.reltuples OPERATOR(pg_catalog.<) 0)"
-        " FROM pg_catalog.pg_partition_tree(%(oid)s::pg_catalog.oid::pg_catalog.regclass) p"
-        " JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) p.relid WHERE p.isleaf",
-        {"oid": oid},
-    ).fetchone()
+    row = (
+        client_cursor(conn)
+        .execute(
+            "SELECT pg_catalog.sum(c.reltuples::pg_catalog.float8), pg_catalog.sum(c.relpages)::pg_catalog.int8,"
+            " pg_catalog.bool_or(c.reltuples OPERATOR(pg_catalog.<) 0)"
+            " FROM pg_catalog.pg_partition_tree(%(oid)s::pg_catalog.oid::pg_catalog.regclass) p"
+            " JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) p.relid WHERE p.isleaf",
+            {"oid": oid},
+        )
+        .fetchone()
+    )
     if row is None or row[0] is None:
         return 0.0, 0
     return (-1.0 if row[2] else float(row[0])), int(row[1])
@@ -206,5 +222,9 @@ def size_estimate(conn: psycopg.Connection, oid: int) -> tuple[float, int]:
 def key_range(conn: psycopg.Connection, table: TableName, column: str) -> tuple[int, int] | None:
     """Smallest and largest value of an integer key column (two index probes); None for an empty table."""
     quoted = quote_ident(column)
-    row = client_cursor(conn).execute(f"SELECT pg_catalog.min({quoted}), pg_catalog.max({quoted}) FROM {table.quoted}").fetchone()
+    row = (
+        client_cursor(conn)
+        .execute(f"SELECT pg_catalog.min({quoted}), pg_catalog.max({quoted}) FROM {table.quoted}")
+        .fetchone()
+    )
     return None if row is None or row[0] is None else (int(row[0]), int(row[1]))

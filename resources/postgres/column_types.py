@@ -83,7 +83,9 @@ class TypeResolver:
 
 def published_column_types(conn: psycopg.Connection, info: TableInfo) -> list[PgColumnType]:
     """The mapping of the columns the publication publishes, in order, read on ``conn`` (under its snapshot)."""
-    rows = psycopg.ClientCursor(conn).execute(
-        pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
-    ).fetchall()
+    rows = (
+        psycopg.ClientCursor(conn)
+        .execute(pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns))
+        .fetchall()
+    )
     return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]

@@ -48,7 +48,9 @@ def libpq_options(settings: Mapping[str, str]) -> str:
     parts = []
     for name, value in settings.items():
         if not _SETTING_NAME.match(name):
-            raise ConfigurationError(f"invalid setting name {name!r}", "use a PostgreSQL parameter name such as TimeZone")
+            raise ConfigurationError(
+                f"invalid setting name {name!r}", "use a PostgreSQL parameter name such as TimeZone"
+            )
         text = str(value)
         escaped = "".join("\\" + ch if ch == "\\" or ch.isspace() else ch for ch in text)
         parts.append(f"-c {name}={escaped}")
@@ -105,7 +107,9 @@ def one_line(text: str) -> str:
 
 def from_psycopg(exc: psycopg.Error, *, slot: str | None = None, conn: psycopg.Connection | None = None) -> PgcdcError:
     if (conn is not None and conn.closed) or (isinstance(exc, psycopg.OperationalError) and exc.sqlstate is None):
-        return ConnectionFailure(one_line(str(exc)) or "connection lost", "check that PostgreSQL is running and reachable, then retry")
+        return ConnectionFailure(
+            one_line(str(exc)) or "connection lost", "check that PostgreSQL is running and reachable, then retry"
+        )
     return explain_server_error(exc.sqlstate, exc.diag.message_primary or str(exc), slot=slot)
 
 

@@ -36,7 +36,6 @@ from resources.postgres.connections import connect
 from resources.postgres.replication import ReplicationConnection
 from resources.sql import quote_literal
 
-
 DEFAULT_CHUNK_ROWS = 1_000_000
 """Rows per parsed piece; the byte bound usually closes a piece first."""
 
@@ -68,9 +67,11 @@ T = TypeVar("T")
 def read_column_types(conn: ReplicationConnection, info: TableInfo) -> list[PgColumnType]:
     if not info.columns:
         raise ConfigurationError(f"table {info.table} has no published columns", "publish at least one column")
-    rows = psycopg.ClientCursor(conn.connection).execute(
-        pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns)
-    ).fetchall()
+    rows = (
+        psycopg.ClientCursor(conn.connection)
+        .execute(pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns))
+        .fetchall()
+    )
     return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]
 
 
@@ -241,10 +242,13 @@ def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
     if result is None:
         return ProtocolError(f"no result for {query[:80]}", "check the server log")
     if result.status != pq.ExecStatus.FATAL_ERROR:
-        return ProtocolError(f"unexpected {pq.ExecStatus(result.status).name} answer to {query[:80]}", "check the server version")
+        return ProtocolError(
+            f"unexpected {pq.ExecStatus(result.status).name} answer to {query[:80]}", "check the server version"
+        )
     primary = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or result.error_message or b""
     return SnapshotError(
-        f"COPY failed: {primary.decode('utf-8', 'replace')}", "fix the cause named by PostgreSQL, then run the snapshot again"
+        f"COPY failed: {primary.decode('utf-8', 'replace')}",
+        "fix the cause named by PostgreSQL, then run the snapshot again",
     )
 
 
@@ -321,7 +325,11 @@ def copied_batches(
     """One COPY as parsed (batch, CSV bytes) pairs: read in one thread, parsed in another, each
     :data:`PREFETCH_PIECES` ahead, so reading, parsing and writing overlap in bounded memory."""
     source = copy_pieces(pgconn, query, unparsed, piece_bytes, chunk_rows)
-    return prefetched(parse_each(prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{name}"), parse), PREFETCH_PIECES, f"pgcdc-parse-{name}")
+    return prefetched(
+        parse_each(prefetched(source, PREFETCH_PIECES, f"pgcdc-copy-{name}"), parse),
+        PREFETCH_PIECES,
+        f"pgcdc-parse-{name}",
+    )
 
 
 def heap_blocks(conn: psycopg.Connection, oid: int) -> tuple[int, int]:
@@ -331,13 +339,17 @@ def heap_blocks(conn: psycopg.Connection, oid: int) -> tuple[int, int]:
     as fresh as the last VACUUM/ANALYZE and is 0 for a table loaded since. The size may move
     afterwards: the last range of :func:`block_ranges` is open-ended.
     """
-    row = psycopg.ClientCursor(conn).execute(
-        "SELECT pg_catalog.max(size), pg_catalog.current_setting('block_size') FROM ("
-        " SELECT pg_catalog.pg_relation_size(%s::pg_catalog.oid) AS size UNION ALL"  # a plain table
-        " SELECT pg_catalog.pg_relation_size(tree.relid)"  # the leaves of a partitioned one
-        " FROM pg_catalog.pg_partition_tree(%s::pg_catalog.oid) tree WHERE tree.isleaf) sizes",
-        (oid, oid),
-    ).fetchone()
+    row = (
+        psycopg.ClientCursor(conn)
+        .execute(
+            "SELECT pg_catalog.max(size), pg_catalog.current_setting('block_size') FROM ("
+            " SELECT pg_catalog.pg_relation_size(%s::pg_catalog.oid) AS size UNION ALL"  # a plain table
+            " SELECT pg_catalog.pg_relation_size(tree.relid)"  # the leaves of a partitioned one
+            " FROM pg_catalog.pg_partition_tree(%s::pg_catalog.oid) tree WHERE tree.isleaf) sizes",
+            (oid, oid),
+        )
+        .fetchone()
+    )
     if row is None:
         raise ProtocolError(f"no size for relation {oid}", "check the server version")
     block_size = int(row[1])

@@ -28,14 +28,18 @@ def enter_copy_both(pgconn: pq.abc.PGconn, command: str, slot: str, timeout: flo
     libpq_io.flush(pgconn, time.monotonic() + timeout)
     res = libpq_io.get_result(pgconn, None, time.monotonic() + timeout)
     if res is None or res.status != pq.ExecStatus.COPY_BOTH:
-        error = from_result(res, slot=slot) if res is not None else ProtocolError(
-            "START_REPLICATION returned no result", "check the server log"
+        error = (
+            from_result(res, slot=slot)
+            if res is not None
+            else ProtocolError("START_REPLICATION returned no result", "check the server log")
         )
         finish_results(pgconn, None, time.monotonic() + timeout, slot)
         raise error
 
 
-def leave_copy_both(pgconn: pq.abc.PGconn, poller: select.poll | None, deadline: float, slot: str | None) -> tuple[int, PgcdcError | None]:
+def leave_copy_both(
+    pgconn: pq.abc.PGconn, poller: select.poll | None, deadline: float, slot: str | None
+) -> tuple[int, PgcdcError | None]:
     """Send CopyDone, discard what is still in flight until the server's CopyDone, read the results.
 
     Returns the number of frames discarded and the first error among the results. Raises
@@ -58,7 +62,9 @@ def leave_copy_both(pgconn: pq.abc.PGconn, poller: select.poll | None, deadline:
     return discarded, finish_results(pgconn, poller, deadline, slot)
 
 
-def finish_results(pgconn: pq.abc.PGconn, poller: select.poll | None, deadline: float, slot: str | None) -> PgcdcError | None:
+def finish_results(
+    pgconn: pq.abc.PGconn, poller: select.poll | None, deadline: float, slot: str | None
+) -> PgcdcError | None:
     """Read results until None; return the first error among them."""
     error: PgcdcError | None = None
     while True:

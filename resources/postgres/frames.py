@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 from resources.lsn import LSN
 
-
 #: Seconds between 1970-01-01 and 2000-01-01, PostgreSQL's timestamp epoch.
 PG_EPOCH_OFFSET = 946_684_800
 

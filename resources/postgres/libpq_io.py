@@ -30,7 +30,9 @@ def flush(pgconn: pq.abc.PGconn, deadline: float) -> None:
         wait_writable(pgconn, deadline)
 
 
-def wait_readable(pgconn: pq.abc.PGconn, poller: select.poll | None, deadline: float, raise_on_timeout: bool = True) -> bool:
+def wait_readable(
+    pgconn: pq.abc.PGconn, poller: select.poll | None, deadline: float, raise_on_timeout: bool = True
+) -> bool:
     """Wait until the socket is readable or ``deadline``; whether it is (a timeout raises unless told not to)."""
     timeout = max(0.0, deadline - time.monotonic())
     if poller is not None:

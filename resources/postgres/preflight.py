@@ -89,7 +89,7 @@ def ensure_slot(dsn: str, slot: str, *, failover: bool = False) -> CreatedSlot |
     with ReplicationConnection(dsn, application_name="pgcdc") as conn:
         if failover:
             require_failover_slots(conn.server_version_num)
-            (in_recovery,), = conn.execute("SELECT pg_catalog.pg_is_in_recovery()")
+            ((in_recovery,),) = conn.execute("SELECT pg_catalog.pg_is_in_recovery()")
             if in_recovery:
                 raise ConfigurationError(
                     "slot_failover is set but postgres.dsn points at a standby: only a primary's slot can fail over",
@@ -99,7 +99,7 @@ def ensure_slot(dsn: str, slot: str, *, failover: bool = False) -> CreatedSlot |
         state = conn.read_slot(slot)
         if state is None:
             return conn.create_slot(slot, snapshot="nothing", failover=failover)
-        (database,), = conn.execute("SELECT pg_catalog.current_database()::pg_catalog.text")
+        ((database,),) = conn.execute("SELECT pg_catalog.current_database()::pg_catalog.text")
         _check_usable(state, slot, database)
         if failover:
             state = ensure_failover(conn, state)

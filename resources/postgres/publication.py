@@ -15,10 +15,14 @@ from resources.sql import quote_ident, quote_literal
 
 
 def publication_exists(conn: psycopg.Connection, publication: str) -> bool:
-    row = client_cursor(conn).execute(
-        "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
-        (publication,),
-    ).fetchone()
+    row = (
+        client_cursor(conn)
+        .execute(
+            "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name",
+            (publication,),
+        )
+        .fetchone()
+    )
     return row is not None
 
 
@@ -29,11 +33,15 @@ def published_tables(conn: psycopg.Connection, publication: str) -> list[TableNa
             f'publication "{publication}" does not exist',
             f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE ... (or set create_publication: true)",
         )
-    rows = client_cursor(conn).execute(
-        "SELECT DISTINCT schemaname, tablename FROM pg_catalog.pg_publication_tables"
-        " WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name ORDER BY 1, 2",
-        (publication,),
-    ).fetchall()
+    rows = (
+        client_cursor(conn)
+        .execute(
+            "SELECT DISTINCT schemaname, tablename FROM pg_catalog.pg_publication_tables"
+            " WHERE pubname OPERATOR(pg_catalog.=) %s::pg_catalog.name ORDER BY 1, 2",
+            (publication,),
+        )
+        .fetchall()
+    )
     if not rows:
         # Draining an empty publication would confirm the slot past every change for nothing.
         raise ConfigurationError(

@@ -105,7 +105,9 @@ class ReplicationConnection:
     def __enter__(self) -> ReplicationConnection:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -145,7 +147,7 @@ class ReplicationConnection:
 
     def identify_system(self) -> SystemIdentity:
         """IDENTIFY_SYSTEM: system id, timeline, current WAL flush position, database."""
-        (systemid, timeline, xlogpos, dbname), = self.execute("IDENTIFY_SYSTEM")
+        ((systemid, timeline, xlogpos, dbname),) = self.execute("IDENTIFY_SYSTEM")
         return SystemIdentity(str(systemid), int(timeline), LSN.parse(xlogpos), dbname)
 
     def create_slot(
@@ -195,7 +197,7 @@ class ReplicationConnection:
             words.append({"export": "EXPORT_SNAPSHOT", "use": "USE_SNAPSHOT", "nothing": "NOEXPORT_SNAPSHOT"}[snapshot])
             if two_phase:
                 words.append("TWO_PHASE")
-        (slot_name, consistent_point, snapshot_name, output_plugin), = self.execute(" ".join(words), slot=name)
+        ((slot_name, consistent_point, snapshot_name, output_plugin),) = self.execute(" ".join(words), slot=name)
         return CreatedSlot(slot_name, LSN.parse(consistent_point), snapshot_name or None, output_plugin)
 
     def drop_slot(self, name: str, wait: bool = True) -> None:

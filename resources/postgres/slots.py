@@ -13,7 +13,6 @@ from resources.names import SLOT_NAME
 from resources.sql import quote_literal
 
 
-
 def validate_slot_name(name: str) -> str:
     """Slot names are 1-63 characters of [a-z0-9_], as PostgreSQL requires."""
     if not isinstance(name, str) or not SLOT_NAME.match(name):
@@ -150,8 +149,26 @@ def slot_state(rows: Sequence[tuple]) -> SlotState | None:
     """The :class:`SlotState` in the rows of :func:`slot_state_query`; None when there are none."""
     if not rows:
         return None
-    (slot_name, plugin, slot_type, database, temporary, active, pid, restart, confirmed, wal_status, tp, safe,
-     why, failover, synced, since), = rows
+    (
+        (
+            slot_name,
+            plugin,
+            slot_type,
+            database,
+            temporary,
+            active,
+            pid,
+            restart,
+            confirmed,
+            wal_status,
+            tp,
+            safe,
+            why,
+            failover,
+            synced,
+            since,
+        ),
+    ) = rows
     return SlotState(
         slot_name, plugin, slot_type, database, temporary, active, pid,
         lsn_or_none(restart), lsn_or_none(confirmed), wal_status, tp, why,

@@ -17,10 +17,19 @@ from resources.pgoutput.options import PgOutputOptions
 from resources.pgoutput.tags import DELETE, INSERT, UPDATE
 from resources.postgres import libpq_io
 from resources.postgres.copy_both import connection_lost, enter_copy_both, finish_results, leave_copy_both
-from resources.postgres.frames import Keepalive, KEEPALIVE_TAG, new_lsn, new_tuple, PAYLOAD, unpack_xlog, XLogData, XLOGDATA
+from resources.postgres.frames import (
+    Keepalive,
+    KEEPALIVE_TAG,
+    new_lsn,
+    new_tuple,
+    PAYLOAD,
+    unpack_xlog,
+    XLOGDATA,
+    XLogData,
+)
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.standby_status import StandbyStatus
 from resources.postgres.slots import validate_slot_name
+from resources.postgres.standby_status import StandbyStatus
 from resources.sql import quote_ident
 
 
@@ -129,7 +138,9 @@ class ReplicationStream:
     def __enter__(self) -> ReplicationStream:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._streaming and not self._conn.closed:
             if exc_type is None:
                 self.stop()
@@ -147,14 +158,18 @@ class ReplicationStream:
         if self._streaming:
             raise ProtocolError("the replication stream is already started", "call stop() first")
         if options is None:
-            raise ConfigurationError("START_REPLICATION needs pgoutput options", "pass PgOutputOptions(publication_names=[...])")
+            raise ConfigurationError(
+                "START_REPLICATION needs pgoutput options", "pass PgOutputOptions(publication_names=[...])"
+            )
         validate_slot_name(slot)
         rendered = options.render(self._conn.server_version_num)
         state = self._conn.read_slot(slot)
         if state is None:
             raise SlotError(f'replication slot "{slot}" does not exist', "create the slot first or check the slot name")
         if state.slot_type != "logical":
-            raise SlotError(f'replication slot "{slot}" is not a logical slot', "use a logical slot created for pgoutput")
+            raise SlotError(
+                f'replication slot "{slot}" is not a logical slot', "use a logical slot created for pgoutput"
+            )
         if self._conn.in_transaction:
             raise ProtocolError("START_REPLICATION inside a transaction", "commit() the snapshot transaction first")
         if self._conn._replication_started:
@@ -296,7 +311,9 @@ class ReplicationStream:
             if stop and self._streaming and not self._conn.closed:
                 self.stop()
 
-    def drain_batches(self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20) -> Iterator[XLogData | list[bytes]]:
+    def drain_batches(
+        self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20
+    ) -> Iterator[XLogData | list[bytes]]:
         """:meth:`drain` for bulk consumers: row changes come in lists of payload bytes.
 
         Same frames, order and end as :meth:`drain`, except that consecutive Insert/Update/Delete

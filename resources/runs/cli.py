@@ -84,17 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
     as_of = commands.add_parser(
         "as-of", help="print a table as it was at an LSN, from its history, as JSON lines (docs/history.md)"
     )
-    as_of.add_argument("--table", required=True, help="schema.table, with history: changelog or scd2 in the configuration")
+    as_of.add_argument(
+        "--table", required=True, help="schema.table, with history: changelog or scd2 in the configuration"
+    )
     moment = as_of.add_mutually_exclusive_group()
-    moment.add_argument("--lsn", type=_lsn, help="X/Y: the table once every transaction ending at or before it applied "
-                        "(default: now, as its Delta table holds it)")
-    moment.add_argument("--time", type=_time, help="an ISO 8601 time with its zone: the table before the first "
-                        "transaction committed after it")
+    moment.add_argument(
+        "--lsn",
+        type=_lsn,
+        help="X/Y: the table once every transaction ending at or before it applied "
+        "(default: now, as its Delta table holds it)",
+    )
+    moment.add_argument(
+        "--time",
+        type=_time,
+        help="an ISO 8601 time with its zone: the table before the first transaction committed after it",
+    )
     as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
     spark_server = commands.add_parser(
-        "spark-server", help="run the managed Spark with Delta until stopped, for runs with spark.remote (docs/deployment.md)"
+        "spark-server",
+        help="run the managed Spark with Delta until stopped, for runs with spark.remote (docs/deployment.md)",
     )
-    spark_server.add_argument("--config", help="the pgcdc configuration file: its lake and spark.config (default: $PGCDC_CONFIG)")
+    spark_server.add_argument(
+        "--config", help="the pgcdc configuration file: its lake and spark.config (default: $PGCDC_CONFIG)"
+    )
     spark_server.add_argument("--port", type=int, default=15002, help="the loopback port to listen on (default: 15002)")
     return parser
 

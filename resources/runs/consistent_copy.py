@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from resources.crash_points import fault_point
 from resources.delta.destination import Destination
 from resources.delta.key_ranges import KeySpan
 from resources.delta.layout import TableLayout
 from resources.delta.markers import LSN_COLUMN
 from resources.lsn import LSN
-from resources.phases import Phases
 from resources.pgtypes import arrow_schema, PgColumnType, SESSION_SETTINGS, spark_ddl_type
-from resources.postgres.catalog import read_table, TableInfo, table_oid, TableName
+from resources.phases import Phases
+from resources.postgres.catalog import read_table, table_oid, TableInfo, TableName
 from resources.postgres.copy import PieceParser, read_column_types
 from resources.postgres.replication import ReplicationConnection
-from resources.crash_points import fault_point
 
 __all__ = ["ConsistentCopy", "consistent_copy", "Pieces"]
 
@@ -131,7 +131,9 @@ class ConsistentCopy:
 
 
 @contextmanager
-def consistent_copy(dsn: str, publication: str, table: TableName, *, after_slot: str | None = None) -> Iterator[ConsistentCopy]:
+def consistent_copy(
+    dsn: str, publication: str, table: TableName, *, after_slot: str | None = None
+) -> Iterator[ConsistentCopy]:
     """Open the copy of what ``publication`` publishes of ``table``: its connection, transaction and
     temporary slot, its columns read inside it. ``after_slot`` names the fault point right after the
     slot is created. Leaving closes the connection (a slot not dropped yet goes with it)."""

@@ -49,11 +49,11 @@ from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import TransactionAssembler
 from resources.cdc.writer import HEARTBEAT_SECONDS
 from resources.config import PgcdcConfig
+from resources.crash_points import fault_point
 from resources.delta.destination import Destination, TableLog
+from resources.delta.spark_connect import reports_dead_engine
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
 from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
-from resources.runs.key_range_copy import copy_key_range
-from resources.delta.spark_connect import reports_dead_engine
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB
 from resources.pgoutput.options import PgOutputOptions
@@ -67,7 +67,7 @@ from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import read_slot, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
-from resources.crash_points import fault_point
+from resources.runs.key_range_copy import copy_key_range
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
@@ -163,9 +163,10 @@ def run_incremental(
     started = time.monotonic()
     dsn = config.postgres.dsn
     conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
-    with conn, ReplicationConnection(
-        dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS
-    ) as rc:
+    with (
+        conn,
+        ReplicationConnection(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS) as rc,
+    ):
         start_lsn, tables = _checked_start(config, destination, conn, rc, end_lsn, schedule_gap, caution)
         stream = ReplicationStream(rc)
         options = PgOutputOptions([config.publication], streaming="on")
@@ -197,7 +198,9 @@ def run_incremental(
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = wal_position(conn)
-    return _summary(applier, destination, targets, {**state, **written}, start_lsn, end_lsn, confirmed, flush_now, started, say)
+    return _summary(
+        applier, destination, targets, {**state, **written}, start_lsn, end_lsn, confirmed, flush_now, started, say
+    )
 
 
 def _summary(
@@ -225,7 +228,9 @@ def _summary(
         lag_bytes_after=max(0, flush_now - confirmed),
         duration_s=time.monotonic() - started,
         # Read before the run (not listed by the state) or during it (a listed table whose log has no snapshot now).
-        tables_without_snapshot=[str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted],
+        tables_without_snapshot=[
+            str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted
+        ],
     )
     say(
         f"done: {result.transactions} transactions, {result.changes} changes applied "
@@ -277,7 +282,9 @@ def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:
         future.result()
 
 
-def _recopy_range(config: PgcdcConfig, destination: Destination, table: TableName, path: str, log: TableLog, k: int) -> None:
+def _recopy_range(
+    config: PgcdcConfig, destination: Destination, table: TableName, path: str, log: TableLog, k: int
+) -> None:
     """The drain's re-copy of one key range (``ChangeApplier``): inside this run, so under the slot;
     ``log`` is the table's log as the drain knows it (its ranges and layout: no read of its own)."""
     assert log.chunks is not None, "only a table snapshotted in key ranges is copied again"
@@ -362,7 +369,9 @@ def _record_state(
         rows[str(table)] = StateRow(str(table), target.path, log, applied)
     if rows or gone:
         fault_point("before_state_write")
-        write_state(state_path(config.delta.root, config.slot), state, rows.values(), forget=gone, lake=destination.lake)
+        write_state(
+            state_path(config.delta.root, config.slot), state, rows.values(), forget=gone, lake=destination.lake
+        )
     return rows
 
 
@@ -422,7 +431,9 @@ def _refuse_lost_slot(config: PgcdcConfig, destination: Destination, conn: psyco
             tables = resolve_tables(conn, config.publication, config.tables)
         except psycopg.Error as exc:
             raise explain(exc, config.postgres.dsn) from None
-        if all(destination.read_table_log(config.table_path(t.schema, t.name), None).snapshot_lsn is None for t in tables):
+        if all(
+            destination.read_table_log(config.table_path(t.schema, t.name), None).snapshot_lsn is None for t in tables
+        ):
             return
     raise SlotError(
         f'replication slot "{config.slot}" does not exist on {mask_dsn(config.postgres.dsn)}, but the lake holds'

@@ -21,7 +21,7 @@ import psycopg
 import pyarrow as pa
 
 from resources.config import BucketSettings, SnapshotSettings
-from resources.runs.consistent_copy import consistent_copy, Pieces
+from resources.crash_points import fault_point
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import Destination, TableLog
 from resources.delta.key_ranges import KeyRanges
@@ -31,8 +31,8 @@ from resources.errors import SnapshotError
 from resources.lsn import LSN
 from resources.postgres.catalog import key_range, primary_key_columns, TableInfo, TableName
 from resources.postgres.copy import copied_batches, DEFAULT_CHUNK_ROWS, PARSE_BYTES
+from resources.runs.consistent_copy import consistent_copy, Pieces
 from resources.runs.snapshot_layout import existing_layout, table_layout
-from resources.crash_points import fault_point
 
 __all__ = ["ColumnsChanged", "copy_key_range", "key_range_plan", "RangeCopy"]
 
@@ -58,7 +58,9 @@ class RangeCopy:
     columns: list[tuple[str, str, str]]  # (name, PostgreSQL type, Delta type) of the published columns
 
 
-def key_range_plan(conn: psycopg.Connection, info: TableInfo, heap_bytes: int, settings: SnapshotSettings) -> tuple[KeyRanges | None, str]:
+def key_range_plan(
+    conn: psycopg.Connection, info: TableInfo, heap_bytes: int, settings: SnapshotSettings
+) -> tuple[KeyRanges | None, str]:
     """The key ranges to copy ``info``'s table in, or None for one snapshot; and why, for the log."""
     heap_mb = heap_bytes / 2**20
     if heap_mb <= settings.chunked_above_mb:
@@ -73,11 +75,15 @@ def key_range_plan(conn: psycopg.Connection, info: TableInfo, heap_bytes: int, s
     column = next((c for c in info.columns if c.name == key[0]), None)
     if column is None:
         return None, f"{one_snapshot} its primary key column {key[0]} is not published"
-    base = psycopg.ClientCursor(conn).execute(
-        "SELECT CASE WHEN t.typtype OPERATOR(pg_catalog.=) 'd' THEN t.typbasetype ELSE t.oid END"
-        " FROM pg_catalog.pg_type t WHERE t.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid",
-        (column.type_oid,),
-    ).fetchone()
+    base = (
+        psycopg.ClientCursor(conn)
+        .execute(
+            "SELECT CASE WHEN t.typtype OPERATOR(pg_catalog.=) 'd' THEN t.typbasetype ELSE t.oid END"
+            " FROM pg_catalog.pg_type t WHERE t.oid OPERATOR(pg_catalog.=) %s::pg_catalog.oid",
+            (column.type_oid,),
+        )
+        .fetchone()
+    )
     type_name = INTEGER_KEY_TYPES.get(int(base[0]) if base else 0, "")
     if not type_name:
         return None, f"{one_snapshot} its primary key {key[0]} is not an integer (key ranges support int2/int4/int8)"
@@ -155,4 +161,3 @@ def _check_columns(destination: Destination, path: str, table: TableName, schema
             f"{table}: its columns ({', '.join(schema.names)}) are not its Delta table's ({', '.join(delta)})",
             "the snapshot starts over",
         )
-

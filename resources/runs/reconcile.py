@@ -46,16 +46,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-import pyarrow as pa
 import psycopg
+import pyarrow as pa
 
 from resources.cdc.row_multiset import comparable_rows
 from resources.config import PgcdcConfig
-from resources.delta.markers import LSN_COLUMN
 from resources.delta.destination import Destination
+from resources.delta.markers import LSN_COLUMN
 from resources.delta.spark_connect import reports_dead_engine
 from resources.errors import explain
-from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.lsn import LSN
 from resources.names import SNAPSHOT_JOB
 from resources.pgtypes import arrow_type, PgColumnType, SESSION_SETTINGS
@@ -64,6 +63,7 @@ from resources.postgres.column_types import published_column_types
 from resources.postgres.connections import connect
 from resources.postgres.copy import copy_pieces, DEFAULT_CHUNK_ROWS, PARSE_BYTES, PieceParser
 from resources.postgres.replication import ReplicationConnection
+from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.sql import quote_ident, quote_literal
 
 __all__ = ["RangeMismatch", "ReconcileResult", "TableReconciliation", "reconcile"]
@@ -299,9 +299,7 @@ def _compare_table(
     if len(differ) and int(postgres_sums.counts[differ].sum() + delta_sums.counts[differ].sum()) <= DIFF_ROWS:
         key_positions = [names.index(key) for key in keys]
         wanted = set(differ.tolist())
-        differing_keys, differing_rows = _diff_rows(
-            postgres(), delta(), ranges, wanted, key_positions
-        )
+        differing_keys, differing_rows = _diff_rows(postgres(), delta(), ranges, wanted, key_positions)
     return TableReconciliation(
         table=str(table),
         postgres_rows=int(postgres_sums.counts.sum()),

@@ -35,7 +35,7 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.slots import read_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
-from resources.runs.table_snapshot import naming_table, SnapshotProgress, SnapshotResult, snapshot_table
+from resources.runs.table_snapshot import naming_table, snapshot_table, SnapshotProgress, SnapshotResult
 from resources.sql import quote_ident
 
 __all__ = [
@@ -279,10 +279,14 @@ def snapshot_in_key_ranges(
         ))  # fmt: skip
 
     def copy_next() -> None:
-        log = destination.read_table_log(path, known)  # once per range: its ranges (but the plan's first) and its layout
+        log = destination.read_table_log(
+            path, known
+        )  # once per range: its ranges (but the plan's first) and its layout
         ranges = plan if plan is not None and not copies else log.chunks
         if ranges is None:
-            raise SnapshotError(f"{table}: its snapshot in key ranges is gone from its Delta log", "snapshot the table again")
+            raise SnapshotError(
+                f"{table}: its snapshot in key ranges is gone from its Delta log", "snapshot the table again"
+            )
         k = ranges.next_range()
         if k is None:
             return
@@ -296,7 +300,9 @@ def snapshot_in_key_ranges(
 
     while True:
         copied = len(copies)
-        run_incremental(config, destination, hold=copy_next, log=lambda line: logger.info("snapshot %s: %s", table, line))
+        run_incremental(
+            config, destination, hold=copy_next, log=lambda line: logger.info("snapshot %s: %s", table, line)
+        )
         if len(copies) == copied:
             break
         copy = copies[-1]

@@ -172,8 +172,18 @@ def snapshot_table(
     reading = _Reading(max(1, workers), max(1, chunk_mb) * 2**20, max(1, chunk_rows), max(1, chunk_bytes))
     try:
         return _snapshot_table(
-            dsn, publication, table, destination, path, slot, reading, on_progress, started,
-            buckets or BucketSettings(), deletion_vectors, known,
+            dsn,
+            publication,
+            table,
+            destination,
+            path,
+            slot,
+            reading,
+            on_progress,
+            started,
+            buckets or BucketSettings(),
+            deletion_vectors,
+            known,
         )
     except PgcdcError as exc:
         raise naming_table(exc, table) from exc
@@ -259,7 +269,9 @@ def _snapshot_table(
                     copy.parser, workers, piece_bytes, chunk_rows,
                     f"pgcdc-copy-{table}", on_query_done=lambda: chunks_done.append(1),
                 )  # fmt: skip
-            return copied_batches(copy.conn.pgconn, copy.info.copy_query(), copy.parser(), piece_bytes, chunk_rows, str(table))
+            return copied_batches(
+                copy.conn.pgconn, copy.info.copy_query(), copy.parser(), piece_bytes, chunk_rows, str(table)
+            )
 
         def progress() -> None:
             assert on_progress is not None

@@ -63,9 +63,7 @@ def bin_dir_for(major: int) -> Path:
         return embedded_bin_dir()
     path = system_bin_dir(major)
     if not (path / "postgres").exists():
-        raise FileNotFoundError(
-            f"PostgreSQL {major} binaries not found in {path}: install Debian's postgresql package"
-        )
+        raise FileNotFoundError(f"PostgreSQL {major} binaries not found in {path}: install Debian's postgresql package")
     return path
 
 
@@ -206,7 +204,9 @@ class LocalPostgres:
                 " (SELECT FROM pg_replication_slots WHERE slot_name = %s)",
                 (physical_slot, physical_slot),
             )
-        standby = LocalPostgres(major=self.major, base_dir=Path(tempfile.mkdtemp(prefix=f"pgcdc-pg{self.major}-standby-")))
+        standby = LocalPostgres(
+            major=self.major, base_dir=Path(tempfile.mkdtemp(prefix=f"pgcdc-pg{self.major}-standby-"))
+        )
         user = _server_user()
         if user is not None:
             os.chown(standby.base_dir, user.pw_uid, user.pw_gid)

@@ -15,12 +15,21 @@ from typing import Any
 
 import pyarrow as pa
 
+from resources.delta.batch_columns import (
+    CLOSE_COLUMN,
+    CLOSED_SET,
+    CURRENT_COLUMN,
+    MARKER_COLUMN,
+    OLD_KEY_PREFIX,
+    OP_COLUMN,
+    unchanged_flag_column,
+    UNCHANGED_PREFIX,
+    VALID_TO_LSN_COLUMN,
+)
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.key_ranges import KeySpan
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import fold_table_log, pgcdc_marker
-from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
-from resources.delta.batch_columns import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
 
@@ -46,7 +55,12 @@ class StaticTypes:
 
     def columns(self, relation: Relation) -> list[PgColumnType]:
         return [
-            PgColumnType(column=c.name, type_oid=c.type_oid, type_name=STATIC_TYPES[c.type_oid][0], base_name=STATIC_TYPES[c.type_oid][1])
+            PgColumnType(
+                column=c.name,
+                type_oid=c.type_oid,
+                type_name=STATIC_TYPES[c.type_oid][0],
+                base_name=STATIC_TYPES[c.type_oid][1],
+            )
             for c in relation.columns
         ]
 
@@ -100,7 +114,11 @@ class InMemoryDestination:
             table = with_buckets(layout, table)
         if span is None:
             return self._commit(path, table, user_metadata)
-        kept = [row for row in self.tables[path].to_pylist() if not span.holds(row[span.key])] if path in self.tables else []
+        kept = (
+            [row for row in self.tables[path].to_pylist() if not span.holds(row[span.key])]
+            if path in self.tables
+            else []
+        )
         return self._commit(path, pa.Table.from_pylist(kept + table.to_pylist(), schema=table.schema), user_metadata)
 
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
@@ -116,7 +134,9 @@ class InMemoryDestination:
         pruned: list[dict] = []
         if prune_buckets and BUCKET_COLUMN in value_columns:
             buckets = set(source.column(BUCKET_COLUMN).to_pylist()) | {None}
-            old_buckets = set(source.column(OLD_KEY_PREFIX + BUCKET_COLUMN).to_pylist()) | {None} if moved_flag else set()
+            old_buckets = (
+                set(source.column(OLD_KEY_PREFIX + BUCKET_COLUMN).to_pylist()) | {None} if moved_flag else set()
+            )
             pruned = [row for row in before if row[BUCKET_COLUMN] not in buckets]
             old_rows = [row for row in before if row[BUCKET_COLUMN] in old_buckets]
             before = [row for row in before if row[BUCKET_COLUMN] in buckets]
@@ -154,7 +174,9 @@ class InMemoryDestination:
 
     def append_rows(self, path: str, rows: pa.Table, user_metadata: str) -> None:
         target = self.tables.get(path, rows.schema.empty_table())
-        self._commit(path, pa.Table.from_pylist(target.to_pylist() + rows.to_pylist(), schema=target.schema), user_metadata)
+        self._commit(
+            path, pa.Table.from_pylist(target.to_pylist() + rows.to_pylist(), schema=target.schema), user_metadata
+        )
 
     def read_rows(self, path: str, keys: pa.Table | None) -> pa.Table:
         table = self.tables[path]
@@ -162,7 +184,8 @@ class InMemoryDestination:
             return table
         wanted = {tuple(row.values()) for row in keys.to_pylist()}
         return pa.Table.from_pylist(
-            [row for row in table.to_pylist() if tuple(row[n] for n in keys.column_names) in wanted], schema=table.schema
+            [row for row in table.to_pylist() if tuple(row[n] for n in keys.column_names) in wanted],
+            schema=table.schema,
         )
 
     def scan(self, path: str, columns: Sequence[str]) -> Iterator[pa.Table]:
@@ -185,7 +208,11 @@ class InMemoryDestination:
         target = self.tables[path]
         rows = target.to_pylist()
         closing = source.filter(source.column(CLOSE_COLUMN))  # the MERGE names the buckets of the rows that close
-        buckets = set(closing.column(BUCKET_COLUMN).to_pylist()) | {None} if prune_buckets and BUCKET_COLUMN in target.column_names else None
+        buckets = (
+            set(closing.column(BUCKET_COLUMN).to_pylist()) | {None}
+            if prune_buckets and BUCKET_COLUMN in target.column_names
+            else None
+        )
         open_at = {
             tuple(row[k] for k in key_columns): i
             for i, row in enumerate(rows)
@@ -204,7 +231,11 @@ class InMemoryDestination:
         self._commit(path, pa.Table.from_pylist(rows, schema=target.schema))
 
     def replace_versions(
-        self, path: str, rewrite: Callable[[pa.Table | None], pa.Table], deletion_vectors: bool, layout: TableLayout | None
+        self,
+        path: str,
+        rewrite: Callable[[pa.Table | None], pa.Table],
+        deletion_vectors: bool,
+        layout: TableLayout | None,
     ) -> None:
         if path not in self.tables:
             created = rewrite(None)
@@ -218,7 +249,10 @@ class InMemoryDestination:
         chosen = pa.Table.from_pylist(selected, schema=target.schema)
         replacement = rewrite(chosen.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in chosen.column_names else chosen)
         if layout is not None:
-            replacement = with_buckets(layout, replacement.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in replacement.column_names else replacement)
+            replacement = with_buckets(
+                layout,
+                replacement.drop_columns([BUCKET_COLUMN]) if BUCKET_COLUMN in replacement.column_names else replacement,
+            )
         self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=replacement.schema))
 
     def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:

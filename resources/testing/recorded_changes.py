@@ -108,8 +108,11 @@ class Recording:
             end_lsn=LSN(data["end_lsn"]),
             copies=[
                 RecordedCopy(
-                    TableName(*c["table"]), LSN(c["point"]), [PgColumnType(**col) for col in c["columns"]],
-                    c["csv"].encode(), c["rows"],
+                    TableName(*c["table"]),
+                    LSN(c["point"]),
+                    [PgColumnType(**col) for col in c["columns"]],
+                    c["csv"].encode(),
+                    c["rows"],
                 )
                 for c in data["copies"]
             ],  # fmt: skip
@@ -178,7 +181,9 @@ class RecordedChanges:
     def confirmed_lsn(self) -> LSN:
         return self._confirmed
 
-    def drain_batches(self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20) -> Iterator[XLogData | list[bytes]]:
+    def drain_batches(
+        self, end_lsn: LSN, *, stop: bool = True, max_batch_bytes: int = 1 << 20
+    ) -> Iterator[XLogData | list[bytes]]:
         try:
             yield from self._drain(end_lsn, max_batch_bytes)
         finally:

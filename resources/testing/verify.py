@@ -31,7 +31,14 @@ from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import connect
 from resources.sql import quote_ident
 
-__all__ = ["arrow_rows", "assert_buckets_right", "assert_delta_equals_postgres", "compare_rows", "compare_table", "delta_rows"]
+__all__ = [
+    "arrow_rows",
+    "assert_buckets_right",
+    "assert_delta_equals_postgres",
+    "compare_rows",
+    "compare_table",
+    "delta_rows",
+]
 
 
 class _ExactFloat(float):
@@ -115,7 +122,7 @@ def _documented_numeric(typmod: int) -> pa.DataType:
 def _documented_type(conn: psycopg.Connection, type_oid: int, typmod: int) -> pa.DataType:
     """The Arrow type docs/type-mapping.md gives PostgreSQL type ``type_oid`` with ``typmod``, read from
     the catalog: domains as their base type with the domain's typmod, arrays as lists of their element."""
-    (name, namespace, kind, base, base_typmod, element, category, length), = conn.execute(
+    ((name, namespace, kind, base, base_typmod, element, category, length),) = conn.execute(
         "SELECT t.typname::pg_catalog.text, n.nspname::pg_catalog.text, t.typtype::pg_catalog.text,"
         " t.typbasetype::pg_catalog.int8, t.typtypmod, t.typelem::pg_catalog.int8, t.typcategory::pg_catalog.text,"
         " t.typlen FROM pg_catalog.pg_type t"
@@ -188,7 +195,9 @@ def compare_table(
     ``extra_delta_columns`` are Delta columns PostgreSQL no longer has (dropped columns,
     kept in Delta by design); they are not compared. ``key`` only shapes the diff.
     """
-    return compare_rows(conn, table, *delta_rows(path, storage_options), key=key, extra_delta_columns=extra_delta_columns)
+    return compare_rows(
+        conn, table, *delta_rows(path, storage_options), key=key, extra_delta_columns=extra_delta_columns
+    )
 
 
 def compare_rows(
@@ -294,7 +303,9 @@ def assert_buckets_right(
         if isinstance(pgcdc, dict) and pgcdc.get("kind") == "snapshot":
             marked = TableLayout.from_json(pgcdc["layout"]) if pgcdc.get("layout") else None
             # a table created unbucketed (or by an earlier pgcdc) may have adopted a layout since
-            assert layout is None or marked == layout, f"{path}: the snapshot marker says {marked}, the table property {layout}"
+            assert layout is None or marked == layout, (
+                f"{path}: the snapshot marker says {marked}, the table property {layout}"
+            )
             layout = marked
             break
     else:
@@ -305,12 +316,22 @@ def assert_buckets_right(
     if layout is None:
         assert BUCKET_COLUMN not in table.column_names, f"{path}: a bucket column but no layout in the snapshot marker"
         return None
-    assert delta.metadata().partition_columns == [BUCKET_COLUMN], f"{path}: partitioned by {delta.metadata().partition_columns}"
-    expected = row_buckets(layout, {name: table.column(name) for name in layout.key if name in table.column_names}, table.num_rows)
+    assert delta.metadata().partition_columns == [BUCKET_COLUMN], (
+        f"{path}: partitioned by {delta.metadata().partition_columns}"
+    )
+    expected = row_buckets(
+        layout, {name: table.column(name) for name in layout.key if name in table.column_names}, table.num_rows
+    )
     stored = table.column(BUCKET_COLUMN).combine_chunks()
     # NULL is a bucket every MERGE predicate includes: rows written while their bucket could not be computed
-    wrong = [i for i, (got, want) in enumerate(zip(stored.to_pylist(), expected.to_pylist())) if got is not None and got != want]
+    wrong = [
+        i
+        for i, (got, want) in enumerate(zip(stored.to_pylist(), expected.to_pylist()))
+        if got is not None and got != want
+    ]
     if wrong:
         rows = table.take(wrong[:5]).select([*layout.key, BUCKET_COLUMN]).to_pylist()
-        raise AssertionError(f"{path}: {len(wrong)} row(s) outside their key's bucket ({layout.describe()}), e.g. {rows}")
+        raise AssertionError(
+            f"{path}: {len(wrong)} row(s) outside their key's bucket ({layout.describe()}), e.g. {rows}"
+        )
     return layout

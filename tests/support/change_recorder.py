@@ -88,7 +88,9 @@ class RecordingTypes:
 
     def added_columns(self, relation: Relation, names: list[str]) -> dict[str, set[tuple]]:
         answer = self._live.added_columns(relation, names)
-        self.catalog[question("added_columns", relation, names)] = {name: sorted(map(list, facts)) for name, facts in answer.items()}
+        self.catalog[question("added_columns", relation, names)] = {
+            name: sorted(map(list, facts)) for name, facts in answer.items()
+        }
         return answer
 
 

@@ -19,14 +19,14 @@ import sys
 
 from dagster import build_init_resource_context
 
-from resources.delta.lake_storage import LakeStorage
-from resources.config import load_config
 from pgcdc_assets.dagster_resources import SparkDeltaResource
+from resources.config import load_config
 from resources.delta.capabilities import engine_capabilities
+from resources.delta.lake_storage import LakeStorage
 from resources.delta.maintenance import maintain_table
+from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from resources.delta.spark_destination import lake_destination
 
 
 def main() -> None:
@@ -44,9 +44,15 @@ def main() -> None:
                 print(f"confirmed {result.confirmed_flush_lsn} changes {result.changes}", flush=True)
             elif command.strip() == "maintain":
                 done = [
-                    dataclasses.asdict(maintain_table(
-                        path, LakeStorage(config.delta.root, config.delta.storage), retention_hours=float(sys.argv[3]), target_file_bytes=1 << 27, spark=spark
-                    ))  # fmt: skip
+                    dataclasses.asdict(
+                        maintain_table(
+                            path,
+                            LakeStorage(config.delta.root, config.delta.storage),
+                            retention_hours=float(sys.argv[3]),
+                            target_file_bytes=1 << 27,
+                            spark=spark,
+                        )
+                    )  # fmt: skip
                     for path in sys.argv[2].split(",")
                 ]
                 print(f"maintained {json.dumps(done)}", flush=True)

@@ -46,8 +46,7 @@ def write_config(tmp_path: Path, pg: PgDatabase, **overrides: object) -> Path:
 def create_shop(pg: PgDatabase) -> None:
     """Two published tables: a keyed one with a spread of types, and a keyless one."""
     pg.execute(
-        "CREATE TABLE orders (id bigint PRIMARY KEY, customer text, amount numeric(10,2), tags int[],"
-        " placed timestamp)"
+        "CREATE TABLE orders (id bigint PRIMARY KEY, customer text, amount numeric(10,2), tags int[], placed timestamp)"
     )
     pg.execute("CREATE TABLE notes (body text)")
     pg.execute(
@@ -91,9 +90,7 @@ def run_cli(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedPro
     home = tmp_path / "dagster_home"
     home.mkdir(exist_ok=True)
     env = {**os.environ, CONFIG_ENV_VAR: str(config), "DAGSTER_HOME": str(home)}
-    return subprocess.run(
-        [DAGSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    return subprocess.run([DAGSTER, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
 def invalidate_slot(pg: PgDatabase, slot: str) -> None:
@@ -128,7 +125,9 @@ def check_outcomes(result: ExecuteInProcessResult) -> dict[tuple[AssetKey, str],
 
 
 def slot_position(pg: PgDatabase) -> LSN:
-    ((confirmed,),) = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'")
+    ((confirmed,),) = pg.execute(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'pgcdc_slot'"
+    )
     return LSN.parse(confirmed)
 
 

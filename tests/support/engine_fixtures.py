@@ -36,8 +36,8 @@ from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.spark_connect import connect_session, engine_address
 from resources.delta.spark_server import (
-    DELTA_PACKAGE,
     delta_jar_config,
+    DELTA_PACKAGE,
     free_port,
     managed_server_config,
     new_group_dying_with_parent,
@@ -133,8 +133,12 @@ class EngineUnderTest:
         """Master and one worker (1 core, 1 GiB), from the pyspark wheel's ``spark-class``."""
         master_port, worker_port = free_port(), free_port()
         self._master_url = f"spark://127.0.0.1:{master_port}"
-        env = {**os.environ, "SPARK_HOME": str(spark_home()), "SPARK_LOCAL_IP": "127.0.0.1",
-               "SPARK_WORKER_DIR": str(self.work_dir / "worker")}
+        env = {
+            **os.environ,
+            "SPARK_HOME": str(spark_home()),
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_WORKER_DIR": str(self.work_dir / "worker"),
+        }
         spark_class = str(spark_home() / "bin" / "spark-class")
         for role, args, port in (
             ("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(master_port),
@@ -204,4 +208,6 @@ def assert_delta_jars(config: dict[str, str]) -> None:
     """Delta's jars are on the session: through Ivy (a fresh jar cache) or the jars an earlier start recorded."""
     assert delta_jar_config().items() <= config.items()
     _group, artifact, version = DELTA_PACKAGE.split(":")
-    assert config.get("spark.jars.packages") == DELTA_PACKAGE or f"{artifact}-{version}.jar" in config.get("spark.jars", "")
+    assert config.get("spark.jars.packages") == DELTA_PACKAGE or f"{artifact}-{version}.jar" in config.get(
+        "spark.jars", ""
+    )

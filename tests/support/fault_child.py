@@ -20,13 +20,13 @@ import sys
 from pyspark.sql import SparkSession
 
 from resources.config import load_config
-from resources.delta.capabilities import EngineCapabilities, engine_capabilities, set_engine_capabilities
+from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.delta.engine import SparkEngine
-from resources.errors import PgcdcError
-from resources.runs.incremental import run_incremental
-from resources.postgres.catalog import TableName
-from resources.runs.snapshot import snapshot_tables
 from resources.delta.spark_destination import lake_destination
+from resources.errors import PgcdcError
+from resources.postgres.catalog import TableName
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
 
 EXIT_PGCDC_ERROR = 2
 SNAPSHOT_WRITER_ENV = "FAULT_CHILD_SNAPSHOT_WRITER"
@@ -51,7 +51,10 @@ def main() -> int:
                     print(f"snapshot {done.table} {done.mode} at {done.snapshot_lsn}", flush=True)
                 return 0
             result = run_incremental(
-                config, lake_destination(engine.spark, config), log=lambda line: print(line, flush=True), max_chunk_changes=int(sys.argv[2])
+                config,
+                lake_destination(engine.spark, config),
+                log=lambda line: print(line, flush=True),
+                max_chunk_changes=int(sys.argv[2]),
             )
         except PgcdcError as error:
             print(f"pgcdc: {type(error).__name__}: {error}", file=sys.stderr, flush=True)

@@ -16,10 +16,10 @@ from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
+from resources.delta.spark_destination import lake_destination
 from resources.lsn import LSN
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +103,10 @@ def assert_exact(pg: PgDatabase, config: PgcdcConfig) -> None:
 
 
 def rerun_converges(
-    pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, exact: Callable[[PgDatabase, PgcdcConfig], None] | None = None
+    pg: PgDatabase,
+    config: PgcdcConfig,
+    spark: SparkSession,
+    exact: Callable[[PgDatabase, PgcdcConfig], None] | None = None,
 ) -> IncrementalResult:
     """Re-run in this process; the slot ends at the re-run's position, the data is exact
     (by ``exact``, default :func:`assert_exact` for this module's tables)."""

@@ -31,7 +31,13 @@ def capture(conn: psycopg.Connection, k: int, tables: Sequence[str]) -> tuple[LS
 
 
 def assert_as_of_equals(
-    pg: PgDatabase, spark: SparkSession, config: PgcdcConfig, table: str, lsn: LSN | None, copy: str, time: datetime | None = None
+    pg: PgDatabase,
+    spark: SparkSession,
+    config: PgcdcConfig,
+    table: str,
+    lsn: LSN | None,
+    copy: str,
+    time: datetime | None = None,
 ) -> None:
     """The as-of read of ``table`` at ``lsn`` (or ``time``; neither: now) equals the PostgreSQL table ``copy``."""
     rows = read_as_of(spark, config, TableName.parse(table), lsn, time)

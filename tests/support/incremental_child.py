@@ -11,8 +11,8 @@ import sys
 from resources.cdc.applier import DEFAULT_REPLACE_VALUES
 from resources.config import load_config
 from resources.delta.engine import SparkEngine
-from resources.runs.incremental import run_incremental
 from resources.delta.spark_destination import lake_destination
+from resources.runs.incremental import run_incremental
 
 
 def main() -> None:
@@ -20,7 +20,11 @@ def main() -> None:
     replace_values = int(sys.argv[3]) if len(sys.argv) > 3 else DEFAULT_REPLACE_VALUES
     with SparkEngine.from_config(config.spark) as engine:
         result = run_incremental(
-            config, lake_destination(engine.spark, config), log=print, max_chunk_changes=int(sys.argv[2]), max_replace_values=replace_values
+            config,
+            lake_destination(engine.spark, config),
+            log=print,
+            max_chunk_changes=int(sys.argv[2]),
+            max_replace_values=replace_values,
         )
     print(f"confirmed {result.confirmed_flush_lsn}")
 

@@ -15,12 +15,12 @@ from pyspark.sql import SparkSession
 from resources.cdc.schema import SchemaChangeError
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
+from resources.delta.spark_destination import lake_destination
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 SLOT = "pgcdc_slot"
@@ -37,11 +37,15 @@ def settings(pg: PgDatabase, lake: Path, tables: list[str] | None = None) -> dic
     }
 
 
-def setup(pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str, snapshot: list[str] | None = None) -> PgcdcConfig:
+def setup(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, ddl: str, snapshot: list[str] | None = None
+) -> PgcdcConfig:
     """Create the tables and publication, then snapshot (``snapshot``: which tables; default all)."""
     pg.execute(ddl)
     config = parse_config(settings(pg, tmp_path / "lake"))
-    snapshot_tables(config, lake_destination(spark, config), None if snapshot is None else [TableName.parse(t) for t in snapshot])
+    snapshot_tables(
+        config, lake_destination(spark, config), None if snapshot is None else [TableName.parse(t) for t in snapshot]
+    )
     return config
 
 
@@ -62,7 +66,7 @@ def same(pg: PgDatabase, config: PgcdcConfig, table: str, key: tuple[str, ...] =
 
 
 def slot_confirmed(pg: PgDatabase) -> LSN:
-    (value,), = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
+    ((value,),) = pg.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (SLOT,))
     return LSN.parse(value)
 
 
@@ -94,5 +98,9 @@ def run_child(
     extra = [] if replace_values is None else [str(replace_values)]
     return subprocess.run(
         [sys.executable, "-m", "tests.support.incremental_child", str(config_file), str(chunk), *extra],
-        env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
     )

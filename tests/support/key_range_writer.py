@@ -29,7 +29,9 @@ class Writer(threading.Thread):
     body), deletes and key moves across ``keys`` (default: the whole key span and beyond), a few per
     transaction, and an insert into the keyless ``flat`` in each (so every drain has something to write)."""
 
-    def __init__(self, pg: PgDatabase, seed: int, keys: Sequence[int] = range(1, ROWS + 401), pause: float = 0.004) -> None:
+    def __init__(
+        self, pg: PgDatabase, seed: int, keys: Sequence[int] = range(1, ROWS + 401), pause: float = 0.004
+    ) -> None:
         super().__init__(daemon=True)
         self.pg, self.rng, self.stop = pg, random.Random(seed), threading.Event()
         self.keys = keys  # the keys it inserts, updates, deletes and moves between
@@ -47,7 +49,9 @@ class Writer(threading.Thread):
                             key, other = rng.choice(self.keys), rng.choice(self.keys)
                             action = rng.random()
                             if action < 0.25:
-                                conn.execute("INSERT INTO big VALUES (%s, 0, 'new') ON CONFLICT (id) DO NOTHING", (key,))
+                                conn.execute(
+                                    "INSERT INTO big VALUES (%s, 0, 'new') ON CONFLICT (id) DO NOTHING", (key,)
+                                )
                             elif action < 0.55:
                                 conn.execute("UPDATE big SET v = v + 1 WHERE id = %s", (key,))
                             elif action < 0.7:

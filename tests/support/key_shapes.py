@@ -13,11 +13,11 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.layout import HASH, RANGE
+from resources.delta.spark_destination import lake_destination
 from resources.lsn import LSN
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
 from tests.support.postgres import PgDatabase
 
 KEYS = 40
@@ -50,6 +50,7 @@ class KeyShape:
 def _one(column_type: str, literal: Callable[[int], str], name: str | None = None, **options: object) -> KeyShape:
     return KeyShape(name or column_type.split("(")[0], ("k",), (column_type,), lambda i: (literal(i),), **options)  # type: ignore[arg-type]
 
+
 SHAPES = [
     _one("int2", lambda i: f"{i * 7 - 100}::int2", layout=RANGE),
     _one("int4", lambda i: f"{i * 1000}", layout=RANGE),
@@ -71,12 +72,21 @@ SHAPES = [
     _one("pair", lambda i: f"ROW({i}, 'p{i}')::pair", name="composite"),
     _one("int4range", lambda i: f"int4range({i}, {i + 10})", name="range"),
     _one("code", lambda i: f"'c{i}'::code", name="domain"),
-    KeyShape("mixed", ("a", "b", "c"), ("text", "int4", "date"),
-             lambda i: (f"'a{i % 5}'", f"{i // 5}", f"date '2020-01-01' + {i % 3}")),
-    KeyShape("mixed2", ("x", "y", "z"), ("uuid", "numeric(10,2)", "bool"),
-             lambda i: (f"md5('{i // 2}')::uuid", f"{i}.5", "true" if i % 2 else "false")),
-    KeyShape("include", ("k",), ("int4",), lambda i: (f"{i}",), key_clause="PRIMARY KEY (k) INCLUDE (v, note)",
-             layout=RANGE),
+    KeyShape(
+        "mixed",
+        ("a", "b", "c"),
+        ("text", "int4", "date"),
+        lambda i: (f"'a{i % 5}'", f"{i // 5}", f"date '2020-01-01' + {i % 3}"),
+    ),
+    KeyShape(
+        "mixed2",
+        ("x", "y", "z"),
+        ("uuid", "numeric(10,2)", "bool"),
+        lambda i: (f"md5('{i // 2}')::uuid", f"{i}.5", "true" if i % 2 else "false"),
+    ),
+    KeyShape(
+        "include", ("k",), ("int4",), lambda i: (f"{i}",), key_clause="PRIMARY KEY (k) INCLUDE (v, note)", layout=RANGE
+    ),
     KeyShape("unique_index", ("k",), ("text",), lambda i: (f"'u{i}'",), key_clause="UNIQUE (k)"),
 ]
 
@@ -178,15 +188,26 @@ def _new_unique_column(table: str, identity: str, prunes: bool) -> IdentityChang
         subscriber_then=f"ALTER TABLE {table} ALTER COLUMN u SET NOT NULL; {identity}",
     )
 
+
 #: Replica identity changes between drains.
 IDENTITY_CHANGES = [
     [  # after the first drain
         _same("k_text", "ALTER TABLE k_text REPLICA IDENTITY FULL", True),  # the primary key still matches
-        _new_unique_column("k_uuid", "CREATE UNIQUE INDEX k_uuid_u ON k_uuid (u); ALTER TABLE k_uuid REPLICA IDENTITY USING INDEX k_uuid_u", False),
-        _new_unique_column("k_bytea", "ALTER TABLE k_bytea DROP CONSTRAINT k_bytea_pkey; ALTER TABLE k_bytea ADD PRIMARY KEY (u)", False),
+        _new_unique_column(
+            "k_uuid",
+            "CREATE UNIQUE INDEX k_uuid_u ON k_uuid (u); ALTER TABLE k_uuid REPLICA IDENTITY USING INDEX k_uuid_u",
+            False,
+        ),
+        _new_unique_column(
+            "k_bytea",
+            "ALTER TABLE k_bytea DROP CONSTRAINT k_bytea_pkey; ALTER TABLE k_bytea ADD PRIMARY KEY (u)",
+            False,
+        ),
         _same("k_int4", "ALTER TABLE k_int4 ALTER COLUMN k TYPE bigint", True),  # a key column widened
         _same("k_date", "ALTER TABLE k_date REPLICA IDENTITY NOTHING", None),  # inserts only: appended
-        _same("k_enum", "ALTER TABLE k_enum REPLICA IDENTITY FULL; ALTER TABLE k_enum DROP CONSTRAINT k_enum_pkey", False),
+        _same(
+            "k_enum", "ALTER TABLE k_enum REPLICA IDENTITY FULL; ALTER TABLE k_enum DROP CONSTRAINT k_enum_pkey", False
+        ),
         _same("k_mixed", "ALTER TABLE k_mixed REPLICA IDENTITY FULL", True),
     ],
     [  # after the second drain: back again, where there is a way back
@@ -226,12 +247,15 @@ class PublisherOracle:
     def assert_matches_delta(self, config: PgcdcConfig) -> dict[str, int]:
         return {
             f"public.{shape.table}": assert_delta_equals_postgres(
-                self.pg.dsn, f"public.{shape.table}", config.table_path("public", shape.table))
+                self.pg.dsn, f"public.{shape.table}", config.table_path("public", shape.table)
+            )
             for shape in self.shapes
         }
 
 
-def _compare(oracle: Oracle, result: IncrementalResult | None, config: PgcdcConfig, shapes: list[KeyShape], drain: str) -> None:
+def _compare(
+    oracle: Oracle, result: IncrementalResult | None, config: PgcdcConfig, shapes: list[KeyShape], drain: str
+) -> None:
     if result is not None:
         oracle.caught_up(result.end_lsn)
     counts = oracle.assert_matches_delta(config)
@@ -268,7 +292,7 @@ def run_key_shapes(
                 oracle.mirror(change.first)
                 conn.execute(change.publisher)
             if any(change.subscriber_then for change in changes):
-                (position,), = conn.execute("SELECT pg_current_wal_lsn()::text").fetchall()
+                ((position,),) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchall()
                 oracle.caught_up(LSN.parse(position))
                 for change in changes:
                     if change.subscriber_then:
@@ -280,7 +304,9 @@ def run_key_shapes(
                     workload.insert_only.discard(change.table)
                     prunes[change.table] = change.prunes
                     # every changed table gets a change, so the drain meets its new relation
-                    conn.execute(f"UPDATE {change.table} SET v = -1 WHERE ctid = (SELECT min(ctid) FROM {change.table})")
+                    conn.execute(
+                        f"UPDATE {change.table} SET v = -1 WHERE ctid = (SELECT min(ctid) FROM {change.table})"
+                    )
             for sql in workload.statements(statements_per_drain):
                 conn.execute(sql)
             if drain == 2:
@@ -292,15 +318,21 @@ def run_key_shapes(
         result = run_incremental(config, lake_destination(spark, config), max_chunk_changes=97)
         _compare(oracle, result, config, shapes, f"drain {drain + 1}")
         for name, table in result.tables.items():
-            if table.inserted + table.updated + table.deleted and name.removeprefix("public.") not in workload.insert_only:
+            if (
+                table.inserted + table.updated + table.deleted
+                and name.removeprefix("public.") not in workload.insert_only
+            ):
                 expected = prunes.get(name.removeprefix("public."), True)
                 assert (table.unpruned is None) == expected, (drain, name, table.unpruned)
 
 
 def key_shapes_config(pg: PgDatabase, root: Path, chunked: bool, **spark: object) -> PgcdcConfig:
     settings: dict = {
-        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"keys_{pg.name}",
-        "delta": {"root": str(root)}, "spark": spark,
+        "postgres": {"dsn": pg.dsn},
+        "publication": "pub",
+        "slot": f"keys_{pg.name}",
+        "delta": {"root": str(root)},
+        "spark": spark,
     }
     if chunked:  # every table above the threshold: integer keys in ranges, the others in one snapshot
         settings["snapshot"] = {"chunked_above_mb": 0.001, "key_chunk_mb": 0.004}

@@ -15,8 +15,8 @@ from resources.delta.layout import TableLayout
 from resources.delta.markers import (
     CommitRecord,
     EXPIRED_SNAPSHOT_LSN,
-    LAYOUT_PROPERTY,
     layout_from_property,
+    LAYOUT_PROPERTY,
     marker_layout,
     marker_snapshot_lsn,
     pgcdc_marker,
@@ -46,7 +46,9 @@ def read_commit_metadata(spark: SparkSession, path: str, limit: int | None = Non
             CommitRecord(row["version"], row["timestamp_ms"], row["operation"], row["userMetadata"])
             for row in history.select(
                 "version", F.unix_millis("timestamp").alias("timestamp_ms"), "operation", "userMetadata"
-            ).orderBy(F.desc("version")).collect()
+            )
+            .orderBy(F.desc("version"))
+            .collect()
         ]
     commits = _log_actions(spark, path, "commitInfo", _COMMIT_INFO_SCHEMA).select("version", "action.commitInfo.*")
     if limit is not None:

@@ -30,7 +30,9 @@ def keyed_relation() -> bytes:
     return relation(OID, "t", [("id", 23, True), ("body", 25, False)])
 
 
-def transactions(bodies: list[list[bytes]], tmp_path: Path, *, first_end: int = SNAPSHOT_LSN + 10) -> list[CommittedTransaction]:
+def transactions(
+    bodies: list[list[bytes]], tmp_path: Path, *, first_end: int = SNAPSHOT_LSN + 10
+) -> list[CommittedTransaction]:
     """Each body (messages between Begin and Commit) as one committed transaction, ends 10 apart."""
     done = []
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -49,5 +51,7 @@ def destination_with_snapshot(rows: list[tuple[int, str]], layout: TableLayout |
     table = pa.Table.from_pylist([{"id": i, "body": b, LSN_COLUMN: SNAPSHOT_LSN} for i, b in rows], schema=SCHEMA)
     if layout is not None:
         table = with_buckets(layout, table)
-    destination.write_snapshot(table, table.schema, PATH, snapshot_marker(LSN(SNAPSHOT_LSN), "slot", str(TABLE), layout))
+    destination.write_snapshot(
+        table, table.schema, PATH, snapshot_marker(LSN(SNAPSHOT_LSN), "slot", str(TABLE), layout)
+    )
     return destination

@@ -30,10 +30,10 @@ import pyarrow as pa
 
 from resources.config import load_config
 from resources.delta.engine import process_memory_mib, SparkEngine
-from resources.runs.incremental import run_incremental
-from resources.postgres.catalog import TableName
-from resources.runs.snapshot import snapshot_table, SnapshotProgress
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.postgres.catalog import TableName
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_table, SnapshotProgress
 
 RESET_PEAK = "5"
 """Written to /proc/self/clear_refs: resets VmHWM to the current resident memory (Linux 4.0+)."""
@@ -73,7 +73,9 @@ def main() -> None:
                 "last_progress": progress[-1].describe() if progress else None,
             }  # fmt: skip
         else:
-            drained = run_incremental(load_config(sys.argv[2]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(sys.argv[3]))
+            drained = run_incremental(
+                load_config(sys.argv[2]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(sys.argv[3])
+            )
             done = {"changes": drained.changes}
         _, peak = process_memory_mib()
         _, engine_peak = engine.server_memory_mib()

@@ -13,16 +13,16 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.config import parse_config
 from resources.delta.lake_storage import LakeStorage
-from tests.support.marker_reads import read_commit_metadata
 from resources.delta.snapshot_writes import STAGING_DIRECTORY
+from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import read_state, state_path
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
-from resources.delta.spark_destination import lake_destination
+from tests.support.deletion_vectors import assert_deletion_vectors
+from tests.support.marker_reads import read_commit_metadata
 from tests.support.postgres import PgDatabase
 from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
-from tests.support.deletion_vectors import assert_deletion_vectors
 
 SLOT = "pgcdc_slot"
 
@@ -41,7 +41,12 @@ TABLES = {"public.orders": ("id",), "public.dups": (), "public.events": ()}
 
 
 def settings(pg: PgDatabase, root: str, storage: dict[str, Any]) -> dict[str, Any]:
-    return {"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": root, "storage": storage}}
+    return {
+        "postgres": {"dsn": pg.dsn},
+        "publication": "pub",
+        "slot": SLOT,
+        "delta": {"root": root, "storage": storage},
+    }
 
 
 def all_same(pg: PgDatabase, s3: S3Server, root: str) -> None:
@@ -58,7 +63,11 @@ def staged_objects(s3: S3Server, prefix: str) -> list[str]:
 
 
 def lifecycle(
-    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, copy_on_write: str,
+    pg: PgDatabase,
+    s3_server: S3Server,
+    s3_root: str,
+    s3_spark: SparkSession,
+    copy_on_write: str,
     drains_under_writes: int = 2,
 ) -> None:
     """Snapshot, drains under writes, duplicates and TRUNCATE on ``s3://``; the table ``copy_on_write``
@@ -128,7 +137,10 @@ def lifecycle(
     assert all(key.startswith((prefix + "public/", prefix + "_pgcdc/state/")) for key in s3_server.keys(prefix))
     state = read_state(state_path(s3_root, SLOT), s3_server.lake(s3_root))  # the state table lives on the store too
     assert {table: row.log.version for table, row in state.items()} == {
-        table: deltalake.DeltaTable(config.table_path(*table.split(".")), storage_options=LakeStorage(config.delta.root, config.delta.storage).object_store_options()).version()
+        table: deltalake.DeltaTable(
+            config.table_path(*table.split(".")),
+            storage_options=LakeStorage(config.delta.root, config.delta.storage).object_store_options(),
+        ).version()
         for table in TABLES
     }
     orders = config.table_path("public", "orders")

@@ -27,13 +27,25 @@ def tuple_data(*values: bytes | None | object, binary: frozenset[int] = frozense
     return out
 
 
-def relation(oid: int, name: str, columns: list[tuple[str, int, bool]], *, schema: str = "public", replident: bytes = b"d") -> bytes:
+def relation(
+    oid: int, name: str, columns: list[tuple[str, int, bool]], *, schema: str = "public", replident: bytes = b"d"
+) -> bytes:
     """A Relation message; ``columns`` are (name, type oid, part of the key)."""
     body = b"".join(
         struct.pack(">B", 1 if key else 0) + column.encode() + b"\0" + struct.pack(">Ii", type_oid, -1)
         for column, type_oid, key in columns
     )
-    return b"R" + struct.pack(">I", oid) + schema.encode() + b"\0" + name.encode() + b"\0" + replident + struct.pack(">H", len(columns)) + body
+    return (
+        b"R"
+        + struct.pack(">I", oid)
+        + schema.encode()
+        + b"\0"
+        + name.encode()
+        + b"\0"
+        + replident
+        + struct.pack(">H", len(columns))
+        + body
+    )
 
 
 def begin(final_lsn: int, xid: int) -> bytes:

@@ -43,7 +43,6 @@ class PgDatabase:
             return cursor.fetchall() if cursor.description else []
 
 
-
 @contextmanager
 def fresh_database(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
     """A new database on ``pg_server``, dropped afterwards with its slots and prepared transactions."""

@@ -11,16 +11,16 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
+from resources.delta.spark_destination import lake_destination
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import libpq_options
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, compare_table
-from resources.delta.spark_destination import lake_destination
+from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.postgres import PgDatabase
 from tests.support.workload import DDL, Step
-from tests.support.deletion_vectors import assert_deletion_vectors
 
 #: Tables of the workload on copy-on-write (``delta.deletion_vectors_tables``) and with deletion vectors.
 COPY_ON_WRITE = ("public.k_comp", "public.full_t")
@@ -37,19 +37,29 @@ class Replay:
     def __init__(self, pg: PgDatabase, tmp_path: Path, spark: SparkSession, seed: int, ops: int) -> None:
         self.pg, self.spark, self.seed, self.ops = pg, spark, seed, ops
         self.slot = f"rand_{pg.name}"
-        self.config: PgcdcConfig = parse_config({
-            "postgres": {"dsn": pg.dsn},
-            "publication": "pub",
-            "slot": self.slot,
-            "tables": [],
-            # Small buckets, so key changes and TOAST-keeping updates move rows between them;
-            # the other tables get the layout their size gives them (one bucket at this size).
-            # A composite-key table and a REPLICA IDENTITY FULL one copy-on-write (the opt-out), the
-            # other keyed and FULL tables with deletion vectors (the default): both in every run.
-            "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {
-                "public.k_int": {"width": 64}, "public.k_comp": {"count": 2}, "public.late": {"count": 2},
-            }}, "deletion_vectors_tables": {name: False for name in COPY_ON_WRITE}},
-        })
+        self.config: PgcdcConfig = parse_config(
+            {
+                "postgres": {"dsn": pg.dsn},
+                "publication": "pub",
+                "slot": self.slot,
+                "tables": [],
+                # Small buckets, so key changes and TOAST-keeping updates move rows between them;
+                # the other tables get the layout their size gives them (one bucket at this size).
+                # A composite-key table and a REPLICA IDENTITY FULL one copy-on-write (the opt-out), the
+                # other keyed and FULL tables with deletion vectors (the default): both in every run.
+                "delta": {
+                    "root": str(tmp_path / "lake"),
+                    "buckets": {
+                        "tables": {
+                            "public.k_int": {"width": 64},
+                            "public.k_comp": {"count": 2},
+                            "public.late": {"count": 2},
+                        }
+                    },
+                    "deletion_vectors_tables": {name: False for name in COPY_ON_WRITE},
+                },
+            }
+        )
         self.log_file = tmp_path / f"workload-{seed}.sql"
         self.run_log: list[str] = []
         self.runs = 0
@@ -58,8 +68,10 @@ class Replay:
         self.most_duplicates = 0  # most identical copies beyond the first in dup_t at an oracle check
 
     def replay_hint(self) -> str:
-        return (f"PGCDC_SEED={self.seed} PGCDC_OPS={self.ops} PGCDC_TEST_VERSIONS={self.pg.major} "
-                f".venv/bin/pytest tests/test_randomized.py")
+        return (
+            f"PGCDC_SEED={self.seed} PGCDC_OPS={self.ops} PGCDC_TEST_VERSIONS={self.pg.major} "
+            f".venv/bin/pytest tests/test_randomized.py"
+        )
 
     def fail(self, steps: list[Step], index: int, error: BaseException) -> WorkloadFailure:
         recent = "\n".join(f"  #{i}: {steps[i].render()[:600]}" for i in range(max(0, index - 25), index + 1))
@@ -74,11 +86,16 @@ class Replay:
     def execute(self, steps: list[Step]) -> None:
         self.log_file.write_text(
             f"-- seed {self.seed}, {self.ops} ops\n{DDL}\n"
-            + "\n".join(f"-- #{i}\n{step.render()};" for i, step in enumerate(steps)) + "\n"
+            + "\n".join(f"-- #{i}\n{step.render()};" for i, step in enumerate(steps))
+            + "\n"
         )
         self.pg.execute(DDL)
-        snapshot_tables(self.config, lake_destination(self.spark, self.config))  # creates the slot; `late` is not published yet
-        assert_deletion_vectors(self.config, {**{name: True for name in DELETION_VECTORS}, **{name: False for name in COPY_ON_WRITE}})
+        snapshot_tables(
+            self.config, lake_destination(self.spark, self.config)
+        )  # creates the slot; `late` is not published yet
+        assert_deletion_vectors(
+            self.config, {**{name: True for name in DELETION_VECTORS}, **{name: False for name in COPY_ON_WRITE}}
+        )
         with self.pg.connect() as main, self.pg.connect() as second:
             conns = [main, second]
             for index, step in enumerate(steps):
@@ -97,7 +114,12 @@ class Replay:
         elif step.kind == "run":
             self.run_log = []
             started = time.monotonic()
-            result = run_incremental(self.config, lake_destination(self.spark, self.config), log=self.run_log.append, max_chunk_changes=step.chunk)
+            result = run_incremental(
+                self.config,
+                lake_destination(self.spark, self.config),
+                log=self.run_log.append,
+                max_chunk_changes=step.chunk,
+            )
             self.runs += 1
             self.run_times.append(f"{result.changes}@{step.chunk}:{time.monotonic() - started:.1f}s")
             assert result.confirmed_flush_lsn >= result.end_lsn, (result.confirmed_flush_lsn, result.end_lsn)
@@ -105,7 +127,11 @@ class Replay:
                 self.oracle(name, key, lingering)
             unsnapshotted = set(result.tables_without_snapshot)
             checked = {f"public.{name}" for name in step.checks}
-            assert unsnapshotted == set(result.tables) - checked, (unsnapshotted, sorted(result.tables), sorted(checked))
+            assert unsnapshotted == set(result.tables) - checked, (
+                unsnapshotted,
+                sorted(result.tables),
+                sorted(checked),
+            )
         else:  # pragma: no cover
             raise ValueError(step.kind)
 
@@ -120,14 +146,21 @@ class Replay:
         path = self.config.table_path("public", name)
         delta_columns = {f.name for f in deltalake.DeltaTable(path).schema().fields}
         with psycopg.connect(self.pg.dsn, autocommit=True, options=libpq_options(SESSION_SETTINGS)) as conn:
-            pg_columns = [c for (c,) in conn.execute(
-                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped"
-                " ORDER BY attnum", (f"public.{name}",)).fetchall()]
+            pg_columns = [
+                c
+                for (c,) in conn.execute(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped"
+                    " ORDER BY attnum",
+                    (f"public.{name}",),
+                ).fetchall()
+            ]
             missing = [c for c in pg_columns if c not in delta_columns]
             target = f"public.{name}"
             if missing:
                 for column in missing:
-                    (written,), = conn.execute(f'SELECT count(*) FROM public.{name} WHERE "{column}" IS NOT NULL').fetchall()
+                    ((written,),) = conn.execute(
+                        f'SELECT count(*) FROM public.{name} WHERE "{column}" IS NOT NULL'
+                    ).fetchall()
                     assert written == 0, (
                         f"public.{name}: column {column} holds {written} non-NULL values in PostgreSQL but is not in Delta"
                     )
@@ -141,6 +174,6 @@ class Replay:
                 conn.execute(f"DROP VIEW pg_temp.cmp_{name}")
             assert_buckets_right(path)
             if name == "dup_t":
-                (copies,), = conn.execute("SELECT count(*) - count(DISTINCT d.*) FROM public.dup_t d").fetchall()
+                ((copies,),) = conn.execute("SELECT count(*) - count(DISTINCT d.*) FROM public.dup_t d").fetchall()
                 self.most_duplicates = max(self.most_duplicates, copies)
         self.oracle_checks += 1

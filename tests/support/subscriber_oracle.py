@@ -112,26 +112,51 @@ class Subscriber:
         self._copy_schema()
         with self.connect() as conn:
             # A utility statement takes no parameters: the values are quoted as literals client-side.
-            conn.execute(sql.SQL(
-                "CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}"
-                " WITH (copy_data = true, create_slot = true, slot_name = {}, disable_on_error = true)"
-            ).format(
-                sql.Identifier(self.subscription), sql.Literal(self.publisher.dsn),
-                sql.Identifier(self.publication), sql.Literal(self.subscription),
-            ))
+            conn.execute(
+                sql.SQL(
+                    "CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}"
+                    " WITH (copy_data = true, create_slot = true, slot_name = {}, disable_on_error = true)"
+                ).format(
+                    sql.Identifier(self.subscription),
+                    sql.Literal(self.publisher.dsn),
+                    sql.Identifier(self.publication),
+                    sql.Literal(self.subscription),
+                )
+            )
         self._wait_for_initial_copy()
 
     def _copy_schema(self) -> None:
         """The publisher database's schema, less the columns each publication's column list leaves out."""
         dump = subprocess.run(
-            [str(self.server.binary("pg_dump")), "--schema-only", "--no-owner", "--no-privileges",
-             "--no-publications", "--no-subscriptions", "--dbname", self.publisher.dsn],
-            check=True, capture_output=True, text=True, timeout=120,
+            [
+                str(self.server.binary("pg_dump")),
+                "--schema-only",
+                "--no-owner",
+                "--no-privileges",
+                "--no-publications",
+                "--no-subscriptions",
+                "--dbname",
+                self.publisher.dsn,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         restore = subprocess.run(
-            [str(self.server.binary("psql")), "--no-psqlrc", "--quiet", "--set", "ON_ERROR_STOP=1",
-             "--dbname", self.dsn],
-            input=dump.stdout, capture_output=True, text=True, timeout=120,
+            [
+                str(self.server.binary("psql")),
+                "--no-psqlrc",
+                "--quiet",
+                "--set",
+                "ON_ERROR_STOP=1",
+                "--dbname",
+                self.dsn,
+            ],
+            input=dump.stdout,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if restore.returncode != 0:
             raise SubscriberError(f"the publisher's schema did not load on the subscriber: {restore.stderr.strip()}")
@@ -214,13 +239,16 @@ class Subscriber:
                 timeout,
             )
 
-    def _poll(self, reached: Callable[[], bool], subscriber: psycopg.Connection, what: str,
-              timeout: float = WAIT_SECONDS) -> None:
+    def _poll(
+        self, reached: Callable[[], bool], subscriber: psycopg.Connection, what: str, timeout: float = WAIT_SECONDS
+    ) -> None:
         """Poll ``reached`` until true; an error (disable_on_error disabled the subscription) or the
         deadline fails at once, with the subscriber's log, rather than leaving the test to hang."""
         deadline = time.monotonic() + timeout
         while not reached():
-            enabled = _true(subscriber, "SELECT subenabled FROM pg_subscription WHERE subname = %s", (self.subscription,))
+            enabled = _true(
+                subscriber, "SELECT subenabled FROM pg_subscription WHERE subname = %s", (self.subscription,)
+            )
             if not enabled:  # disable_on_error: an apply or copy error stopped the subscription
                 raise SubscriberError(f"subscription {self.subscription} failed before {what}:\n{self._log_tail()}")
             if time.monotonic() > deadline:
@@ -265,7 +293,7 @@ class Subscriber:
 
 def _true(conn: psycopg.Connection, query: str, params: tuple[object, ...]) -> bool:
     """The boolean a one-row query returns."""
-    (value,), = conn.execute(query, params).fetchall()
+    ((value,),) = conn.execute(query, params).fetchall()
     return bool(value)
 
 

@@ -63,7 +63,7 @@ VALUE_MAKERS = {
     "numeric2": lambda r: str(Decimal(r.randint(-(10**7), 10**7)).scaleb(-2)),
     "ts": lambda r: r.choice(
         ["'infinity'::timestamptz", "'-infinity'::timestamptz"]
-        + [f"'2024-03-01 12:00:00+00'::timestamptz + interval '{r.randint(-10**9, 10**9)} microseconds'"] * 8
+        + [f"'2024-03-01 12:00:00+00'::timestamptz + interval '{r.randint(-(10**9), 10**9)} microseconds'"] * 8
     ),
     "bool": lambda r: r.choice(["true", "false"]),
     "jsonb": lambda r: r.choice(
@@ -158,17 +158,35 @@ FULL_T_SEED_ROWS = 60
 
 def initial_tables() -> dict[str, Table]:
     return {
-        "k_int": Table("k_int", "keyed", ["id"], {
-            "id": "int", "name": "text", "n": "bigint", "amt": "numeric", "ts": "ts", "flag": "bool",
-            "doc": "jsonb", "tags": "intarr", "body": "toast"}),
-        "k_comp": Table("k_comp", "keyed", ["region", "code"], {
-            "region": "text", "code": "bigint", "val": "float", "d": "date", "payload": "bytea", "note": "text"}),
+        "k_int": Table(
+            "k_int",
+            "keyed",
+            ["id"],
+            {
+                "id": "int",
+                "name": "text",
+                "n": "bigint",
+                "amt": "numeric",
+                "ts": "ts",
+                "flag": "bool",
+                "doc": "jsonb",
+                "tags": "intarr",
+                "body": "toast",
+            },
+        ),
+        "k_comp": Table(
+            "k_comp",
+            "keyed",
+            ["region", "code"],
+            {"region": "text", "code": "bigint", "val": "float", "d": "date", "payload": "bytea", "note": "text"},
+        ),
         "k_uuid": Table("k_uuid", "keyed", ["id"], {"id": "uuid", "v": "int", "note": "text"}),
         "full_t": Table("full_t", "full", [], {"a": "int", "b": "toast", "c": "numeric2"}),
         "dup_t": Table("dup_t", "dups", [], {"k": "dup_k", "b": "dup_b", "n": "dup_n"}),
         "log_t": Table("log_t", "append", [], {"kind": "text", "n": "int", "at": "ts"}),
-        "late": Table("late", "keyed", ["id"], {"id": "bigint", "v": "text", "body": "toast"},
-                      published=False, snapshotted=False),
+        "late": Table(
+            "late", "keyed", ["id"], {"id": "bigint", "v": "text", "body": "toast"}, published=False, snapshotted=False
+        ),
     }
 
 
@@ -228,11 +246,7 @@ class Generator:
         self.steps.append(Step("sql", statements, conn=conn, note=note))
 
     def checks(self) -> dict[str, tuple[list[str], list[str]]]:
-        return {
-            t.name: (t.key, sorted(t.dropped))
-            for t in self.tables.values()
-            if t.published and t.snapshotted
-        }
+        return {t.name: (t.key, sorted(t.dropped)) for t in self.tables.values() if t.published and t.snapshotted}
 
     def run(self, chunk: int | None = None) -> None:
         if chunk is None:
@@ -261,7 +275,9 @@ class Generator:
         return "(" + ", ".join(t.columns) + ")"
 
     def _set_clause(self, t: Table, allow_toast: bool = True) -> str:
-        cols = [c for c in t.non_key if (allow_toast or t.columns[c] != "toast") and not (t.kind == "full" and c == "a")]
+        cols = [
+            c for c in t.non_key if (allow_toast or t.columns[c] != "toast") and not (t.kind == "full" and c == "a")
+        ]
         if not cols:
             cols = [c for c in t.non_key if not (t.kind == "full" and c == "a")]
         chosen = self.rng.sample(cols, k=self.rng.randint(1, min(3, len(cols))))
@@ -289,8 +305,10 @@ class Generator:
         if t.kind == "append":
             if r.random() < 0.05:
                 self.heavy = True
-                return [f"INSERT INTO log_t {self._columns_sql(t)} SELECT {', '.join(self._append_values(t))}"
-                        f" FROM generate_series(1, {r.randint(10, 300)})"]
+                return [
+                    f"INSERT INTO log_t {self._columns_sql(t)} SELECT {', '.join(self._append_values(t))}"
+                    f" FROM generate_series(1, {r.randint(10, 300)})"
+                ]
             row = "(" + ", ".join(self._append_values(t)) + ")"
             return [f"INSERT INTO log_t {self._columns_sql(t)} VALUES {', '.join([row] * r.randint(1, 3))}"]
         if t.kind == "dups":
@@ -300,13 +318,18 @@ class Generator:
             if x < 0.45:
                 rows = []
                 for _ in range(r.randint(1, 4)):
-                    rows.append("(" + ", ".join(
-                        [str(self.next_a)] + [value(r, kind) for c, kind in t.columns.items() if c != "a"]) + ")")
+                    rows.append(
+                        "("
+                        + ", ".join([str(self.next_a)] + [value(r, kind) for c, kind in t.columns.items() if c != "a"])
+                        + ")"
+                    )
                     self.next_a += 1
                 return [f"INSERT INTO full_t {self._columns_sql(t)} VALUES {', '.join(rows)}"]
             if x < 0.55:
                 # Unchanged TOAST in the new image: b is not set.
-                return [f"UPDATE full_t SET {self._set_clause(t, allow_toast=r.random() < 0.4)} WHERE {self._where_range(t)}"]
+                return [
+                    f"UPDATE full_t SET {self._set_clause(t, allow_toast=r.random() < 0.4)} WHERE {self._where_range(t)}"
+                ]
             if x < 0.7:
                 old = r.randint(0, max(0, self.next_a - 1))
                 self.next_a += 1
@@ -323,7 +346,9 @@ class Generator:
             return [f"INSERT INTO {name} {cols} VALUES {rows[0]} ON CONFLICT ({key}) DO UPDATE SET {sets}"]
         if x < 0.67:
             # Updates mostly leave the TOASTed column alone: its value arrives as unchanged TOAST.
-            return [f"UPDATE {name} SET {self._set_clause(t, allow_toast=r.random() < 0.3)} WHERE {self._where_range(t)}"]
+            return [
+                f"UPDATE {name} SET {self._set_clause(t, allow_toast=r.random() < 0.3)} WHERE {self._where_range(t)}"
+            ]
         if x < 0.82:
             return self._key_change(t)
         return [f"DELETE FROM {name} WHERE {self._where_range(t)}"]
@@ -361,24 +386,34 @@ class Generator:
             if r.random() < 0.5:  # one row to a free key, maybe changing other columns too
                 old, new = r.randint(0, 199), r.choice([r.randint(0, 199), r.randint(1000, 1199)])
                 extra = f", {self._set_clause(t, allow_toast=r.random() < 0.3)}" if r.random() < 0.3 else ""
-                return [f"UPDATE k_int SET id = {new}{extra} WHERE id = {old}"
-                        f" AND NOT EXISTS (SELECT 1 FROM k_int WHERE id = {new})"]
+                return [
+                    f"UPDATE k_int SET id = {new}{extra} WHERE id = {old}"
+                    f" AND NOT EXISTS (SELECT 1 FROM k_int WHERE id = {new})"
+                ]
             lo = r.randint(0, 199)
             hi = lo + r.randint(0, 20)
             if r.random() < 0.5:
-                return [f"UPDATE k_int t SET id = id + 1000 WHERE id BETWEEN {lo} AND {hi}"
-                        " AND NOT EXISTS (SELECT 1 FROM k_int u WHERE u.id = t.id + 1000)"]
-            return [f"UPDATE k_int t SET id = id - 1000 WHERE id BETWEEN {lo + 1000} AND {hi + 1000}"
-                    " AND NOT EXISTS (SELECT 1 FROM k_int u WHERE u.id = t.id - 1000)"]
+                return [
+                    f"UPDATE k_int t SET id = id + 1000 WHERE id BETWEEN {lo} AND {hi}"
+                    " AND NOT EXISTS (SELECT 1 FROM k_int u WHERE u.id = t.id + 1000)"
+                ]
+            return [
+                f"UPDATE k_int t SET id = id - 1000 WHERE id BETWEEN {lo + 1000} AND {hi + 1000}"
+                " AND NOT EXISTS (SELECT 1 FROM k_int u WHERE u.id = t.id - 1000)"
+            ]
         if name == "k_comp":
             region, new_region = r.choice(["eu", "us", "ap", "ça"]), r.choice(["eu", "us", "ap", "ça"])
             old, new = r.randint(0, 29), r.randint(0, 29)
-            return [f"UPDATE k_comp SET region = '{new_region}', code = {new} WHERE region = '{region}' AND code = {old}"
-                    f" AND NOT EXISTS (SELECT 1 FROM k_comp WHERE region = '{new_region}' AND code = {new})"]
+            return [
+                f"UPDATE k_comp SET region = '{new_region}', code = {new} WHERE region = '{region}' AND code = {old}"
+                f" AND NOT EXISTS (SELECT 1 FROM k_comp WHERE region = '{new_region}' AND code = {new})"
+            ]
         if name == "k_uuid":
             new = r.randint(0, 59)
-            return [f"UPDATE k_uuid SET id = md5('{new}')::uuid WHERE v % 7 = {r.randint(0, 6)} AND id = "
-                    f"(SELECT id FROM k_uuid ORDER BY id LIMIT 1) AND NOT EXISTS (SELECT 1 FROM k_uuid WHERE id = md5('{new}')::uuid)"]
+            return [
+                f"UPDATE k_uuid SET id = md5('{new}')::uuid WHERE v % 7 = {r.randint(0, 6)} AND id = "
+                f"(SELECT id FROM k_uuid ORDER BY id LIMIT 1) AND NOT EXISTS (SELECT 1 FROM k_uuid WHERE id = md5('{new}')::uuid)"
+            ]
         old, new = r.randint(0, 99), r.randint(0, 130)
         return [f"UPDATE late SET id = {new} WHERE id = {old} AND NOT EXISTS (SELECT 1 FROM late WHERE id = {new})"]
 
@@ -415,10 +450,14 @@ class Generator:
         return [f"ALTER TABLE {t.name} ADD COLUMN {column} {ADDED_TYPES[kind]}"]
 
     def truncate(self) -> list[str]:
-        names = self.rng.sample(["k_int", "k_comp", "k_uuid", "full_t", "dup_t", "log_t", "late"], k=self.rng.randint(1, 2))
+        names = self.rng.sample(
+            ["k_int", "k_comp", "k_uuid", "full_t", "dup_t", "log_t", "late"], k=self.rng.randint(1, 2)
+        )
         if "k_int" in names:  # refill a few rows so later updates find something
-            return [f"TRUNCATE {', '.join(names)}",
-                    "INSERT INTO k_int (id, name, body) SELECT g, 'refill', repeat('r', 3000) FROM generate_series(0, 60) g"]
+            return [
+                f"TRUNCATE {', '.join(names)}",
+                "INSERT INTO k_int (id, name, body) SELECT g, 'refill', repeat('r', 3000) FROM generate_series(0, 60) g",
+            ]
         return [f"TRUNCATE {', '.join(names)}"]
 
     def large(self, lo: int = 2000, hi: int = 5000) -> list[str]:
@@ -435,7 +474,9 @@ class Generator:
             f" ON CONFLICT (id) DO UPDATE SET n = EXCLUDED.n, name = 'again'"
         ]
         if r.random() < 0.5:
-            statements.append(f"UPDATE k_int SET amt = {value(r, 'numeric', False)} WHERE id BETWEEN {start} AND {start + n} AND id % 3 = 0")
+            statements.append(
+                f"UPDATE k_int SET amt = {value(r, 'numeric', False)} WHERE id BETWEEN {start} AND {start + n} AND id % 3 = 0"
+            )
         if r.random() < 0.5:
             statements.append(f"DELETE FROM k_int WHERE id BETWEEN {start} AND {start + n} AND id % 4 = 1")
         if r.random() < 0.3:
@@ -531,10 +572,12 @@ class Generator:
                 statements += self.large(lo, hi)
             else:
                 k = r.randint(lo, hi - 50)
-                statements += [f"INSERT INTO k_int (id, name, body) VALUES ({k}, 'open', {value(r, 'toast')})"
-                               " ON CONFLICT (id) DO UPDATE SET name = 'open again'",
-                               f"UPDATE k_int SET n = {r.randint(0, 99)} WHERE id BETWEEN {lo} AND {hi - 1}",
-                               "INSERT INTO log_t (kind, n) VALUES ('open', 1)"]
+                statements += [
+                    f"INSERT INTO k_int (id, name, body) VALUES ({k}, 'open', {value(r, 'toast')})"
+                    " ON CONFLICT (id) DO UPDATE SET name = 'open again'",
+                    f"UPDATE k_int SET n = {r.randint(0, 99)} WHERE id BETWEEN {lo} AND {hi - 1}",
+                    "INSERT INTO log_t (kind, n) VALUES ('open', 1)",
+                ]
             self.open_txn = True
             self.sql(statements, conn=1, note="left open")
         elif self.pending_gid is None:
@@ -543,10 +586,14 @@ class Generator:
             self.next_gid += 1
             k = r.randint(lo, hi - 50)
             statements = ["BEGIN"]
-            statements += self.large(lo, hi) if r.random() < 0.4 else [
-                f"INSERT INTO k_int (id, name) VALUES ({k}, 'prepared') ON CONFLICT (id) DO UPDATE SET n = -1",
-                f"DELETE FROM k_int WHERE id BETWEEN {lo} AND {hi - 1} AND id % 5 = 0",
-            ]
+            statements += (
+                self.large(lo, hi)
+                if r.random() < 0.4
+                else [
+                    f"INSERT INTO k_int (id, name) VALUES ({k}, 'prepared') ON CONFLICT (id) DO UPDATE SET n = -1",
+                    f"DELETE FROM k_int WHERE id BETWEEN {lo} AND {hi - 1} AND id % 5 = 0",
+                ]
+            )
             self.sql(statements + [f"PREPARE TRANSACTION '{gid}'"], conn=1, note="prepared, pending")
             self.pending_gid = gid
 
