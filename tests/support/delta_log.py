@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import unquote
 
 import deltalake
+import pyarrow as pa
+
+from resources.delta.lake_storage import LakeStorage
+from resources.delta.table_files import storage_files
 
 
 def commits_after(path: str, version: int) -> list[list[dict]]:
@@ -41,3 +46,13 @@ def clean_log(path: str) -> None:
     for old in log.iterdir():
         if old.name[:20].isdigit() and int(old.name[:20]) < newest and not old.name.endswith(".parquet"):
             old.unlink()
+
+
+def stale_data_files(lake: LakeStorage, path: str) -> set[str]:
+    """The Parquet files on storage below the table that its newest version does not read: what the
+    drains replaced, for vacuum to delete (deletion vector files are not counted)."""
+    live = {
+        unquote(name)
+        for name in pa.table(deltalake.DeltaTable(path).get_add_actions(flatten=True)).column("path").to_pylist()
+    }
+    return {name for name in storage_files(lake, path) if name.endswith(".parquet") and name not in live}
