@@ -38,7 +38,7 @@ from resources.errors import SlotError
 from resources.names import ROW_COUNT_CHECK, ROWS_MATCH_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
 from resources.testing.local_postgres import LocalPostgres
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.support.postgres import fresh_database, PgDatabase
+from tests.support.postgres import fresh_database, NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytestmark = pytest.mark.slow  # Dagster runs and `dg` commands; tiers: docs/testing.md
 
@@ -192,6 +192,7 @@ def wait_for_lock_wait(database: PgDatabase, timeout_s: float = 60.0) -> None:
     raise AssertionError("the shop drain never reached the locked table")
 
 
+@NEWEST_POSTGRES_ONLY
 def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     pg: PgDatabase,
     billing: PgDatabase,
@@ -361,6 +362,7 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     assert reloaded.resolve_job_def("pgcdc_audit_incremental").name == "pgcdc_audit_incremental"
 
 
+@NEWEST_POSTGRES_ONLY
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
@@ -405,6 +407,7 @@ def test_yaml_errors_are_one_line_and_write_nothing(
     assert pg.execute("SELECT count(*) FROM pg_publication") == [(0,)]
 
 
+@NEWEST_POSTGRES_ONLY
 @pytest.mark.parametrize("edit", [lambda p: p["shop"].update(slott="x"), lambda p: p["shop"]["delta"].update(roott="x")],
                          ids=["top-level", "nested"])  # fmt: skip
 def test_misspelled_keys_fail_the_schema_at_their_file_and_line(

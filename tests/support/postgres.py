@@ -9,11 +9,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import psycopg
+import pytest
 
 from resources.testing.local_postgres import LocalPostgres
 
 #: Versions every protocol test runs against; PGCDC_TEST_VERSIONS narrows it for local iteration.
 POSTGRES_VERSIONS = [int(v) for v in os.environ.get("PGCDC_TEST_VERSIONS", "15,18").split(",")]
+
+#: For a module's ``pytestmark``: its tests run on the newest server only. Dagster's wiring and YAML do
+#: not depend on the server's version, and each version costs such a test its whole run again. (A
+#: ``parametrize`` mark takes precedence over the ``pg_server`` fixture's own versions.)
+NEWEST_POSTGRES_ONLY = pytest.mark.parametrize(
+    "pg_server", POSTGRES_VERSIONS[-1:], indirect=True, scope="session", ids=[f"pg{POSTGRES_VERSIONS[-1]}"]
+)
 
 #: Small enough that a transaction of a few thousand rows is streamed (64kB is the minimum).
 TEST_SERVER_SETTINGS = {"logical_decoding_work_mem": "64kB"}
