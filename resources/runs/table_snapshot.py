@@ -71,7 +71,7 @@ class SnapshotProgress:
 
     table: TableName
     rows: int
-    bytes: int  # CSV bytes received from PostgreSQL so far
+    bytes: int  # COPY bytes received from PostgreSQL so far
     elapsed_s: float
     chunks_done: int = 0  # ctid (or key) ranges copied completely
     chunks: int = 1  # ctid (or key) ranges in all (1: one COPY of the whole table)
