@@ -127,6 +127,13 @@ class SnapshotResult:
         return self.rows / self.duration_s if self.duration_s > 0 else 0.0
 
     @property
+    def copy_rows_per_second(self) -> float:
+        """Rows per second from the writer's first request for rows to the COPY's last row: the
+        copy's own pace, without the start-up in front of it or the commit after it."""
+        seconds = self.phases.get("first_rows", 0.0) + self.phases.get("copy", 0.0)
+        return self.rows / seconds if seconds > 0 else 0.0
+
+    @property
     def mode(self) -> str:
         """How the table was read, for logs: one COPY, ctid chunks on parallel sessions, or key ranges."""
         if self.key_ranges:
