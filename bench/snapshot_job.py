@@ -9,16 +9,23 @@ timestamptz, bool), then per round:
   with the embedded engine, into a fresh lake and a fresh slot each round: the step's time (its
   start to its success in the event log, engine start included) and the run's wall time.
 
-It prints both ratios to the baseline and the phases the step recorded (the materialization's
-``pgcdc/phase_seconds/...`` metadata), so the start-up can be read apart from the copy.
+It prints both ratios to the baseline, the phases the step recorded (the materialization's
+``pgcdc/phase_seconds/...`` metadata), so the start-up can be read apart from the copy, and the CPU
+spent: this process's during the step (sampled every 50 ms) and PostgreSQL's during the round (the
+postmaster's own and its finished children's, so the baseline's COPY backend is in it too).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -49,8 +56,46 @@ def load(server: LocalPostgres, rows: int) -> None:
         conn.execute(f"CREATE PUBLICATION bench_pub FOR TABLE {TABLE}")
 
 
+def server_cpu_seconds(server: LocalPostgres) -> float:
+    """CPU seconds of the server's postmaster and of its children it has reaped (ended sessions)."""
+    postmaster = int((server.data_dir / "postmaster.pid").read_text().split()[0])
+    fields = Path(f"/proc/{postmaster}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(tick) for tick in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def cpu_samples(interval_s: float = 0.05) -> Iterator[list[tuple[float, float]]]:
+    """(wall clock, this process's CPU seconds) every ``interval_s`` while the block runs."""
+    samples: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while True:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            samples.append((time.time(), usage.ru_utime + usage.ru_stime))
+            if done.wait(interval_s):
+                return
+
+    thread = threading.Thread(target=sample, name="bench-cpu-samples", daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        done.set()
+        thread.join()
+
+
+def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float:
+    """CPU seconds between the samples nearest after ``start`` and after ``end``."""
+    at_start = next(cpu for when, cpu in samples if when >= start)
+    at_end = next((cpu for when, cpu in samples if when >= end), samples[-1][1])
+    return at_end - at_start
+
+
 def job_round(server: LocalPostgres, work: Path, round_number: int) -> tuple[float, float, dict[str, float]]:
-    """One run of the snapshot job into a fresh lake and slot: (step seconds, run seconds, phases)."""
+    """One run of the snapshot job into a fresh lake and slot: (step seconds, run seconds, phases).
+
+    ``phases`` also holds ``pgcdc_cpu_in_step``: this process's CPU seconds during the step."""
     settings = {
         "postgres": {"dsn": server.dsn()}, "publication": "bench_pub", "slot": f"bench_{round_number}",
         "delta": {"root": str(work / f"lake_{round_number}")},
@@ -60,7 +105,8 @@ def job_round(server: LocalPostgres, work: Path, round_number: int) -> tuple[flo
     job = build_definitions(config_file).resolve_job_def(SNAPSHOT_JOB)
     with sqlite_instance(work / f"dagster_{round_number}") as instance:
         began = time.monotonic()
-        result = job.execute_in_process(instance=instance)
+        with cpu_samples() as samples:
+            result = job.execute_in_process(instance=instance)
         run_seconds = time.monotonic() - began
         assert result.success
         events = {
@@ -77,6 +123,9 @@ def job_round(server: LocalPostgres, work: Path, round_number: int) -> tuple[flo
             for key, value in metadata.items()
             if key.startswith("pgcdc/phase_seconds/")
         }
+        phases["pgcdc_cpu_in_step"] = cpu_between(
+            samples, events[DagsterEventType.STEP_START], events[DagsterEventType.STEP_SUCCESS]
+        )
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot(%s)", (settings["slot"],))
     shutil.rmtree(work / f"lake_{round_number}", ignore_errors=True)
@@ -95,11 +144,16 @@ def main() -> None:
         load(server, args.rows)
         psql_copy_seconds(server, TABLE)  # warm-up: page cache
         for number in range(args.runs):
+            server_cpu = server_cpu_seconds(server)
             copy_s = psql_copy_seconds(server, TABLE)
             step_s, run_s, phases = job_round(server, work, number)
+            time.sleep(0.5)  # the postmaster reaps the snapshot's sessions
+            server_cpu = server_cpu_seconds(server) - server_cpu
             print(
                 f"round {number + 1}: COPY {copy_s:.2f} s; snapshot step {step_s:.2f} s ({copy_s / step_s:.2f}x COPY), "
-                f"run {run_s:.2f} s ({copy_s / run_s:.2f}x)"
+                f"run {run_s:.2f} s ({copy_s / run_s:.2f}x); CPU: pgcdc in the step "
+                f"{phases.pop('pgcdc_cpu_in_step'):.2f} s, PostgreSQL in the round {server_cpu:.2f} s; "
+                f"load {os.getloadavg()[0]:.1f}"
             )
             print("  phases: " + ", ".join(f"{name} {seconds:.3f} s" for name, seconds in phases.items()))
     finally:

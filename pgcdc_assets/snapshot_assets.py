@@ -78,6 +78,7 @@ def snapshot_metadata(result: SnapshotResult) -> dict[str, Any]:
         "pgcdc/snapshot_lsn": MetadataValue.text(str(result.snapshot_lsn)),
         "pgcdc/duration_s": MetadataValue.float(round(result.duration_s, 3)),
         "pgcdc/rows_per_second": MetadataValue.float(round(result.rows_per_second, 1)),
+        "pgcdc/copy_rows_per_second": MetadataValue.float(round(result.copy_rows_per_second, 1)),
         "pgcdc/chunks": MetadataValue.int(result.chunks),
         "pgcdc/workers": MetadataValue.int(result.workers),
         "pgcdc/layout": MetadataValue.text(result.layout.describe() if result.layout is not None else "not bucketed"),
@@ -224,7 +225,7 @@ def _copy_all(
             continue
         context.log.info(
             f"snapshot {table}: {outcome.rows:,} rows at LSN {outcome.snapshot_lsn} in {outcome.duration_s:.1f} s"
-            f" ({outcome.mode}) -> Delta version {outcome.delta_version}; {describe_phases(outcome.phases)}"
+            f" ({outcome.mode}; copied at {outcome.copy_rows_per_second:,.0f} rows/s) -> Delta version {outcome.delta_version}; {describe_phases(outcome.phases)}"
         )
         metadata = {**snapshot_metadata(outcome), **phase_metadata({**step.as_dict(), **outcome.phases})}
         yield MaterializeResult(asset_key=key_of[table], metadata=metadata)

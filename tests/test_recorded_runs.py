@@ -72,6 +72,6 @@ def test_a_new_recording_replays_to_the_committed_one(pg: PgDatabase) -> None:
     committed = Recording.load(RECORDING)
     assert expected_tables(fresh) == expected_tables(committed)
     assert replayed(fresh)[0] == replayed(committed)[0] == expected_tables(fresh)
-    assert [(c.table, c.columns, c.csv) for c in fresh.copies] == [
-        (c.table, c.columns, c.csv) for c in committed.copies
+    assert [(c.table, c.columns, c.data) for c in fresh.copies] == [
+        (c.table, c.columns, c.data) for c in committed.copies
     ]

@@ -63,10 +63,10 @@ def test_ranged_copy_query_keeps_the_row_filter_and_qualifies_operators() -> Non
     assert info.copy_query((128, 256)) == (
         'COPY (SELECT "id" FROM ONLY "public"."t" WHERE ((id > 5) OR (id < 2))'
         " AND ctid OPERATOR(pg_catalog.>=) '(128,0)'::pg_catalog.tid"
-        " AND ctid OPERATOR(pg_catalog.<) '(256,0)'::pg_catalog.tid) TO STDOUT WITH (FORMAT csv)"
+        " AND ctid OPERATOR(pg_catalog.<) '(256,0)'::pg_catalog.tid) TO STDOUT WITH (FORMAT text)"
     )
     assert info.copy_query((256, None)).endswith(
-        "AND ctid OPERATOR(pg_catalog.>=) '(256,0)'::pg_catalog.tid) TO STDOUT WITH (FORMAT csv)"
+        "AND ctid OPERATOR(pg_catalog.>=) '(256,0)'::pg_catalog.tid) TO STDOUT WITH (FORMAT text)"
     )
 
 

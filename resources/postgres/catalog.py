@@ -65,7 +65,8 @@ class TableInfo:
     def copy_query(
         self, blocks: tuple[int, int | None] | None = None, keys: tuple[str, int | None, int | None] | None = None
     ) -> str:
-        """The COPY that reads what the publication publishes, as PostgreSQL's own sync does.
+        """The COPY that reads what the publication publishes, as PostgreSQL's own sync does, in the
+        text format (``resources/postgres/copy.py`` says why).
 
         ONLY keeps inheritance children out of a plain table; a partitioned root
         published with publish_via_partition_root is read whole. ``blocks`` = (first, end)
@@ -89,7 +90,7 @@ class TableInfo:
             if high is not None:
                 conditions.append(f"{quote_ident(column)} OPERATOR(pg_catalog.<) {int(high)}")
         where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
-        return f"COPY (SELECT {columns} FROM {only}{self.table.quoted}{where}) TO STDOUT WITH (FORMAT csv)"
+        return f"COPY (SELECT {columns} FROM {only}{self.table.quoted}{where}) TO STDOUT WITH (FORMAT text)"
 
 
 def client_cursor(conn: psycopg.Connection) -> psycopg.ClientCursor:

@@ -36,7 +36,7 @@ from resources.postgres.replication import ReplicationConnection
 __all__ = ["ConsistentCopy", "consistent_copy", "Pieces"]
 
 Pieces = Generator[tuple[pa.RecordBatch, int], None, None]
-"""Parsed pieces of a COPY as (batch, CSV bytes) pairs; closing it stops its reader threads."""
+"""Parsed pieces of a COPY as (batch, COPY bytes) pairs; closing it stops its reader threads."""
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ class ConsistentCopy:
     columns: list[PgColumnType]
     schema: pa.Schema  # the published columns' Arrow types, then LSN_COLUMN
     rows: int = 0  # rows written so far
-    bytes: int = 0  # CSV bytes received from PostgreSQL so far
+    bytes: int = 0  # COPY bytes received from PostgreSQL so far
 
     def parser(self) -> PieceParser:
         """A parser of this copy's COPY output (one per session reading it)."""

@@ -71,7 +71,7 @@ class SnapshotProgress:
 
     table: TableName
     rows: int
-    bytes: int  # CSV bytes received from PostgreSQL so far
+    bytes: int  # COPY bytes received from PostgreSQL so far
     elapsed_s: float
     chunks_done: int = 0  # ctid (or key) ranges copied completely
     chunks: int = 1  # ctid (or key) ranges in all (1: one COPY of the whole table)
@@ -125,6 +125,13 @@ class SnapshotResult:
     @property
     def rows_per_second(self) -> float:
         return self.rows / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def copy_rows_per_second(self) -> float:
+        """Rows per second from the writer's first request for rows to the COPY's last row: the
+        copy's own pace, without the start-up in front of it or the commit after it."""
+        seconds = self.phases.get("first_rows", 0.0) + self.phases.get("copy", 0.0)
+        return self.rows / seconds if seconds > 0 else 0.0
 
     @property
     def mode(self) -> str:

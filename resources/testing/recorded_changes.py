@@ -2,7 +2,7 @@
 
 A :class:`Recording` holds, byte for byte, what the runs read from PostgreSQL below their preflight:
 
-* per table, the COPY CSV output at a temporary slot's consistent point, that point and the
+* per table, the COPY output (text format) at a temporary slot's consistent point, that point and the
   published columns' types (``resources/runs/consistent_copy.py`` reads the same three);
 * the XLogData frames of the permanent slot from its start to ``end_lsn`` (WAL start and pgoutput
   bytes of each), as ``ReplicationStream`` received them;
@@ -57,7 +57,7 @@ class RecordedCopy:
     table: TableName
     point: LSN
     columns: list[PgColumnType]
-    csv: bytes
+    data: bytes  # COPY's text format
     rows: int
 
 
@@ -87,7 +87,7 @@ class Recording:
             "copies": [
                 {
                     "table": [c.table.schema, c.table.name], "point": int(c.point), "rows": c.rows,
-                    "columns": [dataclasses.asdict(col) for col in c.columns], "csv": c.csv.decode(),
+                    "columns": [dataclasses.asdict(col) for col in c.columns], "data": c.data.decode(),
                 }
                 for c in self.copies
             ],
@@ -111,7 +111,7 @@ class Recording:
                     TableName(*c["table"]),
                     LSN(c["point"]),
                     [PgColumnType(**col) for col in c["columns"]],
-                    c["csv"].encode(),
+                    c["data"].encode(),
                     c["rows"],
                 )
                 for c in data["copies"]
@@ -236,7 +236,7 @@ def replay_snapshot(recording: Recording, destination: Destination) -> None:
     """Each recorded COPY parsed by the snapshot's parser into one snapshot commit with its marker."""
     for copy in recording.copies:
         schema = arrow_schema(copy.columns).append(pa.field(LSN_COLUMN, pa.int64()))
-        batch = PieceParser(copy.columns, schema, copy.point)(bytearray(copy.csv), copy.rows)
+        batch = PieceParser(copy.columns, schema, copy.point)(bytearray(copy.data), copy.rows)
         marker = snapshot_marker(copy.point, recording.slot, str(copy.table))
         destination.write_snapshot(pa.Table.from_batches([batch], schema), schema, snapshot_path(copy.table), marker)
 
