@@ -9,6 +9,7 @@ the engine, not of the engine itself (Spark's own job timings: ``--event-log`` o
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -33,12 +34,20 @@ def _describe_plan(request: Any) -> str:
         kind = command.WhichOneof("command_type") or "?"
         if kind == "sql_command":
             text = command.sql_command.sql or command.sql_command.input.sql.query
-            return f"sql {' '.join(text.split()[:2])}"
+            return f"sql {' '.join(text.split()[:2])}{_target(text)}"
         if kind == "write_operation":
             return f"write {command.write_operation.source or 'parquet'} {command.write_operation.mode}"
         return kind
     relation = plan.root
-    return f"collect {relation.WhichOneof('rel_type')}"
+    kind = relation.WhichOneof("rel_type")
+    return f"collect {kind}" + (_target(relation.sql.query) if kind == "sql" else "")
+
+
+def _target(text: str) -> str:
+    """`` <name>`` of the first Delta table a statement names (``delta.`<root>/<schema>/<name>```), else ``""``:
+    a table's MERGE and its history's are told apart."""
+    match = re.search(r"delta\.`([^`]*)`", text)
+    return f" {match.group(1).rstrip('/').rsplit('/', 1)[-1]}" if match else ""
 
 
 @contextmanager

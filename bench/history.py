@@ -13,7 +13,8 @@ of that many rows (``bench/scale_big.py``'s, pgcdc's default layout and deletion
 into two lakes, ``none`` and ``scd2``, each with its own slot; an untimed warm-up drain of 200
 random updates (it seeds the SCD type 2 table), then per round 200 updates of uniformly random keys,
 drained into both lakes (which goes first alternates), each drain timed; prints the medians and their
-ratio, then checks the current versions against the table.
+ratio, then checks the current versions against the table. ``--profile`` also prints, per mode, the
+engine calls of the timed drains (``bench/engine_calls.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import shutil
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import psycopg
 
 from bench.cdc import BASE_ROWS, build_backlog, DDL, PUBLICATION, ROWS
+from bench.engine_calls import engine_calls, EngineCall, summary
 from bench.scale_big import BUCKETED, load, random_changes, RANDOM_UPDATES, table_name
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
@@ -51,9 +54,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=200_000)
     parser.add_argument("--scd2-rows", type=int, default=0, help="measure scd2 on a table of this many rows instead")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--profile", action="store_true", help="with --scd2-rows: time each engine call of the timed drains, per mode"
+    )
     args = parser.parse_args()
     if args.scd2_rows:
-        scd2_cost(args.major, args.scd2_rows, args.rounds)
+        scd2_cost(args.major, args.scd2_rows, args.rounds, args.profile)
         return
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-history-"))
     server = start_local_postgres(args.major, base_dir=work / "pg")
@@ -110,7 +116,7 @@ def check(config: PgcdcConfig) -> None:
     print(f"check: the changelog folded whole equals the table ({len(pairs):,} rows)")
 
 
-def scd2_cost(major: int, rows: int, rounds: int) -> None:
+def scd2_cost(major: int, rows: int, rounds: int, profile: bool = False) -> None:
     """200 random updates drained with ``history: none`` and ``scd2``, same table, same run (module docstring)."""
     table = (rows, BUCKETED)
     name = table_name(table)
@@ -141,13 +147,16 @@ def scd2_cost(major: int, rows: int, rounds: int) -> None:
                 snapshot_tables(config, lake_destination(engine.spark, config))
                 print(f"snapshot ({mode}): {time.perf_counter() - started:.0f} s")
             times: dict[str, list[float]] = {"none": [], "scd2": []}
+            calls: dict[str, list[EngineCall]] = {"none": [], "scd2": []}
             for round_number in range(rounds + 1):
                 random_changes(dsn, table, rng.sample(range(1, rows + 1), RANDOM_UPDATES))
                 order = ["none", "scd2"] if round_number % 2 else ["scd2", "none"]
                 for mode in order:
-                    started = time.perf_counter()
-                    run_incremental(configs[mode], lake_destination(engine.spark, configs[mode]))
-                    elapsed = time.perf_counter() - started
+                    with engine_calls() if profile and round_number else nullcontext([]) as drain_calls:
+                        started = time.perf_counter()
+                        run_incremental(configs[mode], lake_destination(engine.spark, configs[mode]))
+                        elapsed = time.perf_counter() - started
+                    calls[mode] += drain_calls
                     if round_number:  # round 0 warms up, and seeds the SCD type 2 table
                         times[mode].append(elapsed)
                     print(f"round {round_number} {mode}: {elapsed:.2f} s")
@@ -156,6 +165,8 @@ def scd2_cost(major: int, rows: int, rounds: int) -> None:
                 f"{RANDOM_UPDATES} random updates into {rows:,} rows: none {plain:.2f} s, scd2 {versions:.2f} s (medians "
                 f"of {rounds}); scd2 / none: {versions / plain:.2f}"
             )
+            for mode in calls if profile else ():
+                print(f"engine calls of the {rounds} timed drains, history: {mode}\n{summary(calls[mode])}")
             config = configs["scd2"]
             history = config.history_path("public", name)
             ((current, total),) = engine.spark.sql(

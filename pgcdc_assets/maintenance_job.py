@@ -39,7 +39,7 @@ from dagster import (
 
 from pgcdc_assets.common import user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
-from resources.config import HISTORY_SUFFIX, PgcdcConfig
+from resources.config import HISTORY_SUFFIX, PgcdcConfig, SCD2_SUFFIX
 from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import describe, maintain_table, TableMaintenance
 from resources.delta.state_table import PGCDC_TABLES_DIRECTORY
@@ -95,8 +95,13 @@ def build_maintenance(
             lake = open_lake(settings.delta.root, settings.delta.storage)
             paths: Sequence[str] = [
                 *table_keys,
-                # changelogs (docs/history.md), beside their tables: the ones that exist
-                *(path + HISTORY_SUFFIX for path in table_keys if is_delta_table(lake, path + HISTORY_SUFFIX)),
+                # changelogs and SCD type 2 tables (docs/history.md), beside their tables: the ones that exist
+                *(
+                    path + suffix
+                    for path in table_keys
+                    for suffix in (HISTORY_SUFFIX, SCD2_SUFFIX)
+                    if is_delta_table(lake, path + suffix)
+                ),
                 *delta_tables_under(lake, join_location(settings.delta.root, PGCDC_TABLES_DIRECTORY)),
             ]
             # The embedded engine (Sail) has no maintenance commands: delta-rs does the work, and no

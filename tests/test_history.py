@@ -34,17 +34,22 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
+from resources.delta import versions as delta_versions
 from resources.delta.lake_storage import open_lake
+from resources.delta.layout import HASH, RANGE, TableLayout
 from resources.delta.maintenance import maintain_table
+from resources.delta.markers import layout_from_property
 from resources.delta.reads import read_rows
 from resources.delta.spark_destination import lake_destination
+from resources.delta.table_log import read_table_metadata
+from resources.delta.versions import finer_layout
 from resources.history import read_as_of
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.cli import main as cli_main
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from resources.testing.verify import assert_delta_equals_postgres
+from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.support.fault_runs import Child, confirmed, write_config
 from tests.support.history_oracle import assert_as_of_equals, capture
 from tests.support.postgres import PgDatabase
@@ -78,7 +83,8 @@ def history_config(
         "postgres": {"dsn": pg.dsn},
         "publication": "pub",
         "slot": slot,
-        "delta": {"root": str(tmp_path / name)},
+        # orders' keys span several partitions of its SCD type 2 table (finer_layout: 100 keys each)
+        "delta": {"root": str(tmp_path / name), "buckets": {"tables": {"public.orders": {"width": 5000}}}},
         "history": {"default": "changelog", "tables": {"public.events": "changelog", "public.orders": orders}},
     })  # fmt: skip
 
@@ -255,11 +261,18 @@ def assert_versions_of_orders(config: PgcdcConfig, spark: SparkSession, moments:
     queries of a key's versions (Spark SQL) give what the versions hold."""
     versions = changelog(config, "public.orders", spark)
     versions = versions.filter(pc.is_null(versions.column("_pgcdc_marker")))
+    # Partitioned 100 times finer than the table (buckets of 5,000 keys), every version where its key puts it.
+    path = config.history_path("public", "orders")
+    assert path is not None
+    metadata = read_table_metadata(path)
+    assert metadata is not None and layout_from_property(metadata.layout_property) == TableLayout("range", ("id",), 100)
+    placed = spark.sql(f"SELECT id, _pgcdc_bucket FROM delta.`{path}` WHERE _pgcdc_marker IS NULL").collect()
+    assert len(placed) == versions.num_rows and all(row["_pgcdc_bucket"] == row["id"] // 100 for row in placed)
+    assert len({row["_pgcdc_bucket"] for row in placed}) > 1
     assert all(body is not None and len(body) == 3200 for body in versions.column("body").to_pylist())
     assert Counter(versions.column("id").to_pylist()).most_common(1)[0][1] > 2
     deleted = versions.column("_pgcdc_is_deleted").to_pylist()
     assert any(deleted) and not all(deleted)
-    path = config.history_path("public", "orders")
     current = spark.sql(f"SELECT id, status FROM delta.`{path}` WHERE _pgcdc_is_current").collect()
     assert sorted((row["id"], row["status"]) for row in current) == sorted(
         (row["id"], row["status"]) for row in read_rows(spark, config.table_path("public", "orders"), None).to_pylist()
@@ -352,3 +365,42 @@ def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
         json.dumps(row, sort_keys=True) for row in expected
     )
     assert deltalake.DeltaTable(config.history_path("public", "orders")).version() > 0
+
+
+def test_scd2_tables_are_partitioned_a_hundred_times_finer_than_their_tables() -> None:
+    assert finer_layout(TableLayout(RANGE, ("id",), 1_000_000)) == TableLayout(RANGE, ("id",), 10_000)
+    assert finer_layout(TableLayout(RANGE, ("id",), 5_000)) == TableLayout(RANGE, ("id",), 100)
+    assert finer_layout(TableLayout(RANGE, ("id",), 50)) == TableLayout(RANGE, ("id",), 50)  # not a partition per key
+    assert finer_layout(TableLayout(HASH, ("a", "b"), 12)) == TableLayout(HASH, ("a", "b"), 1_200)
+
+
+def test_an_scd2_table_created_before_the_finer_layout_keeps_its_tables_layout(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SCD type 2 table records its layout when created; drains go on by the recorded layout, here the
+    table's own (as every one was created before the finer layout), and stay exact."""
+    pg.execute(
+        "CREATE TABLE item (id int PRIMARY KEY, v text);"
+        " INSERT INTO item SELECT g, 'start' FROM generate_series(1, 300) g;"
+        " CREATE PUBLICATION pub FOR TABLE item"
+    )
+    config = parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": "pgcdc_slot",
+        "delta": {"root": str(tmp_path / "lake"), "buckets": {"tables": {"public.item": {"width": 5000}}}},
+        "history": {"default": "scd2"},
+    })  # fmt: skip
+    path = config.history_path("public", "item")
+    assert path is not None
+    snapshot_tables(config, lake_destination(spark, config))
+    with monkeypatch.context() as patched:
+        patched.setattr(delta_versions, "finer_layout", lambda layout: layout)  # as created before it
+        pg.execute("UPDATE item SET v = 'one' WHERE id % 7 = 0")
+        run_incremental(config, lake_destination(spark, config))  # seeds the SCD type 2 table, then its changes
+    metadata = read_table_metadata(path)
+    assert metadata is not None and layout_from_property(metadata.layout_property) == TableLayout(RANGE, ("id",), 5000)
+    pg.execute("UPDATE item SET v = 'two' WHERE id % 5 = 0; DELETE FROM item WHERE id > 290")
+    run_incremental(config, lake_destination(spark, config))
+    with pg.connect() as conn:
+        compare_rows(conn, "public.item", *arrow_rows(read_as_of(spark, config, TableName("public", "item"))))
+    placed = spark.sql(f"SELECT _pgcdc_bucket, count_if(_pgcdc_is_current) FROM delta.`{path}` GROUP BY 1").collect()
+    assert sorted((row[0], row[1]) for row in placed if row[0] is not None) == [(0, 290)]  # every key in bucket 0

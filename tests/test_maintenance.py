@@ -330,6 +330,41 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     assert_changelog_is_the_table(pg, spark, config)
 
 
+def test_maintenance_compacts_scd2_tables_and_their_drains_go_on(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """The job maintains SCD type 2 tables beside their tables: each drain adds a file for its new
+    versions and one for its marker row, which every later drain's MERGE reads until compacted."""
+    pg.execute(
+        "CREATE TABLE item (id int PRIMARY KEY, v text);"
+        " INSERT INTO item SELECT g, 'start' FROM generate_series(1, 40) g;"
+        " CREATE PUBLICATION pub FOR TABLE item"
+    )
+    config = PgcdcConfig.model_validate({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
+        "delta": {"root": str(tmp_path / "lake")}, "history": {"tables": {"public.item": "scd2"}},
+    })  # fmt: skip
+    defs = build_definitions(write_config(config, tmp_path))
+    versions = config.history_path("public", "item")
+    assert versions is not None and versions.endswith("__history")
+    snapshot_tables(config, lake_destination(spark, config))
+    for i in range(4):
+        pg.execute(f"UPDATE item SET v = 'drain {i}' WHERE id % 4 = {i}")
+        run_incremental(config, lake_destination(spark, config))
+    before = table_files(versions)
+    assert len(before) > 4
+    with instance_for_test() as instance:
+        assert defs.resolve_job_def(MAINTENANCE_JOB).execute_in_process(instance=instance).success
+    after = table_files(versions)
+    assert len(after) < len(before) and retention_properties(versions) == RETENTION
+    pg.execute("UPDATE item SET v = 'after maintenance' WHERE id <= 3; DELETE FROM item WHERE id = 40")
+    run_incremental(config, lake_destination(spark, config))
+    with pg.connect() as conn:
+        compare_rows(conn, "public.item", *arrow_rows(read_as_of(spark, config, TableName("public", "item"))))
+    current = spark.sql(f"SELECT count(*) FROM delta.`{versions}` WHERE _pgcdc_is_current").collect()[0][0]
+    assert current == 39
+
+
 def test_maintenance_of_an_object_store_lake_through_delta_rs(s3_server: S3Server, s3_root: str) -> None:
     """An ``s3://`` lake (moto): found under ``_pgcdc/``, compacted, listed and cleaned through the
     configured store, credentials from their ${ENV} references."""

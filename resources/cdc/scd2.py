@@ -16,7 +16,7 @@ and closed within the batch are written closed. It is one MERGE (``resources/del
 the current version of each key the batch closes is closed (deleted and inserted again closed), the
 new versions are inserted and the marker row takes the changelog's marker (``changes_marker``), in
 one commit that reads and rewrites only the closed keys' buckets (the history table is partitioned
-like its table) and, with deletion vectors, marks the deleted rows instead of rewriting their files. A replay skips exactly what the
+by its table's key, finer: ``resources/delta/versions.py``) and, with deletion vectors, marks the deleted rows instead of rewriting their files. A replay skips exactly what the
 marker row says the table holds. A TRUNCATE, a fill and a snapshot's seed rewrite the current
 versions whole, with the marker row.
 
@@ -232,7 +232,8 @@ def _versions(
 
 
 def _buckets(target: TableTarget, values: pa.Table) -> pa.Array:
-    """Each row's bucket, as the table's own layout puts its key (NULL where it cannot be computed; the
+    """Each row's bucket, as the table's own layout puts its key (the MERGE puts it in the SCD type 2
+    table's finer one: ``resources/delta/versions.py``; NULL where it cannot be computed; the
     history table is bucketed only when the layout is known, so only NULL's own rows lack it)."""
     layout = target.layout
     if layout is None or any(name not in values.column_names for name in layout.key):

@@ -15,7 +15,9 @@ NULL.
   time); the new versions and the new marker row are inserted, the old marker row deleted (matched
   null-safe on the NULL keys). The MERGE names the close rows' buckets and the NULL bucket, where
   the marker row lives, so the engine reads only those partitions, and a table with deletion
-  vectors marks the deleted rows instead of rewriting files.
+  vectors marks the deleted rows instead of rewriting files. The buckets are a hundred times finer
+  than the table's (:func:`finer_layout`), so the write reads a fraction of what the table's MERGE
+  reads.
 * A TRUNCATE, the fill of columns added with a default and a snapshot's seed rewrite every current
   version (:func:`replace_versions`): the current versions and the marker row are read, and written
   back by the caller's rewrite with an overwrite whose ``replaceWhere`` selects the same rows (the
@@ -33,9 +35,11 @@ import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.batch_columns import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
+from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes
 from resources.delta.lake_storage import LakeStorage, remove_tree
-from resources.delta.layout import BUCKET_COLUMN, TableLayout
+from resources.delta.layout import BUCKET_COLUMN, HASH, row_buckets, TableLayout
+from resources.delta.markers import layout_from_property
 from resources.delta.merge import DELETE_ROW_COLUMN, key_lists, quote_column
 from resources.delta.snapshot_writes import (
     STAGE_FILE_BYTES,
@@ -44,18 +48,67 @@ from resources.delta.snapshot_writes import (
     STAGING_DIRECTORY,
     write_snapshot,
 )
-from resources.delta.table_log import table_exists
+from resources.delta.table_log import read_table_metadata, table_exists
 
 __all__ = [
     "CLOSE_COLUMN",
     "CLOSED_SET",
     "CURRENT_COLUMN",
+    "finer_layout",
     "MARKER_COLUMN",
     "merge_versions",
+    "NARROWEST_VERSIONS_RANGE",
     "read_versions_marker",
     "replace_versions",
     "VALID_TO_LSN_COLUMN",
+    "VERSIONS_BUCKET_SPLIT",
 ]
+
+VERSIONS_BUCKET_SPLIT = 100
+"""How many partitions of an SCD type 2 table a bucket of its table's layout makes (:func:`finer_layout`).
+
+Writing a version costs a scan of every row of the partitions the write names, twice (the closed
+versions' values, then the MERGE, whose insert scan reads every column: docs/engine-notes.md),
+where the table's own MERGE scans its partitions once. In partitions of the table's size the SCD
+type 2 write alone costs 1.5 times the table's MERGE: 200 random keys of a 10M-row table,
+10M rows read twice. In partitions 100 times finer (10,000 keys of the default range layout) the
+same keys touch 181 of 1,000 partitions, 1.8M rows: 0.34 times the table's MERGE
+(docs/benchmarks.md, "SCD type 2 cost"). The price is files: a write adds a small file to every
+partition it touches (up to its number of keys), which maintenance compacts."""
+
+NARROWEST_VERSIONS_RANGE = 100
+"""Fewest keys in a range partition of an SCD type 2 table :func:`finer_layout` makes: not a partition per key."""
+
+
+def finer_layout(layout: TableLayout) -> TableLayout:
+    """The layout of a new SCD type 2 table of a table laid out by ``layout``: the same key and kind,
+    each bucket split in :data:`VERSIONS_BUCKET_SPLIT` (a hundred times the hash buckets; ranges a
+    hundredth as wide, but not narrower than :data:`NARROWEST_VERSIONS_RANGE` keys unless the table's are)."""
+    if layout.kind == HASH:
+        return TableLayout(HASH, layout.key, layout.size * VERSIONS_BUCKET_SPLIT, layout.hash)
+    width = max(layout.size // VERSIONS_BUCKET_SPLIT, min(layout.size, NARROWEST_VERSIONS_RANGE))
+    return TableLayout(layout.kind, layout.key, width, layout.hash)
+
+
+def versions_layout(
+    spark: SparkSession, path: str, table_layout: TableLayout | None, lake: LakeStorage | None = None
+) -> TableLayout | None:
+    """The layout the SCD type 2 table at ``path`` is bucketed by, its table being laid out by ``table_layout``.
+
+    A table that exists keeps the layout it was created with, recorded in its
+    :data:`~resources.delta.markers.LAYOUT_PROPERTY`: :func:`finer_layout`'s for tables created since it
+    exists, the table's own for older ones, which keep working as they are (a table can change its
+    partitioning only by being written whole again, and an overwrite keeps the table's properties). A
+    bucketed table without the property (an engine that refuses it, Delta on Spark) is bucketed by the
+    table's layout. A new table gets the finer layout where the write records the property: every
+    engine but Delta on Spark, whose new tables keep the table's layout."""
+    metadata = read_table_metadata(path, lake)
+    if metadata is not None:
+        recorded = layout_from_property(metadata.layout_property) if metadata.bucketed else None
+        return recorded if recorded is not None else table_layout
+    if table_layout is None or engine_capabilities(spark).delta_commands:
+        return table_layout
+    return finer_layout(table_layout)
 
 
 def merge_versions(
@@ -68,6 +121,8 @@ def merge_versions(
 ) -> None:
     """One MERGE of a batch's close rows, new versions and marker row (module docstring); with
     ``prune_buckets`` (the key holds the layout's key), only the source's buckets and the NULL bucket.
+    The source's rows are bucketed by the table's layout: they go where the SCD type 2 table's own
+    puts them (:func:`versions_layout`).
 
     A version is closed by deleting it and inserting it again closed, not by updating it: Sail 0.7.2
     reads every column of the target in all three scans of an update MERGE, but only the key,
@@ -75,6 +130,8 @@ def merge_versions(
     versions' values come from one read of the versions the batch closes (:func:`_closed_versions`),
     with the same predicate the MERGE deletes by, so what is read is what is deleted. Measured with
     200 random updates into 3M versions: 0.6x the update MERGE's time (docs/benchmarks.md)."""
+    if BUCKET_COLUMN in source.column_names:
+        source = _rebucketed(source, versions_layout(spark, path, None, lake))
     closing = source.column(CLOSE_COLUMN)
     columns = [name for name in source.column_names if name != CLOSE_COLUMN]
     deletes = source.filter(closing).select(columns)  # the close rows and the marker row
@@ -106,6 +163,17 @@ def merge_versions(
         ).collect()
     finally:
         remove_tree(staged, lake)
+
+
+def _rebucketed(rows: pa.Table, layout: TableLayout | None) -> pa.Table:
+    """``rows`` with their bucket column computed by ``layout`` (None: as they are). The marker row's
+    NULL key has the NULL bucket, where the marker row lives."""
+    if layout is None:
+        return rows
+    buckets = row_buckets(
+        layout, {name: rows.column(name) for name in layout.key if name in rows.column_names}, rows.num_rows
+    )
+    return rows.set_column(rows.column_names.index(BUCKET_COLUMN), BUCKET_COLUMN, buckets)
 
 
 def _closed_versions(
@@ -174,12 +242,14 @@ def replace_versions(
 ) -> None:
     """Replace every current version and the marker row by ``rewrite``'s answer for them, in one commit.
     A path holding no table gets a new one holding ``rewrite(None)``, with deletion vectors when
-    ``deletion_vectors``. Bucketed by ``layout`` (partitioned by the bucket column, as the table is):
-    ``rewrite`` sees and returns rows without the bucket column, which the write computes.
+    ``deletion_vectors``. Bucketed by :func:`versions_layout` of ``layout`` (the table's layout),
+    partitioned by the bucket column: ``rewrite`` sees and returns rows without the bucket column,
+    which the write computes.
 
     The rows may be the whole table (a seed of millions of rows): they go through
     ``write_snapshot``, which stages them (or streams them into delta-rs for a new table on an
     engine without Delta's commands) instead of sending them through the engine's client."""
+    layout = versions_layout(spark, path, layout, lake)
     current = None
     predicate = None
     closed = None
