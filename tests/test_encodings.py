@@ -19,6 +19,7 @@ from resources.config import parse_config
 from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
 from resources.errors import PgcdcError, SnapshotError
+from resources.postgres.connections import connect
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import LocalPostgres
 from tests.support.incremental_runs import drain, path_of, same, settings, setup, slot_confirmed
@@ -47,6 +48,22 @@ class Utf8Client(PgDatabase):
 def sql_ascii(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
     with fresh_database(pg_server, "SQL_ASCII") as database:
         yield Utf8Client(database.server, database.name)
+
+
+def test_every_pgcdc_session_speaks_utf8(latin1: PgDatabase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over ALTER DATABASE, the DSN's client_encoding and options, PGOPTIONS and PGCLIENTENCODING;
+    normal and walsender sessions alike."""
+    latin1.execute(f'ALTER DATABASE "{latin1.name}" SET client_encoding = LATIN1')
+    dsn_asking_latin1 = f"{latin1.dsn}?client_encoding=LATIN1&options=-c%20client_encoding%3DLATIN1"
+    monkeypatch.setenv("PGCLIENTENCODING", "LATIN1")
+    for dsn in (latin1.dsn, dsn_asking_latin1):
+        for replication in (False, True):
+            with connect(dsn, application_name="pgcdc-test", replication=replication) as conn:
+                assert conn.execute("SHOW client_encoding").fetchall() == [("UTF8",)]
+                assert conn.execute("SELECT 'Straße ½'").fetchall() == [("Straße ½",)]
+    monkeypatch.setenv("PGOPTIONS", "-c client_encoding=LATIN1")
+    with connect(latin1.dsn, application_name="pgcdc-test") as conn:
+        assert conn.execute("SHOW client_encoding").fetchall() == [("UTF8",)]
 
 
 def test_latin1_database_snapshots_and_drains_exactly(latin1: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
