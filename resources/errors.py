@@ -136,6 +136,11 @@ def explain_server_error(
         )
     if sqlstate == "53400":
         return ConfigurationError(message, "raise max_replication_slots / max_wal_senders or drop unused slots")
+    if sqlstate == "22021":  # character_not_in_repertoire: only a SQL_ASCII database's bytes get this far
+        return ConfigurationError(
+            f"{message} on {where}: text in the database is not UTF-8 (PostgreSQL stores a SQL_ASCII database's bytes unchecked)",
+            "fix that value in PostgreSQL, or re-create the database with the ENCODING its text is really in",
+        )
     if sqlstate in ("22023", "0A000", "42601"):
         return ConfigurationError(message, "fix the replication options for this server version")
     if sqlstate is None or sqlstate.startswith(("08", "57P")):

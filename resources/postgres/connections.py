@@ -15,6 +15,14 @@ first query, also in ``replication=database`` walsender sessions; it beats
 
 A side effect, the same on the subscriber: ``regclass``/``regtype``/``format_type()`` output
 names objects outside ``pg_catalog`` schema-qualified.
+
+Every session also speaks UTF-8 (``client_encoding=UTF8``), the encoding Arrow and Delta hold:
+PostgreSQL converts from the database's encoding (LATIN1, WIN1252, EUC_JP, ...) both in
+``COPY TO STDOUT`` and in pgoutput's tuple data, as well as identifiers and messages
+(PostgreSQL's own subscriber likewise asks for its database's encoding). A ``SQL_ASCII``
+database's bytes are not converted but checked: text that is valid UTF-8 replicates, any other
+byte fails the snapshot or drain with PostgreSQL's "invalid byte sequence" error, before
+anything is written.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 from resources.errors import ConfigurationError, ConnectionFailure, explain, explain_server_error, PgcdcError
 
-#: What every pgcdc session runs with: nothing but pg_catalog is searched.
+#: What every pgcdc session runs with: nothing but pg_catalog is searched, and text comes as UTF-8.
 SEARCH_PATH_SETTINGS: dict[str, str] = {"search_path": ""}
+CLIENT_ENCODING = "UTF8"
 
 #: connect_timeout when the DSN sets none (libpq's default waits for the OS, minutes).
 CONNECT_TIMEOUT_SECONDS = 10
@@ -74,6 +83,7 @@ def connection_params(
     ours = libpq_options({**(session_settings or {}), **SEARCH_PATH_SETTINGS})
     params["options"] = f"{given} {ours}" if given.strip() else ours
     params["application_name"] = application_name
+    params["client_encoding"] = CLIENT_ENCODING
     params["connect_timeout"] = params.get("connect_timeout") or str(CONNECT_TIMEOUT_SECONDS)
     if replication:
         params["replication"] = "database"

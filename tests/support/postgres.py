@@ -52,11 +52,14 @@ class PgDatabase:
 
 
 @contextmanager
-def fresh_database(pg_server: LocalPostgres) -> Iterator[PgDatabase]:
-    """A new database on ``pg_server``, dropped afterwards with its slots and prepared transactions."""
+def fresh_database(pg_server: LocalPostgres, encoding: str | None = None) -> Iterator[PgDatabase]:
+    """A new database on ``pg_server``, dropped afterwards with its slots and prepared transactions.
+
+    ``encoding`` (e.g. ``LATIN1``) creates it in that encoding, with the C locale, from template0."""
     name = f"t_{uuid.uuid4().hex[:12]}"
+    created_as = "" if encoding is None else f" ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
     with psycopg.connect(pg_server.dsn(), autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+        admin.execute(f'CREATE DATABASE "{name}"{created_as}')
     try:
         yield PgDatabase(pg_server, name)
     finally:
