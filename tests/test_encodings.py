@@ -141,6 +141,7 @@ def test_sql_ascii_bytes_that_are_not_utf8_fail_the_snapshot(
         snapshot_tables(config, lake_destination(spark, config))
     message = str(refused.value)
     assert 'invalid byte sequence for encoding "UTF8": 0xe9' in message and "\n" not in message
+    assert "SQL_ASCII" in message and "re-create the database with the ENCODING" in message
     assert not any((tmp_path / "lake").rglob("*.parquet"))
 
 

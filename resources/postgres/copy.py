@@ -284,6 +284,12 @@ def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
             f"unexpected {pq.ExecStatus(result.status).name} answer to {query[:80]}", "check the server version"
         )
     primary = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or result.error_message or b""
+    if result.error_field(pq.DiagnosticField.SQLSTATE) == b"22021":  # only a SQL_ASCII database's bytes get here
+        return SnapshotError(
+            f"COPY failed: {primary.decode('utf-8', 'replace')}: text in the database is not UTF-8"
+            " (PostgreSQL stores a SQL_ASCII database's bytes unchecked)",
+            "fix that value in PostgreSQL, or re-create the database with the ENCODING its text is really in",
+        )
     return SnapshotError(
         f"COPY failed: {primary.decode('utf-8', 'replace')}",
         "fix the cause named by PostgreSQL, then run the snapshot again",
