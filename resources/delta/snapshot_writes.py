@@ -1,6 +1,7 @@
-"""Writing a snapshot into Delta as one atomic commit: streamed into delta-rs while COPY still runs (an
-engine without Delta's commands, e.g. embedded Sail), or staged as Parquet files, then one engine overwrite
-(Delta on Spark, and every key range of a snapshot in key ranges)."""
+"""Writing a snapshot into Delta as one atomic commit: streamed into delta-rs while COPY still runs (into a
+table delta-rs creates on an engine without Delta's commands, e.g. embedded Sail; into the table the
+engine creates on Delta on Spark), or staged as Parquet files, then one engine overwrite (every key range
+of a snapshot in key ranges, and a Delta on Spark table delta-rs must not write into)."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def write_snapshot(
     * **the engine creates, delta-rs writes the rows** (Delta on Spark; not for ``replace_where``):
       :func:`_write_into_engine_table`, where the table's protocol, schema and partitioning let
       delta-rs write into it; else
-    * **the engine** (Delta on Spark; key ranges): :func:`_write_with_engine`.
+    * **the engine** (key ranges; Delta on Spark where delta-rs does not write): :func:`_write_with_engine`.
 
     ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
     range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
@@ -155,8 +156,8 @@ def _write_with_engine(
     file_bytes: int,
     lake: LakeStorage | None,
 ) -> None:
-    """The engine's write of :func:`write_snapshot` (Delta on Spark; key ranges): one file per bucket,
-    sorted by key (the sort clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
+    """The engine's write of :func:`write_snapshot` (key ranges; Delta on Spark where delta-rs does not
+    write): one file per bucket, sorted by key (the sort clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
     the batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
     each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
     staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
