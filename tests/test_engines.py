@@ -561,6 +561,13 @@ def _table_actions(path: str) -> dict[str, object]:
     return found
 
 
+def _written_by_delta_rs(path: str, version: int) -> bool:
+    """Whether commit ``version`` of the table at ``path`` was written by delta-rs (its commitInfo's engineInfo)."""
+    lines = (Path(path) / "_delta_log" / f"{version:020d}.json").read_text(encoding="utf-8").splitlines()
+    infos = [json.loads(line)["commitInfo"] for line in lines if line.startswith('{"commitInfo"')]
+    return any("delta-rs" in info.get("engineInfo", "") for info in infos)
+
+
 def test_snapshot_on_spark_by_delta_rs_gives_sparks_own_table(
     engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
 ) -> None:
@@ -595,8 +602,7 @@ def test_snapshot_on_spark_by_delta_rs_gives_sparks_own_table(
         log, own_log = read_table_log(path), read_table_log(own.table_path("public", name))
         assert (log.snapshot_version, own_log.snapshot_version) == (1, 0), name  # after the engine's create
         assert (log.layout, log.columns) == (own_log.layout, own_log.columns), name
-        commit = [json.loads(line) for line in (Path(path) / "_delta_log" / f"{1:020d}.json").read_text().splitlines()]
-        assert any("delta-rs" in a["commitInfo"].get("engineInfo", "") for a in commit if "commitInfo" in a), name
+        assert _written_by_delta_rs(path, 1), name
         assert_delta_equals_postgres(pg.dsn, f"public.{name}", path, key=("id",) if name == "typed" else None)
     assert _table_actions(paths["typed"])["metaData"]["partitionColumns"] == ["_pgcdc_bucket"]  # type: ignore[index]
     pg.execute("UPDATE typed SET note = 'changed' WHERE id % 10 = 0; DELETE FROM typed WHERE id BETWEEN 5 AND 9;"
@@ -604,7 +610,8 @@ def test_snapshot_on_spark_by_delta_rs_gives_sparks_own_table(
     run_incremental(config, lake_destination(spark, config))
     deleted = file_deletions(LakeStorage(config.delta.root), paths["typed"])
     assert any(file.deleted for file in deleted)  # the drain's MERGE marked rows of delta-rs's files deleted
-    snapshot_tables(config, lake_destination(spark, config), [TableName("public", "typed")])  # into the existing table
+    [again] = snapshot_tables(config, lake_destination(spark, config), [TableName("public", "typed")])
+    assert _written_by_delta_rs(paths["typed"], again.delta_version)  # into the existing table
     assert _table_actions(paths["typed"])["protocol"] == _table_actions(own.table_path("public", "typed"))["protocol"]
     pg.execute("UPDATE typed SET note = 'again' WHERE id % 7 = 0")
     run_incremental(config, lake_destination(spark, config))
