@@ -10,8 +10,8 @@ throwaway PostgreSQL 18, loads a narrow and a wide table, then per table measure
   the whole path: temporary slot, COPY, CSV -> typed Arrow, Delta write, atomic commit;
   once per ``--workers`` count (sessions reading ctid ranges of ``--chunk-mb`` under one
   snapshot; 1 = one COPY) and per ``--writers`` entry: ``delta-rs`` (pgcdc streams the rows into
-  delta-rs in its own process, the default on an engine without Delta's commands) or ``engine``
-  (staged Parquet, then the engine's overwrite: Delta on Spark's way).
+  delta-rs in its own process, the default: on Delta on Spark into the table Spark created) or ``engine``
+  (staged Parquet, then the engine's overwrite).
 
 Each takes the best of ``--runs``, after one warm-up each (page cache, Sail's first write); the
 rounds interleave the baseline and every pgcdc variant, so a busy machine slows them alike.
@@ -41,7 +41,7 @@ import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psycopg
@@ -276,7 +276,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         results: dict[tuple[str, int], SnapshotResult] = {}
 
         def pgcdc_seconds(table: str, workers: int, writer: str) -> float:
-            set_engine_capabilities(engine.spark, EngineCapabilities(detected.delta_commands, writer == "delta-rs"))
+            set_engine_capabilities(engine.spark, writer_capabilities(detected, writer))
             started = time.perf_counter()
             results[table, workers] = snapshot_table(
                 server.dsn(),
@@ -321,6 +321,17 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
             slot=SLOT, workers=max(worker_counts), chunk_mb=args.chunk_mb,
         ))  # fmt: skip
     return measurements, *memory
+
+
+def writer_capabilities(detected: EngineCapabilities, writer: str) -> EngineCapabilities:
+    """``detected`` with snapshots written by ``writer``: ``delta-rs`` (on an engine with Delta's commands,
+    into the table the engine creates; else delta-rs creates it too) or ``engine`` (staged, the engine's overwrite)."""
+    delta_rs = writer == "delta-rs"
+    return replace(
+        detected,
+        delta_rs_snapshots=delta_rs and not detected.delta_commands,
+        delta_rs_snapshot_rows=delta_rs and detected.delta_commands,
+    )
 
 
 def report(

@@ -28,7 +28,8 @@ Snapshot points (``resources/runs/snapshot.py``, ``resources/delta/snapshot_writ
 
 * ``after_snapshot_slot``: a snapshot's temporary slot and transaction exist, nothing is in Delta.
 * ``before_snapshot_create``: delta-rs's writer made the table's directory, not yet the table.
-* ``after_snapshot_create``: delta-rs's writer created the empty table (commit 0), no snapshot commit.
+* ``after_snapshot_create``: the empty table is created (commit 0: by delta-rs, or on Delta on Spark by
+  the engine for delta-rs's rows), no snapshot commit.
 * ``during_snapshot_write``: the writer holds the first piece of the rows (either writer, also a key
   range's), nothing of them is committed.
 * ``after_snapshot_staged``: the engine's writer staged every piece as Parquet, the engine has not

@@ -42,7 +42,12 @@ import yaml
 
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
-from resources.delta.capabilities import engine_capabilities
+from resources.delta.capabilities import (
+    DELTA_SPARK_CAPABILITIES,
+    engine_capabilities,
+    EngineCapabilities,
+    set_engine_capabilities,
+)
 from resources.delta.deletion_vectors import file_deletions
 from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
@@ -137,6 +142,7 @@ SPARK_LOCAL_ONLY = {
     "test_key_shapes_and_a_replica_identity_change_on_spark_match_postgres",
     "test_a_snapshot_killed_on_spark_recovers_on_the_next_run",
     "test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact",
+    "test_snapshot_on_spark_by_delta_rs_gives_sparks_own_table",
 }
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
@@ -535,6 +541,87 @@ def test_a_snapshot_killed_on_spark_recovers_on_the_next_run(
     run_incremental(config, lake_destination(spark, config))
     assert assert_delta_equals_postgres(pg.dsn, "public.big", path, key=("id",)) > 1000
     assert assert_buckets_right(path) is not None
+
+
+SNAPSHOT_TYPES_DDL = """
+    CREATE TABLE typed (id bigint PRIMARY KEY, small int2, amount numeric(12,2), at timestamptz, naive timestamp,
+                        day date, ok bool, raw bytea, tags text[], note text);
+    INSERT INTO typed SELECT g, g % 100, g / 7.0, timestamptz '2024-01-01 00:00+00' + g * interval '1 minute',
+        timestamp '2024-01-01' + g * interval '1 second', date '2020-01-01' + g % 3000, g % 2 = 0,
+        decode(md5(g::text), 'hex'), ARRAY['a' || g, NULL], 'n' || g FROM generate_series(1, 3000) g;
+    INSERT INTO typed VALUES (0, NULL, NULL, 'infinity', NULL, NULL, NULL, NULL, NULL, NULL);
+    CREATE TABLE flat (k int, v text);
+    INSERT INTO flat SELECT g % 7, 'v' || g FROM generate_series(1, 500) g;
+    CREATE PUBLICATION pub FOR TABLE typed, flat;
+"""
+
+
+def _table_actions(path: str) -> dict[str, object]:
+    """The newest protocol and metaData actions of the table at ``path`` (local log, no checkpoint yet)."""
+    found: dict[str, object] = {}
+    for commit in sorted((Path(path) / "_delta_log").glob("*.json")):
+        for line in commit.read_text(encoding="utf-8").splitlines():
+            action = json.loads(line)
+            found.update({key: action[key] for key in ("protocol", "metaData") if key in action})
+    return found
+
+
+def _written_by_delta_rs(path: str, version: int) -> bool:
+    """Whether commit ``version`` of the table at ``path`` was written by delta-rs (its commitInfo's engineInfo)."""
+    lines = (Path(path) / "_delta_log" / f"{version:020d}.json").read_text(encoding="utf-8").splitlines()
+    infos = [json.loads(line)["commitInfo"] for line in lines if line.startswith('{"commitInfo"')]
+    return any("delta-rs" in info.get("engineInfo", "") for info in infos)
+
+
+def test_snapshot_on_spark_by_delta_rs_gives_sparks_own_table(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
+    """On Delta on Spark a snapshot's rows are written by delta-rs into a table Spark created (an empty
+    write with the snapshot's options): the same protocol, table properties, partitioning, schema and
+    marker as Spark's own snapshot write of the same tables gives (compared with tables Spark wrote
+    itself), bucketed and deletion-vector, keyless and copy-on-write; a process killed between the
+    create and the snapshot commit leaves an unfinished create the next run takes over; drains
+    (deletion vectors) and a re-snapshot into the existing table stay exact."""
+    spark = engine.spark
+    assert spark is not None and engine_capabilities(spark).delta_rs_snapshot_rows
+    pg.execute(SNAPSHOT_TYPES_DDL)
+    buckets = {"tables": {"public.typed": {"width": 1000}}}
+    config = engine_config(pg, tmp_path, engine, buckets, {"parallel_tables": 1}, copy_on_write=("public.flat",))
+    own = engine_config(pg, tmp_path / "own", engine, buckets, copy_on_write=("public.flat",))
+    paths = {name: config.table_path("public", name) for name in ("typed", "flat")}
+    child = Child(write_config(config, tmp_path), "snapshot", env={FAULT_POINT_ENV: "after_snapshot_create"})
+    assert child.wait(300) == -9, child.output()
+    assert sum(unfinished_create(path) for path in paths.values()) == 1
+    assert all(read_table_log(path).snapshot_lsn is None for path in paths.values())
+    snapshot_tables(config, lake_destination(spark, config))
+    set_engine_capabilities(spark, EngineCapabilities(delta_commands=True, delta_rs_snapshots=False))  # Spark's own
+    try:
+        snapshot_tables(own, lake_destination(spark, own))
+    finally:
+        set_engine_capabilities(spark, DELTA_SPARK_CAPABILITIES)
+    for name, path in paths.items():
+        ours, sparks = _table_actions(path), _table_actions(own.table_path("public", name))
+        assert ours["protocol"] == sparks["protocol"], name
+        for key in ("schemaString", "partitionColumns", "configuration", "format"):
+            assert ours["metaData"][key] == sparks["metaData"][key], (name, key)  # type: ignore[index]
+        log, own_log = read_table_log(path), read_table_log(own.table_path("public", name))
+        assert (log.snapshot_version, own_log.snapshot_version) == (1, 0), name  # after the engine's create
+        assert (log.layout, log.columns) == (own_log.layout, own_log.columns), name
+        assert _written_by_delta_rs(path, 1), name
+        assert_delta_equals_postgres(pg.dsn, f"public.{name}", path, key=("id",) if name == "typed" else None)
+    assert _table_actions(paths["typed"])["metaData"]["partitionColumns"] == ["_pgcdc_bucket"]  # type: ignore[index]
+    pg.execute("UPDATE typed SET note = 'changed' WHERE id % 10 = 0; DELETE FROM typed WHERE id BETWEEN 5 AND 9;"
+               "INSERT INTO typed (id, note) VALUES (5000, 'new'); INSERT INTO flat VALUES (1, 'more')")  # fmt: skip
+    run_incremental(config, lake_destination(spark, config))
+    deleted = file_deletions(LakeStorage(config.delta.root), paths["typed"])
+    assert any(file.deleted for file in deleted)  # the drain's MERGE marked rows of delta-rs's files deleted
+    [again] = snapshot_tables(config, lake_destination(spark, config), [TableName("public", "typed")])
+    assert _written_by_delta_rs(paths["typed"], again.delta_version)  # into the existing table
+    assert _table_actions(paths["typed"])["protocol"] == _table_actions(own.table_path("public", "typed"))["protocol"]
+    pg.execute("UPDATE typed SET note = 'again' WHERE id % 7 = 0")
+    run_incremental(config, lake_destination(spark, config))
+    assert assert_delta_equals_postgres(pg.dsn, "public.typed", paths["typed"], key=("id",)) == 2997
+    assert_delta_equals_postgres(pg.dsn, "public.flat", paths["flat"])
 
 
 def range_commits(path: str) -> dict[int, int]:

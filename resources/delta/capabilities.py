@@ -14,8 +14,11 @@ And one the other way round: an engine without Delta's commands (embedded Sail 0
 snapshots' overwrites written by delta-rs in pgcdc's process, streamed from the COPY, instead of
 reading staged Parquet and rewriting it (``delta_rs_snapshots``; ``snapshot_writes.py``): the same
 Delta schema and marker, at 1.6-2x the speed on 2 cores (docs/engine-notes.md, "Snapshots
-written by delta-rs"). Delta on Spark keeps its own write; a key range of a snapshot in key ranges
-(``replaceWhere``) is the engine's everywhere.
+written by delta-rs"). On Delta on Spark the engine creates a new table (an empty write with the
+snapshot's options, so protocol and properties are Spark's own) and delta-rs writes the rows into it
+in the snapshot commit (``delta_rs_snapshot_rows``), as it does into an existing table whose
+protocol, schema and partitioning the snapshot keeps; otherwise Spark's own write. A key range of a
+snapshot in key ranges (``replaceWhere``) is the engine's everywhere.
 
 Delta on Spark also has ``OPTIMIZE``, ``VACUUM``, ``TRUNCATE TABLE`` and MERGE ``userMetadata``
 (``spark.databricks.delta.commitInfo.userMetadata``); Sail 0.7.2 has none of these. pgcdc
@@ -48,6 +51,11 @@ class EngineCapabilities:
     #: target's key columns; dearer on Delta on Spark, whose MERGE then joins the source twice over
     #: (docs/engine-notes.md, "The costs a user sees first").
     merge_delete_and_insert: bool = True
+    #: Whether a snapshot's rows are written by delta-rs in pgcdc's process into a table the engine
+    #: created (Delta on Spark: its protocol and properties; ``snapshot_writes.py``), where the table's
+    #: protocol, schema and partitioning allow it, instead of by the engine's own overwrite
+    #: (docs/engine-notes.md, "Snapshots on Spark: the engine creates, delta-rs writes the rows").
+    delta_rs_snapshot_rows: bool = False
 
 
 _DETECTED: weakref.WeakKeyDictionary[SparkSession, EngineCapabilities] = weakref.WeakKeyDictionary()
@@ -67,6 +75,7 @@ def engine_capabilities(spark: SparkSession) -> EngineCapabilities:
             delta_commands=delta_commands,
             delta_rs_snapshots=not delta_commands,
             merge_delete_and_insert=not delta_commands,
+            delta_rs_snapshot_rows=delta_commands,
         )
         _DETECTED[spark] = known
     return known
@@ -77,7 +86,7 @@ SAIL_CAPABILITIES = EngineCapabilities(delta_commands=False, delta_rs_snapshots=
 is a fresh engine's first statement: 0.3-0.6 s on Sail, 4-7 s on a fresh JVM)."""
 
 DELTA_SPARK_CAPABILITIES = EngineCapabilities(
-    delta_commands=True, delta_rs_snapshots=False, merge_delete_and_insert=False
+    delta_commands=True, delta_rs_snapshots=False, merge_delete_and_insert=False, delta_rs_snapshot_rows=True
 )
 """What the managed Apache Spark with Delta's jars can do (declared like :data:`SAIL_CAPABILITIES`)."""
 

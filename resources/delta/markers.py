@@ -71,6 +71,14 @@ adopted buckets later still says ``none``: its layout outlives the marker in the
 the table's Delta id (``resources/delta/table_log.py: expired_layout``, docs/contracts.md, "Table layout")."""
 
 
+SNAPSHOT_CREATE_METADATA = '{"pgcdc_create": "snapshot"}'
+"""The userMetadata of the data-less commit in which the engine creates a table whose snapshot rows
+delta-rs then writes (Delta on Spark, ``resources/delta/snapshot_writes.py``): not a marker (no
+``pgcdc`` object, so every marker read passes over it), only what tells that create, left alone by a
+process killed before the snapshot commit, from an empty table another writer made
+(``resources/delta/table_log.py: unfinished_create``)."""
+
+
 def layout_property(layout: TableLayout | None) -> str:
     return json.dumps(layout.to_json()) if layout is not None else "none"
 

@@ -1,11 +1,14 @@
-"""Writing a snapshot into Delta as one atomic commit: streamed into delta-rs while COPY still runs (an
-engine without Delta's commands, e.g. embedded Sail), or staged as Parquet files, then one engine overwrite
-(Delta on Spark, and every key range of a snapshot in key ranges)."""
+"""Writing a snapshot into Delta as one atomic commit: streamed into delta-rs while COPY still runs (into a
+table delta-rs creates on an engine without Delta's commands, e.g. embedded Sail; into the table the
+engine creates on Delta on Spark), or staged as Parquet files, then one engine overwrite (every key range
+of a snapshot in key ranges, and a Delta on Spark table delta-rs must not write into)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Iterator
+from typing import Literal, TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,9 +21,12 @@ from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
-from resources.delta.markers import LAYOUT_PROPERTY, layout_property
+from resources.delta.markers import LAYOUT_PROPERTY, layout_property, SNAPSHOT_CREATE_METADATA
 from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
 from resources.locations import is_object_store
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
 
 STAGING_DIRECTORY = "_pgcdc_staging"
 """Inside a table directory; Delta readers and VACUUM ignore directories starting with '_'."""
@@ -92,7 +98,10 @@ def write_snapshot(
       arrive (:func:`_write_with_delta_rs`), rows in arrival order within a bucket (COPY's heap
       order): 1.6-2x the engine path's speed on 2 cores (docs/engine-notes.md, "Snapshots
       written by delta-rs").
-    * **the engine** (Delta on Spark; key ranges): :func:`_write_with_engine`.
+    * **the engine creates, delta-rs writes the rows** (Delta on Spark; not for ``replace_where``):
+      :func:`_write_into_engine_table`, where the table's protocol, schema and partitioning let
+      delta-rs write into it; else
+    * **the engine** (key ranges; Delta on Spark where delta-rs does not write): :func:`_write_with_engine`.
 
     ``replace_where`` (a predicate on the table's columns) replaces only the rows it selects (one key
     range of a snapshot in key ranges) and keeps the rest; the commit is made even when nothing is
@@ -106,8 +115,15 @@ def write_snapshot(
         schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
     if replace_where is None and unfinished_create(path, lake):
         discard_unfinished_create(path, lake)
-    if replace_where is None and engine_capabilities(spark).delta_rs_snapshots:
+    capabilities = engine_capabilities(spark)
+    if replace_where is None and capabilities.delta_rs_snapshots:
         _write_with_delta_rs(data, schema, path, user_metadata, layout, deletion_vectors, lake)
+    elif (
+        replace_where is None
+        and capabilities.delta_rs_snapshot_rows
+        and _write_into_engine_table(spark, data, schema, path, user_metadata, layout, deletion_vectors, lake)
+    ):
+        pass
     else:
         new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path, lake)
         _write_with_engine(
@@ -140,8 +156,8 @@ def _write_with_engine(
     file_bytes: int,
     lake: LakeStorage | None,
 ) -> None:
-    """The engine's write of :func:`write_snapshot` (Delta on Spark; key ranges): one file per bucket,
-    sorted by key (the sort clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
+    """The engine's write of :func:`write_snapshot` (key ranges; Delta on Spark where delta-rs does not
+    write): one file per bucket, sorted by key (the sort clusters neighbouring keys; Sail 0.7.2 ignores ``maxRecordsPerFile``). This process writes
     the batches, as they arrive, into Parquet files (at most :data:`STAGE_FILE_BYTES` of Arrow
     each) under ``<path>/_pgcdc_staging/<uuid>`` with pyarrow, which releases the GIL, so the
     staging overlaps whatever produces ``data`` and the engine holds nothing meanwhile. Then
@@ -221,22 +237,8 @@ def _write_with_delta_rs(
     table counts as not snapshotted and the next snapshot creates it again
     (:func:`discard_unfinished_create`). An existing table keeps its properties, as with the engine.
     """
-    from deltalake import CommitProperties, DeltaTable, PostCommitHookProperties, write_deltalake, WriterProperties
+    from deltalake import DeltaTable
 
-    target = nullable_schema(schema)
-    failures: list[BaseException] = []
-
-    def batches() -> Iterator[pa.RecordBatch]:
-        """``data`` as ``target`` batches, keeping what the source raised: delta-rs reports it as
-        a DeltaError naming it, and callers tell a refused value from a lost connection by type."""
-        try:
-            for batch in data.to_batches() if isinstance(data, pa.Table) else data:
-                yield pa.RecordBatch.from_arrays(batch.columns, schema=target)
-        except BaseException as error:
-            failures.append(error)
-            raise
-
-    reader = pa.RecordBatchReader.from_batches(target, batches())
     storage_options = object_store_options(path, lake) or None
     partition_by = [BUCKET_COLUMN] if layout is not None else []  # [], not None: None keeps old partitioning
     created = not table_exists(path, lake)
@@ -252,13 +254,61 @@ def _write_with_delta_rs(
             configuration[DELETION_VECTORS_PROPERTY] = "true"
         fault_point("before_snapshot_create")
         DeltaTable.create(
-            path, target, partition_by=partition_by, configuration=configuration,
+            path, nullable_schema(schema), partition_by=partition_by, configuration=configuration,
             storage_options=storage_options, raise_if_key_not_exists=False,
         )  # fmt: skip
         fault_point("after_snapshot_create")
     try:
+        _delta_rs_overwrite(path, data, schema, user_metadata, partition_by, storage_options, schema_mode="overwrite")
+    except BaseException:
+        if created:
+            _take_away_create(path, new_directory, lake)
+        raise
+
+
+def _take_away_create(path: str, new_directory: bool, lake: LakeStorage | None) -> None:
+    """After a failed snapshot write, the table it created, if it holds nothing else (no commit 1):
+    the whole directory when the write made it, else only the log."""
+    if has_commit(path, 1, lake):
+        return
+    if new_directory:
+        remove_tree(path, lake, keep_parent=True)  # the directory was made here: all of it is this write's
+    else:
+        discard_unfinished_create(path, lake)  # a directory that was there before keeps everything else
+
+
+def _delta_rs_overwrite(
+    table: str | DeltaTable,
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    user_metadata: str,
+    partition_by: list[str],
+    storage_options: dict[str, str] | None,
+    schema_mode: Literal["overwrite"] | None,
+) -> None:
+    """Overwrite ``table`` (a path, or a loaded ``DeltaTable``) with ``data`` in one delta-rs commit carrying
+    ``user_metadata``, streamed from ``data`` into delta-rs's Parquet writer (in Rust, outside the GIL).
+    ``schema_mode`` ``"overwrite"`` writes the table's metadata anew (schema, partitioning); None keeps it,
+    and ``data`` must then match the table's schema."""
+    from deltalake import CommitProperties, PostCommitHookProperties, write_deltalake, WriterProperties
+
+    target = nullable_schema(schema)
+    failures: list[BaseException] = []
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        """``data`` as ``target`` batches, keeping what the source raised: delta-rs reports it as
+        a DeltaError naming it, and callers tell a refused value from a lost connection by type."""
+        try:
+            for batch in data.to_batches() if isinstance(data, pa.Table) else data:
+                yield pa.RecordBatch.from_arrays(batch.columns, schema=target)
+        except BaseException as error:
+            failures.append(error)
+            raise
+
+    reader = pa.RecordBatchReader.from_batches(target, batches())
+    try:
         write_deltalake(
-            path, reader, mode="overwrite", schema_mode="overwrite", partition_by=partition_by,
+            table, reader, mode="overwrite", schema_mode=schema_mode, partition_by=partition_by,
             storage_options=storage_options, commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
             writer_properties=WriterProperties(
                 compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES, max_row_group_size=ROW_GROUP_ROWS
@@ -267,14 +317,90 @@ def _write_with_delta_rs(
             post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
         )  # fmt: skip
     except BaseException:
-        if created and not has_commit(path, 1, lake):  # only the empty table created above: take it away again
-            if new_directory:
-                remove_tree(path, lake, keep_parent=True)  # the directory was made here: all of it is this write's
-            else:
-                discard_unfinished_create(path, lake)  # a directory that was there before keeps everything else
         if failures:
             raise failures[0]  # noqa: B904 (the writer's own failure; the one caught here is its consequence)
         raise
+
+
+DELTA_RS_READER_FEATURES = frozenset({"deletionVectors", "timestampNtz"})
+DELTA_RS_WRITER_FEATURES = frozenset({"appendOnly", "invariants", "deletionVectors", "timestampNtz"})
+"""The table features of a table delta-rs writes a snapshot's rows into on Delta on Spark: those of the
+tables Delta on Spark creates for pgcdc (deletion vectors, naive timestamps; ``appendOnly`` and
+``invariants`` come with writer version 7), checked to come out as Spark's own write leaves them
+(docs/engine-notes.md, "Snapshots on Spark: the engine creates, delta-rs writes the rows"). A table
+with any other feature (column mapping, say, set by a cluster's defaults) is written by the engine."""
+
+
+def _write_into_engine_table(
+    spark: SparkSession,
+    data: pa.Table | Iterable[pa.RecordBatch],
+    schema: pa.Schema,
+    path: str,
+    user_metadata: str,
+    layout: TableLayout | None,
+    deletion_vectors: bool,
+    lake: LakeStorage | None,
+) -> bool:
+    """Delta on Spark's snapshot write: the table is Spark's (its protocol, properties, schema and
+    partitioning), the rows are delta-rs's, streamed from the COPY in this process as on Sail.
+
+    A new table is created first by the engine: an empty overwrite with exactly the options of its
+    own snapshot write (:func:`_overwrite`: schema, partitioning, deletion vectors), carrying
+    :data:`~resources.delta.markers.SNAPSHOT_CREATE_METADATA`, so protocol and properties are what
+    Spark gives the table, and the snapshot commit, delta-rs's overwrite carrying ``user_metadata``,
+    is version 1. delta-rs keeps the table's metadata (no ``metaData`` action), so it writes only
+    where that metadata is the snapshot's: the same schema (as Delta's JSON) and partitioning, and
+    a protocol of :data:`DELTA_RS_READER_FEATURES` / :data:`DELTA_RS_WRITER_FEATURES` at most.
+    Otherwise (a re-snapshot that changes columns or layout, a table with other features) this
+    returns False before reading ``data``, and the engine writes the snapshot.
+
+    The rows reach the lake from this process, through delta-rs with the lake's storage options:
+    the process reaches the lake anyway (it stages data and reads every table's log there,
+    wherever the engine runs). A failed write takes the table it created away again (as
+    :func:`_write_with_delta_rs` does); one killed in between leaves the create, which
+    :func:`~resources.delta.table_log.unfinished_create` recognises."""
+    from deltalake import DeltaTable
+
+    storage_options = object_store_options(path, lake) or None
+    partition_by = [BUCKET_COLUMN] if layout is not None else []
+    spark_schema = from_arrow_schema(nullable_schema(schema), prefer_timestamp_ntz=True)
+    created = not table_exists(path, lake)
+    filesystem, directory = storage_client(path, lake)
+    new_directory = created and filesystem.get_file_info(directory).type == FileType.NotFound  # type: ignore[attr-defined]
+    if created:
+        prepare_writes(spark)
+        empty = spark.createDataFrame([], spark_schema)
+        _overwrite(empty, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False)
+        fault_point("after_snapshot_create")
+    table = DeltaTable(path, storage_options=storage_options)
+    if not _delta_rs_keeps(table, spark_schema.jsonValue(), partition_by):
+        return False
+    try:
+        _delta_rs_overwrite(table, data, schema, user_metadata, partition_by, storage_options, schema_mode=None)
+    except BaseException:
+        if created:
+            _take_away_create(path, new_directory, lake)
+        raise
+    return True
+
+
+def _delta_rs_keeps(table: DeltaTable, schema: dict[str, object], partition_by: list[str]) -> bool:
+    """Whether delta-rs may overwrite the rows of the loaded ``table`` keeping its metadata: its schema
+    is ``schema`` (Delta's JSON form), its partition columns ``partition_by``, and its protocol needs
+    no feature beyond :data:`DELTA_RS_READER_FEATURES` / :data:`DELTA_RS_WRITER_FEATURES`."""
+    protocol = table.protocol()
+    readable = protocol.min_reader_version <= 1 or (
+        protocol.min_reader_version == 3 and set(protocol.reader_features or ()) <= DELTA_RS_READER_FEATURES
+    )
+    writable = protocol.min_writer_version <= 2 or (
+        protocol.min_writer_version == 7 and set(protocol.writer_features or ()) <= DELTA_RS_WRITER_FEATURES
+    )
+    return (
+        readable
+        and writable
+        and list(table.metadata().partition_columns) == partition_by
+        and json.loads(table.schema().to_json()) == schema
+    )
 
 
 def stage_parquet(
@@ -333,9 +459,11 @@ def _overwrite(
     replace_where: str | None = None,
     deletion_vectors: bool = False,
     rows_outside_where: bool = False,
+    arranged: bool = True,
 ) -> None:
     """Overwrite the table (schema too), or only the rows ``replace_where`` selects; bucketed by
-    ``layout``: one task, so one file, per bucket, sorted by key. ``deletion_vectors``: the write
+    ``layout``: one task, so one file, per bucket, sorted by key (unless not ``arranged``: a frame
+    without rows needs no shuffle). ``deletion_vectors``: the write
     creates the table, with :data:`DELETION_VECTORS_PROPERTY` on (a writer option every engine
     records as the table property when it creates the table; never given for an existing table,
     whose protocol stays as it is)."""
@@ -345,7 +473,7 @@ def _overwrite(
         # scan irons out (resources/delta/merge.py: replace_rows).
         scan = frame.sparkSession.read.format("delta").load(path)
         frame = scan.where(F.lit(False)).unionByName(frame)
-    if layout is not None:
+    if layout is not None and arranged:
         key = [F.col("`" + name.replace("`", "``") + "`") for name in layout.key]
         frame = frame.repartition(BUCKET_COLUMN).sortWithinPartitions(BUCKET_COLUMN, *key)
     writer = frame.write.format("delta").mode("overwrite")

@@ -50,6 +50,7 @@ from resources.delta.markers import (
     marker_layout,
     marker_snapshot_lsn,
     pgcdc_marker,
+    SNAPSHOT_CREATE_METADATA,
 )
 from resources.lsn import LSN
 
@@ -181,15 +182,17 @@ def table_exists(path: str, lake: LakeStorage | None = None) -> bool:
 
 
 def unfinished_create(path: str, lake: LakeStorage | None = None) -> bool:
-    """Whether the table at ``path`` is nothing but the empty table pgcdc's delta-rs snapshot writer
-    creates right before its snapshot commit (``snapshot_writes.py``), left so by a process killed in
+    """Whether the table at ``path`` is nothing but the empty table pgcdc creates for delta-rs's
+    snapshot writer right before its snapshot commit (``snapshot_writes.py``), left so by a process killed in
     between: then it counts as not snapshotted and the next snapshot creates it again.
 
     What proves it, from the log alone: the log is exactly commit 0 (no later commit, no checkpoint:
     nothing was ever committed after it); that commit adds and removes no data file and carries no
     pgcdc marker (it is a create, not a snapshot); and its ``metaData`` carries
     :data:`~resources.delta.markers.LAYOUT_PROPERTY`, which only pgcdc writes and which pgcdc writes
-    into a data-less commit only in that create. A table any other writer made, or one that ever
+    into a data-less commit only in that create, or its ``commitInfo`` carries
+    :data:`~resources.delta.markers.SNAPSHOT_CREATE_METADATA` (the engine's create on Delta on Spark,
+    which refuses that property). A table any other writer made, or one that ever
     held a commit after its creation, is not one (two reads for almost every table: commit 1, and
     commit 0 when commit 1 is missing; a listing only for a data-less create with the property)."""
     log = _Log(path, lake)
@@ -209,6 +212,10 @@ def unfinished_create(path: str, lake: LakeStorage | None = None) -> bool:
         return False
     if not any(
         LAYOUT_PROPERTY in (action["metaData"].get("configuration") or {}) for action in actions if "metaData" in action
+    ) and not any(
+        action["commitInfo"].get("userMetadata") == SNAPSHOT_CREATE_METADATA
+        for action in actions
+        if "commitInfo" in action
     ):
         return False
     versions, checkpoint = log.versions()
