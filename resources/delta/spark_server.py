@@ -74,8 +74,8 @@ ONE_RUN_JVM_CONFIG: dict[str, str] = {"spark.driver.extraJavaOptions": "-XX:Tier
 """The managed engine of a run (``spark.engine: spark``) is a JVM that lives for one run, and most of
 its first MERGE is the JVM's warm-up: code the JIT compiles, most of it only once. The optimizing
 compiler (C2) costs more CPU than it saves in so short a life: with the quick compiler (C1) alone a
-fresh JVM's drain of 160k changes took 21-24 s of its CPU instead of 45 s, and its start 6 s
-instead of 11 s (docs/engine-notes.md, "A drain on Delta on Spark, statement by statement"). A
+fresh JVM's drain of 160k changes took 24-28 s of its CPU instead of 45 s, and its start 6.2-6.7 s
+instead of 10.6 s (docs/engine-notes.md, "The managed JVM's warm-up, setting by setting"). A
 long-lived server (``pgcdc spark-server``) keeps both compilers: it pays the warm-up once and runs
 C2's faster code from then on. The local JVM's only: a cluster's driver and executors get none of
 pgcdc's settings. A user's ``spark.driver.extraJavaOptions`` replaces it."""
