@@ -4,7 +4,8 @@
 process (executions, analyses such as schema look-ups, configuration reads and writes, artifact
 uploads of large local relations) with its duration; :func:`summary` sums them per statement
 kind. It wraps the client's methods for the duration of the block: a profile of what pgcdc asks
-the engine, not of the engine itself (Spark's own job timings: ``--event-log`` of ``bench.cdc``).
+the engine, not of the engine itself (Spark's own job timings: :func:`spark_sql_timings`, from the
+event log ``bench.cdc --profile`` has a managed Spark write).
 """
 
 from __future__ import annotations
@@ -112,16 +113,20 @@ def spark_event_log_config(directory: str) -> dict[str, str]:
 
 
 def spark_sql_timings(directory: str) -> str:
-    """Spark's own view from the event logs under ``directory``: each SQL execution's duration and
-    jobs, summed per description (the statement's first words), largest total first."""
+    """Spark's own view from the event logs under ``directory``: every SQL execution in the order it
+    started (a statement such as a MERGE, and the executions Delta runs inside it: log replay, file
+    skipping, the join, the writes), named by its physical plan's top operators, with its duration,
+    its jobs' total time and its tasks' CPU time; then the statements' total against their jobs':
+    what is left is the driver's own work (analysis, planning, code generation, the commit).
+
+    Over Spark Connect every job carries the session's description, so the plan names them."""
     import json
-    import re
     from pathlib import Path
 
-    started: dict[int, tuple[str, int]] = {}
-    jobs: dict[int, int] = defaultdict(int)
-    totals: dict[str, list[float]] = defaultdict(list)
-    job_count: dict[str, int] = defaultdict(int)
+    executions: dict[int, dict[str, Any]] = {}
+    job_execution: dict[int, int] = {}
+    job_started: dict[int, int] = {}
+    stage_job: dict[int, int] = {}
     for log in sorted(path for path in Path(directory).rglob("*") if path.is_file()):
         for line in log.read_text(errors="replace").splitlines():
             if not line.startswith("{"):
@@ -129,18 +134,57 @@ def spark_sql_timings(directory: str) -> str:
             event = json.loads(line)
             name = event.get("Event", "")
             if name.endswith("SQLExecutionStart"):
-                text = " ".join((event.get("description") or event.get("details") or "?").split())
-                text = text.removeprefix("Spark Connect - ").removeprefix("Delta: Spark Connect - ")
-                started[event["executionId"]] = (re.sub(r"\d+", "N", text)[:60], event["time"])
+                executions[event["executionId"]] = {
+                    "start": event["time"], "end": None, "label": _plan_label(event.get("physicalPlanDescription", "")),
+                    "root": event.get("rootExecutionId", event["executionId"]), "jobs": 0, "job_ms": 0, "cpu_ns": 0,
+                }  # fmt: skip
+            elif name.endswith("SQLExecutionEnd") and event["executionId"] in executions:
+                executions[event["executionId"]]["end"] = event["time"]
             elif name == "SparkListenerJobStart":
                 execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
-                if execution is not None:
-                    jobs[int(execution)] += 1
-            elif name.endswith("SQLExecutionEnd") and event["executionId"] in started:
-                text, start = started.pop(event["executionId"])
-                totals[text].append((event["time"] - start) / 1000)
-                job_count[text] += jobs.pop(event["executionId"], 0)
-    lines = [f"{'Spark SQL execution':<60} {'n':>4} {'jobs':>5} {'total s':>8} {'max s':>7}"]
-    for text, seconds in sorted(totals.items(), key=lambda item: -sum(item[1])):
-        lines.append(f"{text:<60} {len(seconds):>4} {job_count[text]:>5} {sum(seconds):>8.3f} {max(seconds):>7.3f}")
+                if execution is not None and int(execution) in executions:
+                    job_execution[event["Job ID"]] = int(execution)
+                    job_started[event["Job ID"]] = event["Submission Time"]
+                    executions[int(execution)]["jobs"] += 1
+                    for stage in event.get("Stage Infos", []):
+                        stage_job[stage["Stage ID"]] = event["Job ID"]
+            elif name == "SparkListenerJobEnd" and event["Job ID"] in job_execution:
+                execution = executions[job_execution[event["Job ID"]]]
+                execution["job_ms"] += event["Completion Time"] - job_started[event["Job ID"]]
+            elif name == "SparkListenerTaskEnd" and stage_job.get(event["Stage ID"]) in job_execution:
+                execution = executions[job_execution[stage_job[event["Stage ID"]]]]
+                execution["cpu_ns"] += (event.get("Task Metrics") or {}).get("Executor CPU Time", 0)
+    if not executions:
+        return "Spark SQL executions: none logged"
+    first = min(execution["start"] for execution in executions.values())
+    lines = [
+        f"{'Spark SQL execution (by its plan)':<60} {'at s':>7} {'took s':>7} {'jobs':>4} {'in jobs s':>9} {'task CPU s':>10}"
+    ]
+    for _, execution in sorted(executions.items(), key=lambda item: item[1]["start"]):
+        took = ((execution["end"] or execution["start"]) - execution["start"]) / 1000
+        indent = "" if execution["root"] == _ else "  "
+        lines.append(
+            f"{(indent + execution['label'])[:60]:<60} {(execution['start'] - first) / 1000:>7.2f} {took:>7.2f} "
+            f"{execution['jobs']:>4} {execution['job_ms'] / 1000:>9.2f} {execution['cpu_ns'] / 1e9:>10.2f}"
+        )
+    roots = [execution for key, execution in executions.items() if execution["root"] == key and execution["end"]]
+    wall = sum(execution["end"] - execution["start"] for execution in roots) / 1000
+    in_jobs = sum(execution["job_ms"] for execution in executions.values()) / 1000
+    cpu = sum(execution["cpu_ns"] for execution in executions.values()) / 1e9
+    lines.append(
+        f"statements {wall:.2f} s, of which in jobs {in_jobs:.2f} s (task CPU {cpu:.2f} s); "
+        f"the driver's own work (analysis, planning, code generation, commits) the other {wall - in_jobs:.2f} s"
+    )
     return "\n".join(lines)
+
+
+def _plan_label(plan: str) -> str:
+    """What a physical plan scans and its top operators, e.g. ``Execute MergeIntoCommand`` or
+    ``[Scan json] AdaptiveSparkPlan > SerializeFromObject > MapPartitions``."""
+    import re
+
+    body = plan.split("\n\n")[0].splitlines()[1:]
+    operators = [re.sub(r"^[\s:+*-]*|\s*\(\d+\)$", "", line) for line in body]
+    scans = sorted({operator.split(" - ")[0].split(" #")[0] for operator in operators if "Scan" in operator})
+    top = " > ".join(operators[:3])
+    return f"[{', '.join(scans)}] {top}" if scans else top

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from pyspark.sql import SparkSession
+from pyspark.sql.pandas.types import to_arrow_schema
 
 from resources.delta.batch_columns import OP_COLUMN, unchanged_flag_column
 from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
@@ -19,7 +20,7 @@ from resources.delta.dataframes import nullable_schema
 from resources.delta.engine import classic_delta_config, SparkEngine
 from resources.delta.layout import TableLayout
 from resources.delta.merge import delete_all_rows, merge_batch, replace_rows
-from resources.delta.schema_changes import add_columns
+from resources.delta.schema_changes import add_columns, table_schema
 from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
 from resources.testing.memory_destination import InMemoryDestination
@@ -242,6 +243,34 @@ def test_add_column_then_rows_carry_it(spark: SparkSession, tmp_path: Path) -> N
     )
     merge_batch(spark, str(path), batch, ["id"])
     assert read_back(path)["note"].to_pylist() == [None, "hello"]
+
+
+def test_the_schema_read_from_the_log_is_the_engines(spark: SparkSession, tmp_path: Path) -> None:
+    """pgcdc reads a table's schema from its Delta log (no engine round trip): the same schema the
+    engine gives the table, for the types pgcdc writes, after an added column and past a checkpoint."""
+    path = str(tmp_path / "t")
+    more = pa.table({
+        "id": pa.array([1], pa.int64()), "small": pa.array([1], pa.int16()), "real": pa.array([1.5], pa.float32()),
+        "wide": pa.array([Decimal("1.5")], pa.decimal128(38, 10)), "day": pa.array([dt.date(2024, 1, 1)], pa.date32()),
+        "flag": pa.array([True]), "amounts": pa.array([[Decimal("1.5")]], pa.list_(pa.decimal128(10, 1))),
+    })  # fmt: skip
+    table = rows([1])
+    for field in list(more.schema)[1:]:
+        table = table.append_column(field, more[field.name])
+    write_snapshot(spark, table, table.schema, path, "s")
+
+    def engines() -> pa.Schema:
+        return to_arrow_schema(spark.read.format("delta").load(path).schema)
+
+    assert table_schema(path) == engines()
+    add_columns(spark, path, pa.schema([("note", pa.string()), ("when", pa.timestamp("us"))]))
+    assert table_schema(path) == engines() and table_schema(path).names[-2:] == ["note", "when"]
+    for key in range(2, 13):  # the engine writes a checkpoint every 10 commits
+        merge_batch(spark, path, pa.table({"id": pa.array([key], pa.int64()), OP_COLUMN: pa.array(["I"])}), ["id"])
+    assert any(log.name.endswith(".checkpoint.parquet") for log in (Path(path) / "_delta_log").iterdir())
+    assert table_schema(path) == engines()
+    with pytest.raises(FileNotFoundError):
+        table_schema(str(tmp_path / "none"))
 
 
 def test_delete_all_rows_keeps_schema_and_history(spark: SparkSession, tmp_path: Path) -> None:

@@ -107,7 +107,7 @@ class SparkEngine:
         """
         request: dict[str, Any] = {
             "master": master or f"local[{len(os.sched_getaffinity(0))}]",
-            "config": managed_server_config(config),
+            "config": managed_server_config(config, one_run=True),
         }
         server = subprocess.Popen(
             [sys.executable, "-m", "resources.delta.spark_server", json.dumps(request)],

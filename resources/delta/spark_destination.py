@@ -92,7 +92,7 @@ class SparkDeltaDestination:
         return table_log.bytes_added(path, version, newest, self.lake)
 
     def table_schema(self, path: str) -> pa.Schema:
-        return schema_changes.table_schema(self.spark, path)
+        return schema_changes.table_schema(path, self.lake)  # the log, read by the lake's client: no engine round trip
 
     def widen_columns(self, path: str, widened: Mapping[str, pa.DataType]) -> None:
         schema_changes.widen_columns(self.spark, path, widened)

@@ -70,6 +70,17 @@ MERGE on ``local[2]``, docs/engine-notes.md) buys nothing. Helps a cluster as mu
 through ``spark.config``); users override it the same way."""
 
 
+ONE_RUN_JVM_CONFIG: dict[str, str] = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1"}
+"""The managed engine of a run (``spark.engine: spark``) is a JVM that lives for one run, and most of
+its first MERGE is the JVM's warm-up: code the JIT compiles, most of it only once. The optimizing
+compiler (C2) costs more CPU than it saves in so short a life: with the quick compiler (C1) alone a
+fresh JVM's drain of 160k changes took 24-28 s of its CPU instead of 45 s, and its start 6.2-6.7 s
+instead of 10.6 s (docs/engine-notes.md, "The managed JVM's warm-up, setting by setting"). A
+long-lived server (``pgcdc spark-server``) keeps both compilers: it pays the warm-up once and runs
+C2's faster code from then on. The local JVM's only: a cluster's driver and executors get none of
+pgcdc's settings. A user's ``spark.driver.extraJavaOptions`` replaces it."""
+
+
 def jar_cache_dir() -> Path:
     """Ivy's home for Delta's jars: ``$PGCDC_JAR_CACHE``, else ``~/.cache/pgcdc/ivy``.
 
@@ -137,12 +148,14 @@ def remember_resolved_jars(session_jars: str) -> None:
     partial.replace(target)  # atomic: another process may be starting an engine from the same cache
 
 
-def managed_server_config(user_config: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Everything a managed (or classic) Spark with Delta is started with; user settings win,
-    except that a user's ``spark.jars`` is added to Delta's rather than replacing them."""
+def managed_server_config(user_config: Mapping[str, str] | None = None, *, one_run: bool = False) -> dict[str, str]:
+    """Everything a managed (or classic) Spark with Delta is started with (``one_run``: a run's own
+    JVM, :data:`ONE_RUN_JVM_CONFIG`); user settings win, except that a user's ``spark.jars`` is added
+    to Delta's rather than replacing them."""
     config = {
         **SMALL_TABLE_CONFIG,
         **DELTA_MERGE_CONFIG,
+        **(ONE_RUN_JVM_CONFIG if one_run else {}),
         "spark.driver.memory": "1g",
         "spark.log.level": "WARN",
         **DELTA_SQL_CONFIG,

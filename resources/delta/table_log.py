@@ -140,6 +140,8 @@ class TableMetadata:
     partition_columns: tuple[str, ...]
     #: The table property :data:`LAYOUT_PROPERTY` (None: absent, as on engines that refuse it).
     layout_property: str | None
+    #: The table's schema as Delta records it (``schemaString``: Spark's JSON form of a ``StructType``).
+    schema_json: str
 
     @property
     def bucketed(self) -> bool:
@@ -308,7 +310,12 @@ class _Log:
 
 
 def _table_metadata(metadata: dict[str, Any], layout_property: str | None) -> TableMetadata:
-    return TableMetadata(str(metadata.get("id")), tuple(metadata.get("partitionColumns") or ()), layout_property)
+    return TableMetadata(
+        str(metadata.get("id")),
+        tuple(metadata.get("partitionColumns") or ()),
+        layout_property,
+        str(metadata.get("schemaString") or ""),
+    )
 
 
 def _after_known(log: _Log, known: TableLog) -> TableLog | None:
