@@ -115,17 +115,15 @@ def write_snapshot(
         schema = schema.append(pa.field(BUCKET_COLUMN, pa.int64()))
     if replace_where is None and unfinished_create(path, lake):
         discard_unfinished_create(path, lake)
-    capabilities = engine_capabilities(spark)
-    if replace_where is None and capabilities.delta_rs_snapshots:
+    capabilities, whole_table = engine_capabilities(spark), replace_where is None
+    if whole_table and capabilities.delta_rs_snapshots:
         _write_with_delta_rs(data, schema, path, user_metadata, layout, deletion_vectors, lake)
-    elif (
-        replace_where is None
+    elif not (
+        whole_table
         and capabilities.delta_rs_snapshot_rows
         and _write_into_engine_table(spark, data, schema, path, user_metadata, layout, deletion_vectors, lake)
     ):
-        pass
-    else:
-        new_with_deletion_vectors = deletion_vectors and replace_where is None and not table_exists(path, lake)
+        new_with_deletion_vectors = deletion_vectors and whole_table and not table_exists(path, lake)
         _write_with_engine(
             spark,
             data,

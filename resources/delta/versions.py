@@ -40,7 +40,7 @@ from resources.delta.dataframes import prepare_writes
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN, HASH, row_buckets, TableLayout
 from resources.delta.markers import layout_from_property
-from resources.delta.merge import DELETE_ROW_COLUMN, key_lists, quote_column
+from resources.delta.merge import DELETE_ROW_COLUMN, key_lists, quote_column, run_command
 from resources.delta.snapshot_writes import (
     STAGE_FILE_BYTES,
     stage_parquet,
@@ -156,11 +156,12 @@ def merge_versions(
     stage_parquet(merge_source, merge_source.schema, staged, STAGE_FILE_BYTES, lake)
     prepare_writes(spark)
     try:
-        spark.sql(
+        run_command(
+            spark,
             f"MERGE INTO delta.{quote_column(path)} t USING ({staged_source_sql(merge_source.schema, staged)}) s ON {on} "
             f"WHEN MATCHED THEN DELETE "
-            f"WHEN NOT MATCHED AND NOT s.{DELETE_ROW_COLUMN} THEN INSERT ({inserted}) VALUES ({values})"
-        ).collect()
+            f"WHEN NOT MATCHED AND NOT s.{DELETE_ROW_COLUMN} THEN INSERT ({inserted}) VALUES ({values})",
+        )
     finally:
         remove_tree(staged, lake)
 
