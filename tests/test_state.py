@@ -249,6 +249,7 @@ def test_a_drain_reads_the_logs_of_the_tables_with_changes_only(
     changed = path_of(config, "t7")
     assert destination_reads == [changed, changed]  # met, then re-read for its state row
     table_logs = [directory for directory in log_files if "/_pgcdc/" not in directory]
-    assert set(table_logs) == {f"{changed}/_delta_log"} and len(table_logs) <= 8
+    # Its log, read a bounded number of times: the marker walk, the state row's re-read, the schema's metaData.
+    assert set(table_logs) == {f"{changed}/_delta_log"} and len(table_logs) <= 10
     assert one.tables["public.t7"].updated == 1 and one.tables["public.t7"].delta_version == version_of(config, "t7")
     assert assert_delta_equals_postgres(pg.dsn, "public.t7", changed, key=("id",)) == 1

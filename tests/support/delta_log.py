@@ -48,11 +48,15 @@ def clean_log(path: str) -> None:
             old.unlink()
 
 
+def live_data_files(path: str) -> set[str]:
+    """The data files the table's newest version reads, relative to the table."""
+    actions = pa.table(deltalake.DeltaTable(path).get_add_actions(flatten=True))
+    return {unquote(name) for name in actions.column("path").to_pylist()}
+
+
 def stale_data_files(lake: LakeStorage, path: str) -> set[str]:
     """The Parquet files on storage below the table that its newest version does not read: what the
-    drains replaced, for vacuum to delete (deletion vector files are not counted)."""
-    live = {
-        unquote(name)
-        for name in pa.table(deltalake.DeltaTable(path).get_add_actions(flatten=True)).column("path").to_pylist()
-    }
+    drains replaced, for vacuum to delete (deletion vector files are not counted: a live one that
+    compaction releases is as recent as the compaction)."""
+    live = live_data_files(path)
     return {name for name in storage_files(lake, path) if name.endswith(".parquet") and name not in live}
