@@ -97,9 +97,15 @@ class EngineUnderTest:
     def start(self) -> None:
         if self.name == "spark-local":
             lake = self.s3_lake
+            # One JVM serves every test on it, as `pgcdc spark-server` serves many runs: both JIT compilers
+            # (a run's own JVM gets the quick one only, spark_server.ONE_RUN_JVM_CONFIG; the walk's crash
+            # child starts such a JVM). With the quick one alone these tests took 1.5-2x as long.
+            settings = {
+                **(lake.spark_settings() if lake else {}),
+                "spark.driver.extraJavaOptions": "-XX:+TieredCompilation",
+            }
             self._managed = SparkEngine.managed_spark(
-                lake.spark_settings() if lake else None, master="local[2]",
-                storage_environment=lake.engine_environment() if lake else None,
+                settings, master="local[2]", storage_environment=lake.engine_environment() if lake else None,
             )  # fmt: skip
             self.spark = self._managed.spark
             self.url = engine_address(self.spark)
