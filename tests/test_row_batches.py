@@ -40,3 +40,9 @@ def test_image_columns_in_every_order_a_write_asks_for() -> None:
         columns, masks = rows.image_columns(2, np.array(images, np.int64))
         expected = _images(payloads, batch, images)
         assert ([column.to_pylist() for column in columns], [mask.tolist() for mask in masks]) == expected, images
+
+
+def test_relation_oids_are_the_distinct_relations_ascending() -> None:
+    one = RowBatch([insert(OID, b"1", b"a"), insert(OID, b"2", b"b")], streamed=False)
+    mixed = RowBatch([insert(OID + 5, b"1", b"a"), insert(OID, b"2", b"b"), insert(OID + 5, b"3", b"c")], False)
+    assert (one.relation_oids(), mixed.relation_oids()) == ([OID], [OID, OID + 5])

@@ -173,9 +173,9 @@ class ChangeApplier(RelationHandling):
     def _add_rows(self, batch: RowBatch, end: int, seq: int, change_bytes: int) -> None:
         """Route a run of row changes to their tables' pending batches, a table at a time."""
         oids = batch.oids
-        unique = np.unique(oids)
-        for oid in unique.tolist():
-            index = np.arange(len(oids)) if len(unique) == 1 else np.flatnonzero(oids == oid)
+        relations = batch.relation_oids()
+        for oid in relations:
+            index = np.arange(len(oids)) if len(relations) == 1 else np.flatnonzero(oids == oid)
             target = self._target_by_oid.get(oid)
             if target is None or self._skips(target, end):
                 self.changes_skipped += len(index)

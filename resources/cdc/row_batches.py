@@ -81,6 +81,17 @@ class RowBatch:
     def __len__(self) -> int:
         return len(self.ops)
 
+    def relation_oids(self) -> list[int]:
+        """The distinct relations of the batch, ascending: a batch of one table (the usual case) is
+        told by one comparison, where ``np.unique`` hashes (about 0.1 ms a batch of 1,000 changes)."""
+        oids = self.oids
+        if not len(oids):
+            return []
+        first = int(oids[0])
+        if (oids == first).all():
+            return [first]
+        return [int(oid) for oid in np.unique(oids)]
+
     def changes(self) -> Iterator[Change]:
         """The batch as Change 5-tuples (offsets relative to each payload)."""
         data = self.data
