@@ -116,6 +116,7 @@ class ChangeApplier(RelationHandling):
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
         self._complete_end = 0
+        self._writes_prepared = False
         #: Commit end LSN -> (xid, commit time) of the transactions the pending changes belong to (changelogs).
         self._transactions: dict[int, tuple[int, datetime]] = {}
         self._writer = OrderedWriter(heartbeat)
@@ -217,6 +218,9 @@ class ChangeApplier(RelationHandling):
         table no queued write touches yet, so it need not wait for the writer thread.
         """
         if target.log is None:
+            if not self._writes_prepared:  # the run's first changes: its engine gets ready beside their decoding
+                self._writer.write(self._destination.prepare_writes)
+                self._writes_prepared = True
             target.log = self._destination.read_table_log(target.path, target.known)
             target.applied_marker = target.log.applied_marker
             target.stats.version_read = target.log.version
