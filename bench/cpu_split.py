@@ -8,8 +8,9 @@ three together keep every core busy, only less CPU helps.
 
 ``with cpu_split(postmaster_pid, server_pid) as split:`` samples, on a thread every 50 ms, the CPU
 of every walsender child of the postmaster (it exits with its connection, so the last sample is
-its total, to within one interval) and reads this process's threads and the server's CPU at the start and the end of the
-block from ``/proc`` (Linux only), and the CPU of child processes that ended in it (``pg_recvlogical``). :func:`describe` prints the split.
+its total, to within one interval). It reads this process's main thread, the whole process and the
+server's CPU at the start and the end of the block from ``/proc`` (Linux only), and the CPU of child
+processes that ended in it (``pg_recvlogical``). :func:`describe` prints the split.
 """
 
 from __future__ import annotations
