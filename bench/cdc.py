@@ -18,7 +18,8 @@ With ``--profile`` it also prints every engine call of the drain, timed in the c
 (``bench/engine_calls.py``), and on the managed Spark Spark's own SQL timings from its event log;
 ``--spark-conf KEY=VALUE`` adds settings to the managed Spark, to compare them.
 
-It prints changes/s for both, the ratio, and the peak memory of the run: this process's peak RSS
+It prints changes/s for both, the ratio, where the CPU went in each drain (``bench/cpu_split.py``:
+the walsender, pgcdc's main thread and its other threads, the Sail server, pg_recvlogical), and the peak memory of the run: this process's peak RSS
 (ru_maxrss) plus the peak RSS (VmHWM) of the embedded Sail server process the run used, then
 checks Delta against PostgreSQL by row count and a checksum.
 """
@@ -37,6 +38,7 @@ from pathlib import Path
 import psycopg
 import pyarrow.compute as pc
 
+from bench.cpu_split import cpu_split, describe
 from bench.engine_calls import engine_calls, spark_event_log_config, spark_sql_timings, summary
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.cdc.applier import DEFAULT_MERGE_ROWS
@@ -82,30 +84,35 @@ def build_backlog(dsn: str, inserts: int, updates: int, deletes: int, per_txn: i
     return inserts + updates + deletes
 
 
+def postmaster_pid(server: LocalPostgres) -> int:
+    return int((server.data_dir / "postmaster.pid").read_text().split()[0])
+
+
 def recvlogical(server: LocalPostgres, dsn: str, slot: str, end: str, proto: int, out: Path) -> float:
     binary = bin_dir_for(server.major) / "pg_recvlogical"
-    started = time.perf_counter()
-    subprocess.run(
-        [
-            str(binary),
-            "-d",
-            dsn,
-            "--slot",
-            slot,
-            "--start",
-            "-E",
-            end,
-            "-o",
-            f"proto_version={proto}",
-            "-o",
-            f"publication_names={PUBLICATION}",
-            "-f",
-            str(out),
-            "--no-loop",
-        ],
-        check=True,
-    )
-    return time.perf_counter() - started
+    with cpu_split(postmaster_pid(server), None) as split:
+        subprocess.run(
+            [
+                str(binary),
+                "-d",
+                dsn,
+                "--slot",
+                slot,
+                "--start",
+                "-E",
+                end,
+                "-o",
+                f"proto_version={proto}",
+                "-o",
+                f"publication_names={PUBLICATION}",
+                "-f",
+                str(out),
+                "--no-loop",
+            ],
+            check=True,
+        )
+    print(describe("pg_recvlogical", split))
+    return split.wall_s
 
 
 def main() -> None:
@@ -187,7 +194,11 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         args.engine, root, storage, extra
     ) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
         engine_start = time.perf_counter() - started
-        with engine_calls() if args.profile else nullcontext([]) as calls:
+        server_pid = engine._server.pid if engine._server is not None else None  # the embedded Sail server
+        with (
+            engine_calls() if args.profile else nullcontext([]) as calls,
+            cpu_split(postmaster_pid(server), server_pid) as split,
+        ):
             result = run_incremental(
                 config,
                 lake_destination(engine.spark, config),
@@ -196,6 +207,7 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
                 max_merge_rows=args.merge_rows,
             )
         _, server_peak = engine.server_memory_mib()
+    print(describe("pgcdc", split))
     if args.profile:
         print(summary(calls))
     if profiled:

@@ -109,6 +109,15 @@ def test_changes_at_or_below_the_snapshot_lsn_are_skipped(tmp_path: Path) -> Non
     assert applier.changes_skipped == 1
 
 
+def test_the_engine_is_prepared_for_writes_once_and_only_when_changes_come(tmp_path: Path) -> None:
+    destination = destination_with_snapshot([(1, "a")])
+    apply(destination, transactions([[keyed_relation()]], tmp_path))
+    assert destination.writes_prepared == 0
+    txns = transactions([[keyed_relation(), insert(OID, b"2", b"b")], [insert(OID, b"3", b"c")]], tmp_path)
+    apply(destination, txns, max_changes=1)
+    assert (destination.writes_prepared, table_of(destination)) == (1, {1: "a", 2: "b", 3: "c"})
+
+
 def test_durable_lsn_only_names_whole_transactions_and_finish_the_last(tmp_path: Path) -> None:
     destination = destination_with_snapshot([])
     bodies = [[keyed_relation(), *(insert(OID, str(i).encode(), b"x") for i in range(7))]]

@@ -9,6 +9,7 @@ binary_view.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -108,3 +109,20 @@ def test_taken_rows_equal_the_rows_parsed_where_they_are(rows: list[tuple], pick
     taken, taken_masks = take_rows(*parsed, np.array(picks, np.int64))
     assert [column.to_pylist() for column in taken] == [column.to_pylist() for column in columns]
     assert [mask.tolist() for mask in taken_masks] == [mask.tolist() for mask in masks]
+
+
+def test_views_of_short_values_are_arrows_own_and_a_value_may_end_the_buffer() -> None:
+    """Every length around the inline limit, each value last in its buffer (nothing after it to read):
+    a short value's view is byte for byte the one Arrow builds (zeros past the value), a long one's
+    prefix is its first four bytes."""
+    for size in range(20):
+        value = bytes(range(1, size + 1))
+        payload = insert(16384, b"k", value)
+        columns, _ = tuple_columns([payload], [HEAD], 2)
+        assert columns[1].to_pylist() == [value]
+        views = np.frombuffer(columns[1].buffers()[1], np.uint8)[:16]
+        expected = np.frombuffer(pa.array([value], pa.binary_view()).buffers()[1], np.uint8)[:16]
+        if size <= 12:
+            assert views.tolist() == expected.tolist()
+        else:
+            assert views[:8].tolist() == expected[:8].tolist()

@@ -116,6 +116,7 @@ class ChangeApplier(RelationHandling):
         self._relations: dict[int, Relation] = {}
         self._target_by_oid: dict[int, TableTarget | None] = {}
         self._complete_end = 0
+        self._writes_prepared = False
         #: Commit end LSN -> (xid, commit time) of the transactions the pending changes belong to (changelogs).
         self._transactions: dict[int, tuple[int, datetime]] = {}
         self._writer = OrderedWriter(heartbeat)
@@ -173,9 +174,9 @@ class ChangeApplier(RelationHandling):
     def _add_rows(self, batch: RowBatch, end: int, seq: int, change_bytes: int) -> None:
         """Route a run of row changes to their tables' pending batches, a table at a time."""
         oids = batch.oids
-        unique = np.unique(oids)
-        for oid in unique.tolist():
-            index = np.arange(len(oids)) if len(unique) == 1 else np.flatnonzero(oids == oid)
+        relations = batch.relation_oids()
+        for oid in relations:
+            index = np.arange(len(oids)) if len(relations) == 1 else np.flatnonzero(oids == oid)
             target = self._target_by_oid.get(oid)
             if target is None or self._skips(target, end):
                 self.changes_skipped += len(index)
@@ -217,6 +218,9 @@ class ChangeApplier(RelationHandling):
         table no queued write touches yet, so it need not wait for the writer thread.
         """
         if target.log is None:
+            if not self._writes_prepared:  # the run's first changes: its engine gets ready beside their decoding
+                self._writer.write(self._destination.prepare_writes)
+                self._writes_prepared = True
             target.log = self._destination.read_table_log(target.path, target.known)
             target.applied_marker = target.log.applied_marker
             target.stats.version_read = target.log.version

@@ -81,6 +81,17 @@ class RowBatch:
     def __len__(self) -> int:
         return len(self.ops)
 
+    def relation_oids(self) -> list[int]:
+        """The distinct relations of the batch, ascending: a batch of one table (the usual case) is
+        told by one comparison, where ``np.unique`` hashes (about 0.1 ms a batch of 1,000 changes)."""
+        oids = self.oids
+        if not len(oids):
+            return []
+        first = int(oids[0])
+        if (oids == first).all():
+            return [first]
+        return [int(oid) for oid in np.unique(oids)]
+
     def changes(self) -> Iterator[Change]:
         """The batch as Change 5-tuples (offsets relative to each payload)."""
         data = self.data
@@ -119,14 +130,22 @@ class PendingRows:
         """The row images ``images`` (``i``: change i's new image, ``len(self) + i``: its old one; absent
         ones NULL) column-wise, as :func:`tuple_columns_at` gives them. Every present image is parsed
         once, at the first call, for all the writes of these rows (a changelog's and the table's: the
-        parse is most of a drain's own work), then rows are taken (:func:`take_rows`)."""
+        parse is most of a drain's own work), then rows are taken (:func:`take_rows`). They are parsed
+        in the order the keyed fold asks for them (each change's old image, then its new one, absent
+        ones left out), which then needs no take."""
         if self._parsed is None or self._parsed[0] != ncols:
-            positions = np.concatenate([self.new, self.old])
+            n = len(self)
+            positions = np.stack([self.old, self.new], axis=1).ravel()
+            numbers = np.stack([np.arange(n) + n, np.arange(n)], axis=1).ravel()
             present = positions >= 0
-            rank = np.where(present, np.cumsum(present) - 1, -1)
+            rank = np.full(2 * n, -1, np.int64)
+            rank[numbers[present]] = np.arange(int(present.sum()))
             self._parsed = (ncols, rank, tuple_columns_at(self.data, positions[present], ncols))
         _, rank, (columns, masks) = self._parsed
-        return take_rows(columns, masks, rank[images])
+        wanted = rank[images]
+        if len(wanted) == len(rank) - int((rank < 0).sum()) and (wanted == np.arange(len(wanted))).all():
+            return list(columns), [mask.copy() for mask in masks]
+        return take_rows(columns, masks, wanted)
 
 
 def gather(pending: list[tuple[RowBatch, np.ndarray, int, int]]) -> list[PendingRows]:

@@ -40,8 +40,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO
 
-import numpy as np
-
 from resources.cdc.row_batches import Change, RowBatch
 from resources.errors import ProtocolError
 from resources.lsn import LSN
@@ -182,7 +180,7 @@ class ChangeLog:
                 if isinstance(entry, list):
                     batch = RowBatch(entry, streamed, dropped)
                     if relations is not None and len(batch):
-                        for oid in np.unique(batch.oids).tolist():
+                        for oid in batch.relation_oids():
                             if oid not in relations:
                                 relations.get(oid, LSN(0))  # raises the decoder's ProtocolError
                     if len(batch):

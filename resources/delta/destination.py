@@ -92,6 +92,12 @@ class Destination(Protocol):
         ``deletion_vectors``: a table the write creates gets them. ``chunk_bytes`` bounds what is staged at once
         (None: the writer's default)."""
 
+    def prepare_writes(self) -> None:
+        """Make the engine ready for writes (on Spark Connect its session's first call, which costs
+        0.3-0.9 s on embedded Sail, and pgcdc's write settings). A drain calls it on its writer thread
+        once its first change is queued, so the first write does not pay it while the next chunk is
+        decoded (an idle drain calls no engine)."""
+
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
         """Apply a folded batch, at most one change per key (keyed tables); with ``prune_buckets``, only
         the batch's buckets (and the NULL bucket) hold rows it can touch."""

@@ -10,7 +10,7 @@ from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig
 from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log, versions
-from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
+from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, prepare_writes
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeySpan
 from resources.delta.lake_storage import LakeStorage, open_lake
@@ -43,6 +43,9 @@ class SparkDeltaDestination:
             self.spark, data, schema, path, user_metadata, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES, layout=layout,
             replace_where=None if span is None else span.predicate(), deletion_vectors=deletion_vectors, lake=self.lake,
         )  # fmt: skip
+
+    def prepare_writes(self) -> None:
+        prepare_writes(self.spark)
 
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
         merge.merge_batch(self.spark, path, source, key_columns, prune_buckets, self.lake)

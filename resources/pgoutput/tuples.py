@@ -13,7 +13,12 @@ SLICE_BYTES = 1 << 30
 """Payload bytes parsed at once: string views address their buffer with 32-bit offsets."""
 
 
-_LANES = np.arange(12)
+_VALUE_HEAD = np.dtype([("kind", "u1"), ("size", ">u4"), ("prefix", "<u4"), ("rest", "<u8")])
+"""A TupleData value's start as :func:`tuple_columns_at` reads it: kind byte, Int32 length, then the
+12 bytes a binary_view holds inline (read whatever the value's length; masked to it)."""
+_FIRST_WORD = np.array([0xFFFFFFFF | ((1 << (8 * min(n, 4))) - 1) << 32 for n in range(13)], np.uint64)
+_SECOND_WORD = np.array([(1 << (8 * max(0, n - 4))) - 1 for n in range(13)], np.uint64)
+"""Masks of a view's two words for a value of n <= 12 bytes: its length and its n bytes kept."""
 
 
 def tuple_columns(payloads: list[bytes], starts: list[int], ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
@@ -54,7 +59,11 @@ def _parse_payloads(payloads: list[bytes], starts: list[int], ncols: int) -> tup
 def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[list[pa.Array], list[np.ndarray]]:
     """:func:`tuple_columns` for TupleData at absolute ``positions`` in ``data`` (-1: none, all NULL).
 
-    ``data`` must stay under 2 GiB (string views address it with 32-bit offsets).
+    ``data`` must stay under 2 GiB (string views address it with 32-bit offsets). Per column, each
+    row's value header and first bytes are gathered as one :data:`_VALUE_HEAD` record (a view of
+    ``data`` with a record starting at every byte), and the 16-byte views are computed as two
+    64-bit words: a few passes over n numbers, where gathering byte by byte built index matrices
+    up to 12 times the rows (4-5x slower).
     """
     n = len(positions)
     if not n:
@@ -63,6 +72,9 @@ def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[li
         raise ValueError("TupleData buffer over 2 GiB")
     buf = np.frombuffer(data, np.uint8)
     last = len(buf) - 1
+    padded = np.zeros(len(buf) + _VALUE_HEAD.itemsize, np.uint8)  # a record read at the last byte stays inside
+    padded[: len(buf)] = buf
+    heads = np.ndarray((len(buf),), _VALUE_HEAD, padded, strides=(1,))
     start = np.asarray(positions, np.int64)
     present = start >= 0
     pos = np.where(present, start, 0) + 2
@@ -82,29 +94,26 @@ def tuple_columns_at(data: bytes, positions: np.ndarray, ncols: int) -> tuple[li
     masks: list[np.ndarray] = []
     for _ in range(ncols):
         at = np.where(present, np.minimum(pos, last), 0)
-        kind = np.where(present, buf[at], NULL)
+        head = heads[at]
+        kind = np.where(present, head["kind"], NULL)
         has = (kind == TEXT) | (kind == BINARY)
-        length_bytes = buf[np.minimum(at[:, None] + np.arange(1, 5), last)].astype(np.int64)
-        size = np.where(
-            has,
-            (length_bytes[:, 0] << 24) | (length_bytes[:, 1] << 16) | (length_bytes[:, 2] << 8) | length_bytes[:, 3],
-            0,
-        )
+        size = np.where(has, head["size"], 0).astype(np.int64)
         data_at = at + 5
         if (has & (data_at + size > len(buf))).any():
             raise PgcdcError(
                 "a value runs past the end of its message",
                 "the replication stream is inconsistent; restart replication",
             )
-        inline = buf[np.minimum(data_at[:, None] + _LANES, last)]
-        inline[_LANES[None, :] >= size[:, None]] = 0
-        views = np.zeros((n, 16), np.uint8)
-        views[:, 0:4] = size.astype("<i4").view(np.uint8).reshape(n, 4)
-        views[:, 4:16] = inline
-        long = size > 12
-        if long.any():
-            views[long, 8:12] = 0  # buffer index 0: the joined payloads
-            views[long, 12:16] = data_at[long].astype("<i4").view(np.uint8).reshape(-1, 4)
+        # A view: Int32 length and the first 4 bytes, then the next 8 bytes (a value of at most 12
+        # bytes, the rest zero) or buffer index 0 and the value's offset in the joined payloads.
+        inline = np.minimum(size, 12)
+        views = np.empty((n, 2), "<u8")
+        views[:, 0] = (size.astype(np.uint64) | (head["prefix"].astype(np.uint64) << np.uint64(32))) & _FIRST_WORD[
+            inline
+        ]
+        views[:, 1] = np.where(
+            size > 12, data_at.astype(np.uint64) << np.uint64(32), head["rest"] & _SECOND_WORD[inline]
+        )
         validity = np.packbits(has, bitorder="little")
         columns.append(
             pa.Array.from_buffers(pa.binary_view(), n, [pa.py_buffer(validity), pa.py_buffer(views), data_buffer])

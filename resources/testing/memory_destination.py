@@ -85,6 +85,8 @@ class InMemoryDestination:
         self.tables: dict[str, pa.Table] = {}
         self.commits: dict[str, list[str | None]] = {}
         self.log_reads: list[str] = []
+        #: How many times a drain prepared the engine for writes (:meth:`prepare_writes`).
+        self.writes_prepared = 0
 
     def _commit(self, path: str, table: pa.Table, user_metadata: str | None = None) -> int:
         self.tables[path] = table
@@ -120,6 +122,10 @@ class InMemoryDestination:
             else []
         )
         return self._commit(path, pa.Table.from_pylist(kept + table.to_pylist(), schema=table.schema), user_metadata)
+
+    def prepare_writes(self) -> None:
+        """Nothing to prepare in memory; counted in :attr:`writes_prepared`."""
+        self.writes_prepared += 1
 
     def merge_batch(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool = True) -> None:
         """As the Delta MERGE, partition pruning included: a pruned bucketed batch sees only the target
