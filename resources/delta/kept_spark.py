@@ -63,9 +63,15 @@ SERVERS_DIR_ENV = "PGCDC_SPARK_SERVERS"
 POLL_S = 0.5
 """How often the supervisor looks at the lease: a ``flock`` call, nothing the machine notices."""
 
-JVM_ENVIRONMENT_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_", "HADOOP_", "JAVA_", "SPARK_")
-"""Environment variables the JVM may read (credentials chains, ``JAVA_HOME``, Spark's and Hadoop's
-own): a run whose values differ gets a server of its own."""
+JVM_ENVIRONMENT_PREFIXES = ("AWS_", "AZURE_", "GOOGLE_")
+"""Environment variables the JVM's storage clients may read (credentials chains): a run whose values
+differ gets a server of its own."""
+JVM_ENVIRONMENT = (
+    "JAVA_HOME", "JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS", "HADOOP_CONF_DIR", "HADOOP_HOME",
+    "HADOOP_USER_NAME", "SPARK_CONF_DIR", "SPARK_LOCAL_DIRS", "TMPDIR",
+)  # fmt: skip
+"""The JVM's own environment, named one by one: PySpark's client sets variables of its own
+(``SPARK_CONNECT_MODE_ENABLED``, ``SPARK_REMOTE``) in a run's process once it has a session."""
 
 STATE_FILE = "server.json"
 START_LOCK = "start.lock"
@@ -105,7 +111,11 @@ def _hash_key() -> bytes:
 
 def server_key(master: str, config: Mapping[str, str], environment: Mapping[str, str]) -> str:
     """The name of the server for this JVM: a keyed hash of all it is started with."""
-    jvm_environment = {name: value for name, value in os.environ.items() if name.startswith(JVM_ENVIRONMENT_PREFIXES)}
+    jvm_environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name.startswith(JVM_ENVIRONMENT_PREFIXES) or name in JVM_ENVIRONMENT
+    }
     payload = json.dumps(
         {
             "master": master,
