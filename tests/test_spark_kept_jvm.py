@@ -10,6 +10,7 @@ the test's own directory (``$PGCDC_SPARK_SERVERS``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import stat
@@ -20,7 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from dagster import build_init_resource_context
 
+from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.engine import SparkEngine
 from resources.delta.kept_spark import SERVERS_DIR_ENV, stop_all
@@ -54,6 +57,15 @@ sys.stdin.read()
 engine.close()
 """
 """A run that takes the engine, uses it, and holds it (and its lease) until its stdin closes."""
+
+
+class LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def kept_config(pg: PgDatabase, tmp_path: Path, keep_alive_s: int) -> PgcdcConfig:
@@ -143,12 +155,14 @@ def test_runs_share_a_kept_jvm_that_stops_when_idle(
             "keep_alive_s",
         }
 
-        with SparkEngine.from_config(quick.spark) as engine:
-            assert engine.server_pid == jvm
-            assert engine.start_note is not None and engine.start_note.startswith(
-                f"reused the Spark JVM pid {jvm}, started "
-            )
-            snapshot_tables(quick, lake_destination(engine.spark, quick))
+        context = build_init_resource_context()
+        logged = LogLines()
+        context.log.addHandler(logged)  # the step's log in a Dagster run
+        with SparkDeltaResource.from_pgcdc_config(quick).yield_for_execution(context) as resource:
+            snapshot_tables(quick, resource.snapshot_destination())
+            assert resource._engine is not None and resource._engine.server_pid == jvm
+        jvm_lines = [line for line in logged.lines if "Spark JVM" in line]
+        assert len(jvm_lines) == 1 and f"reused the Spark JVM pid {jvm}, started " in jvm_lines[0], logged.lines
         assert_lake_exact(pg, quick)
         writes(pg, 1)
         assert drain(quick).startswith(f"reused the Spark JVM pid {jvm}, ")
