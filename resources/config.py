@@ -131,7 +131,7 @@ class DeltaSettings(_Section):
 DEFAULT_KEEP_ALIVE_S = 600
 """How long the managed Spark JVM (``spark.engine: spark``) stays after its last run: two ticks of the
 default schedule (every 5 minutes), so scheduled drains share one JVM (a fresh JVM's start and
-warm-up cost 10x Sail's drain of 160k changes, a kept one's later drains 3x: docs/benchmarks.md),
+warm-up cost 10x Sail's drain of 160k changes, a kept one's later drains 3-5x: docs/benchmarks.md),
 while a machine that stops running pgcdc gets the JVM's memory (1 GiB heap by default) back ten
 minutes later. 0 keeps a JVM per run."""
 
