@@ -1,7 +1,9 @@
 """CDC throughput: pgcdc's incremental run against pg_recvlogical on the same backlog.
 
 Run ``python -m bench.cdc [--major 18] [--inserts N] [--updates N] [--deletes N] [--chunk N] [--merge-rows N]
-[--engine E] [--lake L] [--profile] [--spark-conf KEY=VALUE]`` (``bench/lakes.py``: the engine and where the lake lives).
+[--engine E] [--lake L] [--profile] [--spark-conf KEY=VALUE] [--drains N]`` (``bench/lakes.py``: the engine and where
+the lake lives; ``--drains N``: then N drains as scheduled runs see them on the managed Spark with its JVM kept,
+each against a Sail drain of the same changes, ``bench/kept_drains.py``).
 It starts a throwaway PostgreSQL, snapshots a table into Delta (which creates pgcdc's slot),
 creates two more slots at the same point for pg_recvlogical, then builds the backlog in many
 transactions: inserts of new rows, updates of existing ones, deletes. Then:
@@ -40,6 +42,7 @@ import pyarrow.compute as pc
 
 from bench.cpu_split import cpu_split, describe
 from bench.engine_calls import engine_calls, spark_event_log_config, spark_sql_timings, summary
+from bench.kept_drains import kept_jvm_rounds
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.cdc.applier import DEFAULT_MERGE_ROWS
 from resources.config import parse_config
@@ -135,6 +138,9 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="time each engine call of the drain (and Spark's own SQL executions, managed Spark only)",
+    )
+    parser.add_argument(
+        "--drains", type=int, default=0, help="then N drains on a kept managed Spark JVM, each beside one on Sail"
     )
     add_arguments(parser)
     args = parser.parse_args()
@@ -235,6 +241,9 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     delta_amount = pc.sum(table.column("amount")).as_py()
     assert (table.num_rows, delta_amount) == (count, amount), (table.num_rows, delta_amount, count, amount)
     print(f"check: Delta and PostgreSQL both hold {count:,} rows, amount total {amount}")
+    if args.drains:
+        sizes = (args.inserts, args.updates, args.deletes, args.per_txn)
+        kept_jvm_rounds(config, ROWS, args.drains, sizes, args.chunk, args.merge_rows, work)
 
 
 if __name__ == "__main__":

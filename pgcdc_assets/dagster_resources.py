@@ -14,13 +14,13 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import psycopg
-from dagster import ConfigurableResource, InitResourceContext
+from dagster import ConfigurableResource, DagsterLogManager, InitResourceContext
 from dagster_pyspark import PySparkResource
 from pydantic import Field, PrivateAttr
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.pipelines_file import load_pipeline_config
-from resources.config import load_config, PgcdcConfig
+from resources.config import DEFAULT_KEEP_ALIVE_S, load_config, PgcdcConfig
 from resources.delta.capabilities import SAIL_CAPABILITIES
 from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.delta.lake_storage import LakeStorage, open_lake
@@ -60,8 +60,13 @@ class SparkDeltaResource(PySparkResource):
     lake_storage: dict[str, Any] = Field(
         default_factory=dict, description="delta.storage (secrets only as ${ENV} references, resolved on start)"
     )
+    keep_alive_s: int = Field(
+        default=DEFAULT_KEEP_ALIVE_S,
+        description="spark mode: seconds the JVM stays after the last run (0: one per run)",
+    )
 
     _engine: SparkEngine | None = PrivateAttr(default=None)
+    _log: DagsterLogManager | None = PrivateAttr(default=None)
     _opened_lake: LakeStorage | None = PrivateAttr(default=None)
 
     @classmethod
@@ -80,6 +85,7 @@ class SparkDeltaResource(PySparkResource):
             remote=config.spark.remote,
             lake_root=config.delta.root,
             lake_storage=config.delta.storage.model_dump(exclude_defaults=True),
+            keep_alive_s=config.spark.keep_alive_s,
         )
 
     def session_config(self) -> dict[str, str]:
@@ -90,6 +96,7 @@ class SparkDeltaResource(PySparkResource):
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Start nothing yet (unlike PySparkResource): the engine starts on first use of
         ``spark_session``, so a sensor tick or step that needs no Spark pays nothing."""
+        self._log = context.log
 
     def teardown_after_execution(self, context: InitResourceContext) -> None:
         if self._engine is not None:
@@ -103,7 +110,9 @@ class SparkDeltaResource(PySparkResource):
         if self.mode == "spark":
             lake = self._lake()
             return SparkEngine.managed_spark(
-                {**lake.spark_settings(), **self.session_config()}, storage_environment=lake.engine_environment()
+                {**lake.spark_settings(), **self.session_config()},
+                storage_environment=lake.engine_environment(),
+                keep_alive_s=self.keep_alive_s,
             )
         if self.mode == "remote":
             if not self.remote:
@@ -119,6 +128,8 @@ class SparkDeltaResource(PySparkResource):
         if self._engine is None:
             self._engine = self._start()
             self._spark_session = self._engine.spark
+            if self._engine.start_note and self._log is not None:
+                self._log.info(self._engine.start_note)
         return self._engine.spark
 
     def _checked_lake(self) -> LakeStorage:

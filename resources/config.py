@@ -128,6 +128,14 @@ class DeltaSettings(_Section):
         return self.deletion_vectors
 
 
+DEFAULT_KEEP_ALIVE_S = 600
+"""How long the managed Spark JVM (``spark.engine: spark``) stays after its last run: two ticks of the
+default schedule (every 5 minutes), so scheduled drains share one JVM (a fresh JVM's start and
+warm-up cost 10x Sail's drain of 160k changes, a kept one's later drains 3-5x: docs/benchmarks.md),
+while a machine that stops running pgcdc gets the JVM's memory (1 GiB heap by default) back ten
+minutes later. 0 keeps a JVM per run."""
+
+
 class SparkSettings(_Section):
     remote: str | None = Field(default=None, description="sc://host:port of a Spark Connect server; null = embedded")
     engine: Literal["sail", "spark"] = Field(
@@ -139,6 +147,21 @@ class SparkSettings(_Section):
         default_factory=dict,
         description="extra Spark settings: session settings for sail and remote, server settings for spark",
     )
+
+    keep_alive_s: int = Field(
+        default=DEFAULT_KEEP_ALIVE_S,
+        description="with engine spark: seconds the managed JVM stays after the last run leaves it, serving the "
+        "runs after it (0: each run starts its own JVM, stopped when the run ends)",
+    )
+
+    @field_validator("keep_alive_s", mode="before")
+    @classmethod
+    def _keep_alive_is_whole_seconds(cls, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"got {value!r}: write a whole number of seconds, 0 or more (0: a JVM per run, stopped with the run)"
+            )
+        return value
 
     @field_validator("remote")
     @classmethod

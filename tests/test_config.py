@@ -16,7 +16,7 @@ def test_defaults_match_the_documented_file() -> None:
     assert config.create_publication is False
     assert config.tables == []
     assert config.delta.root == "./lake"
-    assert config.spark.remote is None and config.spark.config == {}
+    assert config.spark.remote is None and config.spark.config == {} and config.spark.keep_alive_s == 600
     assert config.snapshot.parallel_tables == 2
     assert config.schedule.cron == "*/5 * * * *"
     assert config.sensors.lag_bytes == 64 * 1024 * 1024
@@ -46,6 +46,10 @@ def test_history_is_per_table_with_a_default(tmp_path: Path) -> None:
         ({"tables": ["orders"]}, "'tables': Value error, 'orders' is not schema.table"),
         ({"slot": "Bad-Name"}, "'slot'"),
         ({"spark": {"remote": "http://spark:15002"}}, "'spark.remote'"),
+        ({"spark": {"keep_alive_s": -1}}, "'spark.keep_alive_s': Value error, got -1: write a whole number of seconds"),
+        ({"spark": {"keep_alive_s": "10m"}}, "'spark.keep_alive_s': Value error, got '10m': write a whole number"),
+        ({"spark": {"keep_alive_s": 1.5}}, "'spark.keep_alive_s': Value error, got 1.5: write a whole number"),
+        ({"spark": {"keep_alive_s": True}}, "'spark.keep_alive_s': Value error, got True: write a whole number"),
         ({"publication": ""}, "'publication'"),
         ({"history": {"default": "scd9"}}, "'history.default'"),
         (

@@ -85,7 +85,9 @@ def test_spark_resource_modes() -> None:
     settings = {"postgres": {"dsn": "host=x"}, "publication": "p"}
     assert SparkDeltaResource.from_pgcdc_config(parse_config(settings)).mode == "embedded"
     managed = SparkDeltaResource.from_pgcdc_config(parse_config({**settings, "spark": {"engine": "spark"}}))
-    assert managed.mode == "spark"
+    assert managed.mode == "spark" and managed.keep_alive_s == 600
+    per_run = parse_config({**settings, "spark": {"engine": "spark", "keep_alive_s": 0}})
+    assert SparkDeltaResource.from_pgcdc_config(per_run).keep_alive_s == 0
     remote = parse_config({**settings, "spark": {"engine": "spark", "remote": "sc://h:15002"}})
     assert SparkDeltaResource.from_pgcdc_config(remote).mode == "remote"  # a named server wins
 

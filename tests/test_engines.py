@@ -397,7 +397,9 @@ def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None
     backlog(pg, 30)
     own_jvm = engine.name == "spark-local"
     child_config = (
-        config.model_copy(update={"spark": config.spark.model_copy(update={"remote": None, "engine": "spark"})})
+        config.model_copy(
+            update={"spark": config.spark.model_copy(update={"remote": None, "engine": "spark", "keep_alive_s": 0})}
+        )
         if own_jvm
         else config
     )

@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -35,6 +36,7 @@ from resources.delta.capabilities import (
     SAIL_CAPABILITIES,
     set_engine_capabilities,
 )
+from resources.delta.kept_spark import attach, KeptServer
 from resources.delta.spark_connect import connect_session
 from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
 from resources.errors import ConfigurationError
@@ -45,11 +47,16 @@ class SparkEngine:
     server process behind it; close() stops both. Every session is a Spark Connect session
     built by :func:`resources.delta.spark_connect.connect_session`, except a classic in-process one."""
 
-    def __init__(self, spark: SparkSession, server: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self, spark: SparkSession, server: subprocess.Popen[bytes] | None = None, kept: KeptServer | None = None
+    ) -> None:
         self.spark = spark
         self._server = server
+        self._kept = kept
         self.server_pid: int | None = None
         """The engine's own process (Sail's server or the Spark JVM) when pgcdc started it."""
+        self.start_note: str | None = None
+        """For the run's log: the JVM started for it (and how long that took) or reused (and its age)."""
 
     @classmethod
     def from_config(cls, spark: SparkSettings) -> SparkEngine:
@@ -58,7 +65,7 @@ class SparkEngine:
         if spark.remote:
             return cls.remote(spark.remote, spark.config)
         if spark.engine == "spark":
-            return cls.managed_spark(spark.config)
+            return cls.managed_spark(spark.config, keep_alive_s=spark.keep_alive_s)
         return cls.embedded(spark.config)
 
     @classmethod
@@ -98,17 +105,21 @@ class SparkEngine:
         master: str | None = None,
         *,
         storage_environment: Mapping[str, str] | None = None,
+        keep_alive_s: int = 0,
     ) -> SparkEngine:
         """Start a Spark Connect server with Delta on ``local[N]`` (``resources.delta.spark_server``) and connect.
 
         ``config`` goes to the server (JVM settings such as ``spark.driver.memory`` can only be
         set there); ``master`` defaults to ``local[<cores>]``. ``storage_environment`` goes to the
         server's environment: object-store credentials reach the JVM there, not on its command line.
+        ``keep_alive_s`` > 0: the server is kept for the runs after this one (``resources.delta.kept_spark``),
+        started now only when none for the same settings answers; 0: this engine's own, stopped by close().
         """
-        request: dict[str, Any] = {
-            "master": master or f"local[{len(os.sched_getaffinity(0))}]",
-            "config": managed_server_config(config, one_run=True),
-        }
+        master = master or f"local[{len(os.sched_getaffinity(0))}]"
+        if keep_alive_s > 0:
+            return cls._kept_spark(master, managed_server_config(config), storage_environment or {}, keep_alive_s)
+        request: dict[str, Any] = {"master": master, "config": managed_server_config(config, one_run=True)}
+        began = time.monotonic()
         server = subprocess.Popen(
             [sys.executable, "-m", "resources.delta.spark_server", json.dumps(request)],
             stdin=subprocess.PIPE,
@@ -136,6 +147,37 @@ class SparkEngine:
         set_engine_capabilities(spark, DELTA_SPARK_CAPABILITIES)
         engine = cls(spark, server)
         engine.server_pid = int(fields[1])
+        engine.start_note = (
+            f"started a Spark JVM (pid {engine.server_pid}) for this run in {time.monotonic() - began:.1f} s; "
+            "it stops with the run (spark.keep_alive_s: 0)"
+        )
+        return engine
+
+    @classmethod
+    def _kept_spark(
+        cls, master: str, config: dict[str, str], storage_environment: Mapping[str, str], keep_alive_s: int
+    ) -> SparkEngine:
+        """Connect to the kept server for these settings, started now if none answers, under a lease
+        the run holds until close()."""
+        _import_connect_client()
+        try:
+            kept = attach(master, config, storage_environment, keep_alive_s)
+        except RuntimeError as error:
+            raise ConfigurationError(
+                f"the managed Spark engine did not start ({error})",
+                "check Java 17 and access to Maven Central (or a filled $PGCDC_JAR_CACHE), or use spark.engine: sail",
+            ) from None
+        try:
+            spark = connect_session(kept.url)
+            if kept.started_now and config.get("spark.jars.packages") == DELTA_PACKAGE:
+                remember_resolved_jars(spark.conf.get("spark.jars") or "")
+        except BaseException:
+            kept.release()
+            raise
+        set_engine_capabilities(spark, DELTA_SPARK_CAPABILITIES)
+        engine = cls(spark, kept=kept)
+        engine.server_pid = kept.state.jvm_pid
+        engine.start_note = kept.describe()
         return engine
 
     @classmethod
@@ -149,6 +191,8 @@ class SparkEngine:
 
     def server_memory_mib(self) -> tuple[float, float]:
         """The embedded server's resident and peak resident memory (VmRSS, VmHWM); zeros without one."""
+        if self._kept is not None:
+            return process_memory_mib(self._kept.state.jvm_pid)
         return (0.0, 0.0) if self._server is None else process_memory_mib(self._server.pid)
 
     def close(self) -> None:
@@ -162,6 +206,9 @@ class SparkEngine:
             if self._server is not None:
                 _stop_server(self._server)
                 self._server = None
+            if self._kept is not None:
+                self._kept.release()
+                self._kept = None
 
     def __enter__(self) -> SparkEngine:
         return self

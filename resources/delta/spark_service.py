@@ -1,12 +1,13 @@
 """The managed Spark with Delta as a long-lived service: ``pgcdc spark-server``.
 
-``spark.engine: spark`` starts a Spark JVM for every run and stops it at the end, so every run
-pays the JVM's start (15-45 s on two busy cores) and its first statements' warm-up (class loading,
-code generation and the JIT: a fresh JVM's first MERGE took 2-5x as long as the same MERGE on a
-JVM that had run one, docs/engine-notes.md, "The costs a user sees first"). ``pgcdc spark-server``
-runs the same server (the same jars and settings, ``resources.delta.spark_server``) until it is
-stopped, and runs reach it with ``spark.remote: sc://127.0.0.1:PORT``, as they reach any Spark
-Connect server: its lifecycle is the user's (a service manager, a container), not a run's.
+A fresh Spark JVM costs a run its start (15-45 s on two busy cores) and its first statements'
+warm-up (class loading, code generation and the JIT: a fresh JVM's first MERGE took 2-5x as long as
+the same MERGE on a JVM that had run one, docs/engine-notes.md, "The costs a user sees first").
+``spark.engine: spark`` keeps the JVM it starts for the runs after it until it idles out
+(``spark.keep_alive_s``, ``resources.delta.kept_spark``); ``pgcdc spark-server`` runs the same
+server (the same jars and settings, ``resources.delta.spark_server``) until it is stopped, and runs
+reach it with ``spark.remote: sc://127.0.0.1:PORT``, as they reach any Spark Connect server: its
+lifecycle is the user's (a service manager, a container), not pgcdc's.
 
 It listens on the loopback address only: Spark Connect has no authentication of its own.
 """

@@ -5,7 +5,8 @@ decoded, one JSON object per pgoutput message. Looking must be safe, so the slot
 only moves with ``--advance``. ``pgcdc as-of`` prints a table as it was at an LSN,
 folded from its changelog (docs/history.md). ``pgcdc spark-server`` runs the managed
 Spark with Delta until stopped, for runs that reach it through ``spark.remote``
-(docs/deployment.md). Every failure is one line on stderr naming the fix, with exit status 2.
+(docs/deployment.md); ``--stop`` stops the JVMs ``spark.engine: spark`` keeps between
+runs. Every failure is one line on stderr naming the fix, with exit status 2.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", help="the pgcdc configuration file: its lake and spark.config (default: $PGCDC_CONFIG)"
     )
     spark_server.add_argument("--port", type=int, default=15002, help="the loopback port to listen on (default: 15002)")
+    spark_server.add_argument(
+        "--stop",
+        action="store_true",
+        help="instead: stop every Spark JVM that spark.engine: spark keeps between runs (spark.keep_alive_s), now",
+    )
     return parser
 
 
@@ -137,6 +143,12 @@ def serve_spark(args: argparse.Namespace, out: TextIO) -> int:
     from resources.config import load_config
     from resources.delta.spark_service import serve
 
+    if args.stop:
+        from resources.delta.kept_spark import stop_all
+
+        stopped = stop_all()
+        out.write(f"pgcdc: stopped {len(stopped)} kept Spark JVM(s){''.join(f' (pid {pid})' for pid in stopped)}\n")
+        return 0
     try:
         return serve(load_config(args.config), args.port, out)
     except RuntimeError as error:  # the JVM did not start: spark_server says why, in one line
