@@ -50,6 +50,7 @@ from resources.delta.capabilities import (
 )
 from resources.delta.deletion_vectors import file_deletions
 from resources.delta.engine import SparkEngine
+from resources.delta.kept_spark import SERVERS_DIR_ENV
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.maintenance import (
     describe,
@@ -392,7 +393,7 @@ def engine_killed_mid_drain(engine: EngineUnderTest, pg: PgDatabase, tmp_path: P
 def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
     """The drain process SIGKILLs itself at the engine's fault point; the re-run applies exactly
     the rest. On the managed engine the crashed process had started its own Spark JVM
-    (``spark.engine: spark``): that JVM must die with it."""
+    (``spark.engine: spark``, ``keep_alive_s: 0``): that JVM must die with it, and nothing is kept."""
     config = engine_config(pg, tmp_path, engine)
     backlog(pg, 30)
     own_jvm = engine.name == "spark-local"
@@ -403,7 +404,12 @@ def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None
         if own_jvm
         else config
     )
-    child = Child(write_config(child_config, tmp_path), chunk=100, env={FAULT_POINT_ENV: CRASH_POINT[engine.name]})
+    kept_servers = tmp_path / "kept-servers"
+    child = Child(
+        write_config(child_config, tmp_path),
+        chunk=100,
+        env={FAULT_POINT_ENV: CRASH_POINT[engine.name], SERVERS_DIR_ENV: str(kept_servers)},
+    )
     try:
         assert child.wait(timeout=600) == -9, child.output()
     finally:
@@ -414,6 +420,7 @@ def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None
         while group_alive(jvm) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not group_alive(jvm), "the managed Spark JVM outlived the pgcdc process that started it"
+        assert not kept_servers.exists(), "a run with keep_alive_s 0 left a kept server's state"
     rerun_converges(pg, config, engine.spark, exact=assert_lake_exact)
 
 

@@ -211,20 +211,3 @@ def test_runs_share_a_kept_jvm_that_stops_when_idle(
             child.kill()
             child.wait()
         stop_all()
-
-
-def test_keep_alive_zero_gives_each_run_its_own_jvm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``spark.keep_alive_s: 0``: the run starts its own JVM, which stops with it; nothing is kept."""
-    monkeypatch.setenv(SERVERS_DIR_ENV, str(tmp_path / "servers"))
-    settings = parse_config({
-        "postgres": {"dsn": "host=unused"}, "publication": "pub", "spark": {"engine": "spark", "keep_alive_s": 0},
-    }).spark  # fmt: skip
-    with SparkEngine.from_config(settings) as engine:
-        jvm = engine.server_pid
-        assert engine.start_note is not None and engine.start_note.startswith(
-            f"started a Spark JVM (pid {jvm}) for this run in "
-        )
-        assert engine.spark.range(3).count() == 3
-        assert group_alive(jvm)
-    assert wait_until(lambda: not group_alive(jvm), 30), "the run's own JVM outlived the run"
-    assert not (tmp_path / "servers").exists()
