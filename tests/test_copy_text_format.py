@@ -14,7 +14,7 @@ import pyarrow as pa
 from hypothesis import given, HealthCheck, settings, strategies as st
 
 from resources.postgres.catalog import TableName
-from resources.postgres.copy import copy_pieces, PieceParser
+from resources.postgres.copy import copy_pieces, PARSE_BLOCK_BYTES, PieceParser
 from resources.runs.consistent_copy import consistent_copy
 from tests.support.postgres import PgDatabase
 
@@ -109,3 +109,24 @@ def test_every_control_character_comes_back(pg: PgDatabase) -> None:
         for number, value in enumerate(values):
             conn.execute("INSERT INTO controls VALUES (%s, %s, %s)", (number, value, [value, None]))
     assert copied(pg.dsn, "controls", 64, 4) == in_postgres(pg.dsn, "SELECT id, t, a FROM controls")
+
+
+def test_pieces_of_many_parse_blocks_and_rows_longer_than_a_block(pg: PgDatabase) -> None:
+    """A piece is parsed in blocks of :data:`PARSE_BLOCK_BYTES`; a row longer than a block makes its
+    piece one block. Every value comes back as PostgreSQL has it, escapes included."""
+    long_text = ("x\\y\tz\n" * PARSE_BLOCK_BYTES)[: PARSE_BLOCK_BYTES * 2 + 17]
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE blocks (id int, t text, d numeric(12,2), at timestamptz);"
+            "CREATE PUBLICATION pub FOR TABLE blocks;"
+            "INSERT INTO blocks SELECT g, repeat(md5(g::text), 3) || E'\\\\' || g, g / 7.0,"
+            " timestamptz '2024-01-01 00:00:00+00' + g * interval '1 minute' FROM generate_series(1, 60000) g"
+        )
+        conn.execute(
+            "INSERT INTO blocks VALUES (60001, %s, NULL, NULL), (60002, %s, 1.5, now())", (long_text, long_text[::-1])
+        )
+        conn.execute("INSERT INTO blocks SELECT g, md5(g::text), g, now() FROM generate_series(60003, 90000) g")
+    expected = in_postgres(pg.dsn, "SELECT id, t, d, at FROM blocks")
+    assert len(expected) == 90_000
+    for piece_bytes in (PARSE_BLOCK_BYTES * 16, PARSE_BLOCK_BYTES * 3):
+        assert copied(pg.dsn, "blocks", piece_bytes, 1_000_000) == expected
