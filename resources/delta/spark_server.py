@@ -85,9 +85,9 @@ LONG_LIVED_JVM_CONFIG: dict[str, str] = {"spark.driver.extraJavaOptions": "-XX:+
 """A JVM that serves many runs (``pgcdc spark-server``) collects garbage with the throughput collector.
 With G1 a warm server's MERGE spent a fifth of its CPU on collection (young pauses plus G1's
 concurrent marking, which runs almost all the time once Delta's cached table states fill half of the
-1 GiB heap); a 2 GiB heap did not help. Two servers warmed alike, three ``bench.cdc`` runs each,
+1 GiB heap); a 2 GiB heap did not help. Two servers warmed alike, four ``bench.cdc`` runs each,
 alternating (docs/benchmarks.md, "A drain on Delta on Spark"): the JVM's CPU over a run 5.6-6.4 s
-with the parallel collector against 6.9-8.9 s with G1, the drains 4.3-6.3 s against 4.9-11.5 s.
+with the parallel collector against 6.9-8.9 s with G1, the drains 4.3-6.8 s against 4.9-11.5 s.
 Its pauses are longer, which a batch server does not feel. The JVM pgcdc starts only, like
 :data:`ONE_RUN_JVM_CONFIG` (a run's own JVM lives too briefly to fill its heap): on a cluster that is
 the driver; executors on other hosts keep their own collector, and a remote engine gets nothing but
