@@ -815,8 +815,8 @@ def test_classic_in_process_session_snapshots_drains_and_maintains(pg: PgDatabas
 def test_spark_server_serves_runs_until_stopped(pg: PgDatabase, tmp_path: Path) -> None:
     """``pgcdc spark-server``: the managed Spark with Delta as a service that outlives runs. A snapshot
     and two drains, each in a session of its own as a Dagster run opens one (``spark.remote``), are
-    exact; the server probes as Delta on Spark (its MERGEs update rather than delete and insert);
-    SIGTERM stops it, JVM included."""
+    exact; the server probes as Delta on Spark (its MERGEs update rather than delete and insert); its
+    JVM collects with the parallel collector; SIGTERM stops it, JVM included."""
     pg.execute(LIFECYCLE_DDL)
     port = free_port()
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,
@@ -830,6 +830,7 @@ def test_spark_server_serves_runs_until_stopped(pg: PgDatabase, tmp_path: Path) 
         line = next_line(server.stdout, "pgcdc: Spark with Delta listening at ")
         assert line.startswith(f"pgcdc: Spark with Delta listening at sc://127.0.0.1:{port} (JVM pid "), line
         jvm = int(line.split("JVM pid ", 1)[1].split(",")[0])
+        assert b"-XX:+UseParallelGC" in Path(f"/proc/{jvm}/cmdline").read_bytes().split(b"\0")  # LONG_LIVED_JVM_CONFIG
         with SparkEngine.from_config(config.spark) as engine:
             capabilities = engine_capabilities(engine.spark)
             assert capabilities.delta_commands and not capabilities.merge_delete_and_insert

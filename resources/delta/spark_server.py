@@ -83,6 +83,19 @@ C2's faster code from then on. The local JVM's only: a cluster's driver and exec
 pgcdc's settings. A user's ``spark.driver.extraJavaOptions`` replaces it."""
 
 
+LONG_LIVED_JVM_CONFIG: dict[str, str] = {"spark.driver.extraJavaOptions": "-XX:+UseParallelGC"}
+"""A JVM that serves many runs (``pgcdc spark-server``) collects garbage with the throughput collector.
+With G1 a warm server's MERGE spent a fifth of its CPU on collection (young pauses plus G1's
+concurrent marking, which runs almost all the time once Delta's cached table states fill half of the
+1 GiB heap); a 2 GiB heap did not help. Two servers warmed alike, four ``bench.cdc`` runs each,
+alternating (docs/benchmarks.md, "A drain on Delta on Spark"): the JVM's CPU over a run 5.6-6.4 s
+with the parallel collector against 6.9-8.9 s with G1, the drains 4.3-6.8 s against 4.9-11.5 s.
+Its pauses are longer, which a batch server does not feel. The JVM pgcdc starts only, like
+:data:`ONE_RUN_JVM_CONFIG` (a run's own JVM lives too briefly to fill its heap): on a cluster that is
+the driver; executors on other hosts keep their own collector, and a remote engine gets nothing but
+``spark.config``. A user's ``spark.driver.extraJavaOptions`` replaces it."""
+
+
 def jar_cache_dir() -> Path:
     """Ivy's home for Delta's jars: ``$PGCDC_JAR_CACHE``, else ``~/.cache/pgcdc/ivy``.
 
@@ -152,12 +165,12 @@ def remember_resolved_jars(session_jars: str) -> None:
 
 def managed_server_config(user_config: Mapping[str, str] | None = None, *, one_run: bool = False) -> dict[str, str]:
     """Everything a managed (or classic) Spark with Delta is started with (``one_run``: a run's own
-    JVM, :data:`ONE_RUN_JVM_CONFIG`); user settings win, except that a user's ``spark.jars`` is added
+    JVM, :data:`ONE_RUN_JVM_CONFIG`, else :data:`LONG_LIVED_JVM_CONFIG`); user settings win, except that a user's ``spark.jars`` is added
     to Delta's rather than replacing them."""
     config = {
         **SMALL_TABLE_CONFIG,
         **DELTA_MERGE_CONFIG,
-        **(ONE_RUN_JVM_CONFIG if one_run else {}),
+        **(ONE_RUN_JVM_CONFIG if one_run else LONG_LIVED_JVM_CONFIG),
         "spark.driver.memory": "1g",
         "spark.log.level": "WARN",
         **DELTA_SQL_CONFIG,
