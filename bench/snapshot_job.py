@@ -92,13 +92,17 @@ def cpu_between(samples: list[tuple[float, float]], start: float, end: float) ->
     return at_end - at_start
 
 
-def job_round(server: LocalPostgres, work: Path, round_number: int) -> tuple[float, float, dict[str, float]]:
-    """One run of the snapshot job into a fresh lake and slot: (step seconds, run seconds, phases).
+def job_round(
+    server: LocalPostgres, work: Path, round_number: int, workers: int | None = None
+) -> tuple[float, float, dict[str, float]]:
+    """One run of the snapshot job into a fresh lake and slot: (step seconds, run seconds, phases);
+    ``workers``: the configuration's ``snapshot.workers`` (None: its default).
 
     ``phases`` also holds ``pgcdc_cpu_in_step``: this process's CPU seconds during the step."""
     settings = {
         "postgres": {"dsn": server.dsn()}, "publication": "bench_pub", "slot": f"bench_{round_number}",
         "delta": {"root": str(work / f"lake_{round_number}")},
+        **({"snapshot": {"workers": workers}} if workers is not None else {}),
     }  # fmt: skip
     config_file = work / f"pgcdc_{round_number}.yaml"
     config_file.write_text(yaml.safe_dump(settings), encoding="utf-8")
@@ -137,6 +141,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--major", type=int, default=18)
+    parser.add_argument("--workers", type=int, help="snapshot.workers (default: the configuration's default)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-snapshot-job-"))
     server = start_local_postgres(args.major, base_dir=work / "pg")
@@ -146,7 +151,7 @@ def main() -> None:
         for number in range(args.runs):
             server_cpu = server_cpu_seconds(server)
             copy_s = psql_copy_seconds(server, TABLE)
-            step_s, run_s, phases = job_round(server, work, number)
+            step_s, run_s, phases = job_round(server, work, number, args.workers)
             time.sleep(0.5)  # the postmaster reaps the snapshot's sessions
             server_cpu = server_cpu_seconds(server) - server_cpu
             print(
