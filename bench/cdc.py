@@ -68,21 +68,24 @@ ROWS = (
 )
 
 
-def build_backlog(dsn: str, inserts: int, updates: int, deletes: int, per_txn: int) -> int:
-    """Inserts, updates and deletes in transactions of ``per_txn`` rows; returns the change count."""
+def build_backlog(dsn: str, inserts: int, updates: int, deletes: int, per_txn: int, round_: int = 0) -> int:
+    """Inserts, updates and deletes in transactions of ``per_txn`` rows; returns the change count.
+
+    Round ``round_`` (0: the first) inserts keys above every earlier round's, updates the first
+    ``updates`` keys and deletes keys no earlier round deleted."""
+    base = BASE_ROWS + round_ * inserts
+    gone = updates + round_ * deletes
     with psycopg.connect(dsn, autocommit=True) as conn:
-        first = BASE_ROWS + 1
-        for start in range(first, first + inserts, per_txn):
-            conn.execute(f"INSERT INTO orders {ROWS}", (start, min(start + per_txn, first + inserts) - 1))
+        for start in range(base + 1, base + inserts + 1, per_txn):
+            conn.execute(f"INSERT INTO orders {ROWS}", (start, min(start + per_txn, base + inserts + 1) - 1))
         for start in range(1, updates + 1, per_txn):
             conn.execute(
                 "UPDATE orders SET status = 'paid', amount = amount + 1 WHERE id BETWEEN %s AND %s",
                 (start, min(start + per_txn, updates + 1) - 1),
             )
-        for start in range(updates + 1, updates + deletes + 1, per_txn):
+        for start in range(gone + 1, gone + deletes + 1, per_txn):
             conn.execute(
-                "DELETE FROM orders WHERE id BETWEEN %s AND %s",
-                (start, min(start + per_txn, updates + deletes + 1) - 1),
+                "DELETE FROM orders WHERE id BETWEEN %s AND %s", (start, min(start + per_txn, gone + deletes + 1) - 1)
             )
     return inserts + updates + deletes
 
@@ -243,7 +246,14 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
     print(f"check: Delta and PostgreSQL both hold {count:,} rows, amount total {amount}")
     if args.drains:
         sizes = (args.inserts, args.updates, args.deletes, args.per_txn)
-        kept_jvm_rounds(config, ROWS, args.drains, sizes, args.chunk, args.merge_rows, work)
+        kept_jvm_rounds(
+            config,
+            lambda round_: build_backlog(dsn, *sizes, round_=round_),
+            args.drains,
+            args.chunk,
+            args.merge_rows,
+            work,
+        )
 
 
 if __name__ == "__main__":

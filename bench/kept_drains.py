@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -30,25 +31,6 @@ from resources.runs.incremental import run_incremental
 KEEP_ALIVE_S = 600
 
 
-def round_backlog(dsn: str, rows: str, round_: int, inserts: int, updates: int, deletes: int, per_txn: int) -> None:
-    """Round ``round_`` (1, 2, ...) of changes after ``bench.cdc``'s own backlog: new keys above every
-    earlier round's, updates of the first ``updates`` keys, deletes of keys no round deleted yet."""
-    base = 100_000 + round_ * inserts
-    gone = updates + round_ * deletes
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for start in range(base + 1, base + inserts + 1, per_txn):
-            conn.execute(f"INSERT INTO orders {rows}", (start, min(start + per_txn, base + inserts + 1) - 1))
-        for start in range(1, updates + 1, per_txn):
-            conn.execute(
-                "UPDATE orders SET status = 'paid', amount = amount + 1 WHERE id BETWEEN %s AND %s",
-                (start, min(start + per_txn, updates + 1) - 1),
-            )
-        for start in range(gone + 1, gone + deletes + 1, per_txn):
-            conn.execute(
-                "DELETE FROM orders WHERE id BETWEEN %s AND %s", (start, min(start + per_txn, gone + deletes + 1) - 1)
-            )
-
-
 def _drain(engine: SparkEngine, config: PgcdcConfig, chunk: int, merge_rows: int) -> float:
     with engine:
         result = run_incremental(
@@ -59,14 +41,14 @@ def _drain(engine: SparkEngine, config: PgcdcConfig, chunk: int, merge_rows: int
 
 def kept_jvm_rounds(
     config: PgcdcConfig,
-    rows: str,
+    write_round: Callable[[int], object],
     drains: int,
-    sizes: tuple[int, int, int, int],
     chunk: int,
     merge_rows: int,
     work: Path,
 ) -> None:
-    """``drains`` rounds (see the module's docstring); ``sizes``: inserts, updates, deletes, rows per transaction."""
+    """``drains`` rounds (see the module's docstring); ``write_round(n)`` writes round n's changes (1, 2, ...:
+    after ``bench.cdc``'s own backlog, which is round 0)."""
     os.environ[SERVERS_DIR_ENV] = str(work / "spark-servers")
     lake = open_lake(config.delta.root, StorageSettings(**config.delta.storage.model_dump()))
     dsn = config.postgres.dsn
@@ -74,13 +56,13 @@ def kept_jvm_rounds(
     try:
         for drain in range(1, drains + 1):
             round_ += 1
-            round_backlog(dsn, rows, round_, *sizes)
+            write_round(round_)
             started = time.perf_counter()
             sail_engine = SparkEngine.embedded(storage_environment=lake.engine_environment())
             sail_start = time.perf_counter() - started
             sail = _drain(sail_engine, config, chunk, merge_rows)
             round_ += 1
-            round_backlog(dsn, rows, round_, *sizes)
+            write_round(round_)
             started = time.perf_counter()
             engine = SparkEngine.managed_spark(
                 lake.spark_settings(), storage_environment=lake.engine_environment(), keep_alive_s=KEEP_ALIVE_S
