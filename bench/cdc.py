@@ -203,10 +203,9 @@ def run(server: LocalPostgres, args: argparse.Namespace, root: str, storage: dic
         args.engine, root, storage, extra
     ) as engine:  # a fresh engine, as a Dagster run gets: its peak is the run's
         engine_start = time.perf_counter() - started
-        server_pid = engine._server.pid if engine._server is not None else None  # the embedded Sail server
         with (
             engine_calls() if args.profile else nullcontext([]) as calls,
-            cpu_split(postmaster_pid(server), server_pid) as split,
+            cpu_split(postmaster_pid(server), engine.server_pid) as split,  # Sail's server, a managed JVM
         ):
             result = run_incremental(
                 config,
