@@ -654,8 +654,8 @@ def test_sigkill_at_each_fault_point_then_rerun_is_exact(
 #: What a drain's process may add to its resident memory at its worst, whatever the backlog: chunks, here
 #: of 2000 changes of 2 KB (3.9 MiB as received), as received, as Arrow columns and as the Parquet staged
 #: for the engine, one chunk written while the next is built; and a fixed part (delta-rs's runtime, the
-#: threads' heaps) that grows with the machine's cores. Measured on 2 cores, 20k and 80k changes: 75-79 MiB
-#: (chunks of 1000 changes: 75; of 5000: 143-145, 153-154 on a larger machine, too close to the backlog).
+#: threads' heaps) that grows with the machine's cores. Measured on 2 cores, 20k and 80k changes: 72-76 MiB
+#: (chunks of 5000 changes: 103; docs/deployment.md has a drain's figure in default chunks).
 DRAIN_PEAK_MIB = 150
 #: How much more that peak may be for a backlog four times larger (117 MiB more).
 DRAIN_GROWTH_MIB = 32

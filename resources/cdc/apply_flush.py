@@ -21,7 +21,9 @@ class TableFlush(HistoryHandOff, KeyRangeRule, KeyedFold, MarkedWrites):
         self.pending_changes -= sum(len(taken) for _, taken, _, _ in pending)
         self.pending_bytes -= target.pending_bytes
         target.pending_bytes = 0
-        for gathered in gather(pending):
+        groups = gather(pending)
+        del pending  # the batches' payloads, copied into the groups: freed before the groups are parsed
+        for gathered in groups:
             assert target.log is not None, "the table's log is read before its changes are queued"
             pieces = self._key_range_pieces(target, gathered) if target.log.chunks is not None else (gathered,)
             for rows in pieces:
