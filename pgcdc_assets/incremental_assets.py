@@ -91,6 +91,7 @@ def drain_figures(result: IncrementalResult) -> dict[str, Any]:
         "pgcdc/slot_lag_bytes_after": MetadataValue.int(result.lag_bytes_after),
         "pgcdc/duration_s": MetadataValue.float(round(result.duration_s, 3)),
         "pgcdc/changes_per_second": MetadataValue.float(round(result.changes_per_second, 1)),
+        "pgcdc/peak_memory_mib": MetadataValue.float(round(result.peak_memory_mib, 1)),
     }
 
 

@@ -27,6 +27,7 @@ from dagster import (
 
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource
+from resources.delta.engine import process_memory_mib
 from resources.errors import SlotError
 from resources.lsn import LSN
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
@@ -142,6 +143,7 @@ def test_drains_materialize_the_slot_always_and_tables_only_when_changed(
     assert slot["pgcdc/slot_lag_bytes_before"] == LSN.parse(slot["pgcdc/end_lsn"]) - start
     assert isinstance(slot["pgcdc/slot_lag_bytes_after"], int)
     assert slot["pgcdc/duration_s"] > 0
+    assert 0 < slot["pgcdc/peak_memory_mib"] <= round(process_memory_mib()[1], 1)  # the run's process is this one
     assert slot["pgcdc/tables_changed"] == 2
     assert (
         slot["pgcdc/changed_tables"]

@@ -14,7 +14,8 @@ So the memory tests run the work here and read the operating system's account of
 Usage: python -m tests.support.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
        python -m tests.support.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES
 Prints one JSON line with the figures above and what the work did: ``rows``, ``chunks``, ``workers``,
-``mode`` and the progress reports (snapshot), or ``changes`` (drain).
+``mode`` and the progress reports (snapshot), or ``changes`` and the drain's own reading of its peak,
+``run_peak_mib`` (drain).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main() -> None:
             drained = run_incremental(
                 load_config(sys.argv[2]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(sys.argv[3])
             )
-            done = {"changes": drained.changes}
+            done = {"changes": drained.changes, "run_peak_mib": drained.peak_memory_mib}
         _, peak = process_memory_mib()
         _, engine_peak = engine.server_memory_mib()
     report = {
