@@ -139,7 +139,8 @@ def test_runs_share_a_kept_jvm_that_stops_when_idle(
     exact; a run SIGKILLed while holding its lease releases it, and keep_alive_s after the last lease
     the JVM's process group is gone and its state removed. Then a new run starts a new JVM; its
     supervisor SIGKILLed takes the JVM with it; the next run finds the stale state, cleans it and
-    starts another, which ``pgcdc spark-server --stop`` stops (these runs only query the engine:
+    starts another; that one stopped (SIGSTOP: its port takes connections, it answers nothing), the
+    next run replaces it too, and ``pgcdc spark-server --stop`` stops the last (these runs only query the engine:
     a drain on a fresh JVM costs a minute here and shows nothing the first ones do not)."""
     servers = tmp_path / "servers"
     monkeypatch.setenv(SERVERS_DIR_ENV, str(servers))
@@ -200,12 +201,18 @@ def test_runs_share_a_kept_jvm_that_stops_when_idle(
         assert third not in (jvm, second) and note.startswith(f"started a Spark JVM (pid {third}) in ")
         assert group_alive(third)  # kept: 600 s
 
+        os.kill(third, signal.SIGSTOP)  # alive, its port still taking connections, but silent
+        note = use_engine(kept)
+        fourth = int(state_of(directory)["jvm_pid"])
+        assert fourth not in (jvm, second, third) and note.startswith(f"started a Spark JVM (pid {fourth}) in ")
+        assert not group_alive(third)
+
         stopped = subprocess.run(
             [sys.executable, "-m", "resources.runs.cli", "spark-server", "--stop"],
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-        assert stopped.stdout == f"pgcdc: stopped 1 kept Spark JVM(s) (pid {third})\n", stopped
-        assert wait_until(lambda: not group_alive(third) and not directory.exists(), 30)
+        assert stopped.stdout == f"pgcdc: stopped 1 kept Spark JVM(s) (pid {fourth})\n", stopped
+        assert wait_until(lambda: not group_alive(fourth) and not directory.exists(), 30)
     finally:
         for child in children:
             child.kill()

@@ -12,8 +12,9 @@ left it.
   hash's key is a random secret of the user's, so the name tells nothing of them either).
   ``server.json`` there holds the port and the pids, nothing secret.
 * ``start.lock`` (``flock``) serializes starting and attaching: two runs starting at once share
-  one server, and a run finding a dead or silent server (its recorded pids gone, its port closed)
-  stops what is left of it and starts a new one.
+  one server, and a run finding a dead or silent server (its recorded pids gone, or no answer to
+  an HTTP/2 connection preface: :meth:`ServerState.answers`) stops what is left of it and starts a
+  new one.
 * A run holds a lease while it uses the server: a shared ``flock`` on ``lease``, which the kernel
   releases when the run ends, even by SIGKILL. A run takes it under ``start.lock``, so the server
   cannot be stopping meanwhile.
@@ -60,6 +61,14 @@ from resources.delta.spark_server import (
 )
 
 SERVERS_DIR_ENV = "PGCDC_SPARK_SERVERS"
+ANSWER_TIMEOUT_S = 10.0
+"""How long a kept server may take to answer before a run stops it and starts another: far above a
+warm JVM's garbage-collection pauses (the parallel collector, a 1 GiB heap: well under a second)."""
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""An HTTP/2 client's connection preface, then its (empty) SETTINGS frame (RFC 9113, 3.4)."""
+FRAME_HEAD_BYTES = 9
+SETTINGS_FRAME = 4
+"""The type of the frame an HTTP/2 server sends first (its connection preface), in byte 3 of its head."""
 POLL_S = 0.5
 """How often the supervisor looks at the lease: a ``flock`` call, nothing the machine notices."""
 
@@ -171,12 +180,24 @@ class ServerState:
         return _process_start(self.jvm_pid) == self.jvm_start
 
     def answers(self) -> bool:
-        """Both processes are the recorded ones and the port takes a connection."""
+        """Both processes are the recorded ones and the server speaks HTTP/2, as gRPC does: it answers a
+        client's connection preface with its SETTINGS frame within :data:`ANSWER_TIMEOUT_S`.
+
+        A port that takes connections is not enough: the kernel accepts them for a JVM that is stopped
+        or stuck (collecting garbage it cannot free), and a run attached to it waits and fails, as does
+        every run after it, whose leases keep it from ever idling out."""
         if not (self.supervisor_alive() and self.jvm_alive()):
             return False
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=5):
-                return True
+            with socket.create_connection(("127.0.0.1", self.port), timeout=ANSWER_TIMEOUT_S) as connection:
+                connection.sendall(HTTP2_PREFACE)
+                head = b""
+                while len(head) < FRAME_HEAD_BYTES:
+                    received = connection.recv(FRAME_HEAD_BYTES - len(head))
+                    if not received:
+                        return False
+                    head += received
+                return head[3] == SETTINGS_FRAME
         except OSError:
             return False
 
