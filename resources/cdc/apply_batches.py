@@ -25,8 +25,9 @@ class BatchAssembly(ApplierState):
         old_keys: list[pa.Array] | None,
         index: pa.Array | None = None,
     ) -> pa.Table:
-        """Text columns -> typed columns (then the rows at ``index``, ascending and distinct, if given), plus the bucket (of the
-        row's key, and of the old key of a moved row), unchanged-TOAST flags, ``_pgcdc_lsn`` and dropped columns."""
+        """Text columns -> typed columns (then the rows at ``index``, ascending and distinct, if given),
+        plus the bucket (of the row's key, and of the old key of a moved row), unchanged-TOAST flags,
+        ``_pgcdc_lsn`` and dropped columns."""
         arrays = [self._convert(target, values, column) for values, column in zip(columns, target.columns)]
         if index is not None and arrays and len(index) < len(arrays[0]):  # as many as the rows: all of them
             arrays = [array.take(index) for array in arrays]

@@ -118,7 +118,7 @@ class IncrementalResult:
     #: The run's process at its most resident memory so far (VmHWM), read when the drain ends: the
     #: drain's chunks at their worst on top of what the process holds anyway. Plotted run after run it
     #: shows memory follow the chunk size, not the backlog or the months of runs.
-    peak_memory_mib: float = 0.0
+    peak_memory_mib: float
     tables_without_snapshot: list[str] = field(default_factory=list)
 
     @property
