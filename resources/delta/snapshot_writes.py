@@ -5,6 +5,7 @@ of a snapshot in key ranges, and a Delta on Spark table delta-rs must not write 
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from collections.abc import Iterable, Iterator
@@ -57,6 +58,13 @@ ROW_GROUP_ROWS = 128 * 1024
 """Most rows per Parquet row group delta-rs writes (its default: about 1M), which it buffers, encoded,
 per open file: a streamed 10M-row narrow snapshot (10 range buckets) peaked at 655 MiB RSS with
 the default, 358 MiB with this."""
+
+
+ROW_GROUP_BYTES = 16 * 1024 * 1024
+"""Most Arrow bytes per Parquet row group delta-rs writes, so that its buffer follows bytes, not rows:
+it holds about three times a row group's Arrow bytes until the group is flushed, so 128k rows of
+1 KB held 400 MiB (incompressible text; 16k rows: 230 MiB, of which about 180 is the writer's own
+whatever the group). Wide rows get fewer rows per group (:func:`row_group_rows`)."""
 
 
 STAGE_COMPRESSION = "snappy"
@@ -308,13 +316,17 @@ def _delta_rs_overwrite(
             failures.append(error)
             raise
 
-    reader = pa.RecordBatchReader.from_batches(target, batches())
+    source = batches()
     try:
+        first = next(source, None)  # its width sizes the row groups
+        everything = source if first is None else itertools.chain([first], source)
+        reader = pa.RecordBatchReader.from_batches(target, everything)
         write_deltalake(
             table, reader, mode="overwrite", schema_mode=schema_mode, partition_by=partition_by,
             storage_options=storage_options, commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
             writer_properties=WriterProperties(
-                compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES, max_row_group_size=ROW_GROUP_ROWS
+                compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES,
+                max_row_group_size=row_group_rows(first),
             ),
             # no checkpoint or log cleanup of delta-rs's choosing: the engine and maintenance.py decide those
             post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
@@ -323,6 +335,16 @@ def _delta_rs_overwrite(
         if failures:
             raise failures[0]  # noqa: B904 (the writer's own failure; the one caught here is its consequence)
         raise
+
+
+def row_group_rows(sample: pa.RecordBatch | None) -> int:
+    """Rows per Parquet row group for data whose rows are as wide as ``sample``'s: :data:`ROW_GROUP_BYTES`
+    of them, at most :data:`ROW_GROUP_ROWS` and at least 1024 (a row group's statistics and page
+    headers cost about the same whatever its rows)."""
+    if sample is None or sample.num_rows == 0:
+        return ROW_GROUP_ROWS
+    width = max(1, sample.nbytes // sample.num_rows)
+    return max(1024, min(ROW_GROUP_ROWS, ROW_GROUP_BYTES // width))
 
 
 DELTA_RS_READER_FEATURES = frozenset({"deletionVectors", "timestampNtz"})
