@@ -21,6 +21,7 @@ from pathlib import Path
 
 import deltalake
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from dagster import AssetKey, DefaultScheduleStatus, instance_for_test
 from pyspark.sql import SparkSession
@@ -32,6 +33,7 @@ from resources.delta.lake_storage import open_lake
 from resources.delta.maintenance import maintain_table, properties_to_set, RETENTION_PROPERTIES
 from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
 from resources.delta.reads import delta_rs_rows
+from resources.delta.snapshot_writes import ROW_GROUP_BYTES, ROW_GROUP_ROWS
 from resources.delta.spark_destination import lake_destination
 from resources.delta.table_files import delta_tables_under
 from resources.delta.table_log import read_table_log
@@ -410,6 +412,36 @@ def test_vacuum_deletes_files_whose_tombstones_a_checkpoint_already_dropped(tmp_
         Path(f).name for f in deltalake.DeltaTable(path).file_uris()
     ]
     assert deltalake.DeltaTable(path).to_pyarrow_table().sort_by("id").equals(rows)
+
+
+def test_compaction_sizes_its_row_groups_by_the_stored_bytes_of_the_rows(tmp_path: Path) -> None:
+    """delta-rs buffers the row group of every file it writes, on each of its tasks: compaction groups
+    16 MiB of rows as stored (``ROW_GROUP_BYTES``), so 1 KB rows of incompressible text come in groups of
+    about 16k rows (delta-rs's default: one group up to about 1M rows), narrow rows in groups of
+    ``ROW_GROUP_ROWS``; the codec stays delta-rs's own, ZSTD."""
+    wide, narrow = str(tmp_path / "wide"), str(tmp_path / "narrow")
+    for part in range(8):
+        wide_rows = {
+            "id": range(part * 5000, (part + 1) * 5000),
+            "payload": [os.urandom(500).hex() for _ in range(5000)],
+        }
+        deltalake.write_deltalake(wide, pa.table(wide_rows), mode="append")
+        deltalake.write_deltalake(narrow, pa.table({"id": range(part * 20000, (part + 1) * 20000)}), mode="append")
+    for path in (wide, narrow):
+        done = maintain_table(path, open_lake(path), retention_hours=1, target_file_bytes=256 << 20)
+        assert (done.files_compacted, done.files_written) == (8, 1), done
+
+    def row_groups(path: str) -> list[int]:
+        (uri,) = deltalake.DeltaTable(path).file_uris()
+        metadata = pq.ParquetFile(uri).metadata
+        assert {metadata.row_group(0).column(i).compression for i in range(metadata.num_columns)} == {"ZSTD"}
+        return [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+
+    wide_groups, narrow_groups = row_groups(wide), row_groups(narrow)
+    assert sum(wide_groups) == 40000 and len(wide_groups) == 3, wide_groups
+    assert max(wide_groups) <= ROW_GROUP_BYTES // 1000, wide_groups
+    assert narrow_groups == [ROW_GROUP_ROWS, 160000 - ROW_GROUP_ROWS]
+    assert sorted(delta_rs_rows(wide, ["id"]).column("id").to_pylist()) == list(range(40000))
 
 
 def test_retention_properties_follow_the_retention_whatever_was_set_by_hand(tmp_path: Path) -> None:

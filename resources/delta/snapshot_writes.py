@@ -318,15 +318,16 @@ def _delta_rs_overwrite(
 
     source = batches()
     try:
-        first = next(source, None)  # its width sizes the row groups
+        first = next(source, None)  # its rows' width sizes the row groups
         everything = source if first is None else itertools.chain([first], source)
+        row_bytes = first.nbytes // first.num_rows if first is not None and first.num_rows else None
         reader = pa.RecordBatchReader.from_batches(target, everything)
         write_deltalake(
             table, reader, mode="overwrite", schema_mode=schema_mode, partition_by=partition_by,
             storage_options=storage_options, commit_properties=CommitProperties(custom_metadata={"userMetadata": user_metadata}),
             writer_properties=WriterProperties(
                 compression="SNAPPY", dictionary_page_size_limit=DICTIONARY_PAGE_BYTES,
-                max_row_group_size=row_group_rows(first),
+                max_row_group_size=row_group_rows(row_bytes),
             ),
             # no checkpoint or log cleanup of delta-rs's choosing: the engine and maintenance.py decide those
             post_commithook_properties=PostCommitHookProperties(create_checkpoint=False, cleanup_expired_logs=False),
@@ -337,14 +338,13 @@ def _delta_rs_overwrite(
         raise
 
 
-def row_group_rows(sample: pa.RecordBatch | None) -> int:
-    """Rows per Parquet row group for data whose rows are as wide as ``sample``'s: :data:`ROW_GROUP_BYTES`
-    of them, at most :data:`ROW_GROUP_ROWS` and at least 1024 (a row group's statistics and page
-    headers cost about the same whatever its rows)."""
-    if sample is None or sample.num_rows == 0:
+def row_group_rows(row_bytes: int | None) -> int:
+    """Rows per Parquet row group for rows of about ``row_bytes`` each (None: not known):
+    :data:`ROW_GROUP_BYTES` of them, at most :data:`ROW_GROUP_ROWS` and at least 1024 (a row group's
+    statistics and page headers cost about the same whatever its rows)."""
+    if not row_bytes:
         return ROW_GROUP_ROWS
-    width = max(1, sample.nbytes // sample.num_rows)
-    return max(1024, min(ROW_GROUP_ROWS, ROW_GROUP_BYTES // width))
+    return max(1024, min(ROW_GROUP_ROWS, ROW_GROUP_BYTES // row_bytes))
 
 
 DELTA_RS_READER_FEATURES = frozenset({"deletionVectors", "timestampNtz"})
