@@ -55,6 +55,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -227,13 +228,14 @@ class _DeltaRsMaintenance:
 
     def run(self, retention_s: int, target_file_bytes: int, max_deleted_rows_ratio: float) -> _Done:
         table = self._open()
-        version_before, table_before = table.version(), _add_stats(table)
+        files_before = _add_actions(table)
+        version_before, table_before = table.version(), _add_stats(files_before)
         configuration = table.metadata().configuration
         changed = properties_to_set(configuration, retention_s)
         if changed:
             table.alter.set_table_properties(changed, post_commithook_properties=_no_hooks())
             table = self._open()
-        writing = _compaction_properties(table)
+        writing = _compaction_properties(files_before)  # setting properties left the files as they were
         compacted = table.optimize.compact(
             target_size=target_file_bytes, writer_properties=writing, post_commithook_properties=_no_hooks()
         )
@@ -266,7 +268,7 @@ class _DeltaRsMaintenance:
             version_before=version_before,
             version_after=version,
             table_before=table_before,
-            table_after=_add_stats(table),
+            table_after=_add_stats(_add_actions(table)),
             files_compacted=files_compacted,
             files_written=files_written,
             properties_set=_property_changes(configuration, changed),
@@ -403,7 +405,7 @@ def _order_columns(table: object) -> list[str]:
     return list(layout.key) if layout is not None else [LSN_COLUMN]
 
 
-def _compaction_properties(table: object) -> object:  # deltalake.WriterProperties
+def _compaction_properties(actions: Any) -> object:  # deltalake.WriterProperties
     """delta-rs's own codec for compaction (ZSTD, level 4) in row groups of about
     ``ROW_GROUP_BYTES`` of the table's rows as stored: delta-rs buffers the row group of each file it
     writes, on each of its concurrent tasks (one per core), and its default of about 1M rows per group
@@ -411,19 +413,18 @@ def _compaction_properties(table: object) -> object:  # deltalake.WriterProperti
     199 MiB in groups of 16k rows. Compressible rows are narrow as stored, so their groups stay large."""
     from deltalake import WriterProperties
 
-    actions = table.get_add_actions(flatten=True)  # type: ignore[attr-defined]
-    counted = [
-        (size, rows)
-        for size, rows in zip(actions.column("size_bytes").to_pylist(), actions.column("num_records").to_pylist())
-        if rows
-    ]
-    rows = sum(rows for _, rows in counted)
-    row_bytes = sum(size for size, _ in counted) // rows if rows else None
+    sizes, counts = actions.column("size_bytes").to_pylist(), actions.column("num_records").to_pylist()
+    rows = sum(count for count in counts if count)  # a file without statistics has no count
+    row_bytes = sum(size for size, count in zip(sizes, counts) if count) // rows if rows else None
     return WriterProperties(compression="ZSTD", compression_level=4, max_row_group_size=row_group_rows(row_bytes))
 
 
-def _add_stats(table: object) -> FileStats:
-    actions = table.get_add_actions(flatten=True)  # type: ignore[attr-defined]
+def _add_actions(table: Any) -> Any:
+    """The table's data files, one row each (path, size, record count, statistics), as delta-rs lists them."""
+    return table.get_add_actions(flatten=True)
+
+
+def _add_stats(actions: Any) -> FileStats:
     return FileStats(actions.num_rows, sum(actions.column("size_bytes").to_pylist()))
 
 
