@@ -292,6 +292,11 @@ class PgcdcConfig(_Section):
     checks: CheckSettings = Field(default_factory=CheckSettings)
     maintenance: MaintenanceSettings = Field(default_factory=MaintenanceSettings)
     history: HistorySettings = Field(default_factory=HistorySettings)
+    on_table_error: Literal["quarantine", "stop"] = Field(
+        default="quarantine",
+        description="a fault of one table (a value Delta cannot hold, a DDL that needs a re-snapshot, a write the "
+        "engine refuses): quarantine sets that table aside and drains the others; stop fails the whole drain",
+    )
 
     @field_validator("slot")
     @classmethod

@@ -16,6 +16,8 @@ Points (see ``resources/runs/incremental.py``):
   the same changes is not.
 * ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
 * ``after_confirm``: the slot has been told the chunk's end position.
+* ``after_quarantine_record``: a table's fault set it aside and its quarantine record is durable
+  (``resources/runs/quarantine.py``); nothing past its unapplied changes is confirmed yet.
 * ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
   (``resources/delta/state_table.py``) not yet written, the last chunk not confirmed.
 * ``after_range_slot``: a snapshot in key ranges (``resources/runs/key_range_copy.py``) created the
@@ -51,6 +53,7 @@ FAULT_POINTS = (
     "after_history_commit",
     "after_delta_commit",
     "after_confirm",
+    "after_quarantine_record",
     "before_state_write",
     "after_range_slot",
     "after_range_commit",

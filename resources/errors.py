@@ -20,6 +20,18 @@ class PgcdcError(Exception):
         super().__init__(f"{cause}: {fix}")
 
 
+class TableFault(PgcdcError):
+    """A fault of one table's changes or schema (a value Delta cannot hold, a DDL that needs a
+    re-snapshot, a write the engine refuses): by default it sets that table aside (quarantine)
+    while the drain applies every other table (``on_table_error``, docs/guarantees.md).
+
+    ``column`` names the column at fault, when one is."""
+
+    def __init__(self, cause: str, fix: str, *, column: str | None = None) -> None:
+        super().__init__(cause, fix)
+        self.column = column
+
+
 class ConfigurationError(PgcdcError):
     """The server or the pgcdc configuration is not set up for replication."""
 

@@ -27,6 +27,12 @@ How each table is written, decided from its Relation message:
 A replay skips every change of a **full** or **append** table at or below its newest marker,
 which makes adding and removing copies exactly-once (a keyed MERGE is idempotent instead).
 
+A fault of one table (:class:`~resources.errors.TableFault`: a value Delta cannot hold, a schema
+change that needs a re-snapshot; or a write of it the engine refuses) goes to ``set_aside``, which
+decides whether it is confined to that table and records the quarantine before returning (so no
+confirm passes the table's unapplied changes unrecorded). Confined, the table's pending changes
+are dropped and its later ones skipped, while every other table is applied and the slot moves on.
+
 TRUNCATE flushes the table's pending batch, then empties the Delta table, in order with
 the other changes. A Relation message that changes a table's columns flushes its batch
 first, then adds new columns to Delta, widens safely widened ones (int2->int4->int8,
@@ -96,6 +102,7 @@ class ChangeApplier(RelationHandling):
         max_merge_rows: int = DEFAULT_MERGE_ROWS,
         max_replace_values: int = DEFAULT_REPLACE_VALUES,
         recopy_range: Callable[[TableName, str, TableLog, int], None] | None = None,
+        set_aside: Callable[[TableName, int, Exception], bool] | None = None,
     ) -> None:
         """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out).
@@ -103,7 +110,11 @@ class ChangeApplier(RelationHandling):
         ``recopy_range(table, path, log, k)`` copies range k of a table snapshotted in key ranges
         (``log``: its log as this drain knows it, ranges and layout) again, at a new consistent point,
         in one commit carrying its marker (see :meth:`_key_range_pieces`
-        for when); without it such a table's drain stops there with an error."""
+        for when); without it such a table's drain stops there with an error.
+
+        ``set_aside(table, lsn, error)`` hears a fault of one table (``lsn``: the commit end LSN of its
+        first change not applied); it returns whether the fault is confined to that table, having
+        recorded the quarantine durably. Without it every fault fails the run."""
         self._destination = destination
         self._types = types
         self._targets = targets
@@ -120,6 +131,8 @@ class ChangeApplier(RelationHandling):
         #: Commit end LSN -> (xid, commit time) of the transactions the pending changes belong to (changelogs).
         self._transactions: dict[int, tuple[int, datetime]] = {}
         self._writer = OrderedWriter(heartbeat)
+        self._set_aside_table = set_aside
+        self._writer.on_failure = self._write_failed
         self._schema = SchemaReconciler(destination, self._writer, types, log, before_fill=self._write_fill_history)
         self.pending_changes = 0
         self.pending_bytes = 0
@@ -164,7 +177,7 @@ class ChangeApplier(RelationHandling):
                     for oid in subject:
                         target = self._target_by_oid.get(oid)
                         if target is not None and not self._skips(target, end):
-                            self._truncate(target, self._relations[oid], end, seq)
+                            self._confined(target, end, self._truncate, target, self._relations[oid], end, seq)
                     seq += 1
         finally:
             txn.discard()
@@ -180,10 +193,15 @@ class ChangeApplier(RelationHandling):
             target = self._target_by_oid.get(oid)
             if target is None or self._skips(target, end):
                 self.changes_skipped += len(index)
+                if target is not None and target.quarantined:
+                    target.stats.quarantine_skipped += len(index)
                 continue
             relation = self._relations[oid]
             if target.relation is not relation:
-                self._use_relation(target, relation, end, seq)
+                if not self._confined(target, end, self._use_relation, target, relation, end, seq):
+                    self.changes_skipped += len(index)
+                    target.stats.quarantine_skipped += len(index)
+                    continue
             if target.mode == APPEND:
                 inserts = batch.ops[index] == INSERT
                 if not inserts.all():
@@ -209,21 +227,31 @@ class ChangeApplier(RelationHandling):
                 self.pending_bytes += added
                 if self.pending_changes >= self._max_changes or self.pending_bytes >= self._max_bytes:
                     self.flush()
+                    if target.quarantined:  # its flush set it aside: the rest of its changes are skipped
+                        self.changes_skipped += len(index)
+                        target.stats.quarantine_skipped += len(index)
+                        break
 
     def _skips(self, target: TableTarget, end: int) -> bool:
         """:meth:`TableTarget.skips`, reading the table's own log the first time the run meets it.
 
         Only tables with changes are read, and only once a run: this run's writes to the table
         all come after, and it tracks the applied marker itself from then on. The read is of a
-        table no queued write touches yet, so it need not wait for the writer thread.
+        table no queued write touches yet, so it need not wait for the writer thread. A table whose
+        log the run read before its changes (one the state did not list) takes its applied marker
+        and starts its history here all the same. A quarantined table skips everything.
         """
-        if target.log is None:
+        if target.quarantined:
+            return True
+        if not target.met:
+            target.met = True
             if not self._writes_prepared:  # the run's first changes: its engine gets ready beside their decoding
                 self._writer.write(self._destination.prepare_writes)
                 self._writes_prepared = True
-            target.log = self._destination.read_table_log(target.path, target.known)
+            if target.log is None:
+                target.log = self._destination.read_table_log(target.path, target.known)
+                target.stats.version_read = target.log.version
             target.applied_marker = target.log.applied_marker
-            target.stats.version_read = target.log.version
             if target.history_path is not None:
                 self._start_history(target)
         return target.skips(end)
@@ -232,8 +260,48 @@ class ChangeApplier(RelationHandling):
         """Send every pending batch to Delta; once written, every completely added transaction is durable."""
         for target in self._targets.values():
             if target.pending:
-                self._flush_target(target)
+                self._confined(target, target.pending[-1][2], self._flush_target, target)
         self._writer.durable_after_queued(self._complete_end)
+
+    # -- one table's fault
+
+    def _confined(self, target: TableTarget, end: int, action: Callable[..., None], *args: object) -> bool:
+        """Run ``action(*args)`` for ``target`` (its writes tagged with it); returns False when a fault of the
+        table set it aside instead (``end``: the commit end LSN being applied when it surfaced)."""
+        if target.quarantined:
+            return False
+        owner, self._writer.owner = self._writer.owner, target
+        first = target.pending[0][2] if target.pending else end
+        try:
+            action(*args)
+        except Exception as error:
+            if not self._set_aside(target, first, error):
+                raise
+            return False
+        finally:
+            self._writer.owner = owner
+        return True
+
+    def _write_failed(self, owner: object, error: Exception) -> bool:
+        """(Writer's ``on_failure``.) A failed write of a table: set the table aside if the fault is its own."""
+        assert isinstance(owner, TableTarget)
+        return self._set_aside(owner, owner.pending[0][2] if owner.pending else self._complete_end, error)
+
+    def _set_aside(self, target: TableTarget, lsn: int, error: Exception) -> bool:
+        """Quarantine ``target`` when ``set_aside`` confines ``error`` to it: its pending changes are dropped,
+        its later ones skipped. A table already set aside swallows the failures of its writes still in flight."""
+        if target.quarantined:
+            return True
+        if self._set_aside_table is None or not self._set_aside_table(target.table, lsn, error):
+            return False
+        target.quarantined = True
+        dropped = sum(len(taken) for _, taken, _, _ in target.pending)
+        self.pending_changes -= dropped
+        self.pending_bytes -= target.pending_bytes
+        self.changes_skipped += dropped
+        target.stats.quarantine_skipped += dropped
+        target.pending, target.pending_bytes = [], 0
+        return True
 
     def durable_lsn(self) -> LSN:
         """The end LSN of the newest transaction whose changes are all committed to Delta (does not wait)."""

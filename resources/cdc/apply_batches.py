@@ -72,4 +72,5 @@ class BatchAssembly(ApplierState):
             raise ChangeValueError(
                 f"cannot apply a change to {target.table}: {exc}",
                 "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
+                column=column.column,
             ) from exc

@@ -27,6 +27,8 @@ class TableFlush(HistoryHandOff, KeyRangeRule, KeyedFold, MarkedWrites):
             assert target.log is not None, "the table's log is read before its changes are queued"
             pieces = self._key_range_pieces(target, gathered) if target.log.chunks is not None else (gathered,)
             for rows in pieces:
+                if target.quarantined:  # a failed write of an earlier piece set the table aside
+                    return
                 fault_point("before_merge")
                 if target.history_path is not None:
                     self._write_history(target, rows)

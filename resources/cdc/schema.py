@@ -12,7 +12,7 @@ from resources.cdc.writer import OrderedWriter
 from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
-from resources.errors import PgcdcError
+from resources.errors import TableFault
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
 from resources.pgoutput.messages import Relation
@@ -22,11 +22,11 @@ from resources.postgres.column_types import ColumnTypes
 RESNAPSHOT_FIX = f"re-snapshot the table (materialize its snapshot asset or run the {RESNAPSHOT_JOB} job)"
 
 
-class SchemaChangeError(PgcdcError):
+class SchemaChangeError(TableFault):
     """A column changed in a way Delta cannot follow in place."""
 
 
-class ChangeValueError(PgcdcError):
+class ChangeValueError(TableFault):
     """A changed value does not fit its Delta column."""
 
 
@@ -195,6 +195,7 @@ class SchemaReconciler:
                     raise ChangeValueError(
                         f"cannot apply the default of the added column {name!r} to {target.table}: {exc}",
                         "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
+                        column=name,
                     ) from exc
             elif has_default:
                 raise SchemaChangeError(

@@ -39,6 +39,8 @@ class TableStats:
     history_rows: int = 0
     #: The table's version when this run first read its log: the run's own commits are the ones after it.
     version_read: int | None = None
+    #: Changes skipped because the table is quarantined (set aside by a fault of its own).
+    quarantine_skipped: int = 0
 
 
 @dataclass(eq=False)
@@ -67,6 +69,10 @@ class TableTarget:
     pending: list[tuple] = field(default_factory=list)
     pending_bytes: int = 0
     warned: bool = False
+    #: The run met a change of the table: its applied marker and history are taken from its log.
+    met: bool = False
+    #: Set aside by a fault of its own (quarantined): its changes are skipped until a re-snapshot lifts it.
+    quarantined: bool = False
     #: Where the table's changelog (or SCD type 2 table) lives (docs/history.md); None: no history kept.
     history_path: str | None = None
     #: The history is an SCD type 2 table (``resources/cdc/scd2.py``) rather than a changelog.

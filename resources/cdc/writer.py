@@ -5,6 +5,11 @@ waits on the engine, not on Python): writes stay in order, and at most one chunk
 besides the one being built. Every Destination call of the applier runs on this thread; the
 caller's thread only waits for it, calling the heartbeat meanwhile (:meth:`OrderedWriter.wait`),
 so the walsender hears from us however long a Delta commit takes.
+
+Each write is tagged with its :attr:`OrderedWriter.owner` (the table it writes, set by the applier
+around a table's writes): a failed write of an owned table goes to :attr:`OrderedWriter.on_failure`,
+which may set that table aside (quarantine) instead of failing the run; the writes queued after it
+go on.
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ class OrderedWriter:
     def __init__(self, heartbeat: Callable[[], None] | None = None) -> None:
         self._heartbeat = heartbeat
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgcdc-delta-write")
-        self._in_flight: deque[tuple[Future[None], int | None]] = deque()
+        self._in_flight: deque[tuple[Future[None], int | None, object | None]] = deque()
         self._behind = False
         self.durable = 0
+        #: The table the writes submitted now belong to (None: the run's own, such as durable marks).
+        self.owner: object | None = None
+        #: ``on_failure(owner, error)``: whether a failed write of ``owner`` was confined to it (else it fails the run).
+        self.on_failure: Callable[[object, Exception], bool] | None = None
 
     def write(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
         """Run a Delta write in the writer thread, after those submitted before it (which must finish
@@ -40,13 +49,13 @@ class OrderedWriter:
             return
         while self._in_flight:
             self._collect_one()
-        self._in_flight.append((self._executor.submit(operation, *args, **kwargs), None))
+        self._in_flight.append((self._executor.submit(operation, *args, **kwargs), None, self.owner))
 
     def write_behind(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
         """Queue a write right behind the one in flight without waiting (pieces of one batch); it runs
         only if the write before it succeeded."""
         before = self._in_flight[-1][0] if self._in_flight else None
-        self._in_flight.append((self._executor.submit(_after, before, operation, *args, **kwargs), None))
+        self._in_flight.append((self._executor.submit(_after, before, operation, *args, **kwargs), None, self.owner))
 
     def next_behind(self, behind: bool = True) -> None:
         """Whether the next :meth:`write` queues behind the writes in flight without waiting for them: a
@@ -56,7 +65,7 @@ class OrderedWriter:
     def durable_after_queued(self, end: int) -> None:
         """``end`` becomes durable once every write queued so far has completed."""
         if self._in_flight:
-            self._in_flight.append((self._executor.submit(lambda: None), end))
+            self._in_flight.append((self._executor.submit(lambda: None), end, None))
         else:
             self.durable = end
 
@@ -66,8 +75,12 @@ class OrderedWriter:
             self._collect_one()
 
     def _collect_one(self) -> None:
-        future, durable = self._in_flight.popleft()
-        self.wait(future)  # a failed write fails the run here, before anything later is confirmed
+        future, durable, owner = self._in_flight.popleft()
+        try:
+            self.wait(future)  # a failed write fails the run here, before anything later is confirmed
+        except Exception as error:
+            if owner is None or self.on_failure is None or not self.on_failure(owner, error):
+                raise
         if durable is not None:
             self.durable = durable
 
@@ -87,7 +100,7 @@ class OrderedWriter:
 
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
-        for future, _ in self._in_flight:
+        for future, _, _ in self._in_flight:
             try:
                 self.wait(future)
             except Exception:  # noqa: BLE001 - closing after a failure: the failure is already on its way

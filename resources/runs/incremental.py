@@ -69,6 +69,7 @@ from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import read_slot, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
 from resources.runs.key_range_copy import copy_key_range
+from resources.runs.quarantine import Quarantine, Quarantines
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
@@ -120,6 +121,12 @@ class IncrementalResult:
     #: shows memory follow the chunk size, not the backlog or the months of runs.
     peak_memory_mib: float
     tables_without_snapshot: list[str] = field(default_factory=list)
+    #: Tables set aside by a fault of their own after the run, by name (resources/runs/quarantine.py).
+    quarantined: dict[str, Quarantine] = field(default_factory=dict)
+    #: Of those, the ones this run set aside: the run reports them as its failure once it has confirmed the rest.
+    newly_quarantined: list[str] = field(default_factory=list)
+    #: Tables whose quarantine a re-snapshot lifted, found at the run's start.
+    lifted: list[str] = field(default_factory=list)
 
     @property
     def changes_per_second(self) -> float:
@@ -182,30 +189,31 @@ def run_incremental(
                 end_lsn = wal_position(conn)
         state = read_state(state_path(config.delta.root, config.slot), destination.lake)
         targets = _targets(config, destination, tables, state, start_lsn, say)
+        end_lsn = rc.identify_system().xlogpos if end_lsn is None else end_lsn
+        quarantines = Quarantines.start(config, destination, targets, end_lsn, say)
         applier = ChangeApplier(
             destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
             max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, destination),
+            set_aside=None if config.on_table_error == "stop" else quarantines.set_aside,
         )  # fmt: skip
-        if end_lsn is None:
-            end_lsn = rc.identify_system().xlogpos
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         if not stream.streaming:
             start_streaming(stream, config.slot, options)
-        proto = options.resolve_proto_version(rc.server_version_num)
         written: dict[str, StateRow] = {}
 
         def record_state() -> None:
             written.update(_record_state(config, destination, targets, state))
 
-        with TransactionAssembler(proto, spill_dir) as assembler:
+        with TransactionAssembler(options.resolve_proto_version(rc.server_version_num), spill_dir) as assembler:
             drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = wal_position(conn)
     return _summary(
-        applier, destination, targets, {**state, **written}, start_lsn, end_lsn, confirmed, flush_now, started, say
-    )
+        applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now,
+        started, say,
+    )  # fmt: skip
 
 
 def _summary(
@@ -213,14 +221,15 @@ def _summary(
     destination: Destination,
     targets: dict[TableName, TableTarget],
     state: dict[str, StateRow],
-    start_lsn: LSN,
-    end_lsn: LSN,
+    quarantines: Quarantines,
+    drained: tuple[LSN, LSN],
     confirmed: LSN,
     flush_now: LSN,
     started: float,
     say: Callable[[str], None],
 ) -> IncrementalResult:
     """What the run did, reported in one line and returned."""
+    start_lsn, end_lsn = drained
     result = IncrementalResult(
         start_lsn=start_lsn,
         end_lsn=end_lsn,
@@ -237,7 +246,11 @@ def _summary(
         tables_without_snapshot=[
             str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted
         ],
+        quarantined=dict(quarantines.active),
+        newly_quarantined=list(quarantines.new),
+        lifted=list(quarantines.lifted),
     )
+    quarantines.report(targets)
     say(
         f"done: {result.transactions} transactions, {result.changes} changes applied "
         f"({result.changes_per_second:,.0f}/s), {result.changes_skipped} skipped, slot confirmed at {confirmed}; "
