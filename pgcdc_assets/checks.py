@@ -9,6 +9,11 @@
   other table the drain does not evaluate it: no catalog round trip, no Delta log read, no event;
   its latest evaluation stays the table's schema status, since nothing that check looks at has
   changed. Selecting only the checks (no drain) evaluates it for every selected table.
+* ``table_not_quarantined``, on each Delta-table asset: the drains apply the table's changes; it fails
+  (severity ERROR) once a fault of the table's own set it aside (``resources/runs/quarantine.py``),
+  naming the cause, the column, the LSN and the fix, and passes again when a re-snapshot lifted it.
+  A drain evaluates it only when it sets a table aside or lifts it, so it costs nothing otherwise;
+  its latest evaluation stays the table's status meanwhile.
 * ``slot_lag_within_bound``, on the pipeline's slot asset: the slot's unconfirmed WAL is at most
   ``checks.max_lag_bytes``; past that the source keeps WAL for us and risks disk or slot loss.
   Once per drain, from the lag the drain measured right after its confirmation.
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dagster import AssetCheckResult, AssetCheckSpec, AssetKey, MetadataValue
+from dagster import AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetKey, MetadataValue
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.dagster_resources import PostgresResource
@@ -34,11 +39,12 @@ from resources.delta.destination import Destination, NO_TABLE, TableLog
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.state_table import known_log, read_state, state_path, StateRow
-from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
+from resources.names import PipelineNames, QUARANTINE_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, SNAPSHOT_JOB
 from resources.pgtypes import spark_ddl_type
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.column_types import published_column_types
 from resources.runs.incremental import IncrementalResult
+from resources.runs.quarantine import Quarantine
 
 
 def table_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
@@ -47,8 +53,33 @@ def table_check_specs(key: AssetKey) -> list[AssetCheckSpec]:
             SCHEMA_CHECK,
             asset=key,
             description="Delta columns and types match the published columns (evaluated when a drain saw them change)",
-        )
+        ),
+        AssetCheckSpec(
+            QUARANTINE_CHECK,
+            asset=key,
+            description="the drains apply the table's changes: no fault of its own set it aside (a re-snapshot lifts one)",
+        ),
     ]
+
+
+def evaluate_quarantine_check(key: AssetKey, table: TableName, quarantine: Quarantine | None) -> AssetCheckResult:
+    """``table_not_quarantined`` of one table: failed, with the cause and fix, while ``quarantine`` holds it."""
+    if quarantine is None:
+        return AssetCheckResult(
+            asset_key=key, check_name=QUARANTINE_CHECK, passed=True, description=f"the drains apply {table}'s changes"
+        )
+    metadata = {
+        "pgcdc/quarantined_from_lsn": MetadataValue.text(str(quarantine.lsn)),
+        "pgcdc/cause": MetadataValue.text(quarantine.cause),
+        "pgcdc/fix": MetadataValue.text(quarantine.fix),
+        "pgcdc/since": MetadataValue.text(quarantine.since),
+    }
+    if quarantine.column is not None:
+        metadata["pgcdc/column"] = MetadataValue.text(quarantine.column)
+    return AssetCheckResult(
+        asset_key=key, check_name=QUARANTINE_CHECK, passed=False, severity=AssetCheckSeverity.ERROR,
+        description=quarantine.describe(), metadata=metadata,
+    )  # fmt: skip
 
 
 def slot_check_specs(slot_key: AssetKey) -> list[AssetCheckSpec]:

@@ -29,9 +29,13 @@ Decisions:
   at the same time.
 * **Retries only for ConnectionFailure** (see ``common.user_facing``).
 * Checks run in this step after the drain (see ``checks.py``): the lag check once per drain on
-  the slot asset, the schema check only for the tables whose schema the drain saw change, as
-  check evaluations whether the run selected them or not. Selecting only checks runs the
-  selected ones without draining.
+  the slot asset, the schema check only for the tables whose schema the drain saw change, the
+  quarantine check only for the tables the drain set aside or lifted, as check evaluations whether
+  the run selected them or not. Selecting only checks runs the selected ones without draining.
+* **A quarantined table fails the run once, after the rest is committed and confirmed**
+  (``resources/runs/quarantine.py``): the drain that sets a table aside records everything else,
+  then fails with the table's one line, so alerting fires; later drains skip the table, record an
+  ``AssetObservation`` saying why, and succeed while its check stays red.
 """
 
 # No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
@@ -56,6 +60,7 @@ from dagster import (
 
 from pgcdc_assets.checks import (
     evaluate_lag_check,
+    evaluate_quarantine_check,
     evaluate_schema_check,
     schema_check_due,
     slot_check_specs,
@@ -66,10 +71,12 @@ from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.translator import PgcdcSlotProps, PgcdcTableProps, PgcdcTranslator, schedule_interval
 from resources.config import PgcdcConfig
+from resources.errors import PgcdcError
 from resources.lsn import LSN
-from resources.names import PipelineNames, SCHEMA_CHECK, SLOT_LAG_CHECK, slot_pool, SNAPSHOT_JOB
+from resources.names import PipelineNames, QUARANTINE_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, slot_pool, SNAPSHOT_JOB
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import IncrementalResult, run_incremental
+from resources.runs.quarantine import read_quarantines
 
 #: Changed tables listed (with links) in a slot materialization; the count is always complete.
 LISTED_TABLES = 50
@@ -167,6 +174,11 @@ def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKe
     }
     if result.tables_without_snapshot:
         metadata["pgcdc/tables_without_snapshot"] = MetadataValue.text(", ".join(result.tables_without_snapshot))
+    metadata["pgcdc/tables_quarantined"] = MetadataValue.int(len(result.quarantined))
+    if result.quarantined:
+        metadata["pgcdc/quarantined_tables"] = MetadataValue.md(
+            "\n".join(f"- {quarantine.describe()}" for quarantine in result.quarantined.values())
+        )
     return metadata
 
 
@@ -195,6 +207,9 @@ def check_event(selected: Set[AssetCheckKey], result: AssetCheckResult) -> Drain
 
 def _skip_reason(result: IncrementalResult, table: TableName, names: PipelineNames) -> str | None:
     """Why the drain did not write ``table``, or None when it could have."""
+    quarantine = result.quarantined.get(str(table))
+    if quarantine is not None:
+        return quarantine.describe()
     if str(table) in result.tables_without_snapshot:
         return f"{table} has no snapshot yet: its changes were skipped; run the {names.scoped(SNAPSHOT_JOB)} job for it"
     if str(table) not in result.tables:
@@ -272,12 +287,17 @@ def build_incremental_assets(
                     result, tables, key_of, slot_key, selected, names, context.log.warning, recorded, history_key_of
                 )
                 yield check_event(checked, evaluate_lag_check(postgres.config, slot_key, result.lag_bytes_after, names))
+                for table in tables:
+                    if str(table) in result.newly_quarantined or str(table) in result.lifted:
+                        quarantine = result.quarantined.get(str(table))
+                        yield check_event(checked, evaluate_quarantine_check(key_of[table], table, quarantine))
                 due = [table for table in tables if schema_check_due(table, result)]
             else:  # only checks selected: evaluate those, without draining
                 if AssetCheckKey(slot_key, SLOT_LAG_CHECK) in checked:
                     state = postgres.read_slot()
                     lag = None if state is None else postgres.slot_lag_bytes(state)
                     yield evaluate_lag_check(postgres.config, slot_key, lag, names)
+                yield from _quarantine_checks(postgres.config, spark, tables, key_of, checked)
                 due = [table for table in tables if AssetCheckKey(key_of[table], SCHEMA_CHECK) in checked]
                 result = None
             if due:
@@ -291,5 +311,38 @@ def build_incremental_assets(
                             postgres, session, table_log, table, key_of[table], without_snapshot, names
                         ),
                     )
+            if result is not None and result.newly_quarantined:
+                raise QuarantineFailure(result)
 
     return drain_slot
+
+
+class QuarantineFailure(PgcdcError):
+    """The drain set tables aside: raised after every other table is committed and confirmed, so the run fails once."""
+
+    def __init__(self, result: IncrementalResult) -> None:
+        quarantines = [result.quarantined[name] for name in result.newly_quarantined]
+        others = (
+            f" (and {len(quarantines) - 1} more table(s), listed on the slot asset)" if len(quarantines) > 1 else ""
+        )
+        first = quarantines[0]
+        super().__init__(
+            f"{first.describe().removesuffix(f': {first.fix}')}{others}; every other table was applied and the slot "
+            f"confirmed at {result.confirmed_flush_lsn}",
+            first.fix,
+        )
+
+
+def _quarantine_checks(
+    config: PgcdcConfig,
+    spark: SparkDeltaResource,
+    tables: Sequence[TableName],
+    key_of: Mapping[TableName, AssetKey],
+    checked: Set[AssetCheckKey],
+) -> Iterator[AssetCheckResult]:
+    """The selected ``table_not_quarantined`` checks, from the pipeline's records (no drain)."""
+    selected = [table for table in tables if AssetCheckKey(key_of[table], QUARANTINE_CHECK) in checked]
+    if selected:
+        quarantined = read_quarantines(config, spark.destination.lake)
+        for table in selected:
+            yield evaluate_quarantine_check(key_of[table], table, quarantined.get(str(table)))

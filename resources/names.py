@@ -39,6 +39,7 @@ SLOT_HEALTH_SENSOR = "pgcdc_slot_health_sensor"
 
 
 SCHEMA_CHECK = "schema_matches_postgres"
+QUARANTINE_CHECK = "table_not_quarantined"
 SLOT_LAG_CHECK = "slot_lag_within_bound"
 # Evaluated by the pgcdc_reconcile job, at one fixed LSN:
 ROW_COUNT_CHECK = "row_count_matches_postgres"

@@ -7,21 +7,45 @@ engine is what refuses.
 
 from __future__ import annotations
 
+import signal
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from dagster import AssetKey, instance_for_test
+from pyspark.sql import SparkSession
 
+from pgcdc_assets.builder import build_definitions
 from resources.cdc.schema import ChangeValueError, SchemaChangeError
 from resources.config import parse_config, PgcdcConfig
-from resources.names import TableName
+from resources.crash_points import FAULT_POINT_ENV
+from resources.delta.spark_destination import lake_destination
+from resources.lsn import LSN
+from resources.names import QUARANTINE_CHECK, TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.quarantine import read_quarantines
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.memory_destination import InMemoryDestination
+from resources.testing.verify import assert_delta_equals_postgres
+from tests.support.dagster_runs import (
+    check_outcomes,
+    create_shop,
+    delta_rows,
+    materializations,
+    pg_notes,
+    pg_orders,
+    run_job,
+    slot_position as pgcdc_slot_position,
+    write_config,
+)
+from tests.support.fault_runs import Child, write_config as write_config_file
 from tests.support.postgres import PgDatabase
 
+pytest_plugins = ["tests.support.spark_fixtures"]
+
 SLOT = "pgcdc_quarantine_slot"
+SLOT_KEY = AssetKey(["pgcdc", "slot"])
+ORDERS_KEY = AssetKey(["pgcdc", "public", "orders"])
 GOOD = ("acct", "events", "pairs")
 
 DDL = """
@@ -133,31 +157,9 @@ def test_a_poisoned_table_is_set_aside_and_the_others_flow(pg: PgDatabase, tmp_p
     if repair:
         pg.execute(repair)
     snapshot_tables(config, destination, [TableName("public", "due")])
-    assert read_quarantines(config, destination.lake) == {}
     round_of_changes(pg, 4)
     third = run_incremental(config, destination)
-    assert third.quarantined == {} and third.newly_quarantined == []
-    assert_exact(pg, destination, config, (*GOOD, "due"))
-
-
-def test_a_lost_record_removal_is_lifted_by_the_drain(pg: PgDatabase, tmp_path: Path) -> None:
-    """The table's own log decides: a record left beside a re-snapshot (a crash before its removal) is lifted."""
-    pg.execute(DDL)
-    config = config_for(pg, tmp_path / "lake")
-    destination = InMemoryDestination()
-    snapshot_tables(config, destination)
-    pg.execute("INSERT INTO due VALUES (100, 'infinity', 1)")
-    first = run_incremental(config, destination)
-    kept = read_quarantines(config, destination.lake)
-    assert list(kept) == ["public.due"] == first.newly_quarantined
-    pg.execute("DELETE FROM due WHERE id = 100")
-    snapshot_tables(config, destination, [TableName("public", "due")])
-    from resources.runs.quarantine import record_quarantine
-
-    record_quarantine(config, kept["public.due"], destination.lake)  # as if the snapshot's removal was lost
-    round_of_changes(pg, 1)
-    again = run_incremental(config, destination)
-    assert again.lifted == ["public.due"] and again.quarantined == {}
+    assert third.lifted == ["public.due"] and third.quarantined == {} and third.newly_quarantined == []
     assert read_quarantines(config, destination.lake) == {}
     assert_exact(pg, destination, config, (*GOOD, "due"))
 
@@ -173,3 +175,78 @@ def test_on_table_error_stop_fails_the_drain_and_confirms_nothing_past_it(pg: Pg
         run_incremental(config, destination)
     assert slot_position(pg) == before
     assert read_quarantines(config, destination.lake) == {}
+
+
+def test_through_dagster_a_poisoned_table_fails_one_run_and_its_check_until_a_resnapshot(
+    pg: PgDatabase, tmp_path: Path, spark_engine: object
+) -> None:
+    """The jobs a schedule and a user launch: the first drain after the poison commits and confirms the
+    other table, then fails naming the table, column, LSN and fix; the table's check is red until a
+    re-snapshot lifts the quarantine, while later drains succeed."""
+    create_shop(pg)
+    config = write_config(tmp_path, pg)
+    defs = build_definitions(config)
+    lake = tmp_path / "lake"
+    with instance_for_test() as instance:
+        run_job(defs, instance, "pgcdc_snapshot")
+        pg.execute("INSERT INTO orders VALUES (900, 'not a number', 'NaN', NULL, NULL)")
+        pg.execute("INSERT INTO notes VALUES ('beside the poison')")
+        first = defs.resolve_job_def("pgcdc_incremental").execute_in_process(instance=instance, raise_on_error=False)
+        assert not first.success
+        (failure,) = [event for event in first.all_events if event.is_step_failure]
+        message = failure.step_failure_data.error.message  # type: ignore[union-attr]
+        assert "public.orders is quarantined" in message and "'amount'" in message and "pgcdc_resnapshot" in message
+        assert delta_rows(lake, "notes") == pg_notes(pg)
+        assert pgcdc_slot_position(pg) >= LSN.parse(str(materializations(first)[SLOT_KEY]["pgcdc/end_lsn"]))
+        assert materializations(first)[SLOT_KEY]["pgcdc/tables_quarantined"] == 1
+        assert check_outcomes(first)[(ORDERS_KEY, QUARANTINE_CHECK)] is False
+
+        pg.execute("INSERT INTO notes VALUES ('later'); UPDATE orders SET customer = 'skipped' WHERE id = 1")
+        second = run_job(defs, instance, "pgcdc_incremental")
+        assert delta_rows(lake, "notes") == pg_notes(pg)
+        assert (ORDERS_KEY, QUARANTINE_CHECK) not in check_outcomes(second)  # stays red: not evaluated again
+        observed = [event for event in second.all_events if event.event_type_value == "ASSET_OBSERVATION"]
+        assert any("quarantined" in str(event.event_specific_data) for event in observed)
+
+        pg.execute("UPDATE orders SET amount = 9 WHERE id = 900")
+        run_job(
+            defs,
+            instance,
+            "pgcdc_resnapshot",
+            run_config={"ops": {"snapshot_tables": {"config": {"tables": ["public.orders"]}}}},
+        )
+        pg.execute("UPDATE orders SET customer = 'flowing again' WHERE id = 2")
+        third = run_job(defs, instance, "pgcdc_incremental")
+        assert check_outcomes(third)[(ORDERS_KEY, QUARANTINE_CHECK)] is True
+        assert delta_rows(lake, "orders") == pg_orders(pg)
+        assert materializations(third)[SLOT_KEY]["pgcdc/tables_quarantined"] == 0
+
+
+def test_a_kill_after_the_quarantine_record_replays_exactly(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """Killed between the quarantine record and the confirm: the rerun applies the other tables exactly,
+    keeps the table set aside, reports it as the killed drain would have, and a re-snapshot restores it."""
+    pg.execute(DDL)
+    config = config_for(pg, tmp_path / "lake")
+    snapshot_tables(config, lake_destination(spark, config))
+    for n in range(3):
+        round_of_changes(pg, n)
+    pg.execute("INSERT INTO due VALUES (100, 'infinity', 1)")
+    round_of_changes(pg, 3)
+    child = Child(write_config_file(config, tmp_path), env={FAULT_POINT_ENV: "after_quarantine_record"})
+    assert child.wait() == -signal.SIGKILL, child.output()
+    assert list(read_quarantines(config, None)) == ["public.due"]
+    assert LSN.parse(slot_position(pg)) < read_quarantines(config, None)["public.due"].after  # not confirmed past
+
+    rerun = run_incremental(config, lake_destination(spark, config))
+    assert rerun.newly_quarantined == ["public.due"]
+    for table in GOOD:
+        assert_delta_equals_postgres(pg.dsn, f"public.{table}", config.table_path("public", table))
+    pg.execute("DELETE FROM due WHERE id = 100")
+    snapshot_tables(config, lake_destination(spark, config), [TableName("public", "due")])
+    round_of_changes(pg, 4)
+    last = run_incremental(config, lake_destination(spark, config))
+    assert last.lifted == ["public.due"] and last.quarantined == {}
+    for table in (*GOOD, "due"):
+        assert_delta_equals_postgres(pg.dsn, f"public.{table}", config.table_path("public", table))

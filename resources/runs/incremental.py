@@ -190,7 +190,7 @@ def run_incremental(
         state = read_state(state_path(config.delta.root, config.slot), destination.lake)
         targets = _targets(config, destination, tables, state, start_lsn, say)
         end_lsn = rc.identify_system().xlogpos if end_lsn is None else end_lsn
-        quarantines = Quarantines.start(config, destination, targets, end_lsn, say)
+        quarantines = Quarantines.start(config, destination, targets, (start_lsn, end_lsn), say)
         applier = ChangeApplier(
             destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,

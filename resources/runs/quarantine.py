@@ -15,9 +15,9 @@ confines the fault to its table instead:
 
 A re-snapshot lifts it: a snapshot whose consistent point lies past the quarantining drain's end
 (``Quarantine.after``) holds every change the drains skipped, and the drains apply what follows it,
-exactly as for a table snapshotted for the first time. The rule is read from the table's own log at
-each drain's start, so a crash between the snapshot's commit and the record's removal changes
-nothing. ``on_table_error: stop`` fails the drain at the fault instead, with nothing confirmed past it.
+exactly as for a table snapshotted for the first time. The next drain reads that from the table's own
+log at its start, removes the record and reports the table lifted (its check turns green), so no
+snapshot writes a record and no crash between two writes can leave a wrong one. ``on_table_error: stop`` fails the drain at the fault instead, with nothing confirmed past it.
 
 What is confined: :class:`~resources.errors.TableFault` (a value, a schema change) and the engine's
 analysis errors on a table's write (its columns or its data refused). Everything else (the engine gone,
@@ -151,11 +151,14 @@ class Quarantines:
 
     @classmethod
     def start(
-        cls, config: PgcdcConfig, destination: Destination, targets: Mapping[TableName, TableTarget], end_lsn: LSN,
-        say: Callable[[str], None],
+        cls, config: PgcdcConfig, destination: Destination, targets: Mapping[TableName, TableTarget],
+        drained: tuple[LSN, LSN], say: Callable[[str], None],
     ) -> Quarantines:  # fmt: skip
         """Read the pipeline's records; a table whose log now holds a snapshot past its record is lifted (its
-        record removed), any other is set aside before the drain meets its changes."""
+        record removed), any other is set aside before the drain meets its changes. ``drained`` is the
+        drain's (start, end): a record its own drain never confirmed past (killed before its final
+        confirm) counts as new, so this drain reports it and fails as that one would have."""
+        start_lsn, end_lsn = drained
         quarantines = cls(config, destination, targets, end_lsn, say)
         for name, quarantine in read_quarantines(config, destination.lake).items():
             target = quarantines._targets.get(name)
@@ -174,6 +177,8 @@ class Quarantines:
             else:
                 target.quarantined = True
                 quarantines.active[name] = quarantine
+                if start_lsn < quarantine.after:  # its drain was killed before its final confirm: never reported
+                    quarantines.new.append(name)
         return quarantines
 
     def set_aside(self, table: TableName, lsn: int, error: Exception) -> bool:
@@ -196,15 +201,3 @@ class Quarantines:
                 self._say(
                     f"warning: {target.stats.quarantine_skipped} change(s) of {table} skipped: {quarantine.describe()}"
                 )
-
-
-def lift_replaced(config: PgcdcConfig, snapshots: Mapping[str, LSN], lake: LakeStorage | None) -> list[str]:
-    """After a snapshot run: remove the records of the tables its snapshots (``snapshots``: table ->
-    consistent point) replaced after they were set aside; returns those tables. (A drain finds the same
-    from the tables' logs; this turns the asset's check green without waiting for one.)"""
-    lifted = []
-    for name, quarantine in read_quarantines(config, lake).items():
-        if name in snapshots and quarantine.lifted_by(snapshots[name]):
-            lift_quarantine(config, name, lake)
-            lifted.append(name)
-    return lifted

@@ -35,7 +35,6 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.slots import read_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
-from resources.runs.quarantine import lift_replaced
 from resources.runs.table_snapshot import naming_table, snapshot_table, SnapshotProgress, SnapshotResult
 from resources.sql import quote_ident
 
@@ -190,7 +189,6 @@ def snapshot_each(
     if finished:
         with clock.timed("state_write"):
             _record_snapshots(state, finished, destination)
-        lift_replaced(config, {str(done.table): done.snapshot_lsn for done in finished}, destination.lake)
 
 
 def _record_snapshots(state: str, finished: list[SnapshotResult], destination: Destination) -> None:
