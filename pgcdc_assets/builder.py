@@ -37,6 +37,7 @@ from resources.names import (
     SNAPSHOT_JOB,
 )
 from resources.postgres.catalog import TableName
+from sensors.quarantine_sensor import build_quarantine_sensor
 from sensors.slot_sensors import build_new_tables_sensor, build_slot_health_sensor, build_slot_lag_sensor
 
 
@@ -122,6 +123,7 @@ def build_pipeline_definitions(
             build_slot_lag_sensor(names),
             build_new_tables_sensor(snapshot_keys, names),
             build_slot_health_sensor(names),
+            build_quarantine_sensor(snapshot_keys, names),
         ],
         resources={
             names.postgres_key: postgres,

@@ -36,6 +36,7 @@ def slot_pool(slot: str) -> str:
 LAG_SENSOR = "pgcdc_slot_lag_sensor"
 NEW_TABLES_SENSOR = "pgcdc_new_tables_sensor"
 SLOT_HEALTH_SENSOR = "pgcdc_slot_health_sensor"
+QUARANTINE_SENSOR = "pgcdc_quarantine_sensor"
 
 
 SCHEMA_CHECK = "schema_matches_postgres"

@@ -102,6 +102,7 @@ from tests.support.key_shapes import (
     SHAPES,
 )
 from tests.support.object_storage_lifecycle import lifecycle as object_storage_lifecycle
+from tests.support.poisons import DDL as POISONS_DDL, round_of_changes
 from tests.support.randomized_replay import Replay
 from tests.support.s3_fixtures import S3Server
 from tests.support.workload import generate
@@ -137,6 +138,7 @@ LIFECYCLE_HISTORY = {"public.acct": "scd2", "public.dup": "changelog", "public.j
 #: Tests that run on the managed Spark engine only: its JVM is up anyway, and the other engines
 #: add nothing to them that the lifecycle walk does not cover.
 SPARK_LOCAL_ONLY = {
+    "test_faults_of_two_tables_on_spark_quarantine_them_and_the_others_flow",
     "test_randomized_workload_on_spark_matches_postgres",
     "test_lifecycle_on_s3_with_apache_spark_and_delta",
     "test_snapshot_in_key_ranges_on_spark_with_an_empty_range_matches_postgres",
@@ -854,3 +856,30 @@ def test_delta_spark_pin_matches_the_jars_pgcdc_loads() -> None:
     """pip's delta-spark (dev and classic extras) and the jar coordinate pinned in code must not drift."""
     assert metadata.version("delta-spark") == DELTA_VERSION
     assert DELTA_PACKAGE == f"io.delta:delta-spark_4.1_2.13:{DELTA_VERSION}"
+
+
+def test_faults_of_two_tables_on_spark_quarantine_them_and_the_others_flow(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
+    """A value Delta cannot hold in one table and a column Delta on Spark refuses (a case twin) in another:
+    both set aside, the other tables and the slot flow, re-snapshots restore both exactly."""
+    pg.execute(POISONS_DDL)
+    config = engine_config(pg, tmp_path, engine)
+    destination = lake_destination(engine.spark, config)
+    snapshot_tables(config, destination)
+    round_of_changes(pg, 1)
+    pg.execute("INSERT INTO due VALUES (100, 'infinity', 1)")
+    pg.execute("ALTER TABLE pairs ADD COLUMN \"A\" int; INSERT INTO pairs VALUES (7, 'z', 7)")
+    round_of_changes(pg, 2)
+    first = run_incremental(config, destination)
+    assert sorted(first.newly_quarantined) == ["public.due", "public.pairs"]
+    assert confirmed(pg) == first.confirmed_flush_lsn >= first.end_lsn
+    for table in ("acct", "events"):
+        assert_delta_equals_postgres(pg.dsn, f"public.{table}", config.table_path("public", table))
+    pg.execute('DELETE FROM due WHERE id = 100; ALTER TABLE pairs DROP COLUMN "A"')
+    snapshot_tables(config, destination, [TableName("public", "due"), TableName("public", "pairs")])
+    round_of_changes(pg, 3)
+    last = run_incremental(config, destination)
+    assert sorted(last.lifted) == ["public.due", "public.pairs"] and last.quarantined == {}
+    for table in ("acct", "events", "pairs", "due"):
+        assert_delta_equals_postgres(pg.dsn, f"public.{table}", config.table_path("public", table))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import datetime, UTC
 from typing import Any
 
+from resources.cdc.schema import ChangeValueError, SchemaChangeError
 from resources.cdc.tables import TableTarget
 from resources.config import PgcdcConfig
 from resources.crash_points import fault_point
@@ -61,6 +62,10 @@ class Quarantine:
     #: The column at fault, when one is.
     column: str | None
     since: str
+    #: What kind of fault: ``schema`` (a re-snapshot takes the new schema: fixed by the re-snapshot itself),
+    #: ``value`` (a value Delta cannot hold: fixed in PostgreSQL or by replicating the column as text) or
+    #: ``engine`` (a write the engine refused).
+    fault: str = "engine"
 
     def describe(self) -> str:
         """One line: the table, since where, why, and what to do."""
@@ -74,14 +79,14 @@ class Quarantine:
     def to_json(self) -> dict[str, Any]:
         return {
             "table": self.table, "path": self.path, "lsn": str(self.lsn), "after": str(self.after),
-            "cause": self.cause, "fix": self.fix, "column": self.column, "since": self.since,
+            "cause": self.cause, "fix": self.fix, "column": self.column, "since": self.since, "fault": self.fault,
         }  # fmt: skip
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Quarantine:
         return cls(
             value["table"], value["path"], LSN.parse(value["lsn"]), LSN.parse(value["after"]), value["cause"],
-            value["fix"], value.get("column"), value["since"],
+            value["fix"], value.get("column"), value["since"], value.get("fault", "engine"),
         )  # fmt: skip
 
 
@@ -108,7 +113,14 @@ def quarantine_of(table: str, path: str, lsn: int, after: LSN, error: BaseExcept
         column = None
     if f"{RESNAPSHOT_JOB}" not in fix:
         fix = f"{fix} (its snapshot asset, or the {RESNAPSHOT_JOB} job naming it, lifts the quarantine)"
-    return Quarantine(table, path, LSN(lsn), after, cause, fix, column, datetime.now(UTC).isoformat())
+    since = datetime.now(UTC).isoformat()
+    return Quarantine(table, path, LSN(lsn), after, cause, fix, column, since, _fault_kind(error))
+
+
+def _fault_kind(error: BaseException) -> str:
+    if isinstance(error, SchemaChangeError):
+        return "schema"
+    return "value" if isinstance(error, ChangeValueError) else "engine"
 
 
 def quarantine_location(config: PgcdcConfig) -> str:
