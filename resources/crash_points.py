@@ -5,15 +5,19 @@ when reached, and a test can then crash a real run exactly there.
 
 Exactly-once has to survive a crash at any instant, and the only honest test of that is a
 real SIGKILL (no ``finally`` blocks, no flushing, no goodbye to PostgreSQL). Tests run an
-incremental drain in a child process with ``PGCDC_FAULT_POINT`` set; the first time the
-drain reaches that point the process sends itself SIGKILL. Unset (always, in production)
-the check is one dictionary lookup per chunk.
+incremental drain in a child process with ``PGCDC_FAULT_POINT`` set to ``point`` or
+``point:n``; the first (or the n-th) time the drain reaches that point the process sends itself
+SIGKILL, so a test can kill after the k-th of a drain's commits, not only its first. Unset
+(always, in production) the check is one dictionary lookup per arrival.
 
 Points (see ``resources/runs/incremental.py``):
 
 * ``before_merge``: changes are decoded and batched, nothing of the chunk is in Delta yet.
 * ``after_history_commit``: a changelog commit (docs/history.md) is durable, the table's commit of
   the same changes is not.
+* ``after_table_commit``: one Delta write of the drain (a table's MERGE, append or rewrite, one piece of
+  a transaction larger than a chunk, a changelog commit, a schema change) is durable and the next is not;
+  reached after every such write, so ``after_table_commit:n`` kills between the n-th and the next.
 * ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
 * ``after_confirm``: the slot has been told the chunk's end position.
 * ``after_quarantine_record``: a table's fault set it aside and its quarantine record is durable
@@ -51,6 +55,7 @@ FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
 FAULT_POINTS = (
     "before_merge",
     "after_history_commit",
+    "after_table_commit",
     "after_delta_commit",
     "after_confirm",
     "after_quarantine_record",
@@ -68,6 +73,17 @@ FAULT_POINTS = (
 
 
 def fault_point(name: str) -> None:
-    """Kill this process with SIGKILL if ``PGCDC_FAULT_POINT`` names ``name``."""
-    if os.environ.get(FAULT_POINT_ENV) == name:
+    """Kill this process with SIGKILL if ``PGCDC_FAULT_POINT`` names ``name`` (at its n-th arrival with ``name:n``)."""
+    wanted = os.environ.get(FAULT_POINT_ENV)
+    if wanted is None:
+        return
+    point, _, arrival = wanted.partition(":")
+    if point != name:
+        return
+    _arrivals[name] = _arrivals.get(name, 0) + 1
+    if _arrivals[name] >= int(arrival or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_arrivals: dict[str, int] = {}
+"""How often each named point was reached in this process (counted only while one is set)."""

@@ -67,10 +67,12 @@ class BatchAssembly(ApplierState):
     @staticmethod
     def _convert(target: TableTarget, values: pa.Array, column: PgColumnType) -> pa.Array:
         try:
-            return to_arrow(values, column)
+            converted = to_arrow(values, column)
         except PgValueError as exc:
             raise ChangeValueError(
                 f"cannot apply a change to {target.table}: {exc}",
                 "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
                 column=column.column,
             ) from exc
+        wider = target.delta_wider.get(column.column)
+        return converted if wider is None else converted.cast(wider)

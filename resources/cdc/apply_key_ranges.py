@@ -79,7 +79,7 @@ class KeyRangeRule(ApplierState):
                 "run the table's snapshot (pgcdc_snapshot) to continue its snapshot in key ranges",
             )
         self._log(f"{target.table}: copying key range {k + 1} of {target.log.chunks.count} again: {why}")
-        self._writer.call(self._recopy_range, target.table, target.path, target.log, k)
+        self._writer.commit(self._recopy_range, target.table, target.path, target.log, k)
         target.log = self._writer.call(self._destination.read_table_log, target.path, target.log)
         chunks = target.log.chunks if target.log is not None else None
         point = chunks.points[k] if chunks is not None else None

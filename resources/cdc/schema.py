@@ -89,13 +89,19 @@ class SchemaReconciler:
         existing = {f.name: f.type for f in target.delta_schema}
         added: list[pa.Field] = []
         widened: dict[str, pa.DataType] = {}
+        target.delta_wider = {}
         for column in columns:
             wanted = arrow_type(column)
             current = existing.get(column.column)
             if current is None:
                 added.append(pa.field(column.column, wanted))
             elif delta_type_name(current) != delta_type_name(wanted):
-                if not is_safe_widening(current, wanted):
+                if is_safe_widening(wanted, current):
+                    # Delta is wider already: a replay of changes from before a widening whose commit is
+                    # durable (a crash before the confirm), or a column narrowed in PostgreSQL. Every value
+                    # fits: it is written in Delta's type.
+                    target.delta_wider[column.column] = current
+                elif not is_safe_widening(current, wanted):
                     raise SchemaChangeError(
                         f"column {column.column!r} of {target.table} changed type from "
                         f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
@@ -116,10 +122,10 @@ class SchemaReconciler:
         added = [f for f in added if f.name not in fills]
         if widened:
             self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
-            self._writer.call(self._destination.widen_columns, target.path, widened)
+            self._writer.commit(self._destination.widen_columns, target.path, widened)
         if added:
             self._log(f"{target.table}: adding column(s) {', '.join(f.name for f in added)}")
-            self._writer.call(self._destination.add_columns, target.path, pa.schema(added))
+            self._writer.commit(self._destination.add_columns, target.path, pa.schema(added))
         if fills:
             self._log(
                 f"{target.table}: setting {', '.join(fills)} in the rows written up to {LSN(end)} to the value "
@@ -128,7 +134,7 @@ class SchemaReconciler:
             values = pa.table({name: value for name, value in fills.items()})
             if self._before_fill is not None:
                 self._before_fill(target, values, end, seq)
-            self._writer.call(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
+            self._writer.commit(self._destination.fill_columns, target.path, values, LSN_COLUMN, end)
         if widened or added or fills:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
         target.dropped = [f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")]

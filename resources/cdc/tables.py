@@ -60,6 +60,9 @@ class TableTarget:
     key_index: tuple[int, ...] = ()
     #: Delta columns the relation no longer has: written NULL from now on.
     dropped: list[pa.Field] = field(default_factory=list)
+    #: Columns Delta holds in a wider type than the relation's (a replay from before a durable widening,
+    #: or a column narrowed in PostgreSQL), by name: their values are cast up to it.
+    delta_wider: dict[str, pa.DataType] = field(default_factory=dict)
     delta_schema: pa.Schema | None = None
     #: Whether a MERGE may name its batch's buckets as its partition predicate (decided per relation).
     prune_buckets: bool = False

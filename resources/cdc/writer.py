@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
+from resources.crash_points import fault_point
+
 T = TypeVar("T")
 
 HEARTBEAT_SECONDS = 0.1
@@ -49,7 +51,7 @@ class OrderedWriter:
             return
         while self._in_flight:
             self._collect_one()
-        self._in_flight.append((self._executor.submit(operation, *args, **kwargs), None, self.owner))
+        self._in_flight.append((self._executor.submit(_committed_write, operation, *args, **kwargs), None, self.owner))
 
     def write_behind(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
         """Queue a write right behind the one in flight without waiting (pieces of one batch); it runs
@@ -98,6 +100,10 @@ class OrderedWriter:
         self.collect(wait=True)
         return self.wait(self._executor.submit(operation, *args))
 
+    def commit(self, operation: Callable[..., T], *args: object) -> T:
+        """:meth:`call` for a Delta write (a schema change, a range's copy): the crash point follows it."""
+        return self.call(_committed, operation, *args)
+
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
         for future, _, _ in self._in_flight:
@@ -112,4 +118,16 @@ def _after(before: Future[None] | None, operation: Callable[..., None], *args: o
     """(Writer thread.) ``operation`` once the write before it (done already: one thread, in order) succeeded."""
     if before is not None:
         before.result()
-    operation(*args, **kwargs)
+    _committed_write(operation, *args, **kwargs)
+
+
+def _committed_write(operation: Callable[..., None], *args: object, **kwargs: object) -> None:
+    """(Writer thread.) :func:`_committed` of a write whose result is None (the queued writes)."""
+    _committed(operation, *args, **kwargs)
+
+
+def _committed(operation: Callable[..., T], *args: object, **kwargs: object) -> T:
+    """(Writer thread.) One Delta write, then the crash point between it and the next (``after_table_commit``)."""
+    result = operation(*args, **kwargs)
+    fault_point("after_table_commit")
+    return result

@@ -73,18 +73,23 @@ def slot_confirmed(pg: PgDatabase) -> LSN:
 def assert_refused_with_the_resnapshot_fix(
     pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, statements: list[str], expected: str
 ) -> None:
-    """After ``statements``, the drain fails in one line naming ``expected`` and the re-snapshot job,
-    and confirms nothing past the change it could not apply."""
+    """After ``statements``, the drain sets the one table aside (quarantine: docs/guarantees.md) in one line
+    naming ``expected`` and the re-snapshot job; with ``on_table_error: stop`` the same line fails the
+    drain, and nothing past the change it could not apply is confirmed."""
     start = slot_confirmed(pg)
     with pg.connect() as conn:
         for statement in statements:
             conn.execute(statement)
+    stop = config.model_copy(update={"on_table_error": "stop"})
     with pytest.raises(SchemaChangeError) as failure:
-        drain(config, spark)
-    message = str(failure.value)
+        drain(stop, spark)
+    assert slot_confirmed(pg) == start
+    result = drain(config, spark)
+    (table,) = result.newly_quarantined
+    message = result.quarantined[table].describe()
+    assert str(failure.value) in message
     assert expected in message
     assert "pgcdc_resnapshot" in message and "\n" not in message
-    assert slot_confirmed(pg) == start
 
 
 def run_child(
