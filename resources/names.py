@@ -93,14 +93,14 @@ def dagster_name(*parts: str) -> str:
     Dagster derives output and input names from asset keys by joining their parts with ``__``
     and replacing only ``-`` and ``.``, so ``"Order Items"`` fails the load and ``order-items``
     meets ``order_items``; pgcdc names them itself, with this one rule. Plain parts (letters,
-    digits, single ``_`` between them) are joined with ``__``: ``table__public__orders``.
+    digits, single ``_`` between them) are joined with ``__``: ``asset__pgcdc__public__orders``.
     Otherwise every part is escaped, joined with ``__`` and the name ends with ``_``: each
     character but an ASCII letter or digit, ``_`` included, becomes ``_`` and 2 hex digits
-    (code points below 256), ``_u`` and 4, or ``_U`` and 6: ``table__public__Order_20Items_``,
+    (code points below 256), ``_u`` and 4, or ``_U`` and 6: ``asset__pgcdc__public__Order_20Items_``,
     ``caf_e9``, ``order_2ditems``, ``order_5fitems``. An escaped part holds no ``__`` and ends
     with a letter or digit, so ``dagster_name_parts`` reads the parts back: the name is
     injective (twins by case, ``-``/``_``, dots or quotes never share one) and the same at every
-    load. Names of tables within one definition therefore never collide, whatever PostgreSQL accepts.
+    load, whatever names PostgreSQL accepted.
     """
     if not parts:
         raise ValueError("a Dagster name needs at least one part")

@@ -228,9 +228,9 @@ def test_odd_names_replicate_through_dagster(pg: PgDatabase, tmp_path: Path, ins
     request = evaluate(defs, "pgcdc_new_tables_sensor", instance, config_file)
     assert isinstance(request, SensorResult) and set(request.run_requests[0].asset_selection or []) == snapshot_keys
 
-    # Named in run config as a person writes them (the resnapshot job's table list: the same op and config).
+    # The first snapshot through the resnapshot job, every table named in its run config as a person writes it.
     listed = {"ops": {"snapshot_tables": {"config": {"tables": [t.written for t in REPLICATED]}}}}
-    snapshot = run_job(defs, instance, "pgcdc_snapshot", run_config=listed)
+    snapshot = run_job(defs, instance, "pgcdc_resnapshot", run_config=listed)
     assert set(materializations(snapshot)) == snapshot_keys
 
     _change_tables(pg)
