@@ -40,8 +40,10 @@ Decisions:
 
 # No `from __future__ import annotations`: Dagster reads the decorated functions' annotations at runtime.
 
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from typing import Any
+from urllib.parse import quote
 
 from dagster import (
     AssetCheckEvaluation,
@@ -55,7 +57,7 @@ from dagster import (
     DagsterInstance,
     MaterializeResult,
     MetadataValue,
-    multi_asset,
+    op,
 )
 
 from pgcdc_assets.checks import (
@@ -69,6 +71,7 @@ from pgcdc_assets.checks import (
 )
 from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.named_outputs import NamedOutputs
 from pgcdc_assets.translator import PgcdcSlotProps, PgcdcTableProps, PgcdcTranslator, schedule_interval
 from resources.config import PgcdcConfig
 from resources.errors import PgcdcError
@@ -164,7 +167,7 @@ def changed_tables(result: IncrementalResult, tables: Sequence[TableName], recor
 def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKey]) -> dict[str, Any]:
     """The slot asset's metadata of one drain: where the slot stands, what the drain did, which tables it changed."""
     listed = list(changed.items())[:LISTED_TABLES]
-    links = "\n".join(f"- [{table}](/assets/{'/'.join(key.path)})" for table, key in listed)
+    links = "\n".join(f"- [{_markdown_text(table.written)}]({asset_page(key)})" for table, key in listed)
     more = f"\n- and {len(changed) - len(listed)} more" if len(changed) > len(listed) else ""
     metadata: dict[str, Any] = {
         **drain_figures(result),
@@ -180,6 +183,17 @@ def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKe
             "\n".join(f"- {quarantine.describe()}" for quarantine in result.quarantined.values())
         )
     return metadata
+
+
+def asset_page(key: AssetKey) -> str:
+    """The UI's page of ``key``: each part percent-encoded, so a space, ``/`` or quote in a table's name stays in its part."""
+    return "/assets/" + "/".join(quote(part, safe="") for part in key.path)
+
+
+def _markdown_text(text: str) -> str:
+    """``text`` shown as itself in Markdown link text: ``\\``, brackets, ``*``, backticks and angle brackets
+    escaped (``_`` is left: inside a word, as in ``order_items``, Markdown reads it as itself)."""
+    return re.sub(r"([\\\[\]*`<>])", r"\\\1", text)
 
 
 def materialization(selected: Set[AssetKey], key: AssetKey, metadata: dict[str, Any]) -> DrainEvent:
@@ -211,9 +225,9 @@ def _skip_reason(result: IncrementalResult, table: TableName, names: PipelineNam
     if quarantine is not None:
         return quarantine.describe()
     if str(table) in result.tables_without_snapshot:
-        return f"{table} has no snapshot yet: its changes were skipped; run the {names.scoped(SNAPSHOT_JOB)} job for it"
+        return f"{table.written} has no snapshot yet: its changes were skipped; run the {names.scoped(SNAPSHOT_JOB)} job for it"
     if str(table) not in result.tables:
-        return f"{table} is no longer replicated (not in the publication or 'tables'): reload the code location"
+        return f"{table.written} is no longer replicated (not in the publication or 'tables'): reload the code location"
     return None
 
 
@@ -254,8 +268,7 @@ def build_incremental_assets(
     slot_props = PgcdcSlotProps.of(config, names)
     slot_key = translator.get_slot_asset_key(slot_props)
 
-    @multi_asset(
-        name=names.scoped("drain_slot"),
+    named = NamedOutputs(
         specs=[
             translator.get_slot_asset_spec(slot_props),
             *(translator.get_table_asset_spec(p) for p in props.values()),
@@ -265,7 +278,12 @@ def build_incremental_assets(
             *slot_check_specs(slot_key),
             *(spec for key in key_of.values() for spec in table_check_specs(key)),
         ],
-        can_subset=True,
+    )
+
+    @op(
+        name=names.scoped("drain_slot"),
+        ins=named.ins,
+        out=named.outs,
         pool=slot_pool(config.slot),
         required_resource_keys={names.postgres_key, names.spark_key},
         retry_policy=TRANSIENT_RETRY_POLICY,
@@ -314,7 +332,7 @@ def build_incremental_assets(
             if result is not None and result.newly_quarantined:
                 raise QuarantineFailure(result)
 
-    return drain_slot
+    return named.assets_definition(drain_slot)
 
 
 class QuarantineFailure(PgcdcError):

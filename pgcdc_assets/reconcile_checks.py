@@ -29,12 +29,13 @@ from dagster import (
     AssetKey,
     Field,
     MetadataValue,
-    multi_asset_check,
+    op,
 )
 
 from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from pgcdc_assets.incremental_assets import drain_events, DrainEvent, recorded_position
+from pgcdc_assets.named_outputs import NamedOutputs
 from resources.names import PipelineNames, RECONCILE_JOB, ROW_COUNT_CHECK, ROWS_MATCH_CHECK, slot_pool
 from resources.postgres.catalog import TableName
 from resources.runs.reconcile import RANGE_ROWS, reconcile, ReconcileResult, TableReconciliation
@@ -66,11 +67,12 @@ def build_reconcile_checks(
     """One pipeline's reconciliation op: named, resourced and pooled like its drain step (``names``, ``slot``);
     ``slot_key`` is the pipeline's slot asset, which its drain materializes."""
     job = names.scoped(RECONCILE_JOB)
+    named = NamedOutputs(check_specs=[spec for table in tables for spec in reconcile_check_specs(key_of[table], job)])
 
-    @multi_asset_check(
+    @op(
         name=names.scoped("reconcile_tables"),
-        specs=[spec for table in tables for spec in reconcile_check_specs(key_of[table], job)],
-        can_subset=True,
+        ins=named.ins,
+        out=named.outs,
         pool=slot_pool(slot),
         required_resource_keys={names.postgres_key, names.spark_key},
         retry_policy=TRANSIENT_RETRY_POLICY,
@@ -101,7 +103,7 @@ def build_reconcile_checks(
                 if AssetCheckKey(key_of[table], check) in checked:
                     yield _check_result(result, table, key_of[table], check)
 
-    return reconcile_tables
+    return named.checks_definition(reconcile_tables)
 
 
 def _check_result(result: ReconcileResult, table: TableName, key: AssetKey, check: str) -> AssetCheckResult:

@@ -22,7 +22,7 @@ from dagster import (
     Failure,
     MaterializeResult,
     MetadataValue,
-    multi_asset,
+    op,
     TableColumn,
     TableSchema,
 )
@@ -30,6 +30,7 @@ from pydantic import Field
 
 from pgcdc_assets.common import TRANSIENT_RETRY_POLICY, user_facing
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.named_outputs import NamedOutputs
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN
@@ -53,7 +54,10 @@ class SnapshotRunConfig(Config):
 
     tables: list[str] = Field(
         default_factory=list,
-        description="schema.table names to (re-)snapshot; empty = every selected table",
+        description=(
+            "schema.table names to (re-)snapshot, read as PostgreSQL reads them: double-quote a name with"
+            ' capitals, spaces, dots or other characters (\'"My Schema"."Order Items"\'); empty = every selected table'
+        ),
     )
 
 
@@ -112,13 +116,14 @@ def _requested_tables(
     unknown = [table for table in requested if table not in defined]
     if unknown:
         raise ConfigurationError(
-            f"no snapshot asset for {', '.join(map(str, unknown))}",
-            "name tables of the publication as schema.table (reload the code location after adding tables)",
+            f"no snapshot asset for {', '.join(table.written for table in unknown)}",
+            "name tables of the publication as schema.table, double-quoting a name as SQL would"
+            ' (public."Order Items"; reload the code location after adding tables)',
         )
     unselected = [table for table in requested if table not in selected]
     if unselected:
         raise ConfigurationError(
-            f"{', '.join(map(str, unselected))} named in run config but not selected",
+            f"{', '.join(table.written for table in unselected)} named in run config but not selected",
             f"select their snapshot assets too, or run the {names.scoped(RESNAPSHOT_JOB)} job",
         )
     return requested
@@ -152,19 +157,21 @@ def _recover_lost_slot(
 def build_snapshot_assets(
     config: PgcdcConfig, tables: Sequence[TableName], translator: PgcdcTranslator, names: PipelineNames
 ) -> AssetsDefinition:
-    """One multi-asset covering every table, subsettable per table.
+    """One op covering every table, subsettable per table.
 
+    Its outputs are named by pgcdc (``named_outputs.py``), so any table PostgreSQL accepts loads.
     Resources are found under the pipeline's keys (``names.postgres_key``/``spark_key``), so
     every pipeline of a code location brings its own source and engine settings.
     """
     props = {table: PgcdcTableProps.of(config, table, names) for table in tables}
     keys: Mapping[AssetKey, TableName] = {translator.get_snapshot_asset_key(p): t for t, p in props.items()}
     key_of = {table: key for key, table in keys.items()}
+    named = NamedOutputs(specs=[translator.get_snapshot_asset_spec(p) for p in props.values()])
 
-    @multi_asset(
+    @op(
         name=names.scoped("snapshot_tables"),
-        specs=[translator.get_snapshot_asset_spec(p) for p in props.values()],
-        can_subset=True,
+        ins=named.ins,
+        out=named.outs,
         required_resource_keys={names.postgres_key, names.spark_key},
         retry_policy=TRANSIENT_RETRY_POLICY,
         description="Copy the selected tables into Delta, each consistent with the replication slot.",
@@ -197,7 +204,7 @@ def build_snapshot_assets(
                 ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
         yield from _copy_all(context, settings, destination, to_copy, key_of, step)
 
-    return snapshot_tables
+    return named.assets_definition(snapshot_tables)
 
 
 def _copy_all(

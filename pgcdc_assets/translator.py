@@ -10,6 +10,11 @@ asset's, and so is the freshness policy (an idle table is as fresh as its slot's
 Subclass :class:`PgcdcTranslator` to change keys, groups or metadata; the assets, jobs, checks
 and sensors all ask the translator, so they stay consistent.
 
+Keys hold each table's real schema and table name as parts, whatever characters PostgreSQL let
+them have (Dagster takes any string as a key's part): ``pgcdc/My Schema/Order Items``. The names
+Dagster requires to match ``^[A-Za-z0-9_]+$`` (the ops' outputs and inputs) are pgcdc's own,
+derived from the keys (``named_outputs.py``); descriptions name the table as SQL writes it.
+
 A pipeline of the pgcdc Component (``props.pipeline`` set) gets its own key prefix
 ``pgcdc/<pipeline>/...`` and groups ``pgcdc_<pipeline>``/``pgcdc_<pipeline>_snapshot``;
 the single-file path (``pipeline`` None) keeps the keys and groups it always had.
@@ -144,7 +149,7 @@ class PgcdcTranslator:
         return AssetSpec(
             key=self.get_snapshot_asset_key(props),
             description=(
-                f"Initial copy of PostgreSQL table {props.table} into Delta at {props.delta_path}, taken at an LSN"
+                f"Initial copy of PostgreSQL table {props.table.written} into Delta at {props.delta_path}, taken at an LSN"
                 f' consistent with replication slot "{props.slot}"; re-materializing it re-snapshots the table.'
             ),
             group_name=self.get_snapshot_group_name(props),
@@ -159,7 +164,7 @@ class PgcdcTranslator:
             key=self.get_table_asset_key(props),
             deps=[self.get_snapshot_asset_key(props)],
             description=(
-                f"Delta copy of PostgreSQL table {props.table} at {props.delta_path}, kept current by draining"
+                f"Delta copy of PostgreSQL table {props.table.written} at {props.delta_path}, kept current by draining"
                 f' replication slot "{props.slot}" (publication "{props.publication}") in micro-batches.'
                 " Materialized by the drains that changed it: the latest materialization is its latest change."
             ),
@@ -182,7 +187,7 @@ class PgcdcTranslator:
             key=self.get_history_asset_key(props),
             deps=[self.get_table_asset_key(props)],
             description=(
-                f"The {what} of PostgreSQL table {props.table} at {props.history_path}, written with the table's own"
+                f"The {what} of PostgreSQL table {props.table.written} at {props.history_path}, written with the table's own"
                 " changes by each drain, exactly once (docs/history.md). Materialized by the drains that wrote to it."
             ),
             group_name=self.get_group_name(props),

@@ -8,7 +8,7 @@ error names the key and how to fix it.
 from __future__ import annotations
 
 import os
-import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +22,15 @@ from resources.names import SLOT_NAME, TableName
 
 CONFIG_ENV_VAR = "PGCDC_CONFIG"
 
-_TABLE_NAME = re.compile(r'^(?:[A-Za-z_][A-Za-z0-9_$]*|"[^"]+")\.(?:[A-Za-z_][A-Za-z0-9_$]*|"[^"]+")$')
+
+def _check_table_names(names: Iterable[str]) -> None:
+    """ValueError (pydantic's way of failing one key) unless each of ``names`` is ``schema.table`` as
+    ``TableName.parse`` reads it, so any table PostgreSQL accepts can be named (quotes inside a quoted name doubled)."""
+    for name in names:
+        try:
+            TableName.parse(name)
+        except ConfigurationError:
+            raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)") from None
 
 
 class _Section(BaseModel):
@@ -82,9 +90,7 @@ class BucketSettings(_Section):
     @field_validator("tables")
     @classmethod
     def _qualified_tables(cls, value: dict[str, TableBuckets]) -> dict[str, TableBuckets]:
-        for name in value:
-            if not _TABLE_NAME.match(name):
-                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        _check_table_names(value)
         return value
 
     def override(self, table: TableName) -> BucketOverride | None:
@@ -114,9 +120,7 @@ class DeltaSettings(_Section):
     @field_validator("deletion_vectors_tables")
     @classmethod
     def _qualified_tables(cls, value: dict[str, bool]) -> dict[str, bool]:
-        for name in value:
-            if not _TABLE_NAME.match(name):
-                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        _check_table_names(value)
         return value
 
     def deletion_vectors_for(self, table: TableName) -> bool:
@@ -261,9 +265,7 @@ class HistorySettings(_Section):
     @field_validator("tables")
     @classmethod
     def _qualified_tables(cls, value: dict[str, HistoryMode]) -> dict[str, HistoryMode]:
-        for name in value:
-            if not _TABLE_NAME.match(name):
-                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        _check_table_names(value)
         return value
 
     def mode(self, table: TableName) -> HistoryMode:
@@ -308,9 +310,7 @@ class PgcdcConfig(_Section):
     @field_validator("tables")
     @classmethod
     def _qualified_tables(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not _TABLE_NAME.match(name):
-                raise ValueError(f"{name!r} is not schema.table (write public.orders, quote odd names)")
+        _check_table_names(value)
         return value
 
     @model_validator(mode="after")

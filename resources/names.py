@@ -1,5 +1,6 @@
 """Names: pgcdc's Dagster jobs, schedule, sensors, checks and pools (plain strings, no Dagster
-import), PostgreSQL table names as PostgreSQL reads them, and what a slot name may be.
+import), PostgreSQL table names as PostgreSQL reads them, the Dagster names derived from them
+(``dagster_name``), and what a slot name may be.
 
 Both pgcdc_assets/ and sensors/ define or target these, and the engines' error messages name
 the jobs in their fixes, so they live below all three.
@@ -81,6 +82,74 @@ SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 """What PostgreSQL accepts as a replication slot name."""
 
 
+#: A part ``dagster_name`` keeps as itself: ASCII letters and digits, single ``_`` between them.
+_PLAIN_PART = re.compile(r"[A-Za-z0-9]+(?:_[A-Za-z0-9]+)*")
+_SEPARATOR = "__"
+#: Ends every name with an escaped part (a plain name ends with a letter or digit).
+_ESCAPED_MARK = "_"
+
+
+def dagster_name(*parts: str) -> str:
+    """A Dagster name (``^[A-Za-z0-9_]+$``: ops, outputs, inputs) for ``parts``, e.g. a role and a table's schema and name.
+
+    Dagster derives output and input names from asset keys by joining their parts with ``__``
+    and replacing only ``-`` and ``.``, so ``"Order Items"`` fails the load and ``order-items``
+    meets ``order_items``; pgcdc names them itself, with this one rule. Plain parts (letters,
+    digits, single ``_`` between them) are joined with ``__``: ``asset__pgcdc__public__orders``.
+    Otherwise every part is escaped, joined with ``__`` and the name ends with ``_``: each
+    character but an ASCII letter or digit, ``_`` included, becomes ``_`` and 2 hex digits
+    (code points below 256), ``_u`` and 4, or ``_U`` and 6: ``asset__pgcdc__public__Order_20Items_``,
+    ``caf_e9``, ``order_2ditems``, ``order_5fitems``. An escaped part holds no ``__`` and ends
+    with a letter or digit, so ``dagster_name_parts`` reads the parts back: the name is
+    injective (twins by case, ``-``/``_``, dots or quotes never share one) and the same at every
+    load, whatever names PostgreSQL accepted.
+    """
+    if not parts:
+        raise ValueError("a Dagster name needs at least one part")
+    if all(_PLAIN_PART.fullmatch(part) for part in parts):
+        return _SEPARATOR.join(parts)
+    return _SEPARATOR.join(map(_escaped, parts)) + _ESCAPED_MARK
+
+
+def _escaped(part: str) -> str:
+    return "".join(char if char.isascii() and char.isalnum() else _escape(ord(char)) for char in part)
+
+
+def _escape(code: int) -> str:
+    if code < 0x100:
+        return f"_{code:02x}"
+    return f"_u{code:04x}" if code < 0x10000 else f"_U{code:06x}"
+
+
+_ESCAPE = re.compile(r"_(?:([0-9a-f]{2})|u([0-9a-f]{4})|U([0-9a-f]{6}))")
+
+
+def dagster_name_parts(name: str) -> tuple[str, ...]:
+    """The parts ``dagster_name`` was given for ``name`` (its inverse; ValueError for a name it cannot give)."""
+    if not name.endswith(_ESCAPED_MARK):
+        parts = tuple(name.split(_SEPARATOR))
+    else:
+        parts = tuple(_ESCAPE.sub(_unescaped, part) for part in _escaped_parts(name.removesuffix(_ESCAPED_MARK)))
+    if dagster_name(*parts) != name:
+        raise ValueError(f"{name!r} is not a name dagster_name gives")
+    return parts
+
+
+def _escaped_parts(body: str) -> list[str]:
+    """Split at each ``__`` that ends a part: a part never holds ``__`` and never ends with ``_``,
+    though the next may begin with an escape (``a___20b``: ``a`` then `` b``)."""
+    parts, start = [], 0
+    while (end := body.find(_SEPARATOR, start)) >= 0:
+        parts.append(body[start:end])
+        start = end + len(_SEPARATOR)
+    parts.append(body[start:])
+    return parts
+
+
+def _unescaped(match: re.Match[str]) -> str:
+    return chr(int(next(group for group in match.groups() if group is not None), 16))
+
+
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
@@ -152,3 +221,13 @@ class TableName:
     @property
     def quoted(self) -> str:
         return f"{quote_ident(self.schema)}.{quote_ident(self.name)}"
+
+    @property
+    def written(self) -> str:
+        """``schema.table`` as a person writes it, which ``parse`` reads back exactly: a part is
+        double-quoted only when it needs it (``public.orders``, ``public."Order Items"``)."""
+        return ".".join(part if _UNQUOTED.fullmatch(part) else quote_ident(part) for part in (self.schema, self.name))
+
+
+#: A part ``TableName.written`` leaves unquoted: what PostgreSQL and ``TableName.parse`` read as itself.
+_UNQUOTED = re.compile(r"[a-z_][a-z0-9_$]*")

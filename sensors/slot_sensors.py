@@ -125,7 +125,7 @@ def build_new_tables_sensor(
         undefined = [table for table in published if table not in snapshot_keys]
         reload_note = (
             f"{len(undefined)} published table(s) have no asset, reload the code location to add them: "
-            + ", ".join(str(table) for table in undefined)
+            + ", ".join(table.written for table in undefined)
             if undefined
             else ""
         )

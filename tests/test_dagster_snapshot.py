@@ -278,8 +278,8 @@ def test_resnapshot_refuses_a_table_without_asset(shop: PgDatabase, tmp_path: Pa
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert failure.step_failure_data.error.message.strip().endswith(
-        "no snapshot asset for public.nope: name tables of the publication as schema.table"
-        " (reload the code location after adding tables)"
+        "no snapshot asset for public.nope: name tables of the publication as schema.table, double-quoting"
+        ' a name as SQL would (public."Order Items"; reload the code location after adding tables)'
     )
 
 

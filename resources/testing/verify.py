@@ -27,6 +27,7 @@ import pyarrow as pa
 from resources.delta.layout import BUCKET_COLUMN, row_buckets, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY
 from resources.delta.reads import delta_rs_rows
+from resources.names import TableName
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.connections import connect
 from resources.sql import quote_ident
@@ -182,7 +183,7 @@ def _pg_expression(name: str, arrow: pa.DataType) -> str:
 
 def compare_table(
     conn: psycopg.Connection,
-    table: str,
+    table: str | TableName,
     path: str,
     *,
     key: Sequence[str] = (),
@@ -190,7 +191,8 @@ def compare_table(
     storage_options: Mapping[str, str] | None = None,
 ) -> int:
     """Raise AssertionError with a readable diff unless the Delta table at ``path`` equals
-    ``table`` (``schema.name``) as ``conn`` sees it, ignoring ``_pgcdc_*`` columns; returns the row count.
+    ``table`` (``schema.name``, split at its first dot, or a ``TableName`` for any names) as ``conn``
+    sees it, ignoring ``_pgcdc_*`` columns; returns the row count.
 
     ``extra_delta_columns`` are Delta columns PostgreSQL no longer has (dropped columns,
     kept in Delta by design); they are not compared. ``key`` only shapes the diff.
@@ -202,7 +204,7 @@ def compare_table(
 
 def compare_rows(
     conn: psycopg.Connection,
-    table: str,
+    table: str | TableName,
     schema: pa.Schema,
     delta: list[dict],
     *,
@@ -210,7 +212,7 @@ def compare_rows(
     extra_delta_columns: Sequence[str] = (),
 ) -> int:
     """:func:`compare_table` of rows already read (``schema`` and rows as :func:`arrow_rows` gives them)."""
-    schema_name, _, table_name = table.partition(".")
+    schema_name, table_name = (table.schema, table.name) if isinstance(table, TableName) else table.partition(".")[::2]
     expected = expected_types(conn, schema_name, table_name)
     pg_columns = list(expected)
     delta_columns = [f.name for f in schema if not f.name.startswith("_pgcdc_")]
@@ -238,7 +240,7 @@ def compare_rows(
 
 def assert_delta_equals_postgres(
     dsn: str,
-    table: str,
+    table: str | TableName,
     path: str,
     *,
     key: Sequence[str] = (),
@@ -252,7 +254,9 @@ def assert_delta_equals_postgres(
         )
 
 
-def _diff(table: str, columns: list[str], key: Sequence[str], pg_rows: list[tuple], delta_rows_: list[tuple]) -> str:
+def _diff(
+    table: str | TableName, columns: list[str], key: Sequence[str], pg_rows: list[tuple], delta_rows_: list[tuple]
+) -> str:
     """A readable diff: rows per key that differ, or multiset differences without a key."""
     lines = [f"Delta differs from PostgreSQL for {table} (columns {columns}):"]
     if key:
