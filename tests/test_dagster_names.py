@@ -163,7 +163,8 @@ def test_definitions_of_the_twins_load_and_validate(tmp_path: Path, pipeline: st
     assert len(checks) == 2 * len(TWINS)
     drain = defs.resolve_assets_def(AssetKey([*prefix, "slot"])).node_def
     assert drain.name == names.scoped("drain_slot")
-    assert len(drain.output_dict) == 1 + 2 * len(TWINS) + 1 + len(TWINS)  # slot, tables, histories, lag + schema checks
+    # slot, tables, histories; the lag check, each table's schema and quarantine checks
+    assert len(drain.output_dict) == 1 + 2 * len(TWINS) + 1 + 2 * len(TWINS)
     assert len(drain.input_dict) == len(TWINS)  # each table waits for its snapshot
 
 
