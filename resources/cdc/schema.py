@@ -9,13 +9,14 @@ import pyarrow as pa
 from resources.cdc.renames import unproven_addition
 from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
+from resources.column_overrides import as_text_fix
 from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
 from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
-from resources.pgoutput.messages import Relation
+from resources.pgoutput.messages import Relation, RelationColumn
 from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
 from resources.postgres.column_types import ColumnTypes
 
@@ -87,32 +88,27 @@ class SchemaReconciler:
         if target.delta_schema is None:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
         existing = {f.name: f.type for f in target.delta_schema}
-        added: list[pa.Field] = []
-        widened: dict[str, pa.DataType] = {}
-        for column in columns:
-            wanted = arrow_type(column)
-            current = existing.get(column.column)
-            if current is None:
-                added.append(pa.field(column.column, wanted))
-            elif delta_type_name(current) != delta_type_name(wanted):
-                if not is_safe_widening(current, wanted):
-                    raise SchemaChangeError(
-                        f"column {column.column!r} of {target.table} changed type from "
-                        f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
-                        RESNAPSHOT_FIX,
-                    )
-                widened[column.column] = wanted
+        kept = [(column, attribute) for column, attribute in zip(columns, relation.columns) if not column.excluded]
+        added, widened = self._typed(target, [column for column, _ in kept], existing)
         # Columns new since the previous Relation message (or, for the first one of the run, new
-        # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows.
-        seen_names = [c.name for c in previous.columns] if previous is not None else list(existing)
+        # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows. Names
+        # here are Delta's (the configuration may rename a column); the catalog knows PostgreSQL's.
+        before = [c for c in target.columns if not c.excluded] if previous is not None else []
+        seen_names = [c.column for c in before] if previous is not None else list(existing)
         seen = set(seen_names)
-        names = [c.column for c in columns]
+        names = [column.column for column, _ in kept]
         self._refuse_renamed(target, names, seen)
+        source = {c.column: c.source_name for c in [*before, *(column for column, _ in kept)]}
         recorded = target.log.columns if target.log is not None else None
-        why = unproven_addition(recorded, seen_names, names, lambda: self._types.attributes(relation))
+        why = unproven_addition(
+            recorded,
+            [source.get(name, name) for name in seen_names],
+            [source.get(name, name) for name in names],
+            lambda: self._types.attributes(relation),
+        )
         if why is not None:
             raise SchemaChangeError(f"{target.table}: {why}", RESNAPSHOT_FIX)
-        fills = self._fills(target, relation, columns, [c for c in columns if c.column not in seen], end, seq)
+        fills = self._fills(target, relation, kept, [c for c, _ in kept if c.column not in seen], end, seq)
         added = [f for f in added if f.name not in fills]
         if widened:
             self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
@@ -134,11 +130,39 @@ class SchemaReconciler:
         target.dropped = [f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")]
         return previous is not None or bool(widened or added or fills or target.dropped)
 
+    @staticmethod
+    def _typed(
+        target: TableTarget, columns: list[PgColumnType], existing: dict[str, pa.DataType]
+    ) -> tuple[list[pa.Field], dict[str, pa.DataType]]:
+        """The columns Delta lacks and the ones it widens; refuses a type Delta cannot follow in place."""
+        added: list[pa.Field] = []
+        widened: dict[str, pa.DataType] = {}
+        for column in columns:
+            wanted = arrow_type(column)
+            current = existing.get(column.column)
+            if current is None:
+                added.append(pa.field(column.column, wanted))
+            elif delta_type_name(current) != delta_type_name(wanted):
+                if column.as_text:
+                    raise SchemaChangeError(
+                        f"column {column.column!r} of {target.table} is replicated as text by the configuration's "
+                        f"columns, but its Delta column is {delta_type_name(current)} (set after its snapshot)",
+                        RESNAPSHOT_FIX,
+                    )
+                if not is_safe_widening(current, wanted):
+                    raise SchemaChangeError(
+                        f"column {column.column!r} of {target.table} changed type from "
+                        f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
+                        RESNAPSHOT_FIX,
+                    )
+                widened[column.column] = wanted
+        return added, widened
+
     def _fills(
         self,
         target: TableTarget,
         relation: Relation,
-        columns: list[PgColumnType],
+        kept: list[tuple[PgColumnType, RelationColumn]],
         new: list[PgColumnType],
         end: int,
         seq: int,
@@ -155,14 +179,14 @@ class SchemaReconciler:
             return {}
         if target.mode in MARKED_MODES and target.applied_marker is not None and target.applied_marker >= (end, seq):
             return {}  # a replay: changes after this Relation message are in Delta, so it was handled before
-        facts = self._types.added_columns(relation, [c.column for c in new])
+        facts = self._types.added_columns(relation, [c.source_name for c in new])
         in_delta = {f.name for f in target.delta_schema or []}
         fills: dict[str, pa.Array] = {}
-        for column, attribute in zip(columns, relation.columns):
+        for column, attribute in kept:
             if column not in new:
                 continue
             name = column.column
-            seen = facts.get(name)
+            seen = facts.get(column.source_name)
             if not seen:
                 # Gone again (dropped or renamed) before we looked, which also clears its missing value.
                 # It is a dropped column in Delta from here on; only the rows written before it was
@@ -194,7 +218,7 @@ class SchemaReconciler:
                 except PgValueError as exc:
                     raise ChangeValueError(
                         f"cannot apply the default of the added column {name!r} to {target.table}: {exc}",
-                        "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
+                        as_text_fix(target.table, column.source_name),
                     ) from exc
             elif has_default:
                 raise SchemaChangeError(

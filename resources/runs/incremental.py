@@ -183,7 +183,7 @@ def run_incremental(
         state = read_state(state_path(config.delta.root, config.slot), destination.lake)
         targets = _targets(config, destination, tables, state, start_lsn, say)
         applier = ChangeApplier(
-            destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
+            destination, TypeResolver(conn, config.column_overrides), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
             max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, destination),
         )  # fmt: skip
