@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pyarrow as pa
 
-from resources.cdc.renames import unproven_addition
+from resources.cdc.renames import added_again, behind_new_columns, unproven_addition
 from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
 from resources.column_overrides import as_text_fix
@@ -54,21 +55,6 @@ class SchemaReconciler:
         self._log = log
         self._before_fill = before_fill
 
-    @staticmethod
-    def _refuse_renamed(target: TableTarget, names: list[str], seen: set[str]) -> None:
-        """Refuse a column new to Delta that stands before a column Delta has: a Relation message lists
-        columns in attnum order and ADD COLUMN takes the next attnum, so such a column was renamed (or
-        published by a changed column list), and its existing rows' values never reached Delta. Taking it
-        for an added column would leave them NULL. (A rename of the last column looks like DROP and ADD
-        to the stream; the catalog tells them apart: ``resources/cdc/renames.py``.)"""
-        for position, name in enumerate(names):
-            if name not in seen and any(later in seen for later in names[position + 1 :]):
-                raise SchemaChangeError(
-                    f"column {name!r} of {target.table} appeared before columns Delta already has (a RENAME COLUMN, or a "
-                    "column newly published by a changed column list): its existing values are not in the stream",
-                    RESNAPSHOT_FIX,
-                )
-
     def reconcile(
         self,
         target: TableTarget,
@@ -89,27 +75,16 @@ class SchemaReconciler:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
         existing = {f.name: f.type for f in target.delta_schema}
         kept = [(column, attribute) for column, attribute in zip(columns, relation.columns) if not column.excluded]
-        added, widened = self._typed(target, [column for column, _ in kept], existing)
         # Columns new since the previous Relation message (or, for the first one of the run, new
-        # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows. Names
-        # here are Delta's (the configuration may rename a column); the catalog knows PostgreSQL's.
-        before = [c for c in target.columns if not c.excluded] if previous is not None else []
-        seen_names = [c.column for c in before] if previous is not None else list(existing)
-        seen = set(seen_names)
-        names = [column.column for column, _ in kept]
-        self._refuse_renamed(target, names, seen)
-        source = {c.column: c.source_name for c in [*before, *(column for column, _ in kept)]}
-        recorded = target.log.columns if target.log is not None else None
-        why = unproven_addition(
-            recorded,
-            [source.get(name, name) for name in seen_names],
-            [source.get(name, name) for name in names],
-            lambda: self._types.attributes(relation),
-        )
-        if why is not None:
-            raise SchemaChangeError(f"{target.table}: {why}", RESNAPSHOT_FIX)
-        fills = self._fills(target, relation, kept, [c for c, _ in kept if c.column not in seen], end, seq)
+        # to Delta), and columns of a name Delta has added again (DROP and ADD): the rows already in
+        # Delta need what PostgreSQL gave its existing rows.
+        seen = [c.column for c in target.columns if not c.excluded] if previous is not None else list(existing)
+        again = self._added_again(target, relation, [column for column, _ in kept], seen, existing)
+        added, widened = self._typed(target, [column for column, _ in kept if column.column not in again], existing)
+        new = [column for column, _ in kept if column.column not in seen or column.column in again]
+        fills = self._fills(target, relation, kept, new, end, seq)
         added = [f for f in added if f.name not in fills]
+        names = [column.column for column, _ in kept]
         if widened:
             self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
             self._writer.call(self._destination.widen_columns, target.path, widened)
@@ -129,6 +104,48 @@ class SchemaReconciler:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
         target.dropped = [f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")]
         return previous is not None or bool(widened or added or fills or target.dropped)
+
+    def _added_again(
+        self,
+        target: TableTarget,
+        relation: Relation,
+        columns: list[PgColumnType],
+        seen: list[str],
+        existing: dict[str, pa.DataType],
+    ) -> set[str]:
+        """The (Delta) names of ``columns`` that are columns of a name Delta has, added again since
+        (DROP and ADD, as one ALTER TABLE may do), decided from the catalog; refuses what it cannot prove.
+
+        A column Delta has standing after one new to it in the message is such a column, or the new one
+        is an older column renamed: the catalog must prove the first (``resources/cdc/renames.py``). A
+        column whose Delta type differs is such a column when the catalog proves it, or else a type
+        change (:meth:`_typed` decides). Names here are Delta's (the configuration may rename a
+        column); the catalog knows PostgreSQL's."""
+        source = {c.column: c.source_name for c in [*target.columns, *columns]}
+        names = [column.column for column in columns]
+        behind = behind_new_columns(seen, names)
+        recorded = target.log.columns if target.log is not None else None
+        attributes = functools.cache(lambda: self._types.attributes(relation))
+        retyped = [
+            column.column
+            for column in columns
+            if column.column in existing
+            and column.column not in behind
+            and delta_type_name(existing[column.column]) != delta_type_name(arrow_type(column))
+        ]
+        again = behind + [name for name in retyped if added_again(recorded, [source.get(name, name)], attributes)]
+        why = unproven_addition(
+            recorded,
+            [source.get(name, name) for name in seen],
+            [source.get(name, name) for name in names],
+            attributes,
+            [source.get(name, name) for name in again],
+        )
+        if why is not None:
+            raise SchemaChangeError(f"{target.table}: {why}", RESNAPSHOT_FIX)
+        if again:
+            self._log(f"{target.table}: {', '.join(again)} dropped and added again in PostgreSQL (a new column)")
+        return set(again)
 
     @staticmethod
     def _typed(
