@@ -176,6 +176,38 @@ def test_drop_and_add_of_a_name_behind_a_new_column_drains_as_the_subscriber_app
     ]
 
 
+def test_a_name_dropped_and_added_again_with_another_type_is_a_new_column(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, subscribe: Callable[[str], Subscriber]
+) -> None:
+    """``DROP b, ADD b int DEFAULT 7``: no new name, but b's Delta type differs and the catalog proves b a
+    new column: the rows Delta has get the default, in the new type, as the subscriber's do."""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
+        CREATE TABLE tab4 (id int PRIMARY KEY, a int, b text);
+        INSERT INTO tab4 VALUES (1, 10, 'one'), (2, 20, 'two');
+        CREATE PUBLICATION pub FOR TABLE tab4;
+    """,
+    )
+    subscriber = subscribe("pub")
+    alter = "ALTER TABLE tab4 DROP b, ADD b int DEFAULT 7"
+    with subscriber.connect() as conn:
+        conn.execute(alter)
+    pg.execute(alter)
+    pg.execute("INSERT INTO tab4 VALUES (3, 30, 3); UPDATE tab4 SET a = 21 WHERE id = 2")
+    result = drain(config, spark)
+    subscriber.wait_for(result.end_lsn)
+    assert subscriber.assert_matches_delta(config) == {"public.tab4": 3}
+    table = delta_rs_rows(path_of(config, "public.tab4")).sort_by("id")
+    assert table.select(["id", "a", "b"]).to_pylist() == [
+        {"id": 1, "a": 10, "b": 7},
+        {"id": 2, "a": 21, "b": 7},
+        {"id": 3, "a": 30, "b": 3},
+    ]
+
+
 def test_a_rename_behind_which_the_name_is_added_again_is_refused(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
