@@ -26,8 +26,10 @@ from tests.support.postgres import PgDatabase
 pytest_plugins = ["tests.support.spark_fixtures"]
 
 
-def configured(pg: PgDatabase, tmp_path: Path, columns: dict[str, object]) -> PgcdcConfig:
-    return parse_config({**settings(pg, tmp_path / "lake"), "columns": columns})
+def configured(
+    pg: PgDatabase, tmp_path: Path, columns: dict[str, object], snapshot: dict[str, object] | None = None
+) -> PgcdcConfig:
+    return parse_config({**settings(pg, tmp_path / "lake"), "columns": columns, "snapshot": snapshot or {}})
 
 
 def snapshot(config: PgcdcConfig, spark: SparkSession) -> None:
@@ -54,7 +56,12 @@ def one_line(error: pytest.ExceptionInfo[Exception], *fragments: str) -> str:
 AS_TEXT = {name: ColumnChoice(as_text=True) for name in ("d", "ts", "tstz", "n", "arr")}
 
 
-def test_values_delta_cannot_type_are_kept_as_text(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+@pytest.mark.parametrize(
+    "snapshot_settings", [{}, {"chunked_above_mb": 0, "key_chunk_mb": 0.001}], ids=["one-copy", "key-ranges"]
+)
+def test_values_delta_cannot_type_are_kept_as_text(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, snapshot_settings: dict[str, object]
+) -> None:
     pg.execute("""
         CREATE TABLE odd (id int PRIMARY KEY, d date, ts timestamp, tstz timestamptz, n numeric(10,2), arr int[]);
         INSERT INTO odd VALUES (1, 'infinity', 'infinity', '-infinity', 'NaN', '{{1,2},{3,4}}'),
@@ -62,7 +69,7 @@ def test_values_delta_cannot_type_are_kept_as_text(pg: PgDatabase, tmp_path: Pat
                                (3, '2024-02-29', '2024-02-29 10:00:00.5', '2024-02-29 10:00:00+02', NULL, '{1,NULL}');
         CREATE PUBLICATION pub FOR TABLE odd;
     """)
-    config = configured(pg, tmp_path, {f"public.odd.{name}": "text" for name in AS_TEXT})
+    config = configured(pg, tmp_path, {f"public.odd.{name}": "text" for name in AS_TEXT}, snapshot_settings)
     snapshot(config, spark)
     assert same(pg, config, "public.odd", columns=AS_TEXT) == 3
     names = ["id", "d", "ts", "tstz", "n", "arr"]

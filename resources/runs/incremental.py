@@ -297,7 +297,7 @@ def _recopy_range(
     assert log.chunks is not None, "only a table snapshotted in key ranges is copied again"
     copy_key_range(
         config.postgres.dsn, config.publication, config.slot, table, destination, path, log.chunks, k, first=False,
-        log=log, buckets=config.delta.buckets,
+        log=log, buckets=config.delta.buckets, overrides=config.column_overrides,
     )  # fmt: skip
 
 
