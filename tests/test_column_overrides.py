@@ -219,3 +219,11 @@ def test_a_case_clash_arriving_in_a_drain_is_refused(pg: PgDatabase, tmp_path: P
     config = configured(pg, tmp_path, {'public.t."Duration"': {"rename": "duration_2"}})
     drain(config, spark)
     assert same(pg, config, "public.t", columns={"Duration": ColumnChoice(rename="duration_2")}) == 2
+    start = slot_confirmed(pg)
+    pg.execute(
+        """ALTER TABLE t DROP duration; ALTER TABLE t ADD COLUMN "DURATION" int; INSERT INTO t VALUES (3, 'x', 3)"""
+    )
+    with pytest.raises(ConfigurationError) as refused_again:
+        drain(config, spark)  # Delta keeps the dropped duration
+    one_line(refused_again, 'public.t has columns "duration" and "DURATION"', "{rename: duration_2}")
+    assert slot_confirmed(pg) == start

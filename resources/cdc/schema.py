@@ -10,7 +10,7 @@ import pyarrow as pa
 from resources.cdc.renames import added_again, behind_new_columns, unproven_addition
 from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
-from resources.column_overrides import as_text_fix
+from resources.column_overrides import as_text_fix, refuse_case_clash
 from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
@@ -151,13 +151,16 @@ class SchemaReconciler:
     def _typed(
         target: TableTarget, columns: list[PgColumnType], existing: dict[str, pa.DataType]
     ) -> tuple[list[pa.Field], dict[str, pa.DataType]]:
-        """The columns Delta lacks and the ones it widens; refuses a type Delta cannot follow in place."""
+        """The columns Delta lacks and the ones it widens; refuses a type Delta cannot follow in place, and
+        a new column whose name differs only in case from one Delta has (kept after a DROP, say)."""
         added: list[pa.Field] = []
         widened: dict[str, pa.DataType] = {}
+        in_delta = [(name, name) for name in existing if not name.startswith("_pgcdc_")]
         for column in columns:
             wanted = arrow_type(column)
             current = existing.get(column.column)
             if current is None:
+                refuse_case_clash(target.table, [*in_delta, (column.source_name, column.column)])
                 added.append(pa.field(column.column, wanted))
             elif delta_type_name(current) != delta_type_name(wanted):
                 if column.as_text:
