@@ -144,3 +144,15 @@ def refuse_case_clash(table: TableName, columns: Iterable[tuple[str, str]]) -> N
                 "configuration, then snapshot the table",
             )
         seen[folded] = source
+
+
+def refuse_excluded_keys(table: TableName, keys: Iterable[str]) -> None:
+    """Refuse leaving out a column of the replica identity's key: the drain matches rows by it."""
+    names = list(keys)
+    if names:
+        raise ConfigurationError(
+            f"{table}: its key column(s) {', '.join(map(quote_ident, names))} are excluded, but the drain matches "
+            "rows by them",
+            f"remove {', '.join(column_setting(table, name, 'exclude') for name in names)} from the pipeline's "
+            "configuration (rename the column instead)",
+        )

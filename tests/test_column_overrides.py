@@ -227,3 +227,14 @@ def test_a_case_clash_arriving_in_a_drain_is_refused(pg: PgDatabase, tmp_path: P
         drain(config, spark)  # Delta keeps the dropped duration
     one_line(refused_again, 'public.t has columns "duration" and "DURATION"', "{rename: duration_2}")
     assert slot_confirmed(pg) == start
+
+
+def test_leaving_out_a_key_column_is_refused_with_nothing_written(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    pg.execute(CLASH)
+    config = configured(pg, tmp_path, {"public.t.id": "exclude"})
+    with pytest.raises(ConfigurationError) as refused:
+        snapshot(config, spark)
+    one_line(refused, 'public.t: its key column(s) "id" are excluded', 'remove columns: {"public.t.id": exclude}')
+    assert lake_files(tmp_path / "lake") == []

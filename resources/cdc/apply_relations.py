@@ -9,6 +9,7 @@ from resources.cdc.history import (
 )
 from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
+from resources.column_overrides import refuse_excluded_keys
 from resources.crash_points import fault_point
 from resources.delta.layout import BUCKET_COLUMN
 from resources.errors import ConfigurationError
@@ -25,10 +26,11 @@ def _refuse_unsupported_exclusion(target: TableTarget, columns: list[PgColumnTyp
     if not excluded:
         return
     names = ", ".join(column.source_name for column in excluded)
-    if any(columns[i].excluded for i in target.key_index) or target.mode == FULL or target.history_path is not None:
+    refuse_excluded_keys(target.table, [columns[i].source_name for i in target.key_index if columns[i].excluded])
+    if target.mode == FULL or target.history_path is not None:
         raise ConfigurationError(
-            f"{target.table}: column(s) {names} are excluded, but its rows are matched by them (a key column, or "
-            "REPLICA IDENTITY FULL without a primary key) or it keeps a history",
+            f"{target.table}: column(s) {names} are excluded, but its rows are matched by their whole value "
+            "(REPLICA IDENTITY FULL without a primary key) or it keeps a history",
             "leave the column out with the publication's column list instead, then re-snapshot the table",
         )
 

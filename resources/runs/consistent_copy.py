@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
-from resources.column_overrides import ColumnOverrides, NO_OVERRIDES, refuse_case_clash
+from resources.column_overrides import ColumnOverrides, NO_OVERRIDES, refuse_case_clash, refuse_excluded_keys
 from resources.crash_points import fault_point
 from resources.delta.destination import Destination
 from resources.delta.key_ranges import KeySpan
@@ -159,6 +159,7 @@ def consistent_copy(
         choices = overrides.for_table(table)
         excluded = {name for name, choice in choices.items() if choice.exclude}
         if excluded:
+            refuse_excluded_keys(table, [c.name for c in info.columns if c.is_identity_key and c.name in excluded])
             info = replace(info, columns=tuple(c for c in info.columns if c.name not in excluded))
         columns = with_choices(read_column_types(conn, info), choices)
         refuse_case_clash(table, [(c.source_name, c.column) for c in columns])
