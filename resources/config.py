@@ -296,11 +296,12 @@ def _column_settings(value: Any) -> Any:
     if not isinstance(value, dict):
         return value
     settings: dict[Any, Any] = {}
+    named: dict[tuple[TableName, str], str] = {}
     for key, entry in value.items():
-        try:
-            parse_column_key(str(key))
-        except ValueError as error:
-            raise ValueError(str(error)) from None
+        column = parse_column_key(str(key))
+        if column in named:
+            raise ValueError(f"{named[column]!r} and {key!r} name the same column: keep one")
+        named[column] = str(key)
         if entry in ("text", "exclude"):
             entry = {entry: True}
         elif not isinstance(entry, dict):
@@ -333,7 +334,10 @@ class PgcdcConfig(_Section):
         'quote odd names as PostgreSQL does: public."Order Items"."Due.Date"',
     )
 
-    _columns_before = field_validator("columns", mode="before")(classmethod(lambda cls, value: _column_settings(value)))
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _column_values(cls, value: Any) -> Any:
+        return _column_settings(value)
 
     @property
     def column_overrides(self) -> ColumnOverrides:

@@ -67,6 +67,7 @@ def test_history_is_per_table_with_a_default(tmp_path: Path) -> None:
         ({"columns": {"public.orders.due": {"rename": ""}}}, "'columns.public.orders.due.rename'"),
         ({"columns": {"public.orders.due": {"exclude": True, "text": True}}}, "exclude takes no text or rename"),
         ({"columns": {"public.orders.due": {"rename": "_pgcdc_lsn"}}}, "are pgcdc's own columns"),
+        ({"columns": {"public.orders.due": "text", 'public.Orders."due"': "exclude"}}, "name the same column"),
     ],
 )
 def test_each_bad_key_is_named(override: dict, expected: str) -> None:
