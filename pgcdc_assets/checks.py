@@ -87,9 +87,10 @@ def slot_check_specs(slot_key: AssetKey) -> list[AssetCheckSpec]:
 
 
 def postgres_columns(postgres: PostgresResource, table: TableName) -> list[tuple[str, str]]:
-    """(name, Delta type) of the published columns, by the same mapping the snapshot uses."""
+    """(name, Delta type) of the published columns, by the same mapping (and configured columns) the snapshot uses."""
     with postgres.connect() as conn:
-        types = published_column_types(conn, read_table(conn, postgres.config.publication, table))
+        config = postgres.config
+        types = published_column_types(conn, read_table(conn, config.publication, table), config.column_overrides)
     return [(column.column, spark_ddl_type(column)) for column in types]
 
 

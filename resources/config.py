@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, ValidationError
 
+from resources.column_overrides import ColumnChoice, ColumnOverrides, parse_column_key
 from resources.errors import ConfigurationError, mask_dsn
 from resources.locations import join_location, StorageSettings
 from resources.names import SLOT_NAME, TableName
@@ -276,6 +277,41 @@ class HistorySettings(_Section):
         return self.default
 
 
+class ColumnSetting(_Section):
+    """One column's entry of ``columns``: ``text``, ``exclude``, or ``{rename: name}`` (with ``text: true``)."""
+
+    text: bool = Field(default=False, description="replicate the column as PostgreSQL's text output")
+    rename: str | None = Field(default=None, min_length=1, description="the column's name in Delta")
+    exclude: bool = Field(default=False, description="leave the column out of Delta")
+
+    @model_validator(mode="after")
+    def _one_choice(self) -> ColumnSetting:
+        if self.exclude and (self.text or self.rename is not None):
+            raise ValueError("exclude takes no text or rename")
+        if self.rename is not None and self.rename.startswith("_pgcdc_"):
+            raise ValueError(f"{self.rename!r}: names starting with _pgcdc_ are pgcdc's own columns")
+        return self
+
+
+def _column_settings(value: Any) -> Any:
+    """``columns`` with ``text`` and ``exclude`` read as their settings; any other value refused in one line."""
+    if not isinstance(value, dict):
+        return value
+    settings: dict[Any, Any] = {}
+    named: dict[tuple[TableName, str], str] = {}
+    for key, entry in value.items():
+        column = parse_column_key(str(key))
+        if column in named:
+            raise ValueError(f"{named[column]!r} and {key!r} name the same column: keep one")
+        named[column] = str(key)
+        if entry in ("text", "exclude"):
+            entry = {entry: True}
+        elif not isinstance(entry, dict):
+            raise ValueError(f"{key}: got {entry!r}: write text, exclude or {{rename: new_name}}")
+        settings[key] = entry
+    return settings
+
+
 class PgcdcConfig(_Section):
     postgres: PostgresSettings
     publication: str = Field(min_length=1)
@@ -299,6 +335,24 @@ class PgcdcConfig(_Section):
         description="a fault of one table (a value Delta cannot hold, a DDL that needs a re-snapshot, a write the "
         "engine refuses): quarantine sets that table aside and drains the others; stop fails the whole drain",
     )
+    columns: dict[str, ColumnSetting] = Field(
+        default_factory=dict,
+        description="schema.table.column -> text (PostgreSQL's text output) | {rename: name} (in Delta) | exclude; "
+        'quote odd names as PostgreSQL does: public."Order Items"."Due.Date"',
+    )
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _column_values(cls, value: Any) -> Any:
+        return _column_settings(value)
+
+    @property
+    def column_overrides(self) -> ColumnOverrides:
+        """The ``columns`` choices by table and PostgreSQL column name."""
+        return ColumnOverrides.from_keys(
+            (key, ColumnChoice(as_text=entry.text, rename=entry.rename, exclude=entry.exclude))
+            for key, entry in self.columns.items()
+        )
 
     @field_validator("slot")
     @classmethod

@@ -33,9 +33,11 @@ from dagster import (
 )
 from dagster.components.resolved.errors import ResolutionException
 
+from pgcdc_assets.pipelines_file import PipelineKeys, validate_pipeline
+from resources.column_overrides import ColumnChoice
 from resources.delta.engine import EMBEDDED_ENVIRONMENT
 from resources.errors import SlotError
-from resources.names import ROW_COUNT_CHECK, ROWS_MATCH_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK
+from resources.names import ROW_COUNT_CHECK, ROWS_MATCH_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, TableName
 from resources.testing.local_postgres import LocalPostgres
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.postgres import fresh_database, NEWEST_POSTGRES_ONLY, PgDatabase
@@ -375,8 +377,10 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
         (lambda p: p["shop"]["delta"].update(storage={"secret_access_key": "{{ env('PGCDC_TEST_SHOP_DSN') }}"}),
          ["pipeline 'shop'", "'delta.storage.secret_access_key'", "${VAR}"]),
         (lambda p: p["other"]["delta"].update(root=p["shop"]["delta"]["root"]), ["both write public.orders", "'delta.root'"]),
+        (lambda p: p["shop"].update(columns={"public.orders.note": "txt"}),
+         ["pipeline 'shop'", "'columns'", "public.orders.note: got 'txt': write text, exclude or {rename: new_name}"]),
     ],
-    ids=["env-attribute", "unset-variable", "shared-slot", "bad-name", "rendered-secret", "shared-table"],
+    ids=["env-attribute", "unset-variable", "shared-slot", "bad-name", "rendered-secret", "shared-table", "bad-column"],
 )  # fmt: skip
 def test_yaml_errors_are_one_line_and_write_nothing(
     pg: PgDatabase, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: object, expected: list[str]
@@ -434,6 +438,22 @@ def test_misspelled_keys_fail_the_schema_at_their_file_and_line(
     assert "Extra inputs are not permitted" in message
     assert not (tmp_path / "lake").exists()
     assert pg.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()") == [(0,)]
+
+
+def test_a_pipeline_takes_per_column_choices(tmp_path: Path) -> None:
+    """``columns`` is a key of a pipeline in defs.yaml (the schema ``dg`` checks) and reads as a ``PGCDC_CONFIG`` file's."""
+    raw = {
+        "postgres": {"dsn": "postgresql://u@h/db"},
+        "publication": "pub",
+        "columns": {'public.t."Duration"': {"rename": "duration_2"}, "public.t.d": "text", "public.t.x": "exclude"},
+    }
+    PipelineKeys.model_validate(raw)
+    config = validate_pipeline("shop", raw, raw, tmp_path / "defs.yaml")
+    assert config.column_overrides.for_table(TableName("public", "t")) == {
+        "Duration": ColumnChoice(rename="duration_2"),
+        "d": ColumnChoice(as_text=True),
+        "x": ColumnChoice(exclude=True),
+    }
 
 
 def test_scaffolded_project_validates(tmp_path: Path) -> None:

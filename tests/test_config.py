@@ -4,8 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from resources.column_overrides import as_text_fix, ColumnChoice
 from resources.config import load_config, parse_config
 from resources.errors import ConfigurationError, mask_dsn
+from resources.names import TableName
 
 MINIMAL = {"postgres": {"dsn": "postgresql://app:s3cret@db.internal:5433/shop"}, "publication": "pgcdc"}
 
@@ -57,6 +59,15 @@ def test_history_is_per_table_with_a_default(tmp_path: Path) -> None:
             "'history.tables': Value error, 'orders' is not schema.table",
         ),
         ({"history": {"tables": {"public.orders": "log"}}}, "'history.tables.public.orders'"),
+        ({"columns": {"public.orders": "text"}}, "'columns': Value error, 'public.orders' is not schema.table.column"),
+        ({"columns": {'public."Order Items.due': "text"}}, "has an unterminated quote"),
+        ({"columns": {"public.orders.due": "txt"}}, "public.orders.due: got 'txt': write text, exclude or {rename: "),
+        ({"columns": {"public.orders.due": True}}, "public.orders.due: got True: write text, exclude or {rename: "),
+        ({"columns": {"public.orders.due": {"renam": "d"}}}, "unknown key 'columns.public.orders.due.renam'"),
+        ({"columns": {"public.orders.due": {"rename": ""}}}, "'columns.public.orders.due.rename'"),
+        ({"columns": {"public.orders.due": {"exclude": True, "text": True}}}, "exclude takes no text or rename"),
+        ({"columns": {"public.orders.due": {"rename": "_pgcdc_lsn"}}}, "are pgcdc's own columns"),
+        ({"columns": {"public.orders.due": "text", 'public.Orders."due"': "exclude"}}, "name the same column"),
     ],
 )
 def test_each_bad_key_is_named(override: dict, expected: str) -> None:
@@ -64,6 +75,40 @@ def test_each_bad_key_is_named(override: dict, expected: str) -> None:
         parse_config({**MINIMAL, **override})
     assert expected in str(raised.value)
     assert "\n" not in str(raised.value)
+
+
+def test_columns_are_read_as_postgresql_reads_names(tmp_path: Path) -> None:
+    path = tmp_path / "pgcdc.yaml"
+    path.write_text(
+        "postgres:\n  dsn: postgresql://u@h/db\npublication: pub\ncolumns:\n"
+        "  public.orders.Due: text\n"
+        '  \'public."Order Items"."Due.Date"\': text\n'
+        '  \'"My Schema".t."Say ""Hi"""\': {rename: say_hi}\n'
+        '  public.t."Duration": {rename: duration_2, text: true}\n'
+        "  public.t.secret: exclude\n"
+    )
+    overrides = load_config(path).column_overrides
+    assert overrides.for_table(TableName("public", "orders")) == {"due": ColumnChoice(as_text=True)}
+    assert overrides.for_table(TableName("public", "Order Items")) == {"Due.Date": ColumnChoice(as_text=True)}
+    assert overrides.for_table(TableName("My Schema", "t")) == {'Say "Hi"': ColumnChoice(rename="say_hi")}
+    assert overrides.for_table(TableName("public", "t")) == {
+        "Duration": ColumnChoice(as_text=True, rename="duration_2"),
+        "secret": ColumnChoice(exclude=True),
+    }
+    assert overrides.for_table(TableName("public", "other")) == {}
+    assert parse_config(MINIMAL).column_overrides.for_table(TableName("public", "orders")) == {}
+
+
+def test_the_key_a_fix_names_is_one_the_configuration_reads() -> None:
+    for schema, table, column, printed in [
+        ("public", "t", "d", '"public.t.d"'),
+        ("public", "Order Items", "Due.Date", """'public."Order Items"."Due.Date"'"""),
+        ("s", "t", 'Say "Hi"', '\'s.t."Say ""Hi"""\''),
+    ]:
+        fix = as_text_fix(TableName(schema, table), column)
+        assert fix.startswith(f"set columns: {{{printed}: text}} in the pipeline's configuration, then re-snapshot")
+        config = parse_config({**MINIMAL, "columns": {printed[1:-1]: "text"}})
+        assert config.column_overrides.for_table(TableName(schema, table)) == {column: ColumnChoice(as_text=True)}
 
 
 def test_missing_required_keys_are_named() -> None:

@@ -352,7 +352,7 @@ def test_a_renamed_column_fails_with_the_resnapshot_fix_instead_of_losing_its_va
         config,
         spark,
         ["ALTER TABLE r2 RENAME COLUMN v TO w", "INSERT INTO r2 VALUES (3, 30, 'c')"],
-        "column 'w' of public.r2 appeared before columns Delta already has",
+        "public.r2: column 'w' existed when the table was snapshotted (a RENAME COLUMN",
     )
 
 

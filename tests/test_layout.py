@@ -42,6 +42,7 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 VOCABULARY = (
+    "resources.column_overrides",
     "resources.config",
     "resources.errors",
     "resources.locations",

@@ -134,7 +134,7 @@ def test_unconstrained_numeric_keeps_exact_text() -> None:
 
 
 def test_numeric_nan_in_decimal_column_fails_naming_column() -> None:
-    with pytest.raises(PgValueError, match=r"column 'c' \(numeric\).*'NaN'.*as_text"):
+    with pytest.raises(PgValueError, match=r"column 'c' \(numeric\).*'NaN'.*as text"):
         convert(["1.00", "NaN"], column("numeric", numeric_typmod(10, 2)))
 
 

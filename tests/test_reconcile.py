@@ -26,7 +26,9 @@ import pgcdc_assets.checks
 import resources.cdc.apply_batches
 import resources.runs.reconcile
 from pgcdc_assets.builder import build_definitions
+from resources.column_overrides import ColumnOverrides
 from resources.lsn import LSN
+from resources.names import TableName
 from resources.pgtypes import PgColumnType, to_arrow
 from resources.runs.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
 from resources.testing.verify import compare_table
@@ -86,13 +88,19 @@ def oracle_beside_reconcile(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | 
     reconcile_table = resources.runs.reconcile._compare_table
 
     def with_oracle(
-        reader: psycopg.Connection, publication: str, spark: SparkSession, table: object, path: str, range_rows: int
+        reader: psycopg.Connection,
+        publication: str,
+        spark: SparkSession,
+        table: TableName,
+        path: str,
+        range_rows: int,
+        overrides: ColumnOverrides,
     ) -> TableReconciliation:
         try:
-            outcomes[str(table)] = compare_table(reader, str(table), path)
+            outcomes[str(table)] = compare_table(reader, str(table), path, columns=overrides.for_table(table))
         except AssertionError as failure:
             outcomes[str(table)] = failure
-        return reconcile_table(reader, publication, spark, table, path, range_rows)  # type: ignore[arg-type]
+        return reconcile_table(reader, publication, spark, table, path, range_rows, overrides)  # type: ignore[arg-type]
 
     monkeypatch.setattr(resources.runs.reconcile, "_compare_table", with_oracle)
     return outcomes

@@ -7,6 +7,7 @@ re-snapshot fix and confirms nothing; DROP and ADD drain exactly; a re-snapshot 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,14 @@ from pyspark.sql import SparkSession
 from resources.cdc.renames import unproven_addition
 from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
+from resources.lsn import LSN
 from resources.postgres.catalog import read_table, table_attributes, TableName
 from resources.runs.snapshot import snapshot_tables
 from tests.support.incremental_runs import assert_refused_with_the_resnapshot_fix, drain, path_of, same, setup
 from tests.support.postgres import PgDatabase
+from tests.support.subscriber_oracle import Subscriber
 
-pytest_plugins = ["tests.support.spark_fixtures"]
+pytest_plugins = ["tests.support.spark_fixtures", "tests.support.subscriber_oracle"]
 
 
 def test_drop_and_add_of_the_last_column_drain_exactly(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
@@ -92,6 +95,139 @@ def test_a_rename_of_the_last_column_fails_with_the_resnapshot_fix_and_a_resnaps
         spark,
         ["ALTER TABLE r RENAME COLUMN z TO zz", "INSERT INTO r VALUES (5, 50, 'e', 5)"],
         "public.r: column(s) zz appeared as z disappeared, and PostgreSQL holds 0 column(s) dropped before them",
+    )
+
+
+# --------------------------------------------------------------------------- DROP and ADD of a name in one ALTER
+
+LAYOUTS = {
+    "plain": ("CREATE TABLE tab2 (id int PRIMARY KEY, a int, b text)", "", ["public.tab2"]),
+    "partitioned-via-root": (
+        "CREATE TABLE tab2 (id int PRIMARY KEY, a int, b text) PARTITION BY RANGE (id);"
+        " CREATE TABLE tab2_low PARTITION OF tab2 FOR VALUES FROM (0) TO (100);"
+        " CREATE TABLE tab2_high PARTITION OF tab2 FOR VALUES FROM (100) TO (200)",
+        " WITH (publish_via_partition_root = true)",
+        ["public.tab2"],
+    ),
+    "partitioned-via-leaves": (
+        "CREATE TABLE tab2 (id int PRIMARY KEY, a int, b text) PARTITION BY RANGE (id);"
+        " CREATE TABLE tab2_low PARTITION OF tab2 FOR VALUES FROM (0) TO (100);"
+        " CREATE TABLE tab2_high PARTITION OF tab2 FOR VALUES FROM (100) TO (200)",
+        "",
+        ["public.tab2_low", "public.tab2_high"],
+    ),
+}
+
+
+@pytest.mark.parametrize("b_type", ["text", "int"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_drop_and_add_of_a_name_behind_a_new_column_drains_as_the_subscriber_applies_it(
+    pg: PgDatabase,
+    tmp_path: Path,
+    spark: SparkSession,
+    subscribe: Callable[[str], Subscriber],
+    layout: str,
+    b_type: str,
+) -> None:
+    """``ALTER TABLE tab2 DROP b, ADD c ... DEFAULT 'x', ADD b`` lists b after the new c: the catalog proves
+    b a new column (its snapshot number dropped, its new one above the snapshot's count), so the rows
+    Delta has get NULL in b and 'x' in c, as PostgreSQL's subscriber gives them (b's type may change)."""
+    create, options, tables = LAYOUTS[layout]
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        f"""
+        {create};
+        INSERT INTO tab2 VALUES (1, 10, 'one'), (2, 20, 'two'), (101, 30, 'three'), (102, 40, 'four');
+        CREATE PUBLICATION pub FOR TABLE tab2{options};
+    """,
+    )
+    subscriber = subscribe("pub")
+    pg.execute("UPDATE tab2 SET b = 'before', a = 11 WHERE id IN (1, 101)")
+    ((position,),) = pg.execute("SELECT pg_current_wal_lsn()::text")
+    subscriber.wait_for(LSN.parse(position))  # the subscriber applies the old b before its own ALTER
+    alter = f"ALTER TABLE tab2 DROP b, ADD COLUMN c text DEFAULT 'x', ADD b {b_type}"
+    with subscriber.connect() as conn:
+        conn.execute(alter)
+    pg.execute(alter)
+    pg.execute("""
+        INSERT INTO tab2 VALUES (3, 50, 'new', '5'), (103, 60, NULL, '6');
+        UPDATE tab2 SET b = '7' WHERE id IN (2, 102);
+        UPDATE tab2 SET a = 12 WHERE id = 1;
+    """)
+    result = drain(config, spark)
+    subscriber.wait_for(result.end_lsn)
+    counts = subscriber.assert_matches_delta(config)
+    assert sum(counts.values()) == 6 and sorted(counts) == sorted(tables)
+    rows = sorted(
+        (row["id"], row["a"], row["b"], row["c"])
+        for table in tables
+        for row in delta_rs_rows(path_of(config, table)).select(["id", "a", "b", "c"]).to_pylist()
+    )
+    number = int if b_type == "int" else str
+    assert rows == [
+        (1, 12, None, "x"),
+        (2, 20, number("7"), "x"),
+        (3, 50, number("5"), "new"),
+        (101, 11, None, "x"),
+        (102, 40, number("7"), "x"),
+        (103, 60, number("6"), None),
+    ]
+
+
+def test_a_name_dropped_and_added_again_with_another_type_is_a_new_column(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, subscribe: Callable[[str], Subscriber]
+) -> None:
+    """``DROP b, ADD b int DEFAULT 7``: no new name, but b's Delta type differs and the catalog proves b a
+    new column: the rows Delta has get the default, in the new type, as the subscriber's do."""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
+        CREATE TABLE tab4 (id int PRIMARY KEY, a int, b text);
+        INSERT INTO tab4 VALUES (1, 10, 'one'), (2, 20, 'two');
+        CREATE PUBLICATION pub FOR TABLE tab4;
+    """,
+    )
+    subscriber = subscribe("pub")
+    alter = "ALTER TABLE tab4 DROP b, ADD b int DEFAULT 7"
+    with subscriber.connect() as conn:
+        conn.execute(alter)
+    pg.execute(alter)
+    pg.execute("INSERT INTO tab4 VALUES (3, 30, 3); UPDATE tab4 SET a = 21 WHERE id = 2")
+    result = drain(config, spark)
+    subscriber.wait_for(result.end_lsn)
+    assert subscriber.assert_matches_delta(config) == {"public.tab4": 3}
+    table = delta_rs_rows(path_of(config, "public.tab4")).sort_by("id")
+    assert table.select(["id", "a", "b"]).to_pylist() == [
+        {"id": 1, "a": 10, "b": 7},
+        {"id": 2, "a": 21, "b": 7},
+        {"id": 3, "a": 30, "b": 3},
+    ]
+
+
+def test_a_rename_behind_which_the_name_is_added_again_is_refused(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """RENAME b TO c, then ADD b: c stands before b like a new column would, but its number is b's old one."""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
+        CREATE TABLE tab3 (id int PRIMARY KEY, a int, b text);
+        INSERT INTO tab3 VALUES (1, 10, 'one');
+        CREATE PUBLICATION pub FOR TABLE tab3;
+    """,
+    )
+    assert_refused_with_the_resnapshot_fix(
+        pg,
+        config,
+        spark,
+        ["ALTER TABLE tab3 RENAME b TO c", "ALTER TABLE tab3 ADD b text", "INSERT INTO tab3 VALUES (2, 20, 'c', 'b')"],
+        "public.tab3: column 'c' existed when the table was snapshotted (a RENAME COLUMN",
     )
 
 

@@ -7,6 +7,7 @@ import pyarrow as pa
 from resources.cdc.apply_state import ApplierState
 from resources.cdc.schema import ChangeValueError
 from resources.cdc.tables import TableTarget
+from resources.column_overrides import as_text_fix
 from resources.delta.batch_columns import OLD_KEY_PREFIX, unchanged_flag_column
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
 from resources.delta.markers import LSN_COLUMN
@@ -28,10 +29,11 @@ class BatchAssembly(ApplierState):
         """Text columns -> typed columns (then the rows at ``index``, ascending and distinct, if given),
         plus the bucket (of the row's key, and of the old key of a moved row), unchanged-TOAST flags,
         ``_pgcdc_lsn`` and dropped columns."""
-        arrays = [self._convert(target, values, column) for values, column in zip(columns, target.columns)]
+        kept = [(values, column) for values, column in zip(columns, target.columns) if not column.excluded]
+        arrays = [self._convert(target, values, column) for values, column in kept]
         if index is not None and arrays and len(index) < len(arrays[0]):  # as many as the rows: all of them
             arrays = [array.take(index) for array in arrays]
-        names = [column.column for column in target.columns]
+        names = [column.column for _, column in kept]
         layout = target.layout
         bucketed = target.delta_schema is not None and BUCKET_COLUMN in target.delta_schema.names
         if bucketed:
@@ -54,7 +56,7 @@ class BatchAssembly(ApplierState):
                 arrays.append(old_buckets)
                 names.append(OLD_KEY_PREFIX + BUCKET_COLUMN)
         for flag, column in zip(flags, target.columns):
-            if flag is not None:
+            if flag is not None and not column.excluded:
                 arrays.append(flag)
                 names.append(unchanged_flag_column(column.column))
         arrays.append(lsns)
@@ -69,10 +71,9 @@ class BatchAssembly(ApplierState):
         try:
             converted = to_arrow(values, column)
         except PgValueError as exc:
+            fix = "fix the value in PostgreSQL" if exc.column is None else as_text_fix(target.table, exc.column)
             raise ChangeValueError(
-                f"cannot apply a change to {target.table}: {exc}",
-                "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
-                column=column.column,
+                f"cannot apply a change to {target.table}: {exc}", fix, column=exc.column or column.column
             ) from exc
         wider = target.delta_wider.get(column.column)
         return converted if wider is None else converted.cast(wider)

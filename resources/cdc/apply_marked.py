@@ -43,7 +43,7 @@ class MarkedWrites(BatchAssembly):
                 "PostgreSQL sends the old row only for a table (for a partition: the partition itself) with REPLICA "
                 "IDENTITY FULL; set it there, then re-snapshot the table",
             )
-        value_columns = [column.column for column in target.columns]
+        value_columns = [column.column for column in target.columns if not column.excluded]
         for group in fold_row_changes(ops, old_images, new_images, rows.lsns.tolist(), self._max_replace_values):
             changed = group.changed()
             if not changed:
@@ -77,7 +77,7 @@ class MarkedWrites(BatchAssembly):
         lsns = pa.array([delta.lsn for delta in changed.values()], pa.int64())
         table = self._arrow_batch(target, columns, [None] * len(columns), lsns, None)
         bucket = [BUCKET_COLUMN] if BUCKET_COLUMN in table.column_names else []  # new copies land in their own bucket
-        table = table.select([column.column for column in target.columns] + bucket + [LSN_COLUMN])
+        table = table.select([c.column for c in target.columns if not c.excluded] + bucket + [LSN_COLUMN])
         return table.append_column(NET_COLUMN, pa.array([delta.net for delta in changed.values()], pa.int64()))
 
     def _warn_missing_rows(self, target: TableTarget, missing: int) -> None:

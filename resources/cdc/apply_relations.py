@@ -9,11 +9,30 @@ from resources.cdc.history import (
 )
 from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
+from resources.column_overrides import refuse_excluded_keys
 from resources.crash_points import fault_point
 from resources.delta.layout import BUCKET_COLUMN
+from resources.errors import ConfigurationError
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
-from resources.pgtypes import arrow_type
+from resources.pgtypes import arrow_type, PgColumnType
+
+
+def _refuse_unsupported_exclusion(target: TableTarget, columns: list[PgColumnType]) -> None:
+    """Refuse a column left out of Delta (``columns: {...: exclude}``) where the drain needs its values:
+    a key column, a table whose rows are matched by their whole value (REPLICA IDENTITY FULL without
+    a primary key: two rows differing only there would be one in Delta), a table keeping a history."""
+    excluded = [column for column in columns if column.excluded]
+    if not excluded:
+        return
+    names = ", ".join(column.source_name for column in excluded)
+    refuse_excluded_keys(target.table, [columns[i].source_name for i in target.key_index if columns[i].excluded])
+    if target.mode == FULL or target.history_path is not None:
+        raise ConfigurationError(
+            f"{target.table}: column(s) {names} are excluded, but its rows are matched by their whole value "
+            "(REPLICA IDENTITY FULL without a primary key) or it keeps a history",
+            "leave the column out with the publication's column list instead, then re-snapshot the table",
+        )
 
 
 class RelationHandling(TableFlush):
@@ -48,6 +67,7 @@ class RelationHandling(TableFlush):
             target.mode, target.key_index = KEYED, key_index
         else:
             target.mode, target.key_index = APPEND, ()
+        _refuse_unsupported_exclusion(target, columns)
         if target.history_scd2:
             target.history_key = scd2.history_key(target, [column.column for column in columns])
         if self._schema.reconcile(target, columns, previous, relation, end, seq):

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pyarrow as pa
 
-from resources.cdc.renames import unproven_addition
+from resources.cdc.renames import added_again, behind_new_columns, unproven_addition
 from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
+from resources.column_overrides import as_text_fix, refuse_case_clash
 from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
 from resources.errors import TableFault
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
-from resources.pgoutput.messages import Relation
+from resources.pgoutput.messages import Relation, RelationColumn
 from resources.pgtypes import arrow_type, PgColumnType, PgValueError, to_arrow
 from resources.postgres.column_types import ColumnTypes
 
@@ -53,21 +55,6 @@ class SchemaReconciler:
         self._log = log
         self._before_fill = before_fill
 
-    @staticmethod
-    def _refuse_renamed(target: TableTarget, names: list[str], seen: set[str]) -> None:
-        """Refuse a column new to Delta that stands before a column Delta has: a Relation message lists
-        columns in attnum order and ADD COLUMN takes the next attnum, so such a column was renamed (or
-        published by a changed column list), and its existing rows' values never reached Delta. Taking it
-        for an added column would leave them NULL. (A rename of the last column looks like DROP and ADD
-        to the stream; the catalog tells them apart: ``resources/cdc/renames.py``.)"""
-        for position, name in enumerate(names):
-            if name not in seen and any(later in seen for later in names[position + 1 :]):
-                raise SchemaChangeError(
-                    f"column {name!r} of {target.table} appeared before columns Delta already has (a RENAME COLUMN, or a "
-                    "column newly published by a changed column list): its existing values are not in the stream",
-                    RESNAPSHOT_FIX,
-                )
-
     def reconcile(
         self,
         target: TableTarget,
@@ -87,39 +74,17 @@ class SchemaReconciler:
         if target.delta_schema is None:
             target.delta_schema = self._writer.call(self._destination.table_schema, target.path)
         existing = {f.name: f.type for f in target.delta_schema}
-        added: list[pa.Field] = []
-        widened: dict[str, pa.DataType] = {}
-        target.delta_wider = {}
-        for column in columns:
-            wanted = arrow_type(column)
-            current = existing.get(column.column)
-            if current is None:
-                added.append(pa.field(column.column, wanted))
-            elif delta_type_name(current) != delta_type_name(wanted):
-                if is_safe_widening(wanted, current):
-                    # Delta is wider already: a replay of changes from before a widening whose commit is
-                    # durable (a crash before the confirm), or a column narrowed in PostgreSQL. Every value
-                    # fits: it is written in Delta's type.
-                    target.delta_wider[column.column] = current
-                elif not is_safe_widening(current, wanted):
-                    raise SchemaChangeError(
-                        f"column {column.column!r} of {target.table} changed type from "
-                        f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
-                        RESNAPSHOT_FIX,
-                    )
-                widened[column.column] = wanted
+        kept = [(column, attribute) for column, attribute in zip(columns, relation.columns) if not column.excluded]
         # Columns new since the previous Relation message (or, for the first one of the run, new
-        # to Delta): the rows already in Delta need what PostgreSQL gave its existing rows.
-        seen_names = [c.name for c in previous.columns] if previous is not None else list(existing)
-        seen = set(seen_names)
-        names = [c.column for c in columns]
-        self._refuse_renamed(target, names, seen)
-        recorded = target.log.columns if target.log is not None else None
-        why = unproven_addition(recorded, seen_names, names, lambda: self._types.attributes(relation))
-        if why is not None:
-            raise SchemaChangeError(f"{target.table}: {why}", RESNAPSHOT_FIX)
-        fills = self._fills(target, relation, columns, [c for c in columns if c.column not in seen], end, seq)
+        # to Delta), and columns of a name Delta has added again (DROP and ADD): the rows already in
+        # Delta need what PostgreSQL gave its existing rows.
+        seen = [c.column for c in target.columns if not c.excluded] if previous is not None else list(existing)
+        again = self._added_again(target, relation, [column for column, _ in kept], seen, existing)
+        added, widened = self._typed(target, [column for column, _ in kept if column.column not in again], existing)
+        new = [column for column, _ in kept if column.column not in seen or column.column in again]
+        fills = self._fills(target, relation, kept, new, end, seq)
         added = [f for f in added if f.name not in fills]
+        names = [column.column for column, _ in kept]
         if widened:
             self._log(f"{target.table}: widening {', '.join(sorted(widened))} (rewrites the Delta table)")
             self._writer.commit(self._destination.widen_columns, target.path, widened)
@@ -140,11 +105,91 @@ class SchemaReconciler:
         target.dropped = [f for f in target.delta_schema if f.name not in names and not f.name.startswith("_pgcdc_")]
         return previous is not None or bool(widened or added or fills or target.dropped)
 
-    def _fills(
+    def _added_again(
         self,
         target: TableTarget,
         relation: Relation,
         columns: list[PgColumnType],
+        seen: list[str],
+        existing: dict[str, pa.DataType],
+    ) -> set[str]:
+        """The (Delta) names of ``columns`` that are columns of a name Delta has, added again since
+        (DROP and ADD, as one ALTER TABLE may do), decided from the catalog; refuses what it cannot prove.
+
+        A column Delta has standing after one new to it in the message is such a column, or the new one
+        is an older column renamed: the catalog must prove the first (``resources/cdc/renames.py``). A
+        column whose Delta type differs is such a column when the catalog proves it, or else a type
+        change (:meth:`_typed` decides). Names here are Delta's (the configuration may rename a
+        column); the catalog knows PostgreSQL's."""
+        source = {c.column: c.source_name for c in [*target.columns, *columns]}
+        names = [column.column for column in columns]
+        behind = behind_new_columns(seen, names)
+        recorded = target.log.columns if target.log is not None else None
+        attributes = functools.cache(lambda: self._types.attributes(relation))
+        retyped = [
+            column.column
+            for column in columns
+            if column.column in existing
+            and column.column not in behind
+            and delta_type_name(existing[column.column]) != delta_type_name(arrow_type(column))
+        ]
+        again = behind + [name for name in retyped if added_again(recorded, [source.get(name, name)], attributes)]
+        why = unproven_addition(
+            recorded,
+            [source.get(name, name) for name in seen],
+            [source.get(name, name) for name in names],
+            attributes,
+            [source.get(name, name) for name in again],
+        )
+        if why is not None:
+            raise SchemaChangeError(f"{target.table}: {why}", RESNAPSHOT_FIX)
+        if again:
+            self._log(f"{target.table}: {', '.join(again)} dropped and added again in PostgreSQL (a new column)")
+        return set(again)
+
+    @staticmethod
+    def _typed(
+        target: TableTarget, columns: list[PgColumnType], existing: dict[str, pa.DataType]
+    ) -> tuple[list[pa.Field], dict[str, pa.DataType]]:
+        """The columns Delta lacks and the ones it widens; refuses a type Delta cannot follow in place, and
+        a new column whose name differs only in case from one Delta has (kept after a DROP, say)."""
+        added: list[pa.Field] = []
+        widened: dict[str, pa.DataType] = {}
+        target.delta_wider = {}
+        in_delta = [(name, name) for name in existing if not name.startswith("_pgcdc_")]
+        for column in columns:
+            wanted = arrow_type(column)
+            current = existing.get(column.column)
+            if current is None:
+                refuse_case_clash(target.table, [*in_delta, (column.source_name, column.column)])
+                added.append(pa.field(column.column, wanted))
+            elif delta_type_name(current) != delta_type_name(wanted):
+                if column.as_text:
+                    raise SchemaChangeError(
+                        f"column {column.column!r} of {target.table} is replicated as text by the configuration's "
+                        f"columns, but its Delta column is {delta_type_name(current)} (set after its snapshot)",
+                        RESNAPSHOT_FIX,
+                    )
+                if is_safe_widening(wanted, current):
+                    # Delta is wider already: a replay of changes from before a widening whose commit is
+                    # durable (a crash before the confirm), or a column narrowed in PostgreSQL. Every value
+                    # fits: it is written in Delta's type.
+                    target.delta_wider[column.column] = current
+                    continue
+                if not is_safe_widening(current, wanted):
+                    raise SchemaChangeError(
+                        f"column {column.column!r} of {target.table} changed type from "
+                        f"{delta_type_name(current)} to {column.type_name} ({delta_type_name(wanted)})",
+                        RESNAPSHOT_FIX,
+                    )
+                widened[column.column] = wanted
+        return added, widened
+
+    def _fills(
+        self,
+        target: TableTarget,
+        relation: Relation,
+        kept: list[tuple[PgColumnType, RelationColumn]],
         new: list[PgColumnType],
         end: int,
         seq: int,
@@ -161,14 +206,14 @@ class SchemaReconciler:
             return {}
         if target.mode in MARKED_MODES and target.applied_marker is not None and target.applied_marker >= (end, seq):
             return {}  # a replay: changes after this Relation message are in Delta, so it was handled before
-        facts = self._types.added_columns(relation, [c.column for c in new])
+        facts = self._types.added_columns(relation, [c.source_name for c in new])
         in_delta = {f.name for f in target.delta_schema or []}
         fills: dict[str, pa.Array] = {}
-        for column, attribute in zip(columns, relation.columns):
+        for column, attribute in kept:
             if column not in new:
                 continue
             name = column.column
-            seen = facts.get(name)
+            seen = facts.get(column.source_name)
             if not seen:
                 # Gone again (dropped or renamed) before we looked, which also clears its missing value.
                 # It is a dropped column in Delta from here on; only the rows written before it was
@@ -200,7 +245,7 @@ class SchemaReconciler:
                 except PgValueError as exc:
                     raise ChangeValueError(
                         f"cannot apply the default of the added column {name!r} to {target.table}: {exc}",
-                        "fix the value in PostgreSQL or replicate that column as text, then re-snapshot the table",
+                        as_text_fix(target.table, column.source_name),
                         column=name,
                     ) from exc
             elif has_default:

@@ -159,4 +159,5 @@ class Destination(Protocol):
         """Add nullable columns."""
 
     def fill_columns(self, path: str, values: pa.Table, lsn_column: str, up_to_lsn: int) -> None:
-        """Set added columns on the rows written at or below ``up_to_lsn`` (the values PostgreSQL gave them)."""
+        """Set added columns on the rows written at or below ``up_to_lsn`` (the values PostgreSQL gave them);
+        a column the table has takes the type of ``values`` (dropped and added again with another type)."""

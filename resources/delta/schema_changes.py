@@ -85,12 +85,21 @@ def fill_columns(spark: SparkSession, path: str, values: pa.Table, lsn_column: s
 
     One overwrite commit, so the new columns never exist without their values. Sail has
     neither ALTER TABLE nor UPDATE; this is a rewrite of the table, like :func:`widen_columns`.
+    A column the table has takes the type of ``values`` (a column dropped and added again in
+    PostgreSQL under its name, with another type: every row it keeps is filled).
     """
     frame = spark.read.format("delta").load(path)
     existing = to_arrow_schema(frame.schema)
+    retyped = {
+        field.name: field.type
+        for field in values.schema
+        if field.name in existing.names and existing.field(field.name).type != field.type
+    }
     lsn_column_le = F.col(quote_column(lsn_column)) <= F.lit(int(up_to_lsn))
     if frame.where(lsn_column_le).limit(1).count() == 0:  # nothing to fill (an empty query result commits no schema)
         missing = [field for field in values.schema if field.name not in existing.names]
+        if retyped:
+            widen_columns(spark, path, retyped)
         if missing:
             add_columns(spark, path, pa.schema(missing))
         return
@@ -99,7 +108,11 @@ def fill_columns(spark: SparkSession, path: str, values: pa.Table, lsn_column: s
     joined = frame.crossJoin(fill)
     columns = [
         F.when(lsn_column_le, F.col(fill_names[field.name]))
-        .otherwise(F.col(quote_column(field.name)))
+        .otherwise(
+            F.col(quote_column(field.name)).cast(from_arrow_type(retyped[field.name]))
+            if field.name in retyped
+            else F.col(quote_column(field.name))
+        )
         .alias(field.name)
         if field.name in fill_names
         else F.col(quote_column(field.name))

@@ -15,7 +15,8 @@ Decisions a data engineer should know (also tabulated in ``docs/type-mapping.md`
   wants. Such a column can still hold ``NaN`` (and ``Infinity`` on PostgreSQL 14+), which no
   Spark decimal can represent: converting one raises :class:`PgValueError` naming the
   column, instead of writing a null or a clamp that nobody would notice. The remedy is to
-  replicate that column as text (``PgColumnType.as_text``). Unconstrained ``numeric`` and
+  replicate that column as text (``PgColumnType.as_text``, set by the configuration's
+  ``columns: {"schema.table.column": text}``: ``resources/column_overrides.py``). Unconstrained ``numeric`` and
   precisions above 38 become ``string`` holding PostgreSQL's exact text: nothing is lost.
 * **timestamp / timestamptz** keep their type. ``infinity`` / ``-infinity`` become the largest /
   smallest int64 microsecond values (year 294247 / -290308): no finite PostgreSQL value maps
@@ -55,6 +56,7 @@ from resources.pgtypes.mapping import (
     SPARK_DECIMAL_MAX_PRECISION,
     TIMESTAMP_NEGATIVE_INFINITY,
     TIMESTAMP_POSITIVE_INFINITY,
+    with_choices,
 )
 from resources.pgtypes.spark_ddl import spark_ddl_type
 from resources.pgtypes.text import parse_array_literal, to_arrow
@@ -76,4 +78,5 @@ __all__ = [
     "TIMESTAMP_NEGATIVE_INFINITY",
     "TIMESTAMP_POSITIVE_INFINITY",
     "to_arrow",
+    "with_choices",
 ]

@@ -3,10 +3,12 @@ forms depend on, and the decisions listed in the package's docstring."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
+
+from resources.column_overrides import ColumnChoice
 
 SESSION_SETTINGS: dict[str, str] = {
     "TimeZone": "UTC",
@@ -34,7 +36,14 @@ _NUMERIC_TYPMOD_HEADER = 4
 
 
 class PgValueError(ValueError):
-    """A PostgreSQL value that the column's Delta type cannot hold without losing it."""
+    """A PostgreSQL value that the column's Delta type cannot hold without losing it.
+
+    ``column`` names the column whose values PostgreSQL's text would keep (``as_text``): the
+    callers, who know the table, turn it into the configuration key to set."""
+
+    def __init__(self, message: str, column: str | None = None) -> None:
+        super().__init__(message)
+        self.column = column
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +67,17 @@ class PgColumnType:
     nullable: bool = True
     as_text: bool = False
     """Replicate as PostgreSQL's text whatever the type: the escape hatch for values the
-    typed mapping refuses (numeric NaN, infinite dates, multi-dimensional arrays)."""
+    typed mapping refuses (numeric NaN, infinite dates, multi-dimensional arrays), set by the
+    configuration's ``columns`` (``resources/column_overrides.py``)."""
+    source: str | None = None
+    """The PostgreSQL name when ``column``, the Delta name, was renamed by the configuration."""
+    excluded: bool = False
+    """Left out of Delta by the configuration: a Relation message's row images still hold it."""
+
+    @property
+    def source_name(self) -> str:
+        """The column's name in PostgreSQL (the catalog's, the Relation message's)."""
+        return self.column if self.source is None else self.source
 
     @property
     def is_array(self) -> bool:
@@ -75,7 +94,25 @@ class PgColumnType:
             base_name=self.element_name,
             kind=self.element_kind or "b",
             typmod=self.element_typmod,
+            source=self.source,
         )
+
+
+def with_choices(columns: Iterable[PgColumnType], choices: Mapping[str, ColumnChoice]) -> list[PgColumnType]:
+    """``columns`` (by PostgreSQL name) as the configuration's ``columns`` wants them in Delta: as text,
+    renamed. Excluded columns are kept here, marked (a Relation message's row images hold them): whoever
+    writes Delta's columns leaves them out."""
+    result = []
+    for col in columns:
+        choice = choices.get(col.column)
+        if choice is None:
+            result.append(col)
+            continue
+        rename = {} if choice.rename is None else {"column": choice.rename, "source": col.column}
+        result.append(
+            replace(col, as_text=col.as_text or choice.as_text, excluded=choice.exclude, **rename)  # type: ignore[arg-type]
+        )
+    return result
 
 
 def numeric_precision_scale(typmod: int) -> tuple[int, int] | None:

@@ -69,7 +69,8 @@ def _numeric_to_arrow(text: pa.Array, col: PgColumnType, target: pa.DataType) ->
         bad = _first_failure(text, lambda v: v not in ("NaN", "Infinity", "-Infinity"))
         raise PgValueError(
             f"column {col.column!r} ({col.type_name}) holds {bad!r}, which no Spark decimal "
-            "can represent; replicate the column as text (as_text) to keep it"
+            "can represent; replicate the column as text to keep it",
+            col.source_name,
         ) from None
 
 
@@ -105,7 +106,8 @@ def _date_to_arrow(text: pa.Array, col: PgColumnType) -> pa.Array:
         bad = _first_failure(text, lambda v: _PLAIN_DATE.match(v) is not None)
         raise PgValueError(
             f"column {col.column!r} (date) holds {bad!r}, outside the 0001-01-01..9999-12-31 "
-            "range Delta/Spark dates support; replicate the column as text (as_text) to keep it"
+            "range Delta/Spark dates support; replicate the column as text to keep it",
+            col.source_name,
         ) from None
 
 
@@ -150,7 +152,8 @@ def _timestamp_micros(value: str, col: PgColumnType) -> int:
     if not TIMESTAMP_NEGATIVE_INFINITY < micros < TIMESTAMP_POSITIVE_INFINITY:
         raise PgValueError(
             f"column {col.column!r} ({col.type_name}) holds {value!r}, beyond the int64 "
-            "microsecond range of Delta timestamps"
+            "microsecond range of Delta timestamps; replicate the column as text to keep it",
+            col.source_name,
         )
     return micros
 
@@ -203,7 +206,8 @@ def parse_array_literal(literal: str, delimiter: str = ",", col: PgColumnType | 
     if literal.startswith("[") or literal.startswith("{{"):
         raise PgValueError(
             f"{where} holds {literal[:60]!r}: multi-dimensional arrays and non-default bounds "
-            "have no Delta array shape; replicate the column as text (as_text) to keep them"
+            "have no Delta array shape; replicate the column as text to keep them",
+            None if col is None else col.source_name,
         )
     if not (literal.startswith("{") and literal.endswith("}")):
         raise PgValueError(f"{where} holds {literal[:60]!r}: not an array literal")

@@ -6,8 +6,16 @@ from typing import Protocol
 
 import psycopg
 
+from resources.column_overrides import ColumnOverrides, NO_OVERRIDES, refuse_case_clash
+from resources.names import TableName
 from resources.pgoutput.messages import Relation
-from resources.pgtypes import column_type_from_catalog, pg_type_catalog_params, pg_type_catalog_query, PgColumnType
+from resources.pgtypes import (
+    column_type_from_catalog,
+    pg_type_catalog_params,
+    pg_type_catalog_query,
+    PgColumnType,
+    with_choices,
+)
 from resources.postgres.catalog import primary_key_columns, table_attributes, TableInfo
 
 
@@ -27,11 +35,14 @@ class TypeResolver:
     """Column types for Relation messages, from the catalog, cached per (type oid, typmod).
 
     The Relation message names types only by oid and typmod; what they mean (domains,
-    arrays, numeric precision) is in pg_type, read over a normal connection.
+    arrays, numeric precision) is in pg_type, read over a normal connection. The configuration's
+    ``overrides`` apply as at the snapshot (as text, renamed); two columns whose Delta names differ
+    only in case are refused before any of the table's changes is written.
     """
 
-    def __init__(self, conn: psycopg.Connection) -> None:
+    def __init__(self, conn: psycopg.Connection, overrides: ColumnOverrides = NO_OVERRIDES) -> None:
         self._conn = conn
+        self._overrides = overrides
         self._rows: dict[tuple[int, int], tuple] = {}
 
     def columns(self, relation: Relation) -> list[PgColumnType]:
@@ -43,7 +54,13 @@ class TypeResolver:
                 {"type_oids": [oid for oid, _ in missing], "typmods": [mod for _, mod in missing]},
             ).fetchall()
             self._rows.update(zip(missing, rows))
-        return [column_type_from_catalog(c.name, self._rows[key]) for c, key in zip(relation.columns, wanted)]
+        table = TableName(relation.namespace, relation.name)
+        columns = with_choices(
+            [column_type_from_catalog(c.name, self._rows[key]) for c, key in zip(relation.columns, wanted)],
+            self._overrides.for_table(table),
+        )
+        refuse_case_clash(table, [(c.source_name, c.column) for c in columns if not c.excluded])
+        return columns
 
     def primary_key(self, relation: Relation) -> tuple[str, ...]:
         """The relation's primary-key columns, empty without one.
@@ -81,11 +98,15 @@ class TypeResolver:
         return found
 
 
-def published_column_types(conn: psycopg.Connection, info: TableInfo) -> list[PgColumnType]:
-    """The mapping of the columns the publication publishes, in order, read on ``conn`` (under its snapshot)."""
+def published_column_types(
+    conn: psycopg.Connection, info: TableInfo, overrides: ColumnOverrides = NO_OVERRIDES
+) -> list[PgColumnType]:
+    """The mapping of the columns the publication publishes, in order, read on ``conn`` (under its snapshot),
+    as the configuration's ``overrides`` want them in Delta (excluded columns left out)."""
     rows = (
         psycopg.ClientCursor(conn)
         .execute(pg_type_catalog_query(), pg_type_catalog_params((c.type_oid, c.type_modifier) for c in info.columns))
         .fetchall()
     )
-    return [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]
+    columns = [column_type_from_catalog(column.name, row) for column, row in zip(info.columns, rows, strict=True)]
+    return [c for c in with_choices(columns, overrides.for_table(info.table)) if not c.excluded]

@@ -17,17 +17,18 @@ import secrets
 import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
+from resources.column_overrides import ColumnOverrides, NO_OVERRIDES, refuse_case_clash, refuse_excluded_keys
 from resources.crash_points import fault_point
 from resources.delta.destination import Destination
 from resources.delta.key_ranges import KeySpan
 from resources.delta.layout import TableLayout
 from resources.delta.markers import LSN_COLUMN
 from resources.lsn import LSN
-from resources.pgtypes import arrow_schema, PgColumnType, SESSION_SETTINGS, spark_ddl_type
+from resources.pgtypes import arrow_schema, PgColumnType, SESSION_SETTINGS, spark_ddl_type, with_choices
 from resources.phases import Phases
 from resources.postgres.catalog import read_table, table_oid, TableInfo, TableName
 from resources.postgres.copy import PieceParser, read_column_types
@@ -132,11 +133,20 @@ class ConsistentCopy:
 
 @contextmanager
 def consistent_copy(
-    dsn: str, publication: str, table: TableName, *, after_slot: str | None = None
+    dsn: str,
+    publication: str,
+    table: TableName,
+    *,
+    after_slot: str | None = None,
+    overrides: ColumnOverrides = NO_OVERRIDES,
 ) -> Iterator[ConsistentCopy]:
     """Open the copy of what ``publication`` publishes of ``table``: its connection, transaction and
-    temporary slot, its columns read inside it. ``after_slot`` names the fault point right after the
-    slot is created. Leaving closes the connection (a slot not dropped yet goes with it)."""
+    temporary slot, its columns read inside it, as the configuration's ``overrides`` want them (as
+    text, renamed, left out of the COPY). ``after_slot`` names the fault point right after the
+    slot is created. Leaving closes the connection (a slot not dropped yet goes with it).
+
+    Two columns whose Delta names differ only in case are refused here, before anything is written:
+    the engine would fail only once the write had begun, leaving the table's directory behind."""
     with ReplicationConnection(dsn, application_name="pgcdc_snapshot", session_settings=SESSION_SETTINGS) as conn:
         # The slot name wants the table's oid, and SNAPSHOT 'use' must be the transaction's
         # first command: look it up before BEGIN.
@@ -146,6 +156,12 @@ def consistent_copy(
         if after_slot is not None:
             fault_point(after_slot)
         info = read_table(conn.connection, publication, table)
-        columns = read_column_types(conn, info)
+        choices = overrides.for_table(table)
+        excluded = {name for name, choice in choices.items() if choice.exclude}
+        if excluded:
+            refuse_excluded_keys(table, [c.name for c in info.columns if c.is_identity_key and c.name in excluded])
+            info = replace(info, columns=tuple(c for c in info.columns if c.name not in excluded))
+        columns = with_choices(read_column_types(conn, info), choices)
+        refuse_case_clash(table, [(c.source_name, c.column) for c in columns])
         schema = arrow_schema(columns).append(pa.field(LSN_COLUMN, pa.int64()))
         yield ConsistentCopy(conn, temp_slot, point, info, columns, schema)

@@ -192,7 +192,7 @@ def run_incremental(
         end_lsn = rc.identify_system().xlogpos if end_lsn is None else end_lsn
         quarantines = Quarantines.start(config, destination, targets, (start_lsn, end_lsn), say)
         applier = ChangeApplier(
-            destination, TypeResolver(conn), targets, max_changes=max_chunk_changes,
+            destination, TypeResolver(conn, config.column_overrides), targets, max_changes=max_chunk_changes,
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
             max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, destination),
             set_aside=None if config.on_table_error == "stop" else quarantines.set_aside,
@@ -310,7 +310,7 @@ def _recopy_range(
     assert log.chunks is not None, "only a table snapshotted in key ranges is copied again"
     copy_key_range(
         config.postgres.dsn, config.publication, config.slot, table, destination, path, log.chunks, k, first=False,
-        log=log, buckets=config.delta.buckets,
+        log=log, buckets=config.delta.buckets, overrides=config.column_overrides,
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import psycopg
 import pyarrow as pa
 
+from resources.column_overrides import ColumnOverrides, NO_OVERRIDES
 from resources.config import BucketSettings, SnapshotSettings
 from resources.crash_points import fault_point
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
@@ -114,6 +115,7 @@ def copy_key_range(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     deletion_vectors: bool = True,
+    overrides: ColumnOverrides = NO_OVERRIDES,
 ) -> RangeCopy:
     """Copy range k of ``table`` at a new consistent point into the Delta table at ``path`` of ``destination``.
 
@@ -125,7 +127,7 @@ def copy_key_range(
     meanwhile. ``deletion_vectors``: the first range's commit creates a new table with them when the
     table is keyed (``ConsistentCopy.write``).
     """
-    with consistent_copy(dsn, publication, table, after_slot="after_range_slot") as copy:
+    with consistent_copy(dsn, publication, table, after_slot="after_range_slot", overrides=overrides) as copy:
         existing = existing_layout(table, path, log, destination.lake)
         if first:
             layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets or BucketSettings(), existing)

@@ -50,6 +50,7 @@ import psycopg
 import pyarrow as pa
 
 from resources.cdc.row_multiset import comparable_rows
+from resources.column_overrides import ColumnOverrides, NO_OVERRIDES
 from resources.config import PgcdcConfig
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
@@ -159,7 +160,9 @@ def reconcile(
                 skipped[name] = f"re-snapshotted at {snapshot_lsn}, after the reconciliation point: run it again"
                 continue
             try:
-                outcome = _compare_table(reader, config.publication, destination, table, path, range_rows)
+                outcome = _compare_table(
+                    reader, config.publication, destination, table, path, range_rows, config.column_overrides
+                )
             except psycopg.Error as exc:
                 raise explain(exc, dsn) from None
             if destination.read_table_log(path, None).snapshot_lsn != snapshot_lsn:
@@ -266,15 +269,28 @@ class RangeSums:
 
 
 def _compare_table(
-    reader: psycopg.Connection, publication: str, destination: Destination, table: TableName, path: str, range_rows: int
+    reader: psycopg.Connection,
+    publication: str,
+    destination: Destination,
+    table: TableName,
+    path: str,
+    range_rows: int,
+    overrides: ColumnOverrides = NO_OVERRIDES,
 ) -> TableReconciliation:
+    """Counts and hashes per range of the table's rows on both sides (columns as the configuration's
+    ``overrides`` have them in Delta: as text, renamed; excluded ones are not compared)."""
     started = time.monotonic()
     info = read_table(reader, publication, table)
-    types = published_column_types(reader, info)
+    types = published_column_types(reader, info, overrides)
     in_delta = set(destination.table_schema(path).names)
     compared = [column for column in types if column.column in in_delta]
     names = [column.column for column in compared]
-    keys = [c.name for c in info.columns if c.is_identity_key] if info.replica_identity in ("d", "i") else []
+    in_delta_name = {column.source_name: column.column for column in types}
+    keys = (
+        [in_delta_name.get(c.name, "") for c in info.columns if c.is_identity_key]
+        if info.replica_identity in ("d", "i")
+        else []
+    )
     keys = keys if all(key in names for key in keys) else []
     estimate = _estimated_rows(reader, info)
     ranges = _ranges(reader, info, compared, keys, max(1, math.ceil(estimate / max(1, range_rows))))
@@ -318,7 +334,8 @@ def _postgres_pieces(
     reader: psycopg.Connection, info: TableInfo, compared: list[PgColumnType], names: list[str]
 ) -> Iterator[tuple[pa.Table, list[tuple]]]:
     """The published rows under the reader's snapshot, through the snapshot's own COPY and conversion."""
-    narrowed = dataclasses.replace(info, columns=tuple(column for column in info.columns if column.name in names))
+    sources = {column.source_name for column in compared}
+    narrowed = dataclasses.replace(info, columns=tuple(column for column in info.columns if column.name in sources))
     # the parser appends the snapshot's LSN column, which is not compared
     schema = pa.schema([pa.field(column.column, arrow_type(column)) for column in compared]).append(
         pa.field(LSN_COLUMN, pa.int64())
@@ -379,7 +396,7 @@ def _ranges(
     if len(keys) == 1 and pa.types.is_integer(arrow_type(compared[names.index(keys[0])])):
         only = "ONLY " if info.relkind == "r" else ""
         where = f" WHERE {info.row_filter}" if info.row_filter else ""
-        key = quote_ident(keys[0])
+        key = quote_ident(compared[names.index(keys[0])].source_name)
         low, high = reader.execute(
             f"SELECT pg_catalog.min({key})::pg_catalog.int8, pg_catalog.max({key})::pg_catalog.int8"
             f" FROM {only}{info.table.quoted}{where}"

@@ -163,6 +163,7 @@ def snapshot_each(
                 buckets=config.delta.buckets,
                 deletion_vectors=config.delta.deletion_vectors_for(table),
                 known=known(table),
+                overrides=config.column_overrides,
             ): table
             for table in one_snapshot
         }
@@ -276,6 +277,7 @@ def snapshot_in_key_ranges(
         copies.append(copy_key_range(
             config.postgres.dsn, config.publication, config.slot, table, destination, path, ranges, k,
             first=first, log=log, buckets=config.delta.buckets, deletion_vectors=config.delta.deletion_vectors_for(table),
+            overrides=config.column_overrides,
         ))  # fmt: skip
 
     def copy_next() -> None:

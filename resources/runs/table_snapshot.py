@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from resources.column_overrides import as_text_fix, ColumnOverrides, NO_OVERRIDES
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import Destination, TableLog
@@ -159,6 +160,7 @@ def snapshot_table(
     buckets: BucketSettings | None = None,
     deletion_vectors: bool = True,
     known: TableLog | None = None,
+    overrides: ColumnOverrides = NO_OVERRIDES,
 ) -> SnapshotResult:
     """Copy what ``publication`` publishes of ``table`` into the Delta table at ``path`` of ``destination``.
 
@@ -174,6 +176,7 @@ def snapshot_table(
     where the engine writes the table), ``chunk_rows`` each parsed piece. A heap bigger than ``chunk_mb`` is read as ctid ranges
     of about that size by ``workers`` sessions under the one snapshot. ``on_progress`` runs
     on the thread that feeds the Delta writer: the calling thread, or delta-rs's when it writes.
+    ``overrides``: the configuration's ``columns`` (as text, renamed, left out).
     """
     started = time.monotonic()
     reading = _Reading(max(1, workers), max(1, chunk_mb) * 2**20, max(1, chunk_rows), max(1, chunk_bytes))
@@ -191,13 +194,13 @@ def snapshot_table(
             buckets or BucketSettings(),
             deletion_vectors,
             known,
+            overrides,
         )
     except PgcdcError as exc:
         raise naming_table(exc, table) from exc
     except PgValueError as exc:
-        raise SnapshotError(
-            f"cannot snapshot {table}: {exc}", "replicate that column as text or fix the value in PostgreSQL"
-        ) from exc
+        fix = "fix the value in PostgreSQL" if exc.column is None else as_text_fix(table, exc.column)
+        raise SnapshotError(f"cannot snapshot {table}: {exc}", fix) from exc
     except psycopg.Error as exc:
         raise naming_table(explain(exc, dsn), table) from exc
     except Exception as exc:
@@ -244,13 +247,14 @@ def _snapshot_table(
     buckets: BucketSettings,
     deletion_vectors: bool,
     known: TableLog | None,
+    overrides: ColumnOverrides,
 ) -> SnapshotResult:
     chunk_rows, chunk_bytes = reading.chunk_rows, reading.chunk_bytes
     phases = Phases()
     with phases.timed("log_read"):
         existing = existing_layout(table, path, destination.read_table_log(path, known), destination.lake)
     opened = time.monotonic()
-    with consistent_copy(dsn, publication, table, after_slot="after_snapshot_slot") as copy:
+    with consistent_copy(dsn, publication, table, after_slot="after_snapshot_slot", overrides=overrides) as copy:
         phases.add("slot_and_catalog", time.monotonic() - opened)
         layout = table_layout(copy.conn.connection, copy.info, copy.schema, buckets, existing)
         marker = snapshot_marker(copy.point, slot, str(table), layout, columns=copy.info.column_numbers)

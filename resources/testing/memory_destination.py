@@ -311,7 +311,13 @@ class InMemoryDestination:
     def fill_columns(self, path: str, values: pa.Table, lsn_column: str, up_to_lsn: int) -> None:
         target = self.tables[path]
         fills = values.to_pylist()[0]
-        schema = pa.schema([*target.schema, *(f for f in values.schema if f.name not in target.column_names)])
+        filled = {field.name: field for field in values.schema}  # a column added again may change type
+        schema = pa.schema(
+            [
+                *(filled.get(f.name, f) for f in target.schema),
+                *(f for f in values.schema if f.name not in target.column_names),
+            ]
+        )
         rows = target.to_pylist()
         for row in rows:
             for name, value in fills.items():

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import psycopg
 import pyarrow as pa
 
+from resources.column_overrides import ColumnChoice
 from resources.delta.layout import BUCKET_COLUMN, row_buckets, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY
 from resources.delta.reads import delta_rs_rows
@@ -189,17 +190,21 @@ def compare_table(
     key: Sequence[str] = (),
     extra_delta_columns: Sequence[str] = (),
     storage_options: Mapping[str, str] | None = None,
+    columns: Mapping[str, ColumnChoice] | None = None,
 ) -> int:
     """Raise AssertionError with a readable diff unless the Delta table at ``path`` equals
     ``table`` (``schema.name``, split at its first dot, or a ``TableName`` for any names) as ``conn``
     sees it, ignoring ``_pgcdc_*`` columns; returns the row count.
 
     ``extra_delta_columns`` are Delta columns PostgreSQL no longer has (dropped columns,
-    kept in Delta by design); they are not compared. ``key`` only shapes the diff.
+    kept in Delta by design); they are not compared. ``key`` only shapes the diff. ``columns``: the
+    pipeline's configured choices for this table's columns, by PostgreSQL name (as text: a string
+    holding PostgreSQL's text output; renamed: under the Delta name; excluded: not in Delta).
     """
     return compare_rows(
-        conn, table, *delta_rows(path, storage_options), key=key, extra_delta_columns=extra_delta_columns
-    )
+        conn, table, *delta_rows(path, storage_options), key=key, extra_delta_columns=extra_delta_columns,
+        columns=columns,
+    )  # fmt: skip
 
 
 def compare_rows(
@@ -210,20 +215,21 @@ def compare_rows(
     *,
     key: Sequence[str] = (),
     extra_delta_columns: Sequence[str] = (),
+    columns: Mapping[str, ColumnChoice] | None = None,
 ) -> int:
     """:func:`compare_table` of rows already read (``schema`` and rows as :func:`arrow_rows` gives them)."""
     schema_name, table_name = (table.schema, table.name) if isinstance(table, TableName) else table.partition(".")[::2]
-    expected = expected_types(conn, schema_name, table_name)
-    pg_columns = list(expected)
+    expected, in_delta = _configured(expected_types(conn, schema_name, table_name), columns or {})
+    pg_columns = [in_delta[name] for name in expected]
     delta_columns = [f.name for f in schema if not f.name.startswith("_pgcdc_")]
     unexpected = set(delta_columns) - set(pg_columns) - set(extra_delta_columns)
     missing = set(pg_columns) - set(delta_columns)
     if unexpected or missing:
         raise AssertionError(f"{table}: Delta columns {sorted(delta_columns)} vs PostgreSQL {pg_columns}")
     mistyped = [
-        f"{name} ({shown}): Delta holds {schema.field(name).type}, the documented mapping gives {arrow}"
+        f"{name} ({shown}): Delta holds {schema.field(in_delta[name]).type}, the documented mapping gives {arrow}"
         for name, (shown, arrow) in expected.items()
-        if _as_read(schema.field(name).type) != arrow
+        if _as_read(schema.field(in_delta[name]).type) != arrow
     ]
     if mistyped:
         raise AssertionError(f"{table}: Delta's schema is not the documented mapping: {'; '.join(mistyped)}")
@@ -238,6 +244,22 @@ def compare_rows(
     return len(pg_rows)
 
 
+def _configured(
+    expected: dict[str, tuple[str, pa.DataType]], choices: Mapping[str, ColumnChoice]
+) -> tuple[dict[str, tuple[str, pa.DataType]], dict[str, str]]:
+    """The documented types as the configured choices change them (excluded columns left out, a column
+    as text a string), and each kept column's Delta name."""
+    kept: dict[str, tuple[str, pa.DataType]] = {}
+    in_delta: dict[str, str] = {}
+    for name, (shown, arrow) in expected.items():
+        choice = choices.get(name, ColumnChoice())
+        if choice.exclude:
+            continue
+        kept[name] = (shown, pa.string() if choice.as_text else arrow)
+        in_delta[name] = choice.rename or name
+    return kept, in_delta
+
+
 def assert_delta_equals_postgres(
     dsn: str,
     table: str | TableName,
@@ -246,12 +268,14 @@ def assert_delta_equals_postgres(
     key: Sequence[str] = (),
     extra_delta_columns: Sequence[str] = (),
     storage_options: Mapping[str, str] | None = None,
+    columns: Mapping[str, ColumnChoice] | None = None,
 ) -> int:
     """:func:`compare_table` on a fresh connection to ``dsn``."""
     with connect(dsn, application_name="pgcdc-verify", session_settings=SESSION_SETTINGS) as conn:
         return compare_table(
-            conn, table, path, key=key, extra_delta_columns=extra_delta_columns, storage_options=storage_options
-        )
+            conn, table, path, key=key, extra_delta_columns=extra_delta_columns, storage_options=storage_options,
+            columns=columns,
+        )  # fmt: skip
 
 
 def _diff(
