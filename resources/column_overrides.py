@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from resources.errors import ConfigurationError
+from resources.errors import ConfigurationError, TableFault
 from resources.names import TableName
 from resources.sql import quote_ident
 
@@ -125,6 +125,10 @@ class ColumnOverrides:
 NO_OVERRIDES = ColumnOverrides({})
 
 
+class ColumnClashError(TableFault):
+    """Two columns of one table whose Delta names differ only in case: a fault of that table alone."""
+
+
 def refuse_case_clash(table: TableName, columns: Iterable[tuple[str, str]]) -> None:
     """Refuse two columns whose Delta names differ only in case, given (PostgreSQL name, Delta name) pairs.
 
@@ -136,7 +140,7 @@ def refuse_case_clash(table: TableName, columns: Iterable[tuple[str, str]]) -> N
         folded = delta.casefold()
         if folded in seen:
             other = seen[folded]
-            raise ConfigurationError(
+            raise ColumnClashError(
                 f"{table} has columns {quote_ident(other)} and {quote_ident(source)}, whose names differ only in case, "
                 "which Delta cannot hold in one table",
                 f"rename one in Delta ({column_setting(table, source, '{rename: ' + delta.lower() + '_2}')}) or leave one out "

@@ -14,7 +14,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.cdc.schema import ChangeValueError, SchemaChangeError
-from resources.column_overrides import ColumnChoice
+from resources.column_overrides import ColumnChoice, ColumnClashError
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
@@ -123,7 +123,7 @@ def test_refusals_name_the_key_the_configuration_takes(
     start = slot_confirmed(pg)
     pg.execute(f"INSERT INTO plain (id, {column}) VALUES (1, {value})")
     with pytest.raises(ChangeValueError) as refused_drain:
-        drain(config, spark)
+        drain(config.model_copy(update={"on_table_error": "stop"}), spark)  # by default: quarantined, same line
     plain_key = key.replace("public.odd.", "public.plain.")
     one_line(refused_drain, f"set columns: {{{plain_key}: text}} in the pipeline's configuration")
     assert slot_confirmed(pg) == start
@@ -142,7 +142,7 @@ def test_an_override_after_the_snapshot_asks_for_a_resnapshot(
     pg.execute("INSERT INTO t VALUES (2, 'infinity')")
     start = slot_confirmed(pg)
     with pytest.raises(SchemaChangeError) as refused:
-        drain(config, spark)
+        drain(config.model_copy(update={"on_table_error": "stop"}), spark)  # by default: quarantined, same line
     one_line(refused, "'d' of public.t is replicated as text", "its Delta column is date", "pgcdc_resnapshot")
     assert slot_confirmed(pg) == start
     snapshot(config, spark)
@@ -160,7 +160,7 @@ CLASH = """
 def test_a_case_clash_is_refused_with_nothing_written(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     pg.execute(CLASH)
     config = configured(pg, tmp_path, {})
-    with pytest.raises(ConfigurationError) as refused:
+    with pytest.raises(ColumnClashError) as refused:
         snapshot(config, spark)
     one_line(
         refused,
@@ -212,8 +212,8 @@ def test_a_case_clash_arriving_in_a_drain_is_refused(pg: PgDatabase, tmp_path: P
     snapshot(config, spark)
     start = slot_confirmed(pg)
     pg.execute("""ALTER TABLE t ADD COLUMN "Duration" text; INSERT INTO t VALUES (2, 20, 'twenty')""")
-    with pytest.raises(ConfigurationError) as refused:
-        drain(config, spark)
+    with pytest.raises(ColumnClashError) as refused:
+        drain(config.model_copy(update={"on_table_error": "stop"}), spark)  # by default: quarantined, same line
     one_line(refused, 'public.t has columns "duration" and "Duration"', "{rename: duration_2}")
     assert slot_confirmed(pg) == start
     config = configured(pg, tmp_path, {'public.t."Duration"': {"rename": "duration_2"}})
@@ -223,8 +223,8 @@ def test_a_case_clash_arriving_in_a_drain_is_refused(pg: PgDatabase, tmp_path: P
     pg.execute(
         """ALTER TABLE t DROP duration; ALTER TABLE t ADD COLUMN "DURATION" int; INSERT INTO t VALUES (3, 'x', 3)"""
     )
-    with pytest.raises(ConfigurationError) as refused_again:
-        drain(config, spark)  # Delta keeps the dropped duration
+    with pytest.raises(ColumnClashError) as refused_again:  # Delta keeps the dropped duration
+        drain(config.model_copy(update={"on_table_error": "stop"}), spark)
     one_line(refused_again, 'public.t has columns "duration" and "DURATION"', "{rename: duration_2}")
     assert slot_confirmed(pg) == start
 

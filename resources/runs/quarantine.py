@@ -34,6 +34,7 @@ from typing import Any
 
 from resources.cdc.schema import ChangeValueError, SchemaChangeError
 from resources.cdc.tables import TableTarget
+from resources.column_overrides import ColumnClashError
 from resources.config import PgcdcConfig
 from resources.crash_points import fault_point
 from resources.delta.destination import Destination
@@ -63,8 +64,9 @@ class Quarantine:
     column: str | None
     since: str
     #: What kind of fault: ``schema`` (a re-snapshot takes the new schema: fixed by the re-snapshot itself),
-    #: ``value`` (a value Delta cannot hold: fixed in PostgreSQL or by replicating the column as text) or
-    #: ``engine`` (a write the engine refused).
+    #: ``value`` (a value Delta cannot hold: fixed in PostgreSQL or by replicating the column as text),
+    #: ``column`` (two columns Delta cannot tell apart: fixed by the ``columns`` key) or ``engine`` (a write
+    #: the engine refused).
     fault: str = "engine"
 
     def describe(self) -> str:
@@ -118,6 +120,8 @@ def quarantine_of(table: str, path: str, lsn: int, after: LSN, error: BaseExcept
 
 
 def _fault_kind(error: BaseException) -> str:
+    if isinstance(error, ColumnClashError):
+        return "column"
     if isinstance(error, SchemaChangeError):
         return "schema"
     return "value" if isinstance(error, ChangeValueError) else "engine"
