@@ -72,9 +72,30 @@ def read_as_of(
     first transaction committed after it (:func:`lsn_at_time`). Read from the table's SCD type 2 table
     when its history is ``scd2``, else folded from its changelog. ``lake``: the object store holding it."""
     rows = _in_utc(read_rows(spark, _changelog_path(config, table, lake), None))
-    if config.history.mode(table) == "scd2":
+    scd2 = config.history.mode(table) == "scd2"
+    if lsn is not None:
+        _refuse_before_history(table, lsn, rows.column(VALID_FROM_LSN_COLUMN if scd2 else LSN_COLUMN))
+    if scd2:
         return versions_as_of(rows, version_lsn_at_time(rows, time) if time is not None else lsn)
     return fold_changelog(rows, lsn_at_time(rows, time) if time is not None else lsn)
+
+
+def _refuse_before_history(table: TableName, lsn: LSN, positions: pa.ChunkedArray) -> None:
+    """An LSN before the table's history begins (its seed: the snapshot it starts at) has no answer here."""
+    first = pc.min(positions).as_py()
+    if first is not None and int(lsn) < first:
+        raise PgcdcError(
+            f"{lsn} is before the history of {table}, which begins at {LSN(first)} (its snapshot)",
+            "ask for an LSN at or after it; what the table held before is not in the lake",
+        )
+
+
+def _lsn_scalar(lsn: int) -> pa.Scalar:
+    """``lsn`` as the int64 the LSN columns hold; any LSN past the int64 range is past every stored one."""
+    return pa.scalar(min(int(lsn), _INT64_MAX), pa.int64())
+
+
+_INT64_MAX = 2**63 - 1
 
 
 def _in_utc(rows: pa.Table) -> pa.Table:
@@ -93,7 +114,7 @@ def versions_as_of(versions: pa.Table, lsn: int | None = None) -> pa.Table:
     if lsn is None:
         alive = pc.fill_null(versions.column(CURRENT_COLUMN), False)
     else:
-        at = pa.scalar(int(lsn), pa.int64())
+        at = _lsn_scalar(lsn)
         valid_to = versions.column(VALID_TO_LSN_COLUMN)
         alive = pc.and_(
             pc.less_equal(versions.column(VALID_FROM_LSN_COLUMN), at),
@@ -140,6 +161,11 @@ def lsn_at_time(changes: pa.Table, time: datetime) -> int | None:
 
 
 def _changelog_path(config: PgcdcConfig, table: TableName, lake: LakeStorage | None) -> str:
+    if not table_exists(config.table_path(table.schema, table.name), lake):
+        raise ConfigurationError(
+            f"{table} is not replicated by this pipeline: no Delta table at {config.table_path(table.schema, table.name)}",
+            f"name a table of publication {config.publication} (schema.table), or snapshot it first",
+        )
     path = config.history_path(table.schema, table.name)
     if path is None:
         raise ConfigurationError(
@@ -157,7 +183,7 @@ def fold_changelog(changes: pa.Table, lsn: int | None = None) -> pa.Table:
     """The table's columns as of ``lsn`` (None: everything), by replaying ``changes`` in commit order."""
     names = value_columns(changes.schema)
     if lsn is not None:
-        changes = changes.filter(pc.less_equal(changes.column(LSN_COLUMN), pa.scalar(int(lsn), pa.int64())))
+        changes = changes.filter(pc.less_equal(changes.column(LSN_COLUMN), _lsn_scalar(lsn)))
     # A fill shares the position of the change it comes before (commits may be read in any order).
     after_fill = pc.not_equal(changes.column(OP_COLUMN), "fill")
     order = pa.table({"lsn": changes.column(LSN_COLUMN), "seq": changes.column(SEQ_COLUMN), "after_fill": after_fill})

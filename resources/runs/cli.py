@@ -16,7 +16,7 @@ import json
 import sys
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TextIO
+from typing import Any, TextIO
 
 import psycopg
 
@@ -27,6 +27,7 @@ from resources.pgoutput.messages import Commit, CommitPrepared, Prepare, Rollbac
 from resources.pgoutput.options import PgOutputOptions
 from resources.pgoutput.to_json import message_to_json
 from resources.pgtypes import SESSION_SETTINGS
+from resources.pgtypes.mapping import TIMESTAMP_NEGATIVE_INFINITY, TIMESTAMP_POSITIVE_INFINITY
 from resources.postgres.preflight import check_server, check_slot
 from resources.postgres.publication import check_publications
 from resources.postgres.replication import ReplicationConnection
@@ -101,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="an ISO 8601 time with its zone: the table before the first transaction committed after it",
     )
     as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
+    as_of.add_argument(
+        "--format", choices=("jsonl", "csv"), default="jsonl",
+        help="JSON lines (default), or CSV with a header (NULL empty, every other value quoted)",
+    )  # fmt: skip
     spark_server = commands.add_parser(
         "spark-server",
         help="run the managed Spark with Delta until stopped, for runs with spark.remote (docs/deployment.md)",
@@ -131,11 +136,56 @@ def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
     lake = open_lake(config.delta.root, config.delta.storage)
     with SparkEngine.from_config(config.spark) as engine:
         rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn, args.time, lake)
-    for row in rows.to_pylist():
-        out.write(json.dumps(row, ensure_ascii=False, default=str))
-        out.write("\n")
+    records = printable_rows(rows)
+    if args.format == "csv":
+        out.write(",".join(_csv_field(name) for name in rows.column_names) + "\n")
+        for record in records:
+            out.write(",".join(_csv_field(value) for value in record.values()) + "\n")
+    else:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
     out.flush()
     return rows.num_rows
+
+
+def printable_rows(rows: Any) -> list[dict[str, Any]]:
+    """``rows`` (an Arrow table) as Python values, timestamps at Delta's limits as PostgreSQL writes its
+    ``infinity`` and ``-infinity`` (pgcdc stores them at the int64 microsecond limits; Python's datetime
+    cannot hold them)."""
+    import pyarrow as pa
+
+    columns = {
+        name: _timestamps(column) if pa.types.is_timestamp(column.type) else column.to_pylist()
+        for name, column in zip(rows.column_names, rows.columns)
+    }
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+def _timestamps(column: Any) -> list[Any]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    micros = column.cast(pa.int64())
+    infinite = pc.is_in(micros, value_set=pa.array(list(INFINITIES), pa.int64()))
+    finite = pc.if_else(infinite, pa.scalar(None, column.type), column).to_pylist()
+    return [INFINITIES.get(m, value) for value, m in zip(finite, micros.to_pylist())]
+
+
+INFINITIES = {TIMESTAMP_POSITIVE_INFINITY: "infinity", TIMESTAMP_NEGATIVE_INFINITY: "-infinity"}
+"""A timestamp's stored microseconds that stand for PostgreSQL's infinities, and how PostgreSQL writes them."""
+
+
+def _csv_field(value: Any) -> str:
+    """One CSV field: NULL empty, anything else quoted (booleans as PostgreSQL's t and f)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        text = "t" if value else "f"
+    elif isinstance(value, list | dict):
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    else:
+        text = str(value)
+    return '"' + text.replace('"', '""') + '"'
 
 
 def serve_spark(args: argparse.Namespace, out: TextIO) -> int:
