@@ -11,16 +11,12 @@ name with a dot, a space, a capital or a quote is written quoted: ``public."Orde
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from resources.errors import ConfigurationError, TableFault
-from resources.names import TableName
+from resources.names import split_identifiers, TableName, written_identifier
 from resources.sql import quote_ident
-
-_PLAIN_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_$]*$")
-_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,43 +26,6 @@ class ColumnChoice:
     as_text: bool = False
     rename: str | None = None
     exclude: bool = False
-
-
-def split_identifiers(qualified: str) -> list[str]:
-    """The dot-separated parts of ``qualified`` as PostgreSQL reads them: a double-quoted part keeps its
-    case, dots and spaces (``""`` inside stands for one quote), an unquoted one is folded to lower case."""
-    parts: list[str] = []
-    position, length = 0, len(qualified)
-    while True:
-        if position < length and qualified[position] == '"':
-            chars: list[str] = []
-            position += 1
-            while True:
-                end = qualified.find('"', position)
-                if end < 0:
-                    raise ValueError(f'{qualified!r} has an unterminated quote (close it: "Odd Name")')
-                chars.append(qualified[position:end])
-                position = end + 1
-                if qualified.startswith('"', position):
-                    chars.append('"')
-                    position += 1
-                else:
-                    break
-            part = "".join(chars)
-        else:
-            end = position
-            while end < length and qualified[end] not in '."':
-                end += 1
-            part = qualified[position:end].strip().translate(_ASCII_LOWER)
-            position = end
-        if not part:
-            raise ValueError(f"{qualified!r} has an empty part")
-        parts.append(part)
-        if position == length:
-            return parts
-        if qualified[position] != ".":
-            raise ValueError(f"{qualified!r}: unexpected {qualified[position]!r} after a quoted part")
-        position += 1
 
 
 def parse_column_key(key: str) -> tuple[TableName, str]:
@@ -80,13 +39,9 @@ def parse_column_key(key: str) -> tuple[TableName, str]:
     return TableName(parts[0], parts[1]), parts[2]
 
 
-def _identifier(name: str) -> str:
-    return name if _PLAIN_IDENTIFIER.match(name) else quote_ident(name)
-
-
 def column_key(table: TableName, column: str) -> str:
     """The configuration key naming ``column`` of ``table``, quoted only where PostgreSQL needs it."""
-    return f"{_identifier(table.schema)}.{_identifier(table.name)}.{_identifier(column)}"
+    return f"{written_identifier(table.schema)}.{written_identifier(table.name)}.{written_identifier(column)}"
 
 
 def column_setting(table: TableName, column: str, value: str) -> str:

@@ -153,6 +153,50 @@ def _unescaped(match: re.Match[str]) -> str:
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
+def split_identifiers(qualified: str) -> list[str]:
+    """The dot-separated parts of ``qualified`` as PostgreSQL reads them: a double-quoted part keeps its
+    case, dots and spaces (``""`` inside stands for one quote); an unquoted one is folded to lower case
+    (ASCII letters only, as PostgreSQL does in UTF-8 databases). Whitespace around the parts is ignored.
+    ValueError names what is wrong."""
+    parts: list[str] = []
+    position, length = 0, len(qualified)
+    while True:
+        while position < length and qualified[position].isspace():
+            position += 1
+        if position < length and qualified[position] == '"':
+            part, position = _quoted_part(qualified, position + 1)
+        else:
+            end = position
+            while end < length and qualified[end] not in '."' and not qualified[end].isspace():
+                end += 1
+            part, position = qualified[position:end].translate(_ASCII_LOWER), end
+        if not part:
+            raise ValueError(f"{qualified!r} has an empty part")
+        parts.append(part)
+        while position < length and qualified[position].isspace():
+            position += 1
+        if position == length:
+            return parts
+        if qualified[position] != ".":
+            raise ValueError(f"{qualified!r} is not dot-separated names (unexpected {qualified[position]!r})")
+        position += 1
+
+
+def _quoted_part(qualified: str, position: int) -> tuple[str, int]:
+    """The double-quoted part whose text starts at ``position``, and where the text after it starts."""
+    chars: list[str] = []
+    while True:
+        end = qualified.find('"', position)
+        if end < 0:
+            raise ValueError(f'{qualified!r} has an unterminated quote (close it: "Odd Name")')
+        chars.append(qualified[position:end])
+        position = end + 1
+        if not qualified.startswith('"', position):  # "" is a quote inside the name
+            return "".join(chars), position
+        chars.append('"')
+        position += 1
+
+
 @dataclass(frozen=True, slots=True)
 class TableName:
     schema: str
@@ -160,55 +204,14 @@ class TableName:
 
     @classmethod
     def parse(cls, qualified: str) -> TableName:
-        """``schema.table`` read as PostgreSQL reads it.
-
-        A double-quoted part keeps its case, dots and spaces (``""`` inside stands for one
-        quote); an unquoted part is folded to lower case (ASCII letters only, as PostgreSQL
-        does in UTF-8 databases). Whitespace around the parts is ignored.
-        """
-        parts: list[str] = []
-        position, length = 0, len(qualified)
-        while True:
-            while position < length and qualified[position].isspace():
-                position += 1
-            if position < length and qualified[position] == '"':
-                chars: list[str] = []
-                position += 1
-                while True:
-                    end = qualified.find('"', position)
-                    if end < 0:
-                        raise ConfigurationError(
-                            f"table name {qualified!r} has an unterminated quote", 'close it: "Odd Name"'
-                        )
-                    chars.append(qualified[position:end])
-                    position = end + 1
-                    if qualified.startswith('"', position):  # "" is a quote inside the name
-                        chars.append('"')
-                        position += 1
-                    else:
-                        break
-                part = "".join(chars)
-            else:
-                end = position
-                while end < length and qualified[end] not in '."' and not qualified[end].isspace():
-                    end += 1
-                part = qualified[position:end].translate(_ASCII_LOWER)
-                position = end
-            if not part:
-                raise ConfigurationError(
-                    f"table name {qualified!r} has an empty part", "write schema.table, e.g. public.orders"
-                )
-            parts.append(part)
-            while position < length and qualified[position].isspace():
-                position += 1
-            if position == length:
-                break
-            if qualified[position] != ".":
-                raise ConfigurationError(
-                    f"table name {qualified!r} is not schema.table (unexpected {qualified[position]!r})",
-                    'quote names with spaces, dots or capitals: "My Schema"."My Table"',
-                )
-            position += 1
+        """``schema.table`` read as PostgreSQL reads it (:func:`split_identifiers`)."""
+        try:
+            parts = split_identifiers(qualified)
+        except ValueError as error:
+            raise ConfigurationError(
+                f"table name {error}",
+                'write schema.table, quoting names with spaces, dots or capitals: "My Schema"."My Table"',
+            ) from None
         if len(parts) != 2:
             raise ConfigurationError(
                 f"table name {qualified!r} is not schema.table", "write schema.table, e.g. public.orders"
@@ -226,8 +229,14 @@ class TableName:
     def written(self) -> str:
         """``schema.table`` as a person writes it, which ``parse`` reads back exactly: a part is
         double-quoted only when it needs it (``public.orders``, ``public."Order Items"``)."""
-        return ".".join(part if _UNQUOTED.fullmatch(part) else quote_ident(part) for part in (self.schema, self.name))
+        return f"{written_identifier(self.schema)}.{written_identifier(self.name)}"
 
 
-#: A part ``TableName.written`` leaves unquoted: what PostgreSQL and ``TableName.parse`` read as itself.
+def written_identifier(name: str) -> str:
+    """One name as a person writes it, which :func:`split_identifiers` reads back exactly: double-quoted
+    only when PostgreSQL (and pgcdc) would not read it as itself unquoted."""
+    return name if _UNQUOTED.fullmatch(name) else quote_ident(name)
+
+
+#: A name ``written_identifier`` leaves unquoted: what PostgreSQL and ``split_identifiers`` read as itself.
 _UNQUOTED = re.compile(r"[a-z_][a-z0-9_$]*")
