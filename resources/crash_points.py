@@ -15,6 +15,8 @@ Points (see ``resources/runs/incremental.py``):
 * ``after_history_commit``: a changelog commit (docs/history.md) is durable, the table's commit of
   the same changes is not.
 * ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
+* ``after_slot_record``: the position about to be confirmed is recorded in the lake
+  (``resources/runs/slot_guard.py``), the slot is not confirmed there: the record is ahead of the slot.
 * ``after_confirm``: the slot has been told the chunk's end position.
 * ``before_state_write``: every Delta commit of the run is durable, the pgcdc state table
   (``resources/delta/state_table.py``) not yet written, the last chunk not confirmed.
@@ -50,6 +52,7 @@ FAULT_POINTS = (
     "before_merge",
     "after_history_commit",
     "after_delta_commit",
+    "after_slot_record",
     "after_confirm",
     "before_state_write",
     "after_range_slot",

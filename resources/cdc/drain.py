@@ -24,12 +24,17 @@ def drain(
     say: Callable[[str], None],
     started: float,
     before_final_confirm: Callable[[], None] | None = None,
+    before_confirm: Callable[[LSN], None] | None = None,
 ) -> None:
     """The main loop over ``stream`` (the slot's stream, or a recording in server-free tests); on any error the stream stops having confirmed only durable positions.
 
     ``before_final_confirm`` runs once every change below ``end_lsn`` is durable in Delta and
     before the last confirm (the run records the state of the tables it wrote): a crash in it
-    leaves the last chunk unconfirmed, so the next run replays it."""
+    leaves the last chunk unconfirmed, so the next run replays it.
+
+    ``before_confirm`` hears every position before the slot is confirmed there, only when the
+    position moves (once per durable chunk): the run records it in the lake first
+    (``resources/runs/slot_guard.py``), so the slot is never confirmed beyond the record."""
     feed = assembler.feed
     feed_rows = assembler.feed_rows
     confirmed = stream.confirmed_lsn
@@ -39,6 +44,9 @@ def drain(
         nonlocal confirmed
         if position > confirmed:
             fault_point("after_delta_commit")
+            if before_confirm is not None:
+                before_confirm(position)
+                fault_point("after_slot_record")
             stream.confirm(position)
             stream.send_status()
             confirmed = position

@@ -19,6 +19,8 @@ The order that makes it exactly-once (argued in docs/contracts.md):
    Delta, *then* the chunk's last commit end LSN is confirmed to the slot. A crash in
    between replays the chunk, which the Delta writes absorb (MERGE of final images per
    key; append markers for keyless tables).
+   Before any position is confirmed it is recorded in the lake (``resources/runs/slot_guard.py``);
+   a slot found beyond that record at the start (moved by anything but pgcdc) is refused first.
 5. At the end, with nothing left below end_lsn, record the state rows of the tables whose
    log the run read, then confirm max(last commit end, end_lsn), so an idle slot (or one
    whose changes are all for other tables) still advances.
@@ -69,6 +71,7 @@ from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import read_slot, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
 from resources.runs.key_range_copy import copy_key_range
+from resources.runs.slot_guard import check_slot_position
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
@@ -173,6 +176,7 @@ def run_incremental(
         ReplicationConnection(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS) as rc,
     ):
         start_lsn, tables = _checked_start(config, destination, conn, rc, end_lsn, schedule_gap, caution)
+        guard = check_slot_position(config, destination, tables, start_lsn, holding=hold is not None)
         stream = ReplicationStream(rc)
         options = PgOutputOptions([config.publication], streaming="on")
         if hold is not None:
@@ -198,8 +202,12 @@ def run_incremental(
         def record_state() -> None:
             written.update(_record_state(config, destination, targets, state))
 
+        guard.allow(start_lsn)  # records the position when the lake has no record yet
         with TransactionAssembler(proto, spill_dir) as assembler:
-            drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
+            drain(
+                stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state,
+                before_confirm=guard.allow,
+            )  # fmt: skip
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = wal_position(conn)
