@@ -42,8 +42,8 @@ from resources.phases import describe_phases, phase_metadata, Phases
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
-from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 from resources.runs.slot_guard import record_created
+from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 
 #: Seconds between progress lines per table: often enough to show life, rare enough to read.
 PROGRESS_INTERVAL_S = 2.0

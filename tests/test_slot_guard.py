@@ -20,15 +20,15 @@ import pytest
 from resources.config import parse_config, PgcdcConfig
 from resources.errors import SlotError
 from resources.lsn import LSN
+from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
+from resources.postgres.connections import connect
 from resources.runs.cli import main as pgcdc_main
 from resources.runs.incremental import run_incremental
 from resources.runs.slot_guard import SlotGuard, SlotRecord
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.memory_destination import InMemoryDestination
 from resources.testing.verify import arrow_rows, compare_rows
-from resources.postgres.connections import connect
-from resources.pgtypes import SESSION_SETTINGS
 from tests.support.postgres import PgDatabase
 
 SLOT = "pgcdc_guard_slot"
@@ -54,9 +54,7 @@ def changes(pg: PgDatabase, tag: str) -> None:
 
 
 def config_for(pg: PgDatabase, lake: Path) -> PgcdcConfig:
-    return parse_config(
-        {"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(lake)}}
-    )
+    return parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(lake)}})
 
 
 def assert_exact(pg: PgDatabase, destination: InMemoryDestination, config: PgcdcConfig) -> None:
@@ -196,9 +194,7 @@ def test_the_refusal_stays_until_every_table_is_re_snapshotted_then_the_drains_a
     # One table re-snapshotted (its snapshot asset): the slot does not move, the others still missed the gap.
     snapshot_tables(config, destination, [TableName("public", "events")])
     assert slot_position(pg) == moved
-    assert refused_drain(config, destination, pg) == expected_refusal(
-        recorded, moved, "public.acct, public.pairs", 2
-    )
+    assert refused_drain(config, destination, pg) == expected_refusal(recorded, moved, "public.acct, public.pairs", 2)
 
     # Every table (the resnapshot job with no table list): the gap is closed, the drains flow again.
     changes(pg, "during")
@@ -213,9 +209,7 @@ def test_the_refusal_stays_until_every_table_is_re_snapshotted_then_the_drains_a
     assert_exact(pg, destination, config)
 
 
-def test_a_slot_behind_the_record_drains_and_a_lake_without_a_record_gets_one(
-    pg: PgDatabase, tmp_path: Path
-) -> None:
+def test_a_slot_behind_the_record_drains_and_a_lake_without_a_record_gets_one(pg: PgDatabase, tmp_path: Path) -> None:
     """Behind: a crash between the record and the confirm (or a synchronized slot on a promoted standby).
     No record: a lake written before pgcdc recorded positions; the drain records the slot's position."""
     config, destination = drained(pg, tmp_path)
