@@ -19,8 +19,6 @@ The order that makes it exactly-once (argued in docs/contracts.md):
    Delta, *then* the chunk's last commit end LSN is confirmed to the slot. A crash in
    between replays the chunk, which the Delta writes absorb (MERGE of final images per
    key; append markers for keyless tables).
-   Before any position is confirmed it is recorded in the lake (``resources/runs/slot_guard.py``);
-   a slot found beyond that record at the start (moved by anything but pgcdc) is refused first.
 5. At the end, with nothing left below end_lsn, record the state rows of the tables whose
    log the run read, then confirm max(last commit end, end_lsn), so an idle slot (or one
    whose changes are all for other tables) still advances.
@@ -202,12 +200,8 @@ def run_incremental(
         def record_state() -> None:
             written.update(_record_state(config, destination, targets, state))
 
-        guard.allow(start_lsn)  # records the position when the lake has no record yet
         with TransactionAssembler(proto, spill_dir) as assembler:
-            drain(
-                stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state,
-                before_confirm=guard.allow,
-            )  # fmt: skip
+            drain(stream, assembler, applier, end_lsn, say, started, record_state, before_confirm=guard.allow)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = wal_position(conn)

@@ -19,7 +19,9 @@ every table, so re-snapshotting one table does not clear it. The drains of a sna
 
 A slot behind the record is fine (a crash between the record's write and the confirm; a
 synchronized failover slot on a promoted standby). No record yet (a lake written before pgcdc
-recorded positions): the drain records the slot's position and goes on.
+recorded positions): the drain records the slot's position and goes on (where the lake has no
+pgcdc state table either, possibly a mistyped ``delta.root`` the drain then refuses, its first
+confirm writes the record).
 """
 
 from __future__ import annotations
@@ -151,8 +153,10 @@ def check_slot_position(
     Costs one read when the slot is where pgcdc left it; a new gap is recorded before the refusal."""
     guard = SlotGuard(config.delta.root, config.slot, destination.lake)
     record = guard.read()
-    if record is None:
-        return guard  # a lake from before the record: the drain's first allow records the position
+    if record is None:  # a lake from before the record: the slot's position is taken as pgcdc's
+        if read_state(state_path(config.delta.root, config.slot), destination.lake):
+            guard.allow(position)  # (a lake without a state may be a wrong delta.root: its first confirm records)
+        return guard
     if position > record.allowed:
         start = record.gap[0] if record.gap is not None else record.allowed
         record = SlotRecord(position, (start, position))
