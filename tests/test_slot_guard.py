@@ -23,9 +23,10 @@ from resources.lsn import LSN
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
+from resources.postgres.preflight import ensure_slot
 from resources.runs.cli import main as pgcdc_main
 from resources.runs.incremental import run_incremental
-from resources.runs.slot_guard import SlotGuard, SlotRecord
+from resources.runs.slot_guard import record_created, SlotGuard, SlotRecord
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.memory_destination import InMemoryDestination
 from resources.testing.verify import arrow_rows, compare_rows
@@ -249,3 +250,59 @@ def test_chunked_drains_end_with_the_record_at_the_slot_and_a_drain_that_confirm
     assert idle.confirmed_flush_lsn == result.confirmed_flush_lsn
     after = Path(guard.location, "position.json").stat()
     assert (after.st_ino, after.st_mtime_ns) == (record.st_ino, record.st_mtime_ns)
+
+
+def test_a_slot_created_anew_is_refused_until_every_table_is_copied_after_it(pg: PgDatabase, tmp_path: Path) -> None:
+    """A lost slot recreated (what the snapshot run does first, ``ensure_slot``) with the tables not yet
+    copied again (a snapshot run that stopped there): the new slot lacks every change before it."""
+    config, destination = drained(pg, tmp_path)
+    pg.execute("SELECT pg_drop_replication_slot(%s)", (SLOT,))
+    changes(pg, "lost")
+    record_created(config, None, ensure_slot(config.postgres.dsn, SLOT))
+    created = slot_position(pg)
+    assert SlotGuard(config.delta.root, SLOT, None).read() == SlotRecord(created, (None, created))
+
+    assert refused_drain(config, destination, pg) == (
+        f'replication slot "{SLOT}" was created anew at {created}, after tables were copied for the slot it'
+        " replaces; nothing was applied or confirmed: re-snapshot every table: run the pgcdc_resnapshot job with"
+        f" no table list (every table missed those changes; 3 of 3 still hold a copy from before {created}:"
+        " public.acct, public.events, public.pairs); give any other consumer a slot of its own"
+    )
+    snapshot_tables(config, destination)
+    changes(pg, "after")
+    run_incremental(config, destination)
+    assert_exact(pg, destination, config)
+
+
+def test_a_re_snapshot_in_key_ranges_drains_through_the_gap_and_closes_it(pg: PgDatabase, tmp_path: Path) -> None:
+    """A table copied in key ranges is re-snapshotted by drains that hold the slot (one range each):
+    they go on while the gap is open (they are the re-snapshot), and the gap stays until every table is copied."""
+    pg.execute(DDL)
+    heap = pg.execute("SELECT pg_relation_size('acct')")[0][0]
+    config = parse_config(
+        {
+            "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path / "lake")},
+            "snapshot": {"chunked_above_mb": 0, "key_chunk_mb": heap / 2**20 / 2.5},  # three ranges
+        }
+    )  # fmt: skip
+    destination = InMemoryDestination()
+    snapshot_tables(config, destination)
+    changes(pg, "first")
+    run_incremental(config, destination)
+    recorded = slot_position(pg)
+    changes(pg, "skipped")
+    advance(pg, config, tmp_path)
+    moved = slot_position(pg)
+
+    (acct,) = snapshot_tables(config, destination, [TableName("public", "acct")])
+    assert acct.key_ranges and acct.chunks == 3
+    assert slot_position(pg) > moved  # the walk's drains confirmed, recording each position first
+    assert SlotGuard(config.delta.root, SLOT, None).read() == SlotRecord(slot_position(pg), (recorded, moved))
+    assert refused_drain(config, destination, pg) == expected_refusal(recorded, moved, "public.events, public.pairs", 2)
+
+    changes(pg, "during")
+    snapshot_tables(config, destination)
+    changes(pg, "after")
+    run_incremental(config, destination)
+    assert SlotGuard(config.delta.root, SLOT, None).read() == SlotRecord(slot_position(pg))
+    assert_exact(pg, destination, config)

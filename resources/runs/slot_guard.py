@@ -12,7 +12,7 @@ confirms anything (:func:`check_slot_position`).
 The record is one JSON object per slot and lake, ``<delta.root>/_pgcdc/slots/<slot>/position.json``
 (``resources/delta/lake_records.py``): ``allowed``, the highest position pgcdc allowed, and ``gap``,
 the positions ``[from, to]`` between which the slot moved without pgcdc (``from`` null for a slot
-created anew). A gap stays recorded until no replicated table holds a copy older than its end, i.e.
+created anew where the lake recorded an earlier one). A gap stays recorded until no replicated table holds a copy older than its end, i.e.
 until every table was re-snapshotted after it (:func:`tables_behind`): the changes in it are lost to
 every table, so re-snapshotting one table does not clear it. The drains of a snapshot in key ranges
 (``hold``) go on meanwhile: they are that re-snapshot.
@@ -98,11 +98,11 @@ class SlotGuard:
             self.write(SlotRecord(position, self.record.gap))
 
     def created(self, position: LSN) -> None:
-        """The slot was created at ``position``: a new slot has none of the changes before it, so every
-        table copied before it is behind (a gap from the previous record, or from nothing)."""
-        previous = self.read()
-        start = None if previous is None else previous.gap[0] if previous.gap is not None else previous.allowed
-        self.write(SlotRecord(position, (start, position)))
+        """The slot was created at ``position``. Where the lake recorded an earlier slot of this name,
+        the new one has none of the changes before it, so every table copied before it is behind: a
+        gap until each is copied again. A first slot has no table behind it (the snapshot that created
+        it copies them after it; ``refuse_partial_recopy`` covers copies of a lake without a record)."""
+        self.write(SlotRecord(position, None if self.read() is None else (None, position)))
 
 
 def record_created(config: PgcdcConfig, lake: LakeStorage | None, slot: CreatedSlot | SlotState) -> None:
