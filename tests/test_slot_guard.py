@@ -17,13 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from resources.cdc.drain import start_streaming
 from resources.config import parse_config, PgcdcConfig
 from resources.errors import SlotError
 from resources.lsn import LSN
+from resources.pgoutput.options import PgOutputOptions
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
 from resources.postgres.connections import connect
 from resources.postgres.preflight import ensure_slot
+from resources.postgres.replication import ReplicationConnection
+from resources.postgres.stream import ReplicationStream
 from resources.runs.cli import main as pgcdc_main
 from resources.runs.incremental import run_incremental
 from resources.runs.slot_guard import record_created, SlotGuard, SlotRecord
@@ -306,3 +310,23 @@ def test_a_re_snapshot_in_key_ranges_drains_through_the_gap_and_closes_it(pg: Pg
     run_incremental(config, destination)
     assert SlotGuard(config.delta.root, SLOT, None).read() == SlotRecord(slot_position(pg))
     assert_exact(pg, destination, config)
+
+
+def test_a_slot_moved_between_the_check_and_the_stream_start_is_refused_unread(pg: PgDatabase, tmp_path: Path) -> None:
+    """The drain compares the slot with the record before its stream starts; the stream's start
+    compares again (the slot is held from then on), so a move in between confirms nothing either."""
+    config, _ = drained(pg, tmp_path)
+    checked = slot_position(pg)
+    changes(pg, "in between")
+    advance(pg, config, tmp_path)
+    moved = slot_position(pg)
+    with ReplicationConnection(pg.dsn, application_name="pgcdc_incremental") as rc:
+        stream = ReplicationStream(rc)
+        with pytest.raises(SlotError) as refused:
+            start_streaming(stream, SLOT, PgOutputOptions(["pub"], streaming="on"), checked)
+        assert not stream.streaming
+    assert str(refused.value) == (
+        f'replication slot "{SLOT}" moved from {checked} to {moved} while this drain started, by another consumer'
+        " of the slot; nothing was applied or confirmed: run the drain again: it names the fix"
+    )
+    assert slot_position(pg) == moved

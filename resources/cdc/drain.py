@@ -92,13 +92,25 @@ def drain(
     stream.stop()
 
 
-def start_streaming(stream: ReplicationStream, slot: str, options: PgOutputOptions) -> None:
+def start_streaming(stream: ReplicationStream, slot: str, options: PgOutputOptions, checked: LSN | None = None) -> None:
+    """Start the slot's stream. ``checked``: the slot's position when the run checked it (against the
+    position pgcdc recorded, ``resources/runs/slot_guard.py``); a slot found beyond it now was moved by
+    another consumer in between, and the stream stops before anything is read or confirmed (the next
+    drain finds the slot beyond the record and refuses with the fix)."""
     try:
         stream.start(slot, options=options)
     except SlotError as exc:
         if "active for PID" in exc.cause:
             raise slot_in_use(slot, exc.cause.rsplit(" ", 1)[-1]) from None
         raise
+    if checked is not None and stream.confirmed_lsn > checked:
+        moved = stream.confirmed_lsn
+        stream.stop()
+        raise SlotError(
+            f'replication slot "{slot}" moved from {checked} to {moved} while this drain started, by another'
+            " consumer of the slot; nothing was applied or confirmed",
+            "run the drain again: it names the fix",
+        )
 
 
 PROGRESS_SECONDS = 5.0

@@ -178,7 +178,7 @@ def run_incremental(
         stream = ReplicationStream(rc)
         options = PgOutputOptions([config.publication], streaming="on")
         if hold is not None:
-            start_streaming(stream, config.slot, options)
+            start_streaming(stream, config.slot, options, start_lsn)
             _holding(stream, hold)
             if end_lsn is None:
                 end_lsn = wal_position(conn)
@@ -193,7 +193,7 @@ def run_incremental(
             end_lsn = rc.identify_system().xlogpos
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         if not stream.streaming:
-            start_streaming(stream, config.slot, options)
+            start_streaming(stream, config.slot, options, start_lsn)
         proto = options.resolve_proto_version(rc.server_version_num)
         written: dict[str, StateRow] = {}
 
