@@ -12,10 +12,12 @@ confirms anything (:func:`check_slot_position`).
 The record is one JSON object per slot and lake, ``<delta.root>/_pgcdc/slots/<slot>/position.json``
 (``resources/delta/lake_records.py``): ``allowed``, the highest position pgcdc allowed, and ``gap``,
 the positions ``[from, to]`` between which the slot moved without pgcdc (``from`` null for a slot
-created anew where the lake recorded an earlier one). A gap stays recorded until no replicated table holds a copy older than its end, i.e.
-until every table was re-snapshotted after it (:func:`tables_behind`): the changes in it are lost to
-every table, so re-snapshotting one table does not clear it. The drains of a snapshot in key ranges
-(``hold``) go on meanwhile: they are that re-snapshot.
+created anew where the lake recorded an earlier one). A gap stays recorded until no replicated
+table holds a copy older than its end, i.e. until every table was re-snapshotted after it
+(:func:`tables_behind`): the changes in it are lost to every table, so re-snapshotting one table
+does not clear it. The drains of a snapshot in key ranges (``hold``) go on meanwhile: they are
+that re-snapshot. The stream's start compares the slot once more (``start_streaming``'s
+``checked``), so a move between the check and the stream is refused too.
 
 A slot behind the record is fine (a crash between the record's write and the confirm; a
 synchronized failover slot on a promoted standby). No record yet (a lake written before pgcdc
