@@ -36,7 +36,7 @@ from resources.delta.destination import Destination, TableLog
 from resources.delta.lake_records import read_record, records_location, write_record
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.state_table import known_log, read_state, state_path
-from resources.errors import SlotError
+from resources.errors import ConfigurationError, SlotError
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
 from resources.postgres.catalog import TableName
@@ -83,13 +83,27 @@ class SlotGuard:
         self.record: SlotRecord | None = None
 
     def read(self) -> SlotRecord | None:
-        value = read_record(self.location, POSITION_KEY, self.lake)
+        try:
+            value = read_record(self.location, POSITION_KEY, self.lake)
+        except OSError as error:  # pyarrow's and the local filesystem's errors alike
+            raise self._unusable("read", error) from None
         self.record = None if value is None else SlotRecord.from_json(value)
         return self.record
 
     def write(self, record: SlotRecord) -> None:
-        write_record(self.location, POSITION_KEY, record.to_json(), self.lake)
+        try:
+            write_record(self.location, POSITION_KEY, record.to_json(), self.lake)
+        except OSError as error:
+            raise self._unusable("write", error) from None
         self.record = record
+
+    def _unusable(self, doing: str, error: OSError) -> ConfigurationError:
+        """A storage error (multi-line, naming no fix) as one line naming the location and delta.root."""
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0].strip()
+        return ConfigurationError(
+            f"cannot {doing} pgcdc's slot record at {self.location} ({first_line})",
+            "check delta.root and delta.storage: it must be a writable location holding the snapshots",
+        )
 
     def allow(self, position: LSN) -> None:
         """Record ``position`` before the slot is confirmed there (the drain's ``before_confirm``); nothing
@@ -112,9 +126,16 @@ def record_created(config: PgcdcConfig, lake: LakeStorage | None, slot: CreatedS
 
     Written right after the creation (its position is only known then): a crash before the write
     leaves the slot beyond the record, which the next drain reads as a gap, closed by the copies
-    that follow the creation."""
-    if isinstance(slot, CreatedSlot):
+    that follow the creation (or, without a record at all, the first drain records its position)."""
+    if not isinstance(slot, CreatedSlot):
+        return
+    try:
         SlotGuard(config.delta.root, config.slot, lake).created(slot.consistent_point)
+    except ConfigurationError:
+        # An unusable lake: the copies that follow fail naming it. Nothing is lost without this record:
+        # a drain finds a slot created beyond an earlier record and refuses the same way (a first slot
+        # gets its record from its first drain).
+        return
 
 
 def copied_from(log: TableLog) -> LSN | None:
