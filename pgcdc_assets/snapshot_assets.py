@@ -43,6 +43,7 @@ from resources.phases import describe_phases, phase_metadata, Phases
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
+from resources.runs.slot_guard import record_created
 from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 
 #: Seconds between progress lines per table: often enough to show life, rare enough to read.
@@ -201,7 +202,8 @@ def build_snapshot_assets(
             with step.timed("recopy_check"):
                 refuse_partial_recopy(settings, destination, to_copy, tables)
             with step.timed("slot"):
-                ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
+                created = ensure_slot(settings.postgres.dsn, settings.slot, failover=settings.slot_failover)
+                record_created(settings, destination.lake, created)
         yield from _copy_all(context, settings, destination, to_copy, key_of, step)
 
     return named.assets_definition(snapshot_tables)

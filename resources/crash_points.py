@@ -19,6 +19,8 @@ Points (see ``resources/runs/incremental.py``):
   a transaction larger than a chunk, a changelog commit, a schema change) is durable and the next is not;
   reached after every such write, so ``after_table_commit:n`` kills between the n-th and the next.
 * ``after_delta_commit``: every Delta commit of the chunk is durable, the slot is not confirmed.
+* ``after_slot_record``: the position about to be confirmed is recorded in the lake
+  (``resources/runs/slot_guard.py``), the slot is not confirmed there: the record is ahead of the slot.
 * ``after_confirm``: the slot has been told the chunk's end position.
 * ``after_quarantine_record``: a table's fault set it aside and its quarantine record is durable
   (``resources/runs/quarantine.py``); nothing past its unapplied changes is confirmed yet.
@@ -57,6 +59,7 @@ FAULT_POINTS = (
     "after_history_commit",
     "after_table_commit",
     "after_delta_commit",
+    "after_slot_record",
     "after_confirm",
     "after_quarantine_record",
     "before_state_write",

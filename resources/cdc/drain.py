@@ -24,12 +24,17 @@ def drain(
     say: Callable[[str], None],
     started: float,
     before_final_confirm: Callable[[], None] | None = None,
+    before_confirm: Callable[[LSN], None] | None = None,
 ) -> None:
     """The main loop over ``stream`` (the slot's stream, or a recording in server-free tests); on any error the stream stops having confirmed only durable positions.
 
     ``before_final_confirm`` runs once every change below ``end_lsn`` is durable in Delta and
     before the last confirm (the run records the state of the tables it wrote): a crash in it
-    leaves the last chunk unconfirmed, so the next run replays it."""
+    leaves the last chunk unconfirmed, so the next run replays it.
+
+    ``before_confirm`` hears every position before the slot is confirmed there, only when the
+    position moves (once per durable chunk): the run records it in the lake first
+    (``resources/runs/slot_guard.py``), so the slot is never confirmed beyond the record."""
     feed = assembler.feed
     feed_rows = assembler.feed_rows
     confirmed = stream.confirmed_lsn
@@ -39,6 +44,9 @@ def drain(
         nonlocal confirmed
         if position > confirmed:
             fault_point("after_delta_commit")
+            if before_confirm is not None:
+                before_confirm(position)
+                fault_point("after_slot_record")
             stream.confirm(position)
             stream.send_status()
             confirmed = position
@@ -84,13 +92,25 @@ def drain(
     stream.stop()
 
 
-def start_streaming(stream: ReplicationStream, slot: str, options: PgOutputOptions) -> None:
+def start_streaming(stream: ReplicationStream, slot: str, options: PgOutputOptions, checked: LSN | None = None) -> None:
+    """Start the slot's stream. ``checked``: the slot's position when the run checked it (against the
+    position pgcdc recorded, ``resources/runs/slot_guard.py``); a slot found beyond it now was moved by
+    another consumer in between, and the stream stops before anything is read or confirmed (the next
+    drain finds the slot beyond the record and refuses with the fix)."""
     try:
         stream.start(slot, options=options)
     except SlotError as exc:
         if "active for PID" in exc.cause:
             raise slot_in_use(slot, exc.cause.rsplit(" ", 1)[-1]) from None
         raise
+    if checked is not None and stream.confirmed_lsn > checked:
+        moved = stream.confirmed_lsn
+        stream.stop()
+        raise SlotError(
+            f'replication slot "{slot}" moved from {checked} to {moved} while this drain started, by another'
+            " consumer of the slot; nothing was applied or confirmed",
+            "run the drain again: it names the fix",
+        )
 
 
 PROGRESS_SECONDS = 5.0

@@ -2,7 +2,8 @@
 
 ``pgcdc changes`` is how a user looks into a slot: like ``pg_recvlogical``, but
 decoded, one JSON object per pgoutput message. Looking must be safe, so the slot
-only moves with ``--advance``. ``pgcdc as-of`` prints a table as it was at an LSN,
+only moves with ``--advance``, which warns first on stderr: a pgcdc pipeline draining the slot
+refuses its next drain after it. ``pgcdc as-of`` prints a table as it was at an LSN,
 folded from its changelog (docs/history.md). ``pgcdc spark-server`` runs the managed
 Spark with Delta until stopped, for runs that reach it through ``spark.remote``
 (docs/deployment.md); ``--stop`` stops the JVMs ``spark.engine: spark`` keeps between
@@ -22,6 +23,7 @@ import psycopg
 
 from resources.errors import ConfigurationError, explain, PgcdcError
 from resources.lsn import LSN
+from resources.names import RESNAPSHOT_JOB
 from resources.pgoutput.decoder import PgOutputDecoder
 from resources.pgoutput.messages import Commit, CommitPrepared, Prepare, RollbackPrepared, StreamCommit, StreamPrepare
 from resources.pgoutput.options import PgOutputOptions
@@ -208,8 +210,19 @@ def serve_spark(args: argparse.Namespace, out: TextIO) -> int:
         ) from None
 
 
-def print_changes(args: argparse.Namespace, out: TextIO) -> int:
-    """Stream the slot to ``end`` and print every message; returns the number printed."""
+def advance_warning(slot: str, start: LSN | None, end: LSN) -> str:
+    """What ``--advance`` tells before it moves a slot: if a pgcdc pipeline drains it, the changes
+    skipped never reach Delta, and its next drain refuses (resources/runs/slot_guard.py)."""
+    return (
+        f'pgcdc: warning: moving replication slot "{slot}" from {start} to {end}: if a pgcdc pipeline drains'
+        " this slot, these changes never reach its Delta tables and its next drain refuses until every table"
+        f" is re-snapshotted (the {RESNAPSHOT_JOB} job with no table list)"
+    )
+
+
+def print_changes(args: argparse.Namespace, out: TextIO, err: TextIO | None = None) -> int:
+    """Stream the slot to ``end`` and print every message; returns the number printed. ``err`` hears
+    the warning ``--advance`` gives before it moves the slot."""
     with ReplicationConnection(args.dsn, application_name="pgcdc changes", session_settings=SESSION_SETTINGS) as conn:
         check_server(conn)
         check_publications(conn, args.publication)
@@ -243,7 +256,12 @@ def print_changes(args: argparse.Namespace, out: TextIO) -> int:
             # The drain stopped at a transaction boundary at or past `end`: every
             # transaction committed before `end` has been printed, so `end` (or the
             # last printed commit beyond it) is safe to confirm.
-            stream.confirm(max(end, last_end))
+            target = max(end, last_end)
+            if target > (slot_state.confirmed_flush_lsn or LSN(0)):
+                warnings = err or sys.stderr
+                warnings.write(advance_warning(args.slot, slot_state.confirmed_flush_lsn, target) + "\n")
+                warnings.flush()
+            stream.confirm(target)
         stream.stop()
         out.flush()
         return printed

@@ -70,6 +70,7 @@ from resources.postgres.slots import read_slot, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
 from resources.runs.key_range_copy import copy_key_range
 from resources.runs.quarantine import Quarantine, Quarantines
+from resources.runs.slot_guard import check_slot_position
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
@@ -180,13 +181,11 @@ def run_incremental(
         ReplicationConnection(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS) as rc,
     ):
         start_lsn, tables = _checked_start(config, destination, conn, rc, end_lsn, schedule_gap, caution)
+        guard = check_slot_position(config, destination, tables, start_lsn, holding=hold is not None)
         stream = ReplicationStream(rc)
         options = PgOutputOptions([config.publication], streaming="on")
         if hold is not None:
-            start_streaming(stream, config.slot, options)
-            _holding(stream, hold)
-            if end_lsn is None:
-                end_lsn = wal_position(conn)
+            end_lsn = _held(stream, config.slot, options, start_lsn, hold, conn, end_lsn)
         state = read_state(state_path(config.delta.root, config.slot), destination.lake)
         targets = _targets(config, destination, tables, state, start_lsn, say)
         end_lsn = rc.identify_system().xlogpos if end_lsn is None else end_lsn
@@ -199,14 +198,14 @@ def run_incremental(
         )  # fmt: skip
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         if not stream.streaming:
-            start_streaming(stream, config.slot, options)
+            start_streaming(stream, config.slot, options, start_lsn)
         written: dict[str, StateRow] = {}
 
         def record_state() -> None:
             written.update(_record_state(config, destination, targets, state))
 
         with TransactionAssembler(options.resolve_proto_version(rc.server_version_num), spill_dir) as assembler:
-            drain(stream, assembler, applier, end_lsn, say, started, before_final_confirm=record_state)
+            drain(stream, assembler, applier, end_lsn, say, started, record_state, before_confirm=guard.allow)
         rc.close()
         confirmed = _confirmed_flush(dsn, config.slot)
         flush_now = wal_position(conn)
@@ -289,6 +288,17 @@ def _checked_start(
             f"a drain ran outside the {slot_pool(config.slot)} pool meanwhile: give it a limit of 1, then retry",
         )
     return start_lsn, tables
+
+
+def _held(
+    stream: ReplicationStream, slot: str, options: PgOutputOptions, start_lsn: LSN, hold: Callable[[], None],
+    conn: psycopg.Connection, end_lsn: LSN | None,
+) -> LSN:  # fmt: skip
+    """Start streaming and run ``hold`` under the slot (``run_incremental``); returns where the drain ends:
+    ``end_lsn``, or the WAL position once ``hold`` is done (IDENTIFY_SYSTEM cannot run while streaming)."""
+    start_streaming(stream, slot, options, start_lsn)
+    _holding(stream, hold)
+    return wal_position(conn) if end_lsn is None else end_lsn
 
 
 def _holding(stream: ReplicationStream, step: Callable[[], None]) -> None:

@@ -35,6 +35,7 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.slots import read_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
+from resources.runs.slot_guard import record_created
 from resources.runs.table_snapshot import naming_table, snapshot_table, SnapshotProgress, SnapshotResult
 from resources.sql import quote_ident
 
@@ -99,7 +100,9 @@ def snapshot_tables(
             f"ALTER PUBLICATION {quote_ident(config.publication)} ADD TABLE ..., or snapshot only replicated tables",
         )
     refuse_partial_recopy(config, destination, selected, replicated)
-    ensure_slot(config.postgres.dsn, config.slot, failover=config.slot_failover)
+    record_created(
+        config, destination.lake, ensure_slot(config.postgres.dsn, config.slot, failover=config.slot_failover)
+    )
     results: list[SnapshotResult] = []
     failures: list[BaseException] = []
     for _, outcome in snapshot_each(config, destination, selected, on_progress):
