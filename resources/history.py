@@ -41,6 +41,7 @@ from resources.delta.table_log import table_exists
 from resources.errors import ConfigurationError, PgcdcError
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
+from resources.runs.slot_guard import SlotGuard
 
 __all__ = [
     "fold_changelog",
@@ -66,18 +67,48 @@ def read_as_of(
     lsn: LSN | None = None,
     time: datetime | None = None,
     lake: LakeStorage | None = None,
+    allow_stale: bool = False,
 ) -> pa.Table:
     """``table`` as it was once every transaction ending at or before ``lsn`` was applied (None: all of
     its changelog, which is the table as its Delta table holds it now); or, with ``time``, before the
     first transaction committed after it (:func:`lsn_at_time`). Read from the table's SCD type 2 table
-    when its history is ``scd2``, else folded from its changelog. ``lake``: the object store holding it."""
-    rows = _in_utc(read_rows(spark, _changelog_path(config, table, lake), None))
+    when its history is ``scd2``, else folded from its changelog. ``lake``: the object store holding it.
+
+    An ``lsn`` past what the lake has drained (:func:`drained_position`) has no answer the lake can
+    know, and is refused; ``allow_stale`` reads the lake as of its drained position instead."""
+    path = _changelog_path(config, table, lake)
+    if lsn is not None:
+        lsn = _within_drained(config, lsn, lake, allow_stale)
+    rows = _in_utc(read_rows(spark, path, None))
     scd2 = config.history.mode(table) == "scd2"
     if lsn is not None:
         _refuse_before_history(table, lsn, rows.column(VALID_FROM_LSN_COLUMN if scd2 else LSN_COLUMN))
     if scd2:
         return versions_as_of(rows, version_lsn_at_time(rows, time) if time is not None else lsn)
     return fold_changelog(rows, lsn_at_time(rows, time) if time is not None else lsn)
+
+
+def drained_position(config: PgcdcConfig, lake: LakeStorage | None) -> LSN | None:
+    """The position up to which the lake holds every change: the highest one pgcdc allowed its slot
+    (recorded only once the Delta commits below it are durable: ``resources/runs/slot_guard.py``);
+    None for a lake that records none yet."""
+    record = SlotGuard(config.delta.root, config.slot, lake).read()
+    return None if record is None else record.allowed
+
+
+def _within_drained(config: PgcdcConfig, lsn: LSN, lake: LakeStorage | None, allow_stale: bool) -> LSN:
+    """``lsn``, refused past the lake's drained position; with ``allow_stale``, that position instead."""
+    drained = drained_position(config, lake)
+    if drained is not None and lsn <= drained:
+        return lsn
+    where = f"the lake has drained up to {drained}" if drained is not None else "the lake records no drained position"
+    if allow_stale and drained is not None:
+        return drained
+    raise PgcdcError(
+        f"{lsn} is past what the lake knows ({where}): the table at that LSN may hold changes not drained yet",
+        "run a drain first (the pgcdc_incremental job), or pass --allow-stale to read the lake as of its drained "
+        "position",
+    )
 
 
 def _refuse_before_history(table: TableName, lsn: LSN, positions: pa.ChunkedArray) -> None:

@@ -64,6 +64,28 @@ def test_as_of_prints_every_value_and_refuses_what_it_cannot_answer(
     assert sorted(lines[1:]) == ['"1","infinity","y"', '"2","-infinity","x"', '"3","2024-05-01 10:00:00+00:00",']
     assert sorted(tuple(row) for row in csv.reader(io.StringIO(out)))[0] == ("1", "infinity", "y")
 
+    # Past what the lake has drained: a commit after the drain set v = 'z'; the lake cannot know it.
+    pg.execute("UPDATE t SET v = 'z' WHERE id = 1")
+    ((after,),) = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
+    for past in (after, "FFFFFFFF/FFFFFFFF"):
+        code, out, err = as_of(capsys, config_file, "--lsn", past)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert f"{past} is past what the lake knows (the lake has drained up to {drained.confirmed_flush_lsn})" in err
+        assert "run a drain first" in err and "--allow-stale" in err
+        code, out, err = as_of(capsys, config_file, "--lsn", past, "--allow-stale")
+        assert (
+            code == 0
+            and err == f"pgcdc: {past} is past what the lake has drained: rows as of {drained.confirmed_flush_lsn}\n"
+        )
+        assert sorted((row["id"], row["v"]) for row in map(json.loads, out.splitlines())) == [
+            (1, "y"),
+            (2, "x"),
+            (3, None),
+        ]
+    run_incremental(config, lake_destination(spark, config))
+    code, out, err = as_of(capsys, config_file, "--lsn", after)
+    assert code == 0 and (1, "z") in [(row["id"], row["v"]) for row in map(json.loads, out.splitlines())]
+
     # Before the history begins: named as such, with where it begins.
     code, out, err = as_of(capsys, config_file, "--lsn", "0/1")
     assert code == 2 and out == "" and "0/1 is before the history of public.t, which begins at" in err

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     as_of.add_argument("--config", help="the pgcdc configuration file (default: $PGCDC_CONFIG)")
     as_of.add_argument(
+        "--allow-stale", action="store_true",
+        help="an --lsn past what the lake has drained reads the lake as of its drained position (said on stderr)",
+    )  # fmt: skip
+    as_of.add_argument(
         "--format", choices=("jsonl", "csv"), default="jsonl",
         help="JSON lines (default), or CSV with a header (NULL empty, every other value quoted)",
     )  # fmt: skip
@@ -131,13 +135,18 @@ def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
     from resources.config import load_config
     from resources.delta.engine import SparkEngine
     from resources.delta.lake_storage import open_lake
-    from resources.history import read_as_of
+    from resources.history import drained_position, read_as_of
     from resources.postgres.catalog import TableName
 
     config = load_config(args.config)
     lake = open_lake(config.delta.root, config.delta.storage)
+    drained = drained_position(config, lake)
+    if args.lsn is not None and args.allow_stale and drained is not None and args.lsn > drained:
+        print(f"pgcdc: {args.lsn} is past what the lake has drained: rows as of {drained}", file=sys.stderr)
     with SparkEngine.from_config(config.spark) as engine:
-        rows = read_as_of(engine.spark, config, TableName.parse(args.table), args.lsn, args.time, lake)
+        rows = read_as_of(
+            engine.spark, config, TableName.parse(args.table), args.lsn, args.time, lake, args.allow_stale
+        )
     records = printable_rows(rows)
     if args.format == "csv":
         out.write(",".join(_csv_field(name) for name in rows.column_names) + "\n")
