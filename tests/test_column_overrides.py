@@ -42,7 +42,13 @@ def delta_values(config: PgcdcConfig, table: str, columns: list[str]) -> list[tu
 
 
 def lake_files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*")) if root.exists() else []
+    """Everything below the lake's root but the slot's record (``_pgcdc/slots``): the snapshot run creates
+    the slot before it copies a table, and records its position with it (resources/runs/slot_guard.py)."""
+    slot_records = root / "_pgcdc" / "slots"
+    return sorted(
+        path for path in (root.rglob("*") if root.exists() else [])
+        if path not in (root / "_pgcdc", slot_records) and slot_records not in path.parents
+    )  # fmt: skip
 
 
 def one_line(error: pytest.ExceptionInfo[Exception], *fragments: str) -> str:
