@@ -21,7 +21,8 @@ from resources.delta.engine import classic_delta_config, SparkEngine
 from resources.delta.layout import TableLayout
 from resources.delta.merge import delete_all_rows, merge_batch, replace_rows
 from resources.delta.schema_changes import add_columns, table_schema
-from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
+from resources.delta.snapshot_writes import write_snapshot
+from resources.delta.staging import STAGING_DIRECTORY
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
 from resources.testing.memory_destination import InMemoryDestination
 from tests.support.engine_fixtures import assert_delta_jars

@@ -17,7 +17,7 @@ from resources.delta.merge import (
     OP_COLUMN,
     unchanged_flag_column,
 )
-from resources.delta.snapshot_writes import staged_source_sql
+from resources.delta.staging import staged_source_sql
 
 PATH = "/lake/public/orders"
 STAGED = "/lake/public/orders/_pgcdc_staging/merge_source"

@@ -25,8 +25,9 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config
 from resources.delta import snapshot_writes
 from resources.delta.lake_storage import LakeStorage, object_store_options, open_lake, remove_tree, storage_client
-from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
+from resources.delta.snapshot_writes import write_snapshot
 from resources.delta.spark_destination import lake_destination
+from resources.delta.staging import STAGING_DIRECTORY
 from resources.errors import ConfigurationError
 from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental

@@ -25,7 +25,7 @@ from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres import connections
 from resources.postgres.catalog import ColumnInfo, TableInfo, TableName
 from resources.postgres.connections import connect
-from resources.postgres.copy import block_ranges
+from resources.postgres.ctid_copy import block_ranges
 from resources.postgres.preflight import ensure_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables

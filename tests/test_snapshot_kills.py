@@ -34,8 +34,9 @@ from resources.delta.capabilities import engine_capabilities, set_engine_capabil
 from resources.delta.lake_storage import open_lake
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property, snapshot_marker
-from resources.delta.snapshot_writes import STAGING_DIRECTORY, write_snapshot
+from resources.delta.snapshot_writes import write_snapshot
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
+from resources.delta.staging import STAGING_DIRECTORY
 from resources.delta.state_table import read_state, state_path
 from resources.delta.table_log import read_table_log, table_exists, unfinished_create
 from resources.errors import ConfigurationError

@@ -13,7 +13,7 @@ from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes, spark_dataframe
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.snapshot_writes import STAGE_FILE_BYTES, stage_parquet, staged_source_sql, STAGING_DIRECTORY
+from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_source_sql, STAGING_DIRECTORY
 
 DELETE_ROW_COLUMN = "_pgcdc_delete_row"
 """Column a delete-and-insert MERGE adds to its source (:func:`merge_statement`): True on the row that

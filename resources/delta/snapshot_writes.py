@@ -13,17 +13,17 @@ from typing import Literal, TYPE_CHECKING
 
 import pandas  # noqa: F401 (imported with the code location, not in a snapshot step: see below)
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pyarrow.fs import FileType
 from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from resources.crash_points import fault_point
 from resources.delta.capabilities import engine_capabilities
-from resources.delta.dataframes import chunks, DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
+from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property, SNAPSHOT_CREATE_METADATA
+from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_frame, STAGING_DIRECTORY
 from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
 from resources.locations import is_object_store
 
@@ -33,19 +33,6 @@ if TYPE_CHECKING:
 # pyarrow imports pandas on its first conversion of Python or NumPy values (a snapshot's first bucket
 # column, say), 0.15-0.45 s in a fresh process, on the thread feeding the writer while the COPY runs:
 # imported above, that is paid when the code location loads, not in a run's first snapshot step.
-
-STAGING_DIRECTORY = "_pgcdc_staging"
-"""Inside a table directory; Delta readers and VACUUM ignore directories starting with '_'."""
-
-
-STAGE_FILE_BYTES = 16 * 1024 * 1024
-"""Most Arrow bytes per staged Parquet file (and at most ``chunk_bytes``); smaller batches are
-gathered to :data:`STAGE_FILE_MIN_BYTES` first, so a table of many small batches is not a
-file each."""
-
-
-STAGE_FILE_MIN_BYTES = 4 * 1024 * 1024
-
 
 DICTIONARY_PAGE_BYTES = 64 * 1024
 """delta-rs's Parquet writer gives up dictionary encoding for a column chunk once its dictionary
@@ -65,12 +52,6 @@ ROW_GROUP_BYTES = 16 * 1024 * 1024
 it holds about three times a row group's Arrow bytes until the group is flushed: writing 450k rows of
 1 KB of incompressible text held 534 MiB in groups of 128k rows, 234 MiB in groups of 16k (about 180
 of it the writer's own, whatever the group). Wide rows get fewer rows per group (:func:`row_group_rows`)."""
-
-
-STAGE_COMPRESSION = "snappy"
-"""Staged files are read once, by the engine, right after they are written: no dictionaries or
-statistics (CPU the final write does not use), and snappy, the cheapest codec every engine
-reads, which keeps an object-store lake's staging upload near the table's compressed size."""
 
 
 def write_snapshot(
@@ -185,7 +166,7 @@ def _write_with_engine(
         stage_parquet(data, schema, staging, file_bytes, lake)
         fault_point("after_snapshot_staged")
         _overwrite(
-            _staged_frame(spark, schema, staging),
+            staged_frame(spark, schema, staging),
             path,
             user_metadata,
             layout,
@@ -426,57 +407,6 @@ def _delta_rs_keeps(table: DeltaTable, schema: dict[str, object], partition_by: 
         and list(table.metadata().partition_columns) == partition_by
         and json.loads(table.schema().to_json()) == schema
     )
-
-
-def stage_parquet(
-    data: pa.Table | Iterable[pa.RecordBatch],
-    schema: pa.Schema,
-    staging: str,
-    file_bytes: int,
-    lake: LakeStorage | None = None,
-) -> None:
-    """Write ``data`` as Parquet files of about ``file_bytes`` Arrow bytes into ``staging``, columns
-    named by position (``c0``, ``c1``, ...; :func:`staged_source_sql` names them back); at least one
-    file, so the engine finds the schema of an empty table too."""
-    filesystem, directory = storage_client(staging, lake)
-    if not is_object_store(staging):  # an object store has no directories (creating one leaves marker objects)
-        filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
-    positional = pa.schema([field.with_name(f"c{i}") for i, field in enumerate(nullable_schema(schema))])
-    for number, piece in enumerate(chunks(data, schema, file_bytes, min(file_bytes, STAGE_FILE_MIN_BYTES))):
-        pq.write_table(
-            piece.rename_columns(positional.names).cast(positional),
-            f"{directory}/part-{number:05d}.parquet",
-            filesystem=filesystem,
-            compression=STAGE_COMPRESSION,
-            use_dictionary=False,
-            write_statistics=False,
-            row_group_size=max(1, piece.num_rows),
-        )
-    # The encoder's buffers are free now, but pyarrow's default pool (mimalloc) keeps freed pages for
-    # later allocations: returned, a drain holds about one chunk less while the engine runs its MERGE.
-    pa.default_memory_pool().release_unused()
-
-
-def _staged_frame(spark: SparkSession, schema: pa.Schema, staging: str) -> DataFrame:
-    """The staged files with the table's column names and exactly the Spark types that
-    :func:`~resources.delta.dataframes.spark_dataframe` gives ``schema``."""
-    prepare_writes(spark)
-    spark_schema = from_arrow_schema(nullable_schema(schema), prefer_timestamp_ntz=True)
-    return spark.read.parquet(staging).select(
-        *(F.col(f"c{i}").cast(field.dataType).alias(field.name) for i, field in enumerate(spark_schema.fields))
-    )
-
-
-def staged_source_sql(schema: pa.Schema, staging: str) -> str:
-    """A SQL query of the files :func:`stage_parquet` wrote into ``staging``: :func:`_staged_frame`
-    as SQL text (the table's column names, exactly the Spark types of
-    :func:`~resources.delta.dataframes.spark_dataframe`), for a statement such as a MERGE's source."""
-    spark_schema = from_arrow_schema(nullable_schema(schema), prefer_timestamp_ntz=True)
-    columns = ", ".join(
-        f"CAST(c{i} AS {field.dataType.simpleString()}) AS `{field.name.replace('`', '``')}`"
-        for i, field in enumerate(spark_schema.fields)
-    )
-    return f"SELECT {columns} FROM parquet.`{staging.replace('`', '``')}`"
 
 
 def _overwrite(

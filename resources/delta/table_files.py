@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.snapshot_writes import STAGING_DIRECTORY
+from resources.delta.staging import STAGING_DIRECTORY
 from resources.locations import is_object_store, join_location, parse_object_location
 
 DELTA_LOG = "_delta_log"

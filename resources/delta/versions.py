@@ -41,13 +41,8 @@ from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN, HASH, row_buckets, TableLayout
 from resources.delta.markers import layout_from_property
 from resources.delta.merge import DELETE_ROW_COLUMN, key_lists, quote_column, run_command
-from resources.delta.snapshot_writes import (
-    STAGE_FILE_BYTES,
-    stage_parquet,
-    staged_source_sql,
-    STAGING_DIRECTORY,
-    write_snapshot,
-)
+from resources.delta.snapshot_writes import write_snapshot
+from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_source_sql, STAGING_DIRECTORY
 from resources.delta.table_log import read_table_metadata, table_exists
 
 __all__ = [

@@ -6,8 +6,8 @@ newline is escaped so a raw newline ends a row, and Arrow's CSV reader parses it
 no quoting) as fast as CSV; the few escapes are undone column-wise (:func:`unescape_text`).
 
 A big table is read as several ctid (heap block) ranges by worker connections that all
-import the one exported snapshot (:func:`parallel_copy`), so the parts add up to exactly the
-table as that snapshot sees it.
+import the one exported snapshot (``resources/postgres/ctid_copy.py``), so the parts add up to
+exactly the table as that snapshot sees it.
 """
 
 from __future__ import annotations
@@ -34,13 +34,10 @@ from resources.pgtypes import (
     pg_type_catalog_params,
     pg_type_catalog_query,
     PgColumnType,
-    SESSION_SETTINGS,
     to_arrow,
 )
 from resources.postgres.catalog import TableInfo
-from resources.postgres.connections import connect
 from resources.postgres.replication import ReplicationConnection
-from resources.sql import quote_literal
 
 DEFAULT_CHUNK_ROWS = 1_000_000
 """Rows per parsed piece; the byte bound usually closes a piece first."""
@@ -311,10 +308,10 @@ def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
     )
 
 
-_END = object()
+END_OF_PIECES = object()
 
 
-class _Handover:
+class Handover:
     """A bounded queue from producer threads to one consumer, which the consumer can abandon.
 
     A producer's ``offer`` gives up once ``stop`` is set (the consumer stopped early), so no
@@ -344,7 +341,7 @@ def prefetched(source: Generator[T, None, None], depth: int, name: str) -> Gener
     When the consumer stops early (the write failed), the producer notices at its next
     hand-over and closes ``source``; the caller then closes the connection it was reading.
     """
-    handover = _Handover(depth)
+    handover = Handover(depth)
     offer, stop, failure = handover.offer, handover.stop, handover.failures
 
     def produce() -> None:
@@ -356,12 +353,12 @@ def prefetched(source: Generator[T, None, None], depth: int, name: str) -> Gener
             failure.append(exc)
         finally:
             source.close()
-            offer(_END)
+            offer(END_OF_PIECES)
 
     thread = threading.Thread(target=produce, name=name, daemon=True)
     thread.start()
     try:
-        while (item := handover.items.get()) is not _END:
+        while (item := handover.items.get()) is not END_OF_PIECES:
             yield item  # type: ignore[misc]
         thread.join()
         if failure:
@@ -371,11 +368,8 @@ def prefetched(source: Generator[T, None, None], depth: int, name: str) -> Gener
         thread.join()
 
 
-# --------------------------------------------------------------------------- ctid ranges under one snapshot
-
-
 BlockRange = tuple[int, int | None]
-"""Heap blocks first .. end - 1 of a table (end None: to the end of the heap)."""
+"""Heap blocks first .. end - 1 of a table (end None: to the end of the heap; ``resources/postgres/ctid_copy.py``)."""
 
 
 def copied_batches(
@@ -389,137 +383,3 @@ def copied_batches(
         PREFETCH_PIECES,
         f"pgcdc-parse-{name}",
     )
-
-
-def heap_blocks(conn: psycopg.Connection, oid: int) -> tuple[int, int]:
-    """(blocks, block size in bytes) of the table's heap now; for a partitioned root, of its largest leaf.
-
-    Read from the file size (``pg_relation_size``), not ``pg_class.relpages``, which is only
-    as fresh as the last VACUUM/ANALYZE and is 0 for a table loaded since. The size may move
-    afterwards: the last range of :func:`block_ranges` is open-ended.
-    """
-    row = (
-        psycopg.ClientCursor(conn)
-        .execute(
-            "SELECT pg_catalog.max(size), pg_catalog.current_setting('block_size') FROM ("
-            " SELECT pg_catalog.pg_relation_size(%s::pg_catalog.oid) AS size UNION ALL"  # a plain table
-            " SELECT pg_catalog.pg_relation_size(tree.relid)"  # the leaves of a partitioned one
-            " FROM pg_catalog.pg_partition_tree(%s::pg_catalog.oid) tree WHERE tree.isleaf) sizes",
-            (oid, oid),
-        )
-        .fetchone()
-    )
-    if row is None:
-        raise ProtocolError(f"no size for relation {oid}", "check the server version")
-    block_size = int(row[1])
-    return (int(row[0]) // block_size if row[0] is not None else 0), block_size
-
-
-def block_ranges(blocks: int, chunk_blocks: int) -> list[BlockRange]:
-    """Split ``blocks`` heap blocks into equal ranges of at most about ``chunk_blocks`` each.
-
-    The ranges are disjoint and cover every tuple id: the first starts at block 0 and the
-    last has no end, so rows in blocks added after the size was read are read too. A table
-    of at most one chunk is one range, (0, None).
-    """
-    count = max(1, -(-blocks // max(1, chunk_blocks)))
-    step = -(-blocks // count) if blocks else 0
-    starts = [i * step for i in range(count)]
-    return [(start, starts[i + 1] if i + 1 < count else None) for i, start in enumerate(starts)]
-
-
-def export_snapshot(conn: ReplicationConnection) -> str:
-    """Export the snapshot of ``conn``'s open transaction (the temporary slot's, with SNAPSHOT 'use').
-
-    Importing it gives another session exactly that snapshot, so the slot's consistent point
-    stays the exact LSN the parts are consistent at. It can be imported while the exporting
-    transaction stays open.
-    """
-    ((name,),) = conn.execute("SELECT pg_catalog.pg_export_snapshot()")
-    return str(name)
-
-
-def snapshot_session(dsn: str, snapshot_name: str, application_name: str) -> psycopg.Connection:
-    """A new session inside a READ ONLY REPEATABLE READ transaction that imported ``snapshot_name``."""
-    conn = connect(dsn, application_name=application_name, session_settings=SESSION_SETTINGS)
-    try:
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        conn.execute(f"SET TRANSACTION SNAPSHOT {quote_literal(snapshot_name)}".encode())
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def parallel_copy(
-    dsn: str,
-    snapshot_name: str,
-    queries: Sequence[str],
-    make_parser: Callable[[], Callable[[bytearray, int], pa.RecordBatch]],
-    workers: int,
-    piece_bytes: int,
-    piece_rows: int,
-    name: str,
-    on_query_done: Callable[[], None] | None = None,
-) -> Generator[tuple[pa.RecordBatch, int], None, None]:
-    """Run ``queries`` (COPYs of disjoint parts of one table) on ``workers`` sessions that import
-    ``snapshot_name``; yield their (batch, COPY bytes) pieces in whatever order they finish.
-
-    Each worker takes the next query when it finishes one, so a slow range does not hold the
-    others up, and reads the next piece while it parses one (the CSV reader releases the GIL).
-    At most one parsed piece per worker waits for the consumer, which bounds memory to a few
-    pieces per worker. The first failure stops every worker and is raised; when the consumer
-    stops early, the workers stop at their next hand-over and close their sessions.
-    ``on_query_done`` runs on a worker's thread after each query's last piece is handed over.
-    """
-    todo: queue.SimpleQueue[str] = queue.SimpleQueue()
-    for query in queries:
-        todo.put(query)
-    handover = _Handover(max(1, workers))
-    offer, stop, failure = handover.offer, handover.stop, handover.failures
-
-    def work(index: int) -> None:
-        conn: psycopg.Connection | None = None
-        try:
-            conn = snapshot_session(dsn, snapshot_name, "pgcdc_snapshot")
-            parse = make_parser()
-            while not stop.is_set():
-                try:
-                    query = todo.get_nowait()
-                except queue.Empty:
-                    break
-                copied = copy_pieces(conn.pgconn, query, unparsed, piece_bytes, piece_rows)
-                pieces = parse_each(prefetched(copied, 1, f"{name}-{index}-copy"), parse)
-                try:
-                    for item in pieces:
-                        if not offer(item):
-                            return
-                finally:
-                    pieces.close()
-                if on_query_done is not None:
-                    on_query_done()
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            failure.append(exc)
-        finally:
-            if conn is not None:
-                conn.close()  # also ends a COPY left half-read
-            offer(_END)
-
-    count = max(1, min(workers, len(queries)))
-    threads = [threading.Thread(target=work, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    try:
-        finished = 0
-        while finished < len(threads):
-            item = handover.items.get()
-            if item is _END:
-                finished += 1
-                if failure:
-                    raise failure[0]
-                continue
-            yield item  # type: ignore[misc]
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()

@@ -29,7 +29,7 @@ from resources.pgtypes import SESSION_SETTINGS
 from resources.phases import Phases
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.connections import connect
-from resources.postgres.copy import heap_blocks
+from resources.postgres.ctid_copy import heap_blocks
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.slots import read_slot

@@ -49,15 +49,8 @@ from resources.lsn import LSN
 from resources.pgtypes import PgValueError
 from resources.phases import Phases
 from resources.postgres.catalog import TableName
-from resources.postgres.copy import (
-    block_ranges,
-    copied_batches,
-    DEFAULT_CHUNK_ROWS,
-    export_snapshot,
-    heap_blocks,
-    parallel_copy,
-    PARSE_BYTES,
-)
+from resources.postgres.copy import copied_batches, DEFAULT_CHUNK_ROWS, PARSE_BYTES
+from resources.postgres.ctid_copy import block_ranges, export_snapshot, heap_blocks, parallel_copy
 from resources.runs.consistent_copy import consistent_copy, Pieces
 from resources.runs.snapshot_layout import existing_layout, table_layout
 

@@ -13,8 +13,8 @@ from pyspark.sql import SparkSession
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.config import parse_config
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.snapshot_writes import STAGING_DIRECTORY
 from resources.delta.spark_destination import lake_destination
+from resources.delta.staging import STAGING_DIRECTORY
 from resources.delta.state_table import read_state, state_path
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
