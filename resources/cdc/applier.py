@@ -103,6 +103,7 @@ class ChangeApplier(RelationHandling):
         max_replace_values: int = DEFAULT_REPLACE_VALUES,
         recopy_range: Callable[[TableName, str, TableLog, int], None] | None = None,
         set_aside: Callable[[TableName, int, Exception], bool] | None = None,
+        write_concurrency: int = 1,
     ) -> None:
         """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out).
@@ -114,7 +115,10 @@ class ChangeApplier(RelationHandling):
 
         ``set_aside(table, lsn, error)`` hears a fault of one table (``lsn``: the commit end LSN of its
         first change not applied); it returns whether the fault is confined to that table, having
-        recorded the quarantine durably. Without it every fault fails the run."""
+        recorded the quarantine durably. Without it every fault fails the run.
+
+        ``write_concurrency``: how many tables' writes run at once (:class:`~resources.cdc.writer.OrderedWriter`:
+        each table's in order, the durable position behind all of them)."""
         self._destination = destination
         self._types = types
         self._targets = targets
@@ -130,7 +134,7 @@ class ChangeApplier(RelationHandling):
         self._writes_prepared = False
         #: Commit end LSN -> (xid, commit time) of the transactions the pending changes belong to (changelogs).
         self._transactions: dict[int, tuple[int, datetime]] = {}
-        self._writer = OrderedWriter(heartbeat)
+        self._writer = OrderedWriter(heartbeat, write_concurrency)
         self._set_aside_table = set_aside
         self._writer.on_failure = self._write_failed
         self._schema = SchemaReconciler(destination, self._writer, types, log, before_fill=self._write_fill_history)
