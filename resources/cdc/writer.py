@@ -69,25 +69,29 @@ class OrderedWriter:
             self.write_behind(operation, *args, **kwargs)
             return
         self._make_room()
-        self._queue(operation, args, kwargs)
+        self._queue(operation, args, kwargs, behind=False)
 
     def write_behind(self, operation: Callable[..., None], *args: object, **kwargs: object) -> None:
         """Queue a write right behind its owner's write queued before it without waiting for room (pieces of
-        one batch); it runs only if that write succeeded."""
-        self._queue(operation, args, kwargs)
+        one batch); it runs only if that write succeeded (for the run's own writes: the write queued last)."""
+        self._queue(operation, args, kwargs, behind=True)
 
     def next_behind(self, behind: bool = True) -> None:
         """Whether the next :meth:`write` queues behind the writes in flight without waiting for them: a
         table's write of a batch behind its changelog's write of the same batch, which must succeed first."""
         self._behind = behind
 
-    def _queue(self, operation: Callable[..., None], args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    def _queue(
+        self, operation: Callable[..., None], args: tuple[object, ...], kwargs: dict[str, object], behind: bool
+    ) -> None:
         """Start ``operation`` once what it must follow is done: its owner's lane (which must have succeeded)
-        and the newest barrier; a write of no owner is a barrier behind every write queued before it."""
+        and the newest barrier; a write of no owner is a barrier behind every write queued before it (and,
+        ``behind``, runs only if the write queued last succeeded)."""
         owner = self.owner
         if owner is None:
             after = [future for future, _, _ in self._in_flight]
-            future = _chained(self._executor, None, after, _committed_write, operation, args, kwargs)
+            last = after[-1] if behind and after else None
+            future = _chained(self._executor, last, after, _committed_write, operation, args, kwargs)
             self._barrier = future
         else:
             after = [self._barrier] if self._barrier is not None else []
