@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
+from resources.lsn import LSN
 from tests.support.busy_drain import (
     assert_busy_exact,
     BUSY_DDL,
@@ -71,10 +72,15 @@ def test_a_write_one_table_refuses_sets_it_aside_while_the_others_commit(
     refuse_nulls_in(config, "public.k2")
     refused_log = Path(config.table_path("public", "k2")) / "_delta_log"
     commits = sorted(refused_log.glob("*.json"))
-    busy_workload(pg, 12)
+    start = slot_confirmed(pg)
+    busy_workload(pg, 1)
+    ((first_done,),) = pg.execute("SELECT pg_current_wal_lsn()::text")
+    busy_workload(pg, 11, offset=1)
     result = drain(config, spark, max_chunk_changes=CHUNK)
     assert result.newly_quarantined == ["public.k2"]
-    assert "NOT NULL" in result.quarantined["public.k2"].cause
+    quarantine = result.quarantined["public.k2"]
+    assert "NOT NULL" in quarantine.cause
+    assert start < quarantine.lsn <= LSN.parse(first_done)  # from its first change the failed write left unapplied
     assert slot_confirmed(pg) == result.confirmed_flush_lsn >= result.end_lsn
     assert sorted(refused_log.glob("*.json")) == commits  # none of its writes landed, later chunks' neither
     assert_busy_exact(pg, config, {table: key for table, key in BUSY_TABLES.items() if table != "public.k2"})

@@ -274,8 +274,9 @@ class ChangeApplier(RelationHandling):
         table set it aside instead (``end``: the commit end LSN being applied when it surfaced)."""
         if target.quarantined:
             return False
-        owner, self._writer.owner = self._writer.owner, target
         first = target.pending[0][2] if target.pending else end
+        owner, self._writer.owner = self._writer.owner, target
+        since, self._writer.since = self._writer.since, first
         try:
             action(*args)
         except Exception as error:
@@ -283,13 +284,14 @@ class ChangeApplier(RelationHandling):
                 raise
             return False
         finally:
-            self._writer.owner = owner
+            self._writer.owner, self._writer.since = owner, since
         return True
 
     def _write_failed(self, owner: object, error: Exception) -> bool:
         """(Writer's ``on_failure``.) A failed write of a table: set the table aside if the fault is its own."""
         assert isinstance(owner, TableTarget)
-        return self._set_aside(owner, owner.pending[0][2] if owner.pending else self._complete_end, error)
+        since = self._writer.failed_since  # its first change the failed write left unapplied
+        return self._set_aside(owner, since if since is not None else self._complete_end, error)
 
     def _set_aside(self, target: TableTarget, lsn: int, error: Exception) -> bool:
         """Quarantine ``target`` when ``set_aside`` confines ``error`` to it: its pending changes are dropped,

@@ -47,7 +47,8 @@ class OrderedWriter:
         self._heartbeat = heartbeat
         self.concurrency = max(1, concurrency)
         self._executor = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="pgcdc-delta-write")
-        self._in_flight: deque[tuple[Future[None], int | None, object | None]] = deque()
+        #: (write, the end LSN durable once it is taken back, its owner, :attr:`since` when it was queued)
+        self._in_flight: deque[tuple[Future[None], int | None, object | None, int | None]] = deque()
         #: Each owner's newest queued write: the owner's next write runs only once it succeeded.
         self._lanes: dict[object, Future[None]] = {}
         #: The newest write of the run's own (or :meth:`call`): every later write runs after it.
@@ -56,6 +57,10 @@ class OrderedWriter:
         self.durable = 0
         #: The table the writes submitted now belong to (None: the run's own, such as durable marks).
         self.owner: object | None = None
+        #: The commit end LSN of the first change the writes submitted now apply (what a failure of one leaves
+        #: unapplied), read back as :attr:`failed_since` while ``on_failure`` runs.
+        self.since: int | None = None
+        self.failed_since: int | None = None
         #: ``on_failure(owner, error)``: whether a failed write of ``owner`` was confined to it (else it fails the run).
         self.on_failure: Callable[[object, Exception], bool] | None = None
 
@@ -89,7 +94,7 @@ class OrderedWriter:
         ``behind``, runs only if the write queued last succeeded)."""
         owner = self.owner
         if owner is None:
-            after = [future for future, _, _ in self._in_flight]
+            after = [future for future, _, _, _ in self._in_flight]
             last = after[-1] if behind and after else None
             future = _chained(self._executor, last, after, _committed_write, operation, args, kwargs)
             self._barrier = future
@@ -97,12 +102,12 @@ class OrderedWriter:
             after = [self._barrier] if self._barrier is not None else []
             future = _chained(self._executor, self._lanes.get(owner), after, _committed_write, operation, args, kwargs)
             self._lanes[owner] = future
-        self._in_flight.append((future, None, owner))
+        self._in_flight.append((future, None, owner, self.since))
 
     def _make_room(self) -> None:
         """Wait (heartbeat going) until fewer than ``concurrency`` queued writes are unfinished."""
         while True:
-            unfinished = [future for future, _, _ in self._in_flight if not future.done()]
+            unfinished = [future for future, _, _, _ in self._in_flight if not future.done()]
             if len(unfinished) < self.concurrency:
                 return
             self._wait_any(unfinished)
@@ -120,7 +125,7 @@ class OrderedWriter:
         if self._in_flight:
             done: Future[None] = Future()
             done.set_result(None)
-            self._in_flight.append((done, end, None))  # taken back only after every entry before it
+            self._in_flight.append((done, end, None, None))  # taken back only after every entry before it
         else:
             self.durable = end
 
@@ -131,10 +136,11 @@ class OrderedWriter:
             self._collect_one()
 
     def _collect_one(self) -> None:
-        future, durable, owner = self._in_flight.popleft()
+        future, durable, owner, since = self._in_flight.popleft()
         try:
             self.wait(future)  # a failed write fails the run here, before anything later is confirmed
         except Exception as error:
+            self.failed_since = since
             if owner is None or self.on_failure is None or not self.on_failure(owner, error):
                 raise
         if durable is not None:
@@ -164,7 +170,7 @@ class OrderedWriter:
 
     def close(self) -> None:
         """Wait for the writes queued (a running one cannot be cancelled), then stop the writer threads."""
-        for future, _, _ in self._in_flight:
+        for future, _, _, _ in self._in_flight:
             try:
                 self.wait(future)
             except Exception:  # noqa: BLE001 - closing after a failure: the failure is already on its way
