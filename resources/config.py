@@ -141,6 +141,15 @@ while a machine that stops running pgcdc gets the JVM's memory (1 GiB heap by de
 minutes later. 0 keeps a JVM per run."""
 
 
+DEFAULT_SPARK_WRITES = 4
+"""Tables a drain commits at once on Delta on Spark (managed or remote): a commit of a few rows costs about
+2 s there, nearly all of it planning, log state and commit round trips that overlap (docs/engine-notes.md)."""
+
+DEFAULT_SAIL_WRITES = 2
+"""Tables a drain commits at once on embedded Sail: its MERGE of a few rows costs about 0.1 s, much of it
+CPU on the cores pgcdc decodes on, so more threads gain little (docs/engine-notes.md)."""
+
+
 class SparkSettings(_Section):
     remote: str | None = Field(default=None, description="sc://host:port of a Spark Connect server; null = embedded")
     engine: Literal["sail", "spark"] = Field(
@@ -158,6 +167,20 @@ class SparkSettings(_Section):
         description="with engine spark: seconds the managed JVM stays after the last run leaves it, serving the "
         "runs after it (0: each run starts its own JVM, stopped when the run ends)",
     )
+
+    write_concurrency: int | None = Field(
+        default=None, ge=1, le=32,
+        description="Delta writes of different tables a drain runs at once (each table's own writes stay in order); "
+        f"null: {DEFAULT_SAIL_WRITES} on embedded sail, {DEFAULT_SPARK_WRITES} on spark and on a remote server",
+    )  # fmt: skip
+
+    def writes_at_once(self) -> int:
+        """``write_concurrency``, or the engine's default: Spark Connect sessions take concurrent queries from
+        several threads on every engine, and a table's commit on Delta on Spark is mostly fixed cost that
+        overlaps well; embedded Sail shares pgcdc's own cores, so it gains less (docs/engine-notes.md)."""
+        if self.write_concurrency is not None:
+            return self.write_concurrency
+        return DEFAULT_SAIL_WRITES if self.remote is None and self.engine == "sail" else DEFAULT_SPARK_WRITES
 
     @field_validator("keep_alive_s", mode="before")
     @classmethod

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 FAULT_POINT_ENV = "PGCDC_FAULT_POINT"
 FAULT_POINTS = (
@@ -83,10 +84,12 @@ def fault_point(name: str) -> None:
     point, _, arrival = wanted.partition(":")
     if point != name:
         return
-    _arrivals[name] = _arrivals.get(name, 0) + 1
-    if _arrivals[name] >= int(arrival or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    with _arrivals_lock:  # the writer's threads reach ``after_table_commit`` side by side
+        _arrivals[name] = _arrivals.get(name, 0) + 1
+        if _arrivals[name] >= int(arrival or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 _arrivals: dict[str, int] = {}
 """How often each named point was reached in this process (counted only while one is set)."""
+_arrivals_lock = threading.Lock()

@@ -76,6 +76,7 @@ from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SE
 pytest.register_assert_rewrite(
     "tests.support.engine_fixtures", "tests.support.s3_fixtures"
 )  # imported here before pytest loads them as plugins
+from tests.support.busy_drain import assert_busy_exact, BUSY_DDL, busy_workload, settle, with_write_concurrency
 from tests.support.delta_log import clean_log, commit_bytes, live_data_files, stale_data_files
 from tests.support.engine_fixtures import ENGINES, EngineUnderTest, group_alive
 from tests.support.fault_child import SNAPSHOT_WRITER_ENV
@@ -146,6 +147,7 @@ SPARK_LOCAL_ONLY = {
     "test_a_snapshot_killed_on_spark_recovers_on_the_next_run",
     "test_maintenance_on_spark_purges_deletion_vectors_and_stays_exact",
     "test_snapshot_on_spark_by_delta_rs_gives_sparks_own_table",
+    "test_a_busy_drain_on_spark_commits_tables_side_by_side_and_replays_a_kill_exactly",
 }
 #: Each JVM engine runs against one PostgreSQL version, together covering all of them: a JVM engine
 #: costs minutes per pass on two cores. Sail's server (seconds) runs against every version.
@@ -883,3 +885,28 @@ def test_faults_of_two_tables_on_spark_quarantine_them_and_the_others_flow(
     assert sorted(last.lifted) == ["public.due", "public.pairs"] and last.quarantined == {}
     for table in ("acct", "events", "pairs", "due"):
         assert_delta_equals_postgres(pg.dsn, f"public.{table}", config.table_path("public", table))
+
+
+def test_a_busy_drain_on_spark_commits_tables_side_by_side_and_replays_a_kill_exactly(
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+) -> None:
+    """Four threads send the tables' commits of each chunk through one Spark Connect session at once (its
+    sessions take concurrent queries): a drain killed between two tables' commits (some tables hold the
+    chunk, others not) is replayed exactly, and a drain in this process on the test's own session is exact."""
+    pg.execute(BUSY_DDL)
+    config = with_write_concurrency(engine_config(pg, tmp_path, engine), 4)
+    destination = lake_destination(engine.spark, config)
+    snapshot_tables(config, destination)
+    busy_workload(pg, 6)
+    child = Child(write_config(config, tmp_path), chunk=30, env={FAULT_POINT_ENV: "after_table_commit:4"})
+    try:
+        assert child.wait(timeout=600) == -9, child.output()
+    finally:
+        child.kill()
+    settle(config)  # the dead client's writes still running in the server land first
+    rerun = run_incremental(config, destination)
+    assert confirmed(pg) == rerun.confirmed_flush_lsn >= rerun.end_lsn
+    assert_busy_exact(pg, config)
+    busy_workload(pg, 3, offset=6)
+    run_incremental(config, destination)
+    assert_busy_exact(pg, config)

@@ -103,6 +103,7 @@ class ChangeApplier(RelationHandling):
         max_replace_values: int = DEFAULT_REPLACE_VALUES,
         recopy_range: Callable[[TableName, str, TableLog, int], None] | None = None,
         set_aside: Callable[[TableName, int, Exception], bool] | None = None,
+        write_concurrency: int = 1,
     ) -> None:
         """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out).
@@ -114,7 +115,10 @@ class ChangeApplier(RelationHandling):
 
         ``set_aside(table, lsn, error)`` hears a fault of one table (``lsn``: the commit end LSN of its
         first change not applied); it returns whether the fault is confined to that table, having
-        recorded the quarantine durably. Without it every fault fails the run."""
+        recorded the quarantine durably. Without it every fault fails the run.
+
+        ``write_concurrency``: how many tables' writes run at once (:class:`~resources.cdc.writer.OrderedWriter`:
+        each table's in order, the durable position behind all of them)."""
         self._destination = destination
         self._types = types
         self._targets = targets
@@ -130,7 +134,7 @@ class ChangeApplier(RelationHandling):
         self._writes_prepared = False
         #: Commit end LSN -> (xid, commit time) of the transactions the pending changes belong to (changelogs).
         self._transactions: dict[int, tuple[int, datetime]] = {}
-        self._writer = OrderedWriter(heartbeat)
+        self._writer = OrderedWriter(heartbeat, write_concurrency)
         self._set_aside_table = set_aside
         self._writer.on_failure = self._write_failed
         self._schema = SchemaReconciler(destination, self._writer, types, log, before_fill=self._write_fill_history)
@@ -270,8 +274,9 @@ class ChangeApplier(RelationHandling):
         table set it aside instead (``end``: the commit end LSN being applied when it surfaced)."""
         if target.quarantined:
             return False
-        owner, self._writer.owner = self._writer.owner, target
         first = target.pending[0][2] if target.pending else end
+        owner, self._writer.owner = self._writer.owner, target
+        since, self._writer.since = self._writer.since, first
         try:
             action(*args)
         except Exception as error:
@@ -279,13 +284,14 @@ class ChangeApplier(RelationHandling):
                 raise
             return False
         finally:
-            self._writer.owner = owner
+            self._writer.owner, self._writer.since = owner, since
         return True
 
     def _write_failed(self, owner: object, error: Exception) -> bool:
         """(Writer's ``on_failure``.) A failed write of a table: set the table aside if the fault is its own."""
         assert isinstance(owner, TableTarget)
-        return self._set_aside(owner, owner.pending[0][2] if owner.pending else self._complete_end, error)
+        since = self._writer.failed_since  # its first change the failed write left unapplied
+        return self._set_aside(owner, since if since is not None else self._complete_end, error)
 
     def _set_aside(self, target: TableTarget, lsn: int, error: Exception) -> bool:
         """Quarantine ``target`` when ``set_aside`` confines ``error`` to it: its pending changes are dropped,

@@ -195,6 +195,7 @@ def run_incremental(
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
             max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, destination),
             set_aside=None if config.on_table_error == "stop" else quarantines.set_aside,
+            write_concurrency=config.spark.writes_at_once(),
         )  # fmt: skip
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         if not stream.streaming:
@@ -207,11 +208,10 @@ def run_incremental(
         with TransactionAssembler(options.resolve_proto_version(rc.server_version_num), spill_dir) as assembler:
             drain(stream, assembler, applier, end_lsn, say, started, record_state, before_confirm=guard.allow)
         rc.close()
-        confirmed = _confirmed_flush(dsn, config.slot)
-        flush_now = wal_position(conn)
+        confirmed, flush_now = _confirmed_flush(dsn, config.slot), wal_position(conn)
     return _summary(
-        applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now,
-        started, say,
+        applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now, started,
+        say,
     )  # fmt: skip
 
 
