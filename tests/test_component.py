@@ -266,7 +266,7 @@ def test_two_pipelines_in_one_code_location_drain_concurrently_and_exactly(
     assert {s.name for s in defs.sensors} == {
         f"pgcdc_{p}_{sensor}"
         for p in pipelines
-        for sensor in ("slot_lag_sensor", "new_tables_sensor", "slot_health_sensor")
+        for sensor in ("slot_lag_sensor", "new_tables_sensor", "slot_health_sensor", "quarantine_sensor")
     }
     pools = {node.name: node.definition.pool for node in defs.resolve_job_def("pgcdc_shop_incremental").nodes}
     assert pools == {"pgcdc_shop_drain_slot": "pgcdc_slot_shop_slot"}

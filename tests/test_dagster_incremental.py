@@ -403,7 +403,9 @@ def test_materializing_one_table_drains_the_slot_and_records_what_changed(
     result = materialize([defs.resolve_assets_def(NOTES)], selection=[NOTES], instance=instance)
 
     assert result.success
-    assert planned(instance, result) == ["pgcdc/public/notes", "pgcdc/public/notes:schema_matches_postgres"]
+    assert planned(instance, result) == [
+        "pgcdc/public/notes", "pgcdc/public/notes:schema_matches_postgres", "pgcdc/public/notes:table_not_quarantined"
+    ]  # fmt: skip
     assert set(materializations(result)) == {SLOT, ORDERS}  # notes did not change: no output for it
     assert materializations(result)[ORDERS]["pgcdc/updated"] == 1
     assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
