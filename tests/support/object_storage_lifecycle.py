@@ -134,7 +134,9 @@ def lifecycle(
 
     prefix = s3_root.removeprefix(f"s3://{BUCKET}/") + "/"
     assert staged_objects(s3_server, prefix) == []
-    assert all(key.startswith((prefix + "public/", prefix + "_pgcdc/state/")) for key in s3_server.keys(prefix))
+    # the tables, pgcdc's state table and the slot's record (resources/runs/slot_guard.py), nothing else
+    kept = (prefix + "public/", prefix + "_pgcdc/state/", prefix + "_pgcdc/slots/")
+    assert all(key.startswith(kept) for key in s3_server.keys(prefix)), sorted(s3_server.keys(prefix))
     state = read_state(state_path(s3_root, SLOT), s3_server.lake(s3_root))  # the state table lives on the store too
     assert {table: row.log.version for table, row in state.items()} == {
         table: deltalake.DeltaTable(
