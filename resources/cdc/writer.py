@@ -194,8 +194,12 @@ def _chained(
     waiting = [future for future in ([lane] if lane is not None else []) + after if not future.done()]
     remaining = [len(waiting)]
     lock = threading.Lock()
+    # Taken out when the write starts: a done future keeps its callbacks (and what they hold) for as long as
+    # it lives, and a barrier lives through every write queued behind it, so the batches must not be held there.
+    call = [(operation, args, kwargs)]
 
     def start() -> None:
+        operation, args, kwargs = call.pop()
         error = lane.exception() if lane is not None else None
         if error is not None:
             result.set_exception(error)
