@@ -42,8 +42,8 @@ from tests.support.fault_runs import (
     backlog,
     Child,
     confirmed,
+    FAULT_DDL,
     flush_lsn,
-    NEVER_TRUNCATED_DDL,
     REPO,
     rerun_converges,
     SLOT,
@@ -62,16 +62,7 @@ pytestmark = (
 DAGSTER = str(Path(sys.executable).with_name("dagster"))
 
 
-DDL = (
-    NEVER_TRUNCATED_DDL
-    + """
-    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
-    CREATE TABLE journal (entry int, note text);
-    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 400) g;
-    INSERT INTO journal VALUES (-1, 'seed');
-    CREATE PUBLICATION pub FOR TABLE acct, journal, ledger, tally;
-"""
-)
+DDL = FAULT_DDL
 
 
 # --------------------------------------------------------------------------- helpers

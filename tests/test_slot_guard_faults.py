@@ -31,7 +31,7 @@ from tests.support.fault_runs import (
     backlog,
     Child,
     confirmed,
-    NEVER_TRUNCATED_DDL,
+    FAULT_DDL,
     rerun_converges,
     SLOT,
     slot_active_pid,
@@ -42,17 +42,7 @@ from tests.support.postgres import PgDatabase
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # a drain killed in a child process, Dagster runs; tiers: docs/testing.md
 
-DDL = (
-    NEVER_TRUNCATED_DDL
-    + """
-    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
-    CREATE TABLE journal (entry int, note text);
-    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 400) g;
-    INSERT INTO journal VALUES (-1, 'seed');
-    CREATE PUBLICATION pub FOR TABLE acct, journal, ledger, tally;
-"""
-)
-"""The tables of tests/support/fault_runs.py's oracle (``assert_exact``)."""
+DDL = FAULT_DDL
 
 
 def test_a_kill_between_the_record_and_the_confirm_replays_exactly_and_is_not_refused(

@@ -41,6 +41,18 @@ crash window that is applied twice stays visible to the oracle. Also in tests/te
 
 NEVER_TRUNCATED = ("ledger", "tally")
 
+FAULT_DDL = (
+    NEVER_TRUNCATED_DDL
+    + """
+    CREATE TABLE acct (id int PRIMARY KEY, balance int, note text);
+    CREATE TABLE journal (entry int, note text);
+    INSERT INTO acct SELECT g, 0, 'start' FROM generate_series(1, 400) g;
+    INSERT INTO journal VALUES (-1, 'seed');
+    CREATE PUBLICATION pub FOR TABLE acct, journal, ledger, tally;
+"""
+)
+"""The tables of this module's oracle (:func:`assert_exact`) and of :func:`backlog`."""
+
 
 def write_config(config: PgcdcConfig, tmp_path: Path) -> Path:
     path = tmp_path / "pgcdc.yaml"
