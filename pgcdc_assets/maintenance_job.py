@@ -105,7 +105,7 @@ def build_maintenance(
                 *delta_tables_under(lake, join_location(settings.delta.root, PGCDC_TABLES_DIRECTORY)),
             ]
             # The embedded engine (Sail) has no maintenance commands: delta-rs does the work, and no
-            # engine needs to start. Any other engine is asked (resources/delta/capabilities.py).
+            # engine needs to start. Any other engine is asked (resources/engines/capabilities.py).
             session = None if spark.mode == "embedded" else spark.spark_session
             failed = []
             for path in paths:

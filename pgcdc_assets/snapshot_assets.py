@@ -34,15 +34,15 @@ from pgcdc_assets.named_outputs import NamedOutputs
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.lazy_session import engine_start_seconds
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.engines.lazy_session import engine_start_seconds
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
 from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
-from resources.phases import describe_phases, phase_metadata, Phases
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
+from resources.runs.phases import describe_phases, phase_metadata, Phases
 from resources.runs.slot_guard import record_created
 from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 

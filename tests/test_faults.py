@@ -404,7 +404,7 @@ def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path:
 def test_embedded_sail_killed_mid_drain_fails_with_one_line_and_rerun_is_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """The default engine (Sail in a child process of the drain, ``resources/delta/sail_server.py``)
+    """The default engine (Sail in a child process of the drain, ``resources/engines/sail_server.py``)
     SIGKILLed while the drain applies chunks: the drain fails with one line naming the engine, the
     slot stays where the last durable chunk put it, and a re-run (with a new engine) is exact."""
     config = setup(pg, tmp_path, spark)

@@ -78,7 +78,7 @@ class TableTarget:
     quarantined: bool = False
     #: Where the table's changelog (or SCD type 2 table) lives (docs/history.md); None: no history kept.
     history_path: str | None = None
-    #: The history is an SCD type 2 table (``resources/cdc/scd2.py``) rather than a changelog.
+    #: The history is an SCD type 2 table (``resources/history/scd2.py``) rather than a changelog.
     history_scd2: bool = False
     #: SCD type 2: the key columns its versions are per (set with the relation).
     history_key: tuple[str, ...] = ()

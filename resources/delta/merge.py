@@ -9,11 +9,11 @@ import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes, spark_dataframe
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_source_sql, STAGING_DIRECTORY
+from resources.engines.capabilities import engine_capabilities
 
 DELETE_ROW_COLUMN = "_pgcdc_delete_row"
 """Column a delete-and-insert MERGE adds to its source (:func:`merge_statement`): True on the row that

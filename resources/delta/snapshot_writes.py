@@ -18,13 +18,13 @@ from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from resources.crash_points import fault_point
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property, SNAPSHOT_CREATE_METADATA
 from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_frame, STAGING_DIRECTORY
 from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
+from resources.engines.capabilities import engine_capabilities
 from resources.locations import is_object_store
 
 if TYPE_CHECKING:

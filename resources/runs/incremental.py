@@ -51,9 +51,9 @@ from resources.cdc.writer import HEARTBEAT_SECONDS
 from resources.config import PgcdcConfig
 from resources.crash_points import fault_point
 from resources.delta.destination import Destination, TableLog
-from resources.delta.engine import process_memory_mib
-from resources.delta.spark_connect import reports_dead_engine
 from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
+from resources.engines.engine import process_memory_mib
+from resources.engines.spark_connect import reports_dead_engine
 from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB

@@ -26,7 +26,6 @@ from resources.delta.state_table import known_log, read_state, state_path, State
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError, SnapshotError
 from resources.names import RESNAPSHOT_JOB
 from resources.pgtypes import SESSION_SETTINGS
-from resources.phases import Phases
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.connections import connect
 from resources.postgres.ctid_copy import heap_blocks
@@ -35,6 +34,7 @@ from resources.postgres.publication import ensure_publication
 from resources.postgres.slots import read_slot
 from resources.runs.incremental import run_incremental
 from resources.runs.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
+from resources.runs.phases import Phases
 from resources.runs.slot_guard import record_created
 from resources.runs.table_snapshot import naming_table, snapshot_table, SnapshotProgress, SnapshotResult
 from resources.sql import quote_ident

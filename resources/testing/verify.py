@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import psycopg
 import pyarrow as pa
 
-from resources.column_overrides import ColumnChoice
+from resources.config.columns import ColumnChoice
 from resources.delta.layout import BUCKET_COLUMN, row_buckets, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY
 from resources.delta.reads import delta_rs_rows
