@@ -53,9 +53,9 @@ from datetime import datetime
 
 import numpy as np
 
-from resources.cdc.apply_relations import RelationHandling
+from resources.cdc.apply_relations import OtherRelationError, RelationHandling
 from resources.cdc.row_batches import RowBatch
-from resources.cdc.schema import SchemaReconciler
+from resources.cdc.schema import RESNAPSHOT_FIX, SchemaReconciler
 from resources.cdc.tables import APPEND, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
@@ -181,7 +181,9 @@ class ChangeApplier(RelationHandling):
                     for oid in subject:
                         target = self._target_by_oid.get(oid)
                         if target is not None and not self._skips(target, end):
-                            self._confined(target, end, self._truncate, target, self._relations[oid], end, seq)
+                            relation = self._relations[oid]
+                            if target.relation is relation or self._adopt(target, relation, end, seq):
+                                self._confined(target, end, self._truncate, target, relation, end, seq)
                     seq += 1
         finally:
             txn.discard()
@@ -202,7 +204,7 @@ class ChangeApplier(RelationHandling):
                 continue
             relation = self._relations[oid]
             if target.relation is not relation:
-                if not self._confined(target, end, self._use_relation, target, relation, end, seq):
+                if not self._adopt(target, relation, end, seq):
                     self.changes_skipped += len(index)
                     target.stats.quarantine_skipped += len(index)
                     continue
@@ -269,6 +271,30 @@ class ChangeApplier(RelationHandling):
 
     # -- one table's fault
 
+    def _adopt(self, target: TableTarget, relation: Relation, end: int, seq: int) -> bool:
+        """Adopt ``relation`` for ``target`` (:meth:`_use_relation`), confined to the table; False when the
+        table was set aside instead.
+
+        pgoutput names a table by its OID in every change and by its name in the Relation message; pgcdc
+        maps names to Delta tables, as PostgreSQL's subscriber maps them to its tables. A relation of
+        another OID than the one the table's snapshot copied (or than this run met under the name) is
+        another table: the old one's pending changes are written first, then the table is refused
+        (quarantined, with the re-snapshot fix), so neither table's rows land in the other's."""
+        expected = target.relation.oid if target.relation is not None else None
+        if expected is None and target.log is not None and target.log.columns is not None:
+            expected = target.log.columns.relid
+        if expected is None or relation.oid == expected:
+            return self._confined(target, end, self._use_relation, target, relation, end, seq)
+        if target.pending and not self._confined(target, end, self._flush_target, target):
+            return False
+        error = OtherRelationError(
+            f"{target.table} is another table than the one its Delta table holds (relation OID {relation.oid}, "
+            f"its rows are of OID {expected}): it was dropped and created again, or another table was renamed "
+            "to its name; its changes are not mixed into the old table's rows",
+            RESNAPSHOT_FIX,
+        )
+        return self._confined(target, end, _raise, error)
+
     def _confined(self, target: TableTarget, end: int, action: Callable[..., None], *args: object) -> bool:
         """Run ``action(*args)`` for ``target`` (its writes tagged with it); returns False when a fault of the
         table set it aside instead (``end``: the commit end LSN being applied when it surfaced)."""
@@ -322,3 +348,7 @@ class ChangeApplier(RelationHandling):
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
         self._writer.close()
+
+
+def _raise(error: Exception) -> None:
+    raise error
