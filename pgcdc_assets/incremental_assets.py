@@ -83,6 +83,7 @@ from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.names import PipelineNames, QUARANTINE_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, slot_pool, SNAPSHOT_JOB
 from resources.postgres.catalog import TableName
+from resources.postgres.table_locks import RUN_NAME
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.quarantine import read_quarantines
 
@@ -309,6 +310,7 @@ def build_incremental_assets(
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = context.selected_asset_keys
         checked = set(context.selected_asset_check_keys)
+        RUN_NAME.set(f"run {context.run_id}")  # named in its table locks' sessions
         with user_facing():
             if selected:
                 recorded = recorded_position(context.instance, slot_key)

@@ -104,6 +104,7 @@ class ChangeApplier(RelationHandling):
         recopy_range: Callable[[TableName, str, TableLog, int], None] | None = None,
         set_aside: Callable[[TableName, int, Exception], bool] | None = None,
         write_concurrency: int = 1,
+        claim: tuple[Callable[[str], None], Callable[[str], None]] | None = None,
     ) -> None:
         """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out).
@@ -116,6 +117,11 @@ class ChangeApplier(RelationHandling):
         ``set_aside(table, lsn, error)`` hears a fault of one table (``lsn``: the commit end LSN of its
         first change not applied); it returns whether the fault is confined to that table, having
         recorded the quarantine durably. Without it every fault fails the run.
+
+        ``claim`` = (take, give back), by Delta path: the table's lock against other runs that write it
+        (``resources/postgres/table_locks.py``), taken when the run first meets a change of the table (it may
+        wait while a snapshot or maintenance of it runs), given back at once when the table has no snapshot
+        (this run writes nothing to it). The run holds the rest until it ends.
 
         ``write_concurrency``: how many tables' writes run at once (:class:`~resources.cdc.writer.OrderedWriter`:
         each table's in order, the durable position behind all of them)."""
@@ -136,6 +142,7 @@ class ChangeApplier(RelationHandling):
         self._transactions: dict[int, tuple[int, datetime]] = {}
         self._writer = OrderedWriter(heartbeat, write_concurrency)
         self._set_aside_table = set_aside
+        self._claim = claim
         self._writer.on_failure = self._write_failed
         self._schema = SchemaReconciler(destination, self._writer, types, log, before_fill=self._write_fill_history)
         self.pending_changes = 0
@@ -254,9 +261,15 @@ class ChangeApplier(RelationHandling):
             if not self._writes_prepared:  # the run's first changes: its engine gets ready beside their decoding
                 self._writer.write(self._destination.prepare_writes)
                 self._writes_prepared = True
-            if target.log is None:
+            if self._claim is not None:
+                self._claim[0](target.path)
+            if target.log is None or (self._claim is not None and not target.log.being_snapshotted):
+                # Read under the claim: a first snapshot that held the table is committed by now.
                 target.log = self._destination.read_table_log(target.path, target.known)
                 target.stats.version_read = target.log.version
+            if self._claim is not None and not target.log.being_snapshotted:
+                # Not written by this run, and a snapshot of it starting from now on begins past this run's end.
+                self._claim[1](target.path)
             target.applied_marker = target.log.applied_marker
             if target.history_path is not None:
                 self._start_history(target)

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -66,8 +67,9 @@ from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import check_server, check_slot, ensure_failover, idle_timeout_risk
 from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.slots import read_slot, SlotState, wal_position
+from resources.postgres.slots import read_slot, slot_holder, slot_in_use, SlotInUseError, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
+from resources.postgres.table_locks import TableLocks
 from resources.runs.drain_tables import departed_tables, departures, read_log, run_targets, wanted_tables
 from resources.runs.key_range_copy import copy_key_range
 from resources.runs.quarantine import Quarantine, Quarantines
@@ -153,6 +155,8 @@ def run_incremental(
     hold: Callable[[], None] | None = None,
     warn: Callable[[str], None] | None = None,
     schedule_gap: timedelta | None = None,
+    held: frozenset[str] = frozenset(),
+    lock_wait: float | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to ``destination``, then confirm it.
 
@@ -174,15 +178,24 @@ def run_incremental(
     run: a failover slot no standby has synchronized yet (``slot_failover``), and an
     ``idle_replication_slot_timeout`` shorter than ``schedule_gap``, the longest gap between
     scheduled drains, allows.
+
+    Each table the run writes is locked against other runs that write it (a snapshot, maintenance:
+    ``resources/postgres/table_locks.py``), waiting up to ``lock_wait`` seconds (None: the default), but the tables in
+    ``held`` (Delta paths), whose locks the caller holds (a snapshot in key ranges drains under its table's lock).
     """
     say = log or (lambda message: None)
     caution = warn or (lambda message: say(f"warning: {message}"))
     started = time.monotonic()
     dsn = config.postgres.dsn
     conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
+    locks = TableLocks(dsn, config.slot, "drain", lock_wait)
     with (
         conn,
-        ReplicationConnection(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS) as rc,
+        ReplicationConnection(
+            dsn, application_name=f"pgcdc_incremental {locks.run}"[:63], session_settings=SESSION_SETTINGS
+        ) as rc,
+        closing(locks),
+        _naming_slot_holder(conn),
     ):
         start_lsn, tables = _checked_start(config, destination, conn, rc, end_lsn, schedule_gap, caution)
         guard = check_slot_position(config, destination, tables[0], start_lsn, holding=hold is not None)
@@ -203,7 +216,7 @@ def run_incremental(
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
             max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, destination),
             set_aside=None if config.on_table_error == "stop" else quarantines.set_aside,
-            write_concurrency=config.spark.writes_at_once(),
+            write_concurrency=config.spark.writes_at_once(), claim=_claims(locks, held, stream.keepalive),
         )  # fmt: skip
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         if not stream.streaming:
@@ -221,6 +234,31 @@ def run_incremental(
         applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now, started,
         say, gone,
     )  # fmt: skip
+
+
+@contextmanager
+def _naming_slot_holder(conn: psycopg.Connection) -> Iterator[None]:
+    """A slot found in use (by the preflight, or by START_REPLICATION in a race) is refused naming its reader."""
+    try:
+        yield
+    except SlotInUseError as busy:
+        holder = slot_holder(conn, busy.pid)
+        if holder is None:
+            raise
+        raise slot_in_use(busy.slot, busy.pid, holder) from None
+
+
+def _claims(
+    locks: TableLocks, held: frozenset[str], heartbeat: Callable[[], None]
+) -> tuple[Callable[[str], None], Callable[[str], None]]:
+    """The change applier's ``claim``: a table's lock taken shared (keeping the stream alive while it
+    waits), but for the tables the caller holds."""
+
+    def take(path: str) -> None:
+        if path not in held:
+            locks.acquire(path, exclusive=False, heartbeat=heartbeat)
+
+    return take, locks.release
 
 
 def _summary(
