@@ -310,7 +310,7 @@ def build_incremental_assets(
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = context.selected_asset_keys
         checked = set(context.selected_asset_check_keys)
-        RUN_NAME.set(f"run {context.run_id}")  # named in its table locks' sessions
+        RUN_NAME.set(f"run {context.run.run_id}")  # named in its table locks' sessions
         with user_facing():
             if selected:
                 recorded = recorded_position(context.instance, slot_key)

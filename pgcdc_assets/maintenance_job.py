@@ -92,7 +92,7 @@ def build_maintenance(
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         settings = postgres.config
-        RUN_NAME.set(f"run {context.run_id}")  # named in its table locks' sessions
+        RUN_NAME.set(f"run {context.run.run_id}")  # named in its table locks' sessions
         with user_facing():
             lake = open_lake(settings.delta.root, settings.delta.storage)
             paths: Sequence[str] = [

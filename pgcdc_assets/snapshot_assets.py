@@ -186,7 +186,7 @@ def build_snapshot_assets(
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
         step = Phases()
-        RUN_NAME.set(f"run {context.run_id}")  # named in its table locks' sessions
+        RUN_NAME.set(f"run {context.run.run_id}")  # named in its table locks' sessions
         with user_facing():
             to_copy = _requested_tables(config, selected, tables, names)
             with step.timed("configuration"):

@@ -51,6 +51,26 @@ def wanted_tables(conn: psycopg.Connection, config: PgcdcConfig) -> tuple[list[T
     return [t for t in wanted if t in published], [t for t in wanted if t not in published]
 
 
+def drain_targets(
+    conn: psycopg.Connection,
+    config: PgcdcConfig,
+    destination: Destination,
+    tables: tuple[list[TableName], list[TableName]],
+    state: dict[str, StateRow],
+    start_lsn: LSN,
+    logs: tuple[Callable[[str], None], Callable[[str], None]],
+) -> tuple[dict[TableName, TableTarget], dict[str, str]]:
+    """The drain's targets (``tables``: :func:`wanted_tables`) and the departed tables' lines, each said
+    as a warning (``logs``: say, warn)."""
+    say, warn = logs
+    departed = departed_tables(config, *tables, state)
+    targets = run_targets(config, destination, (tables[0], departed), state, start_lsn, say)
+    lines = departures(conn, config, targets)
+    for line in lines.values():
+        warn(line)
+    return targets, lines
+
+
 def departed_tables(
     config: PgcdcConfig, published: Sequence[TableName], unpublished: Sequence[TableName], state: dict[str, StateRow]
 ) -> list[TableName]:

@@ -70,7 +70,7 @@ from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import read_slot, slot_holder, slot_in_use, SlotInUseError, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
 from resources.postgres.table_locks import TableLocks
-from resources.runs.drain_tables import departed_tables, departures, read_log, run_targets, wanted_tables
+from resources.runs.drain_tables import drain_targets, read_log, wanted_tables
 from resources.runs.key_range_copy import copy_key_range
 from resources.runs.quarantine import Quarantine, Quarantines
 from resources.runs.slot_guard import check_slot_position
@@ -170,33 +170,22 @@ def run_incremental(
     flush position (reconciliation fixes it as a temporary slot's consistent point); it must
     not lie behind the slot's confirmed position.
 
-    ``hold`` runs first, while the run holds the slot (streaming started, so no other reader can
-    take it; status updates keep it), before the tables' logs are read and the end position is
-    taken: a snapshot in key ranges copies its next range there (docs/contracts.md).
+    ``hold`` runs first, while the run holds the slot (streaming started, so no other reader can take it;
+    status updates keep it), before the tables' logs are read and the end position is taken: a
+    snapshot in key ranges copies its next range there (docs/contracts.md).
 
     ``warn`` (default: ``log``) hears what would lose the slot later without stopping this
     run: a failover slot no standby has synchronized yet (``slot_failover``), and an
     ``idle_replication_slot_timeout`` shorter than ``schedule_gap``, the longest gap between
     scheduled drains, allows.
 
-    Each table the run writes is locked against other runs that write it (a snapshot, maintenance:
-    ``resources/postgres/table_locks.py``), waiting up to ``lock_wait`` seconds (None: the default), but the tables in
-    ``held`` (Delta paths), whose locks the caller holds (a snapshot in key ranges drains under its table's lock).
-    """
+    Each table the run writes is locked against a snapshot or maintenance of it (``resources/postgres/table_locks.py``,
+    waiting ``lock_wait`` s at most), but the Delta paths in ``held``, whose locks the caller holds."""
     say = log or (lambda message: None)
     caution = warn or (lambda message: say(f"warning: {message}"))
     started = time.monotonic()
     dsn = config.postgres.dsn
-    conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
-    locks = TableLocks(dsn, config.slot, "drain", lock_wait)
-    with (
-        conn,
-        ReplicationConnection(
-            dsn, application_name=f"pgcdc_incremental {locks.run}"[:63], session_settings=SESSION_SETTINGS
-        ) as rc,
-        closing(locks),
-        _naming_slot_holder(conn),
-    ):
+    with _sessions(dsn, config.slot, lock_wait) as (conn, rc, locks):
         start_lsn, tables = _checked_start(config, destination, conn, rc, end_lsn, schedule_gap, caution)
         guard = check_slot_position(config, destination, tables[0], start_lsn, holding=hold is not None)
         stream = ReplicationStream(rc)
@@ -204,11 +193,7 @@ def run_incremental(
         if hold is not None:
             end_lsn = _held(stream, config.slot, options, start_lsn, hold, conn, end_lsn)
         state = read_state(state_path(config.delta.root, config.slot), destination.lake)
-        departed = departed_tables(config, *tables, state)
-        targets = run_targets(config, destination, (tables[0], departed), state, start_lsn, say)
-        gone = departures(conn, config, targets)
-        for line in gone.values():
-            caution(line)
+        targets, gone = drain_targets(conn, config, destination, tables, state, start_lsn, (say, caution))
         end_lsn = rc.identify_system().xlogpos if end_lsn is None else end_lsn
         quarantines = Quarantines.start(config, destination, targets, (start_lsn, end_lsn), say)
         applier = ChangeApplier(
@@ -237,15 +222,23 @@ def run_incremental(
 
 
 @contextmanager
-def _naming_slot_holder(conn: psycopg.Connection) -> Iterator[None]:
-    """A slot found in use (by the preflight, or by START_REPLICATION in a race) is refused naming its reader."""
-    try:
-        yield
-    except SlotInUseError as busy:
-        holder = slot_holder(conn, busy.pid)
-        if holder is None:
-            raise
-        raise slot_in_use(busy.slot, busy.pid, holder) from None
+def _sessions(
+    dsn: str, slot: str, lock_wait: float | None
+) -> Iterator[tuple[psycopg.Connection, ReplicationConnection, TableLocks]]:
+    """The run's sessions: a normal one, the replication one (its name names the run) and its table locks';
+    a slot found in use (by the preflight, or by START_REPLICATION in a race) is refused naming its reader."""
+    conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
+    locks = TableLocks(dsn, slot, "drain", lock_wait)
+    named = f"pgcdc_incremental {locks.run}"[:63]
+    with conn, ReplicationConnection(dsn, application_name=named, session_settings=SESSION_SETTINGS) as rc:
+        with closing(locks):
+            try:
+                yield conn, rc, locks
+            except SlotInUseError as busy:
+                holder = slot_holder(conn, busy.pid)
+                if holder is None:
+                    raise
+                raise slot_in_use(busy.slot, busy.pid, holder) from None
 
 
 def _claims(

@@ -191,9 +191,7 @@ def snapshot_each(
         if plan is None and not resume:
             continue
         try:
-            with closing(TableLocks(config.postgres.dsn, config.slot, "snapshot")) as walk_locks:
-                walk_locks.acquire(config.table_path(table.schema, table.name), exclusive=True)
-                result = snapshot_in_key_ranges(config, destination, table, plan, on_progress, known=known(table))
+            result = _locked_walk(config, destination, table, plan, on_progress, known(table))
         except Exception as error:  # noqa: BLE001 - a failing table does not stop the others
             yield table, naming_table(error, table) if isinstance(error, PgcdcError) else error
             continue
@@ -211,6 +209,17 @@ def _locked(
     nor another snapshot or maintenance of it), up to its commit; the state row written after is a cache."""
     with locks.holding(path):
         return copy(*args, **kwargs)
+
+
+def _locked_walk(
+    config: PgcdcConfig, destination: Destination, table: TableName, plan: KeyRanges | None,
+    on_progress: Callable[[SnapshotProgress], None] | None, known: TableLog | None,
+) -> SnapshotResult:  # fmt: skip
+    """:func:`snapshot_in_key_ranges` with the table's lock held exclusively for the whole walk (its own
+    drains, between its ranges, are told they hold it)."""
+    with closing(TableLocks(config.postgres.dsn, config.slot, "snapshot")) as locks:
+        locks.acquire(config.table_path(table.schema, table.name), exclusive=True)
+        return snapshot_in_key_ranges(config, destination, table, plan, on_progress, known=known)
 
 
 def _record_snapshots(state: str, finished: list[SnapshotResult], destination: Destination) -> None:
