@@ -33,6 +33,11 @@ decides whether it is confined to that table and records the quarantine before r
 confirm passes the table's unapplied changes unrecorded). Confined, the table's pending changes
 are dropped and its later ones skipped, while every other table is applied and the slot moves on.
 
+A Relation message under a table's name with another relation OID than the one its snapshot copied
+(recorded in the snapshot marker) is another table, dropped and created again or renamed to the name:
+the old table's pending changes are written, then the new one is refused as a fault of the table
+(:meth:`ChangeApplier._adopt`), so the two never mix.
+
 TRUNCATE flushes the table's pending batch, then empties the Delta table, in order with
 the other changes. A Relation message that changes a table's columns flushes its batch
 first, then adds new columns to Delta, widens safely widened ones (int2->int4->int8,
