@@ -16,14 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from dagster import AssetKey, AssetMaterialization, AssetObservation
 from pyspark.sql import SparkSession
 
+from pgcdc_assets.incremental_assets import drain_events
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import read_state, state_path
 from resources.lsn import LSN
-from resources.names import TableName
-from resources.runs.incremental import run_incremental
+from resources.names import PipelineNames, TableName
+from resources.runs.incremental import IncrementalResult, run_incremental, TableResult
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres, compare_table
 from tests.support.postgres import PgDatabase
@@ -118,3 +120,28 @@ def test_tables_that_leave_the_publication_keep_their_drained_changes_and_a_recr
     forgotten = run_incremental(config, destination)
     assert sorted(forgotten.departed) == ["public.hidden", "public.moved"]
     assert "public.gone" not in read_state(state_path(config.delta.root, config.slot))
+
+
+def test_the_asset_of_a_departed_table_says_why_it_left_and_the_slot_asset_lists_it() -> None:
+    """``drain_events``: the drain that applied a departed table's last changes materializes it with the
+    line; a later drain records the line as an observation; the slot asset lists it."""
+
+    line = 'public.gone is no longer published by "pub" (dropped): ...'
+    table, key, slot = TableName("public", "gone"), AssetKey(["pgcdc", "public", "gone"]), AssetKey(["pgcdc", "slot"])
+
+    def result(applied: LSN | None) -> IncrementalResult:
+        stats = TableResult(1, 0, 0, 0, applied, 3, applied)
+        return IncrementalResult(
+            LSN(1), LSN(9), LSN(9), {"public.gone": stats}, 1, 1, 0, 8, 0, 0.1, 1.0, departed={"public.gone": line}
+        )
+
+    def events(applied: LSN | None) -> list[object]:
+        return list(drain_events(result(applied), [table], {table: key}, slot, set(), PipelineNames(), print, LSN(5)))
+
+    last, slot_event = events(LSN(8))
+    assert isinstance(last, AssetMaterialization) and last.metadata["pgcdc/departed"].value == line
+    assert isinstance(slot_event, AssetMaterialization) and line in str(
+        slot_event.metadata["pgcdc/departed_tables"].value
+    )
+    later, _ = events(None)
+    assert isinstance(later, AssetObservation) and later.metadata["pgcdc/departed"].value == line
