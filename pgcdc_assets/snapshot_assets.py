@@ -42,6 +42,7 @@ from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
+from resources.postgres.table_locks import RUN_NAME
 from resources.runs.phases import describe_phases, phase_metadata, Phases
 from resources.runs.slot_guard import record_created
 from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
@@ -185,6 +186,7 @@ def build_snapshot_assets(
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
         step = Phases()
+        RUN_NAME.set(f"run {context.run.run_id}")  # named in its table locks' sessions
         with user_facing():
             to_copy = _requested_tables(config, selected, tables, names)
             with step.timed("configuration"):

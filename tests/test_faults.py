@@ -278,9 +278,12 @@ def test_second_run_while_one_drains_fails_fast_and_the_first_finishes_exactly(
         # succeed once the first finished; the message names the first run's walsender.
         with pytest.raises(SlotError) as busy:
             run_incremental(config, lake_destination(spark, config))
-        assert str(busy.value) == (
-            f'replication slot "{SLOT}" is in use by PID {pid}: another run or consumer is reading it;'
-            " stop the other consumer or wait for it to finish"
+        assert str(busy.value).startswith(
+            f'replication slot "{SLOT}" is in use by PID {pid} (pgcdc_incremental pid {child.process.pid} on '
+        ), busy.value
+        assert str(busy.value).endswith(
+            ": another run or consumer is reading it (a second drain of one slot cannot run beside the first):"
+            " wait for it to finish and retry, or stop the other consumer"
         )
         assert child.wait() == 0, child.output()
     finally:

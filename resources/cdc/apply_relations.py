@@ -35,6 +35,11 @@ def _refuse_unsupported_exclusion(target: TableTarget, columns: list[PgColumnTyp
         )
 
 
+class OtherRelationError(SchemaChangeError):
+    """A Relation message under a table's name carries another relation OID than the one its Delta table
+    was copied from: another table now has the name (dropped and created again, or renamed to it)."""
+
+
 class RelationHandling(TableFlush):
     """What a Relation message or a TRUNCATE changes for a table, in order with its other changes."""
 

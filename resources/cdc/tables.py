@@ -74,6 +74,9 @@ class TableTarget:
     warned: bool = False
     #: The run met a change of the table: its applied marker and history are taken from its log.
     met: bool = False
+    #: No longer published under its name (dropped, renamed, removed from the publication): the slot's
+    #: changes from before that still land (``resources/runs/drain_tables.py``).
+    departed: bool = False
     #: Set aside by a fault of its own (quarantined): its changes are skipped until a re-snapshot lifts it.
     quarantined: bool = False
     #: Where the table's changelog (or SCD type 2 table) lives (docs/history.md); None: no history kept.

@@ -18,8 +18,8 @@ from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from resources.crash_points import fault_point
-from resources.delta.delta_types import statistics_columns
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
+from resources.delta.delta_types import statistics_columns
 from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property, SNAPSHOT_CREATE_METADATA
