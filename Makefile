@@ -3,6 +3,11 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
+# Two pytest-xdist workers (the CI machine has 2 cores): a test mostly waits on PostgreSQL, the engine or a
+# child process, so a second worker fills the idle core. Every JVM test runs on one worker (group "jvm",
+# tests/conftest.py), one JVM at a time. WORKERS=0 runs the suite in this process.
+WORKERS ?= 2
+PARALLEL := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 # The runtime packages that lint and the type check cover.
 RUNTIME := resources pgcdc_assets sensors
 
@@ -20,7 +25,7 @@ demo: $(VENV)/.installed-demo
 
 # The whole suite (every tier; what .ci/run runs).
 test: $(VENV)/.installed-dev
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) $(PARALLEL) $(PYTEST_ARGS)
 
 # No server at all: decoders, folds, layouts, configuration, the in-memory destination (docs/testing.md, "Tiers").
 test-unit: $(VENV)/.installed-dev
@@ -28,7 +33,7 @@ test-unit: $(VENV)/.installed-dev
 
 # PostgreSQL 15 and 18 and the embedded Sail engine, no JVM, none of the slow tier.
 test-fast: $(VENV)/.installed-dev
-	$(PYTEST) -m 'unit or pg or sail' $(PYTEST_ARGS)
+	$(PYTEST) -m 'unit or pg or sail' $(PARALLEL) $(PYTEST_ARGS)
 
 # ruff's lint rules and mypy on the runtime packages; import order and ruff's format everywhere
 # (pyproject.toml configures them; `make format` applies the last two).

@@ -108,3 +108,16 @@ def refuse_servers(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LocalPostgres, "start", refuse)
     monkeypatch.setattr(LocalPostgres, "init", refuse)
     monkeypatch.setattr(SparkEngine, "embedded", refuse)
+
+
+#: The pytest-xdist group (``--dist loadgroup``) of every ``spark`` test: they run on one worker, one after
+#: another, so at most one JVM runs at a time (the engines are shared session fixtures, one at a time) while
+#: the other worker takes the tests without a JVM.
+JVM_GROUP = "jvm"
+
+
+def jvm_group(items: list[pytest.Item]) -> None:
+    """Put every test of the ``spark`` tier in :data:`JVM_GROUP` (only with pytest-xdist, which registers the mark)."""
+    for item in items:
+        if item.get_closest_marker("spark") is not None:
+            item.add_marker(pytest.mark.xdist_group(JVM_GROUP))
