@@ -1,4 +1,9 @@
-"""The Dagster incremental side, checks and sensors against real PostgreSQL 15 and 18, Sail and delta-rs."""
+"""The Dagster incremental side, checks and sensors against real PostgreSQL, Sail and delta-rs.
+
+Dagster's wiring does not depend on the server's version, so these run on the newest server
+(``NEWEST_POSTGRES_ONLY``); the drains themselves run on PostgreSQL 15 and 18 in tests/test_incremental.py.
+The health sensor's message depends on it (PostgreSQL 17 names why a slot was invalidated): both.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ from tests.support.dagster_runs import (
     write_config,
 )
 from tests.support.delta_log import commit_bytes
-from tests.support.postgres import fresh_database, PgDatabase
+from tests.support.postgres import fresh_database, NEWEST_POSTGRES_ONLY, PgDatabase
 from tests.support.tcp_proxy import TcpProxy
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -109,6 +114,7 @@ def storage_instance(
         yield instance
 
 
+@NEWEST_POSTGRES_ONLY
 def test_drains_materialize_the_slot_always_and_tables_only_when_changed(
     shop: PgDatabase, tmp_path: Path, storage_instance: DagsterInstance
 ) -> None:
@@ -189,6 +195,7 @@ def test_drains_materialize_the_slot_always_and_tables_only_when_changed(
     assert len(instance.fetch_materializations(ORDERS, limit=10).records) == 1
 
 
+@NEWEST_POSTGRES_ONLY
 def test_table_without_snapshot_is_reported_not_materialized(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
@@ -215,6 +222,7 @@ def test_table_without_snapshot_is_reported_not_materialized(
     }  # fmt: skip
 
 
+@NEWEST_POSTGRES_ONLY
 def test_missing_slot_fails_once_with_the_fix(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     result = defs.resolve_job_def("pgcdc_incremental").execute_in_process(instance=instance, raise_on_error=False)
@@ -228,6 +236,7 @@ def test_missing_slot_fails_once_with_the_fix(shop: PgDatabase, tmp_path: Path, 
     )
 
 
+@NEWEST_POSTGRES_ONLY
 def test_a_connection_failure_is_retried_and_the_retry_drains_exactly(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
@@ -256,6 +265,7 @@ def test_a_connection_failure_is_retried_and_the_retry_drains_exactly(
     assert meta[ORDERS]["pgcdc/confirmed_flush_lsn"] == str(slot_position(shop))
 
 
+@NEWEST_POSTGRES_ONLY
 def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_path: Path) -> None:
     config = write_config(tmp_path, shop)
     home = tmp_path / "dagster_home"
@@ -285,6 +295,7 @@ def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_p
 # --------------------------------------------------------------------------- sensors
 
 
+@NEWEST_POSTGRES_ONLY
 def test_lag_sensor_requests_a_drain_only_above_the_threshold(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
@@ -346,6 +357,7 @@ def test_health_sensor_reports_a_missing_slot_with_the_fix(
     )
 
 
+@NEWEST_POSTGRES_ONLY
 def test_new_tables_sensor_snapshots_defined_tables_and_names_the_rest(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
@@ -375,6 +387,7 @@ def test_new_tables_sensor_snapshots_defined_tables_and_names_the_rest(
     assert request.run_requests[0].asset_selection == [AssetKey(["pgcdc", "snapshot", "public", "extra"])]
 
 
+@NEWEST_POSTGRES_ONLY
 def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     run_job(defs, instance, "pgcdc_snapshot")
@@ -391,6 +404,7 @@ def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instanc
     assert slot_position(shop) == before
 
 
+@NEWEST_POSTGRES_ONLY
 def test_materializing_one_table_drains_the_slot_and_records_what_changed(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
@@ -411,6 +425,7 @@ def test_materializing_one_table_drains_the_slot_and_records_what_changed(
     assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
 
 
+@NEWEST_POSTGRES_ONLY
 def test_history_assets_are_downstream_of_their_tables_and_materialized_when_written(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:

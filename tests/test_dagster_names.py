@@ -27,7 +27,7 @@ from resources.names import dagster_name, dagster_name_parts, PipelineNames, Tab
 from resources.sql import quote_ident
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.dagster_runs import check_outcomes, evaluate, materializations, run_job, write_config
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 DAGSTER_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # what Dagster accepts as an op, output or input name
 
@@ -214,6 +214,7 @@ def _change_tables(pg: PgDatabase) -> None:
         pg.execute(f"INSERT INTO {table.quoted} VALUES (100 + %s, 7, 'é\"', '-', '_', 1.5)", (number,))
 
 
+@NEWEST_POSTGRES_ONLY
 @pytest.mark.slow  # Dagster runs on the embedded engine
 def test_odd_names_replicate_through_dagster(pg: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
     _create_tables(pg)

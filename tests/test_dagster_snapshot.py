@@ -1,4 +1,8 @@
-"""The Dagster snapshot side against real PostgreSQL 15 and 18, the real Sail engine and Delta read by delta-rs.
+"""The Dagster snapshot side against real PostgreSQL, the real Sail engine and Delta read by delta-rs.
+
+Dagster's wiring does not depend on the server's version, so the tests with a server run on the newest
+(``NEWEST_POSTGRES_ONLY``); snapshots themselves run on PostgreSQL 15 and 18 in tests/test_snapshot.py and
+around, the lost slot's re-snapshot in tests/test_faults.py.
 
 Definitions are built from a real configuration file, as ``dagster dev`` builds them.
 """
@@ -41,7 +45,7 @@ from tests.support.dagster_runs import (
 )
 from tests.support.engine_fixtures import assert_delta_jars
 from tests.support.marker_reads import read_snapshot_lsn
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # Dagster runs (each starts its engine); tiers: docs/testing.md
@@ -65,6 +69,7 @@ def instance() -> Iterator[DagsterInstance]:
 # --------------------------------------------------------------------------- resources
 
 
+@NEWEST_POSTGRES_ONLY
 def test_postgres_resource_never_shows_the_password(pg: PgDatabase, tmp_path: Path) -> None:
     config = write_config(tmp_path, pg, postgres={"dsn": pg.server.dsn(pg.name, password="s3cret")})
     resource = PostgresResource(config_file=str(config))
@@ -103,6 +108,7 @@ def test_embedded_spark_resource_starts_and_stops_sail() -> None:
         session.range(1).count()
 
 
+@NEWEST_POSTGRES_ONLY
 def test_a_snapshot_on_the_embedded_engine_never_starts_it(shop: PgDatabase, tmp_path: Path) -> None:
     """Its writes, log reads and state go through delta-rs: the session a snapshot step gets starts the
     engine only when something asks it for work, and then once."""
@@ -131,6 +137,7 @@ def _init_context():  # noqa: ANN202 - dagster's InitResourceContext
 # --------------------------------------------------------------------------- definitions
 
 
+@NEWEST_POSTGRES_ONLY
 def test_unreachable_postgres_fails_the_load_with_one_line(tmp_path: Path, pg: PgDatabase) -> None:
     config = write_config(tmp_path, pg, postgres={"dsn": "host=127.0.0.1 port=1 dbname=x user=u password=s3cret"})
     with pytest.raises(ConnectionFailure) as failure:
@@ -141,6 +148,7 @@ def test_unreachable_postgres_fails_the_load_with_one_line(tmp_path: Path, pg: P
     assert message.startswith("cannot reach PostgreSQL at u@127.0.0.1:1/x (")
 
 
+@NEWEST_POSTGRES_ONLY
 def test_assets_jobs_and_specs_from_the_publication(shop: PgDatabase, tmp_path: Path) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     graph = defs.resolve_asset_graph()
@@ -179,6 +187,7 @@ def run_snapshot(
     return result
 
 
+@NEWEST_POSTGRES_ONLY
 def test_snapshot_job_copies_every_table_with_metadata(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, spark: SparkSession
 ) -> None:
@@ -240,6 +249,7 @@ def test_snapshot_job_copies_every_table_with_metadata(
     assert (1, "c1", Decimal("1.25"), [1, None], datetime(2024, 1, 1, 0, 0, 1)) in delta_rows(lake, "orders")
 
 
+@NEWEST_POSTGRES_ONLY
 def test_subset_snapshots_only_the_selected_table(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     result = run_snapshot(defs, instance, asset_selection=[NOTES_KEY])
@@ -247,6 +257,7 @@ def test_subset_snapshots_only_the_selected_table(shop: PgDatabase, tmp_path: Pa
     assert sorted(p.name for p in (tmp_path / "lake" / "public").iterdir()) == ["notes"]
 
 
+@NEWEST_POSTGRES_ONLY
 def test_resnapshot_copies_the_listed_tables_again(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance, spark: SparkSession
 ) -> None:
@@ -268,6 +279,7 @@ def test_resnapshot_copies_the_listed_tables_again(
     assert len(delta_rows(lake, "notes")) == 3  # not listed: untouched
 
 
+@NEWEST_POSTGRES_ONLY
 def test_resnapshot_refuses_a_table_without_asset(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     result = defs.resolve_job_def("pgcdc_resnapshot").execute_in_process(
@@ -283,6 +295,7 @@ def test_resnapshot_refuses_a_table_without_asset(shop: PgDatabase, tmp_path: Pa
     )
 
 
+@NEWEST_POSTGRES_ONLY
 def test_lost_slot_is_recreated_and_every_table_resnapshotted(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
@@ -308,6 +321,7 @@ def test_lost_slot_is_recreated_and_every_table_resnapshotted(
 # --------------------------------------------------------------------------- command line
 
 
+@NEWEST_POSTGRES_ONLY
 def test_a_stopped_snapshot_in_key_ranges_resumes_in_the_next_run(
     shop: PgDatabase,
     tmp_path: Path,
@@ -349,6 +363,7 @@ def test_a_stopped_snapshot_in_key_ranges_resumes_in_the_next_run(
     assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
 
 
+@NEWEST_POSTGRES_ONLY
 def test_dagster_cli_runs_the_snapshot_job(shop: PgDatabase, tmp_path: Path) -> None:
     config = write_config(tmp_path, shop)
     done = run_cli(tmp_path, config, "job", "execute", "-m", "pgcdc_assets.definitions", "-j", "pgcdc_snapshot")
@@ -357,6 +372,7 @@ def test_dagster_cli_runs_the_snapshot_job(shop: PgDatabase, tmp_path: Path) -> 
     assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
 
 
+@NEWEST_POSTGRES_ONLY
 def test_definitions_validate(shop: PgDatabase, tmp_path: Path) -> None:
     config = write_config(tmp_path, shop)
     done = run_cli(tmp_path, config, "definitions", "validate", "-m", "pgcdc_assets.definitions")
