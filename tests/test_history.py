@@ -52,7 +52,7 @@ from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.support.fault_runs import Child, confirmed, write_config
 from tests.support.history_oracle import assert_as_of_equals, capture
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, one_version_each, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 pytestmark = pytest.mark.slow  # crash points in child processes around changelog commits; tiers: docs/testing.md
@@ -202,7 +202,7 @@ def assert_each_change_once(config: PgcdcConfig, spark: SparkSession) -> None:
         assert not repeated, f"{table}: changelog rows twice: {repeated}"
 
 
-@pytest.mark.parametrize("orders_history", MODES)
+@one_version_each("orders_history", MODES)  # with the test below, each mode on each version
 def test_as_of_reads_equal_postgres_at_every_captured_moment(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, orders_history: str
 ) -> None:
@@ -313,7 +313,7 @@ def assert_orders_changelog(config: PgcdcConfig, spark: SparkSession) -> None:
     assert [(row["_pgcdc_op"], row["status"]) for row in statuses] == expected and expected
 
 
-@pytest.mark.parametrize("orders_history", MODES)
+@one_version_each("orders_history", MODES, first=1)
 def test_a_drain_killed_between_the_changelog_and_the_table_commit_converges(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, capsys: pytest.CaptureFixture[str], orders_history: str
 ) -> None:
@@ -374,6 +374,7 @@ def test_scd2_tables_are_partitioned_a_hundred_times_finer_than_their_tables() -
     assert finer_layout(TableLayout(HASH, ("a", "b"), 12)) == TableLayout(HASH, ("a", "b"), 1_200)
 
 
+@NEWEST_POSTGRES_ONLY  # a Delta table's recorded layout: nothing of the server's version
 def test_an_scd2_table_created_before_the_finer_layout_keeps_its_tables_layout(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,6 +22,19 @@ POSTGRES_VERSIONS = [int(v) for v in os.environ.get("PGCDC_TEST_VERSIONS", "15,1
 NEWEST_POSTGRES_ONLY = pytest.mark.parametrize(
     "pg_server", POSTGRES_VERSIONS[-1:], indirect=True, scope="session", ids=[f"pg{POSTGRES_VERSIONS[-1]}"]
 )
+
+
+def one_version_each(argname: str, values: Sequence[str], first: int = 0) -> pytest.MarkDecorator:
+    """For a test whose parameter ``argname`` does not depend on the server's version (a writer, a history
+    mode): each value runs on one PostgreSQL version, the versions taken in turn from ``POSTGRES_VERSIONS[first]``,
+    rather than every value on every version. Two tests over the same values with ``first`` 0 and 1 run
+    every value on every version between them."""
+    versions = [POSTGRES_VERSIONS[(first + i) % len(POSTGRES_VERSIONS)] for i in range(len(values))]
+    return pytest.mark.parametrize(
+        ("pg_server", argname), list(zip(versions, values)), indirect=["pg_server"], scope="session",
+        ids=[f"pg{version}-{value}" for version, value in zip(versions, values)],
+    )  # fmt: skip
+
 
 #: Small enough that a transaction of a few thousand rows is streamed (64kB is the minimum).
 TEST_SERVER_SETTINGS = {"logical_decoding_work_mem": "64kB"}
