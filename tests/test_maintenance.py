@@ -1,7 +1,8 @@
-"""Table maintenance (``pgcdc_maintenance``) against real PostgreSQL 15 and 18, embedded Sail and delta-rs.
+"""Table maintenance (``pgcdc_maintenance``) against real PostgreSQL, embedded Sail and delta-rs.
 
-One scenario per version walks what a long-running pipeline meets: many small drains, the
-Dagster maintenance job (the retention properties, compaction, vacuum after the retention, log
+Maintenance is Delta's, not PostgreSQL's: the scenarios run on the newest server (``NEWEST_POSTGRES_ONLY``;
+the drains between them run on 15 and 18 in tests/test_incremental.py and tests/test_faults.py).
+One scenario walks what a long-running pipeline meets: many small drains, the Dagster maintenance job (the retention properties, compaction, vacuum after the retention, log
 clean-up after the retention), time travel inside the retention, more drains, and a drain that
 crashes after its Delta commit and is replayed; Delta equals PostgreSQL value for value after
 every step.
@@ -45,7 +46,7 @@ from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import arrow_rows, assert_delta_equals_postgres, compare_rows
 from tests.support.fault_runs import Child, confirmed, SLOT, write_config
 from tests.support.marker_reads import read_snapshot_lsn
-from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 from tests.support.s3_fixtures import S3Server
 
 pytest_plugins = ["tests.support.spark_fixtures", "tests.support.s3_fixtures"]
@@ -164,6 +165,7 @@ def assert_changelog_is_the_table(pg: PgDatabase, spark: SparkSession, config: P
         compare_rows(conn, "public.acct", *arrow_rows(read_as_of(spark, config, TableName("public", "acct"))))
 
 
+@NEWEST_POSTGRES_ONLY
 def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -306,14 +308,10 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
         # The changelog went on after its table's snapshot commit expired: folded whole, it is the table.
         assert_changelog_is_the_table(pg, spark, config)
 
-    # A drain on the maintained tables; then (on one version: the crash is Delta's, not
-    # PostgreSQL's, and a child process with its own engine is costly) one that crashes after
-    # its Delta commit and is replayed.
+    # A drain on the maintained tables; then one that crashes after its Delta commit and is replayed.
     drain_work(pg, drains + 2)
     run_incremental(config, lake_destination(spark, config))
     assert_exact(pg, config)
-    if pg.major != POSTGRES_VERSIONS[-1]:
-        return
     for i in range(drains + 3, drains + 6):
         drain_work(pg, i)
     position = confirmed(pg)
@@ -332,6 +330,7 @@ def test_maintenance_compacts_vacuums_and_cleans_the_log_and_drains_stay_exact(
     assert_changelog_is_the_table(pg, spark, config)
 
 
+@NEWEST_POSTGRES_ONLY
 def test_maintenance_compacts_scd2_tables_and_their_drains_go_on(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:

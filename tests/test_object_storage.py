@@ -1,5 +1,6 @@
 """The lake on object storage (``delta.root: s3://bucket/prefix``) against a local S3 (moto, started
-by ``tests/support/s3_fixtures.py``), real PostgreSQL 15 and 18 and the embedded Sail engine (Apache
+by ``tests/support/s3_fixtures.py``), real PostgreSQL (the newest: the store does not depend on it;
+the bad storage settings alternate between 15 and 18) and the embedded Sail engine (Apache
 Spark with Delta runs the same :func:`lifecycle` through S3A in ``tests/test_engines.py``, on the
 JVM engine those tests start anyway).
 
@@ -33,7 +34,7 @@ from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from tests.support.object_storage_lifecycle import DDL, lifecycle, settings, SLOT, staged_objects
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, one_version_each, PgDatabase
 from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
 
 pytest_plugins = ["tests.support.s3_fixtures"]
@@ -69,6 +70,7 @@ def test_storage_settings_refuse_literal_secrets_and_plain_http_without_saying_t
 # --------------------------------------------------------------------------- lifecycle
 
 
+@NEWEST_POSTGRES_ONLY
 def test_lifecycle_on_s3_matches_postgres(
     pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession
 ) -> None:
@@ -151,7 +153,7 @@ BAD_STORAGE = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_STORAGE))
+@one_version_each("case", list(BAD_STORAGE))
 def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
     case: str,
     pg: PgDatabase,
