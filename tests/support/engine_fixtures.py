@@ -83,6 +83,8 @@ class EngineUnderTest:
     _cluster: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _master_url: str = ""
     _port: int = 0
+    #: Servers started again after :meth:`kill` (the walk's restart serves one re-run, then the session ends).
+    _restarts: int = 0
     #: The lake the managed engine must reach besides local paths (its S3A settings and credentials).
     s3_lake: LakeStorage | None = None
 
@@ -117,10 +119,13 @@ class EngineUnderTest:
         self._port = self._port or free_port()
         self.url = f"sc://127.0.0.1:{self._port}"
         if self.name == "spark-cluster":
+            # The restarted Connect server serves the walk's one re-run, a run's worth of work: like a run's
+            # own JVM it compiles with C1 alone (spark_server.ONE_RUN_JVM_CONFIG), which halves a fresh JVM's
+            # CPU over its first drain (docs/engine-notes.md, "The managed JVM's warm-up, setting by setting").
             config = managed_server_config({
                 "spark.executor.memory": "768m", "spark.executor.cores": "1", "spark.cores.max": "1",
                 "spark.driver.memory": "768m",
-            })  # fmt: skip
+            }, one_run=self._restarts > 0)  # fmt: skip
             log = self.work_dir / f"connect-{time.monotonic_ns()}.log"
             self._server = start_jvm(self._master_url, self._port, config, log, self.work_dir)
             wait_listening(self._port, self._server, START_TIMEOUT_S, log)
@@ -171,6 +176,7 @@ class EngineUnderTest:
     def restart(self) -> None:
         """After :meth:`kill`: a new server (on the same address, except the managed engine's)."""
         self.stop_server()
+        self._restarts += 1
         self.start()
 
     def stop_server(self) -> None:
