@@ -1,4 +1,5 @@
-"""Bucketed tables against real PostgreSQL 15 and 18 and the embedded engine: one scenario walks a
+"""Bucketed tables against real PostgreSQL (the newest: buckets are Delta's; every keyed drain on 15 and
+18 writes into them) and the embedded engine: one scenario walks a
 table written the way earlier pgcdc versions wrote it (no bucket column, no layout in its marker)
 through a re-snapshot that adopts range buckets, then row moves between buckets (with and without
 unchanged TOAST), deletes, new buckets, a widening and an added column (both rewrite the table), a
@@ -32,7 +33,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.support.delta_log import clean_log
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -82,6 +83,7 @@ def newest_merge_predicate(path: str) -> str:
     raise AssertionError(f"no MERGE in {path}")
 
 
+@NEWEST_POSTGRES_ONLY
 def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes_and_truncate(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -179,6 +181,7 @@ def test_unbucketed_table_then_resnapshot_into_buckets_with_moves_schema_changes
     }
 
 
+@NEWEST_POSTGRES_ONLY
 def test_a_width_for_a_key_that_is_not_one_integer_is_refused_before_writing(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:

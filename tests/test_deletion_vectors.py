@@ -2,8 +2,9 @@
 tables, off for keyless append-only ones and for tables opted out; a drain on a table with them
 rewrites no data file; maintenance purges them; a lake written without them keeps draining.
 
-Real PostgreSQL, the real engine, real Delta tables; every test ends with the oracle (Delta equals
-PostgreSQL value for value, read with delta-rs's DataFusion, which applies deletion vectors).
+Real PostgreSQL (the newest: deletion vectors are Delta's, and every drain test on 15 and 18 writes
+them), the real engine, real Delta tables; every test ends with the oracle (Delta equals PostgreSQL
+value for value, read with delta-rs's DataFusion, which applies deletion vectors).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_buckets_right, assert_delta_equals_postgres
 from tests.support.deletion_vectors import has_deletion_vectors
 from tests.support.delta_log import commit_bytes, commits_after
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -72,6 +73,7 @@ def random_changes(pg: PgDatabase, seed: int) -> None:
     pg.execute(f"INSERT INTO acct SELECT {ROWS} * 10 + {seed} * 100 + g, g, 'new' FROM generate_series(1, 5) g")
 
 
+@NEWEST_POSTGRES_ONLY
 def test_keyed_and_full_tables_get_deletion_vectors_and_a_drain_rewrites_no_data_file(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -110,6 +112,7 @@ def test_keyed_and_full_tables_get_deletion_vectors_and_a_drain_rewrites_no_data
     assert exact(pg, config, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
 
 
+@NEWEST_POSTGRES_ONLY
 def test_keyless_tables_and_opted_out_tables_are_copy_on_write(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -148,6 +151,7 @@ def test_keyless_tables_and_opted_out_tables_are_copy_on_write(
     assert exact(pg, off, "doc", key=()) == 200
 
 
+@NEWEST_POSTGRES_ONLY
 def test_a_lake_written_without_deletion_vectors_keeps_draining_with_them_on(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -174,6 +178,7 @@ def test_a_lake_written_without_deletion_vectors_keeps_draining_with_them_on(
     assert exact(pg, now, "acct") == pg.execute("SELECT count(*) FROM acct")[0][0]
 
 
+@NEWEST_POSTGRES_ONLY
 def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -209,6 +214,7 @@ def test_maintenance_purges_deletion_vectors_above_the_ratio_and_stays_exact(
     assert exact(pg, config, "doc", key=()) == 200
 
 
+@NEWEST_POSTGRES_ONLY
 def test_a_drain_reports_the_bytes_its_commits_wrote_in_proportion_to_the_rows_it_changed(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
@@ -279,6 +285,7 @@ def rewrite_as_the_previous_version(spark: SparkSession, path: str) -> TableLayo
     return layout
 
 
+@NEWEST_POSTGRES_ONLY
 def test_a_lake_of_the_previous_version_keeps_draining_exactly_on_its_old_hash_buckets(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
