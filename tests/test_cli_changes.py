@@ -1,4 +1,6 @@
-"""`pgcdc changes` end to end: the console script against real PostgreSQL 15 and 18.
+"""`pgcdc changes` end to end: the console script against real PostgreSQL 15 and 18 (what it decodes,
+streamed and two-phase transactions, the errors PostgreSQL words by version), the newest only for what
+reads the slot the same way in every version (advance, an end LSN, a slot in use).
 
 These tests run the installed console script in a subprocess and assert its JSON
 lines exactly, so they check the contract users (and the acceptance of the
@@ -18,7 +20,7 @@ import pytest
 
 from resources.lsn import LSN
 from resources.testing.local_postgres import start_local_postgres
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytestmark = pytest.mark.slow  # the CLI in child processes; tiers: docs/testing.md
 
@@ -132,6 +134,7 @@ def test_row_changes_print_exactly(shop: PgDatabase) -> None:
     assert all(LSN.parse(m["lsn"]) >= LSN(0) for m in out)
 
 
+@NEWEST_POSTGRES_ONLY  # the slot's SQL functions, alike in every version
 def test_reading_does_not_move_the_slot_and_advance_does(shop: PgDatabase) -> None:
     before = confirmed_flush(shop)
     shop.execute("INSERT INTO items VALUES (1, 'a', 'ok', 'x')")
@@ -155,6 +158,7 @@ def test_reading_does_not_move_the_slot_and_advance_does(shop: PgDatabase) -> No
     assert changes(shop.dsn) == []
 
 
+@NEWEST_POSTGRES_ONLY
 def test_end_lsn_stops_at_a_transaction_boundary(shop: PgDatabase) -> None:
     shop.execute("INSERT INTO items VALUES (1, 'a', 'ok', 'x')")
     ((between,),) = shop.execute("SELECT pg_current_wal_lsn()::text")
@@ -255,6 +259,7 @@ def test_bad_input_is_one_line_with_the_fix(shop: PgDatabase) -> None:
     assert confirmed_flush(shop) == before
 
 
+@NEWEST_POSTGRES_ONLY
 def test_slot_in_use_fails_fast(shop: PgDatabase) -> None:
     holder = subprocess.Popen(
         [PGCDC, "changes", "--dsn", shop.dsn, "--slot", "s", "--publication", "pub", "--end-lsn", "FFFFFFFF/0"],
