@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 # Two pytest-xdist workers (the CI machine has 2 cores): a test mostly waits on PostgreSQL, the engine or a
-# child process, so a second worker fills the idle core. Every JVM test runs on one worker (group "jvm",
-# tests/conftest.py), one JVM at a time. WORKERS=0 runs the suite in this process.
+# child process, so a second worker fills the idle core. Every JVM test runs on one worker (the modules of
+# JVM_MODULES, tests/support/tiers.py), one JVM at a time. WORKERS=0 runs the suite in this process.
 WORKERS ?= 2
 PARALLEL := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
 # The runtime packages that lint and the type check cover.

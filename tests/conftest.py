@@ -24,7 +24,7 @@ pytest.register_assert_rewrite("tests.support")  # helpers that assert, imported
 
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from tests.support.postgres import fresh_database, PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
-from tests.support.tiers import assign_tier, COLLECTED_TIERS, jvm_group, named_tiers, refuse_servers
+from tests.support.tiers import assign_tier, COLLECTED_TIERS, jvm_scheduler, named_tiers, refuse_servers
 
 
 @pytest.fixture(scope="session", params=POSTGRES_VERSIONS, ids=lambda v: f"pg{v}")
@@ -60,18 +60,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # --------------------------------------------------------------------------- tiers (docs/testing.md, "Tiers")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Give every test exactly one tier marker, from the fixtures it uses (tests/support/tiers.py).
 
     Runs before ``-m`` deselects, so ``-m unit`` selects on these markers; what every collected test
-    got is kept for tests/test_tiers.py. Under pytest-xdist (``make test``: ``--dist loadgroup``) it
-    runs before xdist reads the groups, and puts every JVM test in one (:func:`jvm_group`)."""
+    got is kept for tests/test_tiers.py."""
     for item in items:
         assign_tier(item)
     config.stash[COLLECTED_TIERS] = {item.nodeid: named_tiers(item) for item in items}
-    if config.pluginmanager.hasplugin("xdist"):
-        jvm_group(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``make test`` (``-n 2 --dist loadgroup``): every JVM test on one worker (tests/support/tiers.py)."""
+    return jvm_scheduler(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.fixture(autouse=True)

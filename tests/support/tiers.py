@@ -90,8 +90,13 @@ def assign_tier(item: pytest.Item) -> None:
             raise pytest.UsageError(
                 f"{item.nodeid} is marked {named[0]} but its fixtures start what the {derived} tier has: mark it {derived}"
             )
-        return
-    item.add_marker(derived)
+    else:
+        item.add_marker(derived)
+    if (named or [derived])[0] == "spark" and item.nodeid.split("::", 1)[0] not in JVM_MODULES:
+        raise pytest.UsageError(
+            f"{item.nodeid} starts a JVM but its module is not in JVM_MODULES (tests/support/tiers.py): add it"
+            " there, so that make test runs it on the JVM worker, or move the test into one of them"
+        )
 
 
 def refuse_servers(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,14 +115,22 @@ def refuse_servers(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SparkEngine, "embedded", refuse)
 
 
-#: The pytest-xdist group (``--dist loadgroup``) of every ``spark`` test: they run on one worker, one after
-#: another, so at most one JVM runs at a time (the engines are shared session fixtures, one at a time) while
-#: the other worker takes the tests without a JVM.
+#: The modules that hold the ``spark`` tier (checked at collection). ``make test`` runs on two pytest-xdist
+#: workers; its scheduler (:func:`jvm_scheduler`) sends these modules' tests to one worker, one after another,
+#: so at most one JVM runs at a time (the engines are session fixtures, one at a time) while the other worker
+#: takes the tests without a JVM. By module, not by an ``xdist_group`` mark: with pytest 9.2, xdist 3.8's
+#: ``--dist loadgroup`` no longer sees the marks (it rewrites a node id pytest no longer reads).
+JVM_MODULES = ("tests/test_engines.py", "tests/test_spark_kept_jvm.py")
 JVM_GROUP = "jvm"
 
 
-def jvm_group(items: list[pytest.Item]) -> None:
-    """Put every test of the ``spark`` tier in :data:`JVM_GROUP` (only with pytest-xdist, which registers the mark)."""
-    for item in items:
-        if item.get_closest_marker("spark") is not None:
-            item.add_marker(pytest.mark.xdist_group(JVM_GROUP))
+def jvm_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's ``loadgroup`` scheduler, with every test of :data:`JVM_MODULES` in one group (the largest, so
+    it starts first); every other test is a unit of its own."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class JvmGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return JVM_GROUP if nodeid.split("::", 1)[0] in JVM_MODULES else super()._split_scope(nodeid)
+
+    return JvmGroupScheduling(config, log)
