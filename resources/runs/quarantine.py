@@ -40,7 +40,7 @@ from resources.crash_points import fault_point
 from resources.delta.destination import Destination
 from resources.delta.lake_records import delete_record, read_records, records_location, write_record
 from resources.delta.lake_storage import LakeStorage
-from resources.errors import TableFault
+from resources.errors import storage_errno, TableFault
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, TableName
 
@@ -97,6 +97,8 @@ def is_table_fault(error: BaseException) -> bool:
     engine's analysis errors (the write's columns or values refused), never a connection or storage failure."""
     if isinstance(error, TableFault):
         return True
+    if storage_errno(error) is not None:  # a full or unwritable volume, whatever the engine calls it
+        return False
     try:
         from pyspark.errors import AnalysisException
     except ImportError:  # no engine client installed: only pgcdc's own faults are known
