@@ -169,9 +169,10 @@ def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = 
 
 
 def explain_server_error(
-    sqlstate: str | None, message: str, *, dsn: str | None = None, slot: str | None = None
+    sqlstate: str | None, message: str, *, dsn: str | None = None, slot: str | None = None, user: str | None = None
 ) -> PgcdcError:
-    """The one place that maps a server error (SQLSTATE and message) to its cause and fix."""
+    """The one place that maps a server error (SQLSTATE and message) to its cause and fix (``user``: the
+    session's role, when no ``dsn`` names it)."""
     where = mask_dsn(dsn) if dsn else "the server"
     message = _scrub(message, dsn) or "unknown server error"
     lowered = message.lower()
@@ -197,7 +198,7 @@ def explain_server_error(
     denied = re.search(r"permission denied for (table|schema) (\S+)", message, re.IGNORECASE)
     if denied is not None:
         kind, name = denied.groups()
-        role = mask_dsn(dsn).split("@", 1)[0] if dsn else "<user>"
+        role = user or (mask_dsn(dsn).split("@", 1)[0] if dsn else "<user>")
         grant = f"GRANT SELECT ON {name}" if kind.lower() == "table" else f"GRANT USAGE ON SCHEMA {name}"
         return ConfigurationError(
             f"missing privilege on {where} ({message})",
