@@ -7,10 +7,8 @@ specific subclasses; ``explain`` turns driver errors into them.
 
 from __future__ import annotations
 
-import errno
 import getpass
 import os
-import pwd
 import re
 
 
@@ -57,66 +55,8 @@ class DeltaLogError(PgcdcError):
 
 class StorageFault(PgcdcError):
     """A volume pgcdc writes (the lake, the spill directory) is full or not writable by the user pgcdc
-    runs as. No table's own fault: it fails the whole run and is never quarantined."""
-
-
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
-#: How the engine (Rust: "(os error 28)") and the storage clients spell these when no errno travels with them.
-_STORAGE_PHRASES = {
-    "no space left on device": errno.ENOSPC,
-    "disk quota exceeded": errno.EDQUOT,
-    "read-only file system": errno.EROFS,
-    "permission denied": errno.EACCES,
-    "operation not permitted": errno.EPERM,
-}
-
-
-DRAIN_RESUMES = "run the drain again: nothing was confirmed to the slot past what Delta holds, so it resumes exactly"
-"""What to do after fixing a volume a drain could not write (``storage_fault``'s ``then``)."""
-
-
-def storage_errno(error: BaseException) -> int | None:
-    """The errno of a full or unwritable volume under ``error`` (its chain included), else None.
-
-    PostgreSQL's own "permission denied" (a missing grant) is not a volume's: psycopg errors are skipped."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if not type(current).__module__.startswith("psycopg"):
-            if isinstance(current, OSError) and current.errno in (*_NO_SPACE, *_NOT_WRITABLE):
-                return current.errno
-            text = str(current).lower()
-            for phrase, code in _STORAGE_PHRASES.items():
-                if phrase in text:
-                    return code
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def storage_fault(error: BaseException, where: str, setting: str, then: str) -> StorageFault | None:
-    """The one line for ``error`` when a volume is full or not writable, else None.
-
-    ``where`` names what was being written, ``setting`` what points there (``delta.root``, ``TMPDIR``),
-    ``then`` what to do after the fix (and what the failed run left behind)."""
-    code = storage_errno(error)
-    if code is None:
-        return None
-    if code in _NO_SPACE:
-        return StorageFault(
-            f"no space left for {where} ({os.strerror(code)})",
-            f"free space on that volume or grow it (or point {setting} at a larger one), then {then}",
-        )
-    try:
-        name = pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        name = "?"
-    user = f"{name} (uid {os.geteuid()})"
-    return StorageFault(
-        f"cannot write {where} as user {user} ({os.strerror(code)})",
-        f"make {setting} writable by that user (or run pgcdc as its owner), then {then}",
-    )
+    runs as, or the object store refuses the credentials a write: ``resources/storage_faults.py``.
+    No table's own fault: it fails the whole run and is never quarantined."""
 
 
 def mask_dsn(dsn: str) -> str:

@@ -49,6 +49,7 @@ VOCABULARY = (
     "resources.lsn",
     "resources.names",
     "resources.sql",
+    "resources.storage_faults",
 )
 """The shared vocabulary at the top of ``resources/``: every layer may import it, it imports only itself."""
 

@@ -27,7 +27,7 @@ past them is safe because their snapshot, taken later, starts at a consistent po
 
 While the run waits for Delta, nothing reads the replication stream: the waits call ``ReplicationStream.keepalive``
 (status updates with the same, durable position), so the walsender does not drop the connection after
-wal_sender_timeout during a long write. A full or unwritable lake fails the run in one line (``storage_faults.py``).
+wal_sender_timeout during a long write. A full or unwritable lake fails the run in one line (``resources/storage_faults.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from resources.postgres.stream import ReplicationStream
 from resources.runs.key_range_copy import copy_key_range
 from resources.runs.quarantine import Quarantine, Quarantines
 from resources.runs.slot_guard import check_slot_position
-from resources.runs.storage_faults import reports_storage_faults
+from resources.storage_faults import reports_storage_faults
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 

@@ -40,9 +40,10 @@ from resources.crash_points import fault_point
 from resources.delta.destination import Destination
 from resources.delta.lake_records import delete_record, read_records, records_location, write_record
 from resources.delta.lake_storage import LakeStorage
-from resources.errors import storage_errno, TableFault
+from resources.errors import TableFault
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, TableName
+from resources.storage_faults import storage_fault_kind
 
 QUARANTINE_RECORDS = "quarantine"
 """The kind of lake record holding a pipeline's quarantined tables, one per table."""
@@ -97,7 +98,7 @@ def is_table_fault(error: BaseException) -> bool:
     engine's analysis errors (the write's columns or values refused), never a connection or storage failure."""
     if isinstance(error, TableFault):
         return True
-    if storage_errno(error) is not None:  # a full or unwritable volume, whatever the engine calls it
+    if storage_fault_kind(error) is not None:  # a full or unwritable volume, whatever the engine calls it
         return False
     try:
         from pyspark.errors import AnalysisException

@@ -44,7 +44,7 @@ from resources.delta.destination import Destination, TableLog
 from resources.delta.layout import TableLayout
 from resources.delta.markers import snapshot_marker
 from resources.delta.table_log import read_table_metadata
-from resources.errors import explain, PgcdcError, SnapshotError, storage_fault
+from resources.errors import explain, PgcdcError, SnapshotError
 from resources.lsn import LSN
 from resources.pgtypes import PgValueError
 from resources.phases import Phases
@@ -53,6 +53,7 @@ from resources.postgres.copy import copied_batches, DEFAULT_CHUNK_ROWS, PARSE_BY
 from resources.postgres.ctid_copy import block_ranges, export_snapshot, heap_blocks, parallel_copy
 from resources.runs.consistent_copy import consistent_copy, Pieces
 from resources.runs.snapshot_layout import existing_layout, table_layout
+from resources.storage_faults import storage_fault
 
 __all__ = ["naming_table", "SnapshotProgress", "SnapshotResult", "snapshot_table"]
 
