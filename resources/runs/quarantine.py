@@ -43,7 +43,6 @@ from resources.delta.lake_storage import LakeStorage
 from resources.errors import TableFault
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB, TableName
-from resources.storage_faults import storage_fault_kind
 
 QUARANTINE_RECORDS = "quarantine"
 """The kind of lake record holding a pipeline's quarantined tables, one per table."""
@@ -98,8 +97,6 @@ def is_table_fault(error: BaseException) -> bool:
     engine's analysis errors (the write's columns or values refused), never a connection or storage failure."""
     if isinstance(error, TableFault):
         return True
-    if storage_fault_kind(error) is not None:  # a full or unwritable volume, whatever the engine calls it
-        return False
     try:
         from pyspark.errors import AnalysisException
     except ImportError:  # no engine client installed: only pgcdc's own faults are known
