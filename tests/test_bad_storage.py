@@ -44,7 +44,7 @@ from tests.support.bad_storage import (
     settings,
     small_volume,
 )
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -144,6 +144,7 @@ def shared_dir() -> Iterator[Path]:
 
 
 @pytest.mark.slow  # pgcdc in child processes, each with its engine
+@NEWEST_POSTGRES_ONLY  # file permissions do not depend on PostgreSQL's version
 def test_lake_the_os_user_cannot_write_fails_in_one_line_naming_the_user(
     pg: PgDatabase, shared_dir: Path, spark: SparkSession
 ) -> None:
