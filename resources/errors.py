@@ -142,7 +142,7 @@ def explain_server_error(
         grant = f"GRANT SELECT ON {name}" if kind.lower() == "table" else f"GRANT USAGE ON SCHEMA {name}"
         return ConfigurationError(
             f"missing privilege on {where} ({message})",
-            f"{grant} TO {role} (pgcdc copies every replicated table with SELECT), then run the snapshot again",
+            f"{grant} TO {role} (snapshots and reconciliation read every replicated table), then run again",
         )
     if sqlstate == "42501" or "replication role" in lowered or "permission denied" in lowered:
         return ConfigurationError(
