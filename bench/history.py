@@ -34,10 +34,10 @@ from bench.cdc import BASE_ROWS, build_backlog, DDL, PUBLICATION, ROWS
 from bench.engine_calls import engine_calls, EngineCall, summary
 from bench.scale_big import BUCKETED, load, random_changes, RANDOM_UPDATES, table_name
 from resources.config import parse_config, PgcdcConfig
-from resources.delta.engine import SparkEngine
 from resources.delta.reads import read_rows
 from resources.delta.spark_destination import lake_destination
-from resources.history import read_as_of
+from resources.engines.engine import SparkEngine
+from resources.history.as_of import read_as_of
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables

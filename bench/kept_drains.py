@@ -3,7 +3,7 @@
 Each round writes the same mix of changes as ``bench.cdc``'s backlog (new keys, updates, deletes),
 drains it on embedded Sail, writes it again and drains it on the managed Spark engine, each drain in
 a fresh engine session as a Dagster run opens one: on Spark that is a lease on the kept JVM
-(``spark.keep_alive_s``, ``resources/delta/kept_spark.py``), started by the first round and reused
+(``spark.keep_alive_s``, ``resources/engines/kept_spark.py``), started by the first round and reused
 by the others. It prints each Spark drain, the engine's start or attach before it, and both against
 the Sail drain of the same round. The kept JVM's state lives in the benchmark's own directory and
 the JVM is stopped at the end.
@@ -20,11 +20,12 @@ import psycopg
 import pyarrow.compute as pc
 
 from resources.config import PgcdcConfig
-from resources.delta.engine import SparkEngine
-from resources.delta.kept_spark import SERVERS_DIR_ENV, stop_all
 from resources.delta.lake_storage import open_lake
 from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
+from resources.engines.engine import SparkEngine
+from resources.engines.kept_spark import SERVERS_DIR_ENV, stop_all
+from resources.engines.s3a import s3a_settings
 from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental
 
@@ -65,7 +66,7 @@ def kept_jvm_rounds(
             write_round(round_)
             started = time.perf_counter()
             engine = SparkEngine.managed_spark(
-                lake.spark_settings(), storage_environment=lake.engine_environment(), keep_alive_s=KEEP_ALIVE_S
+                s3a_settings(lake), storage_environment=lake.engine_environment(), keep_alive_s=KEEP_ALIVE_S
             )
             start = time.perf_counter() - started
             note = engine.start_note

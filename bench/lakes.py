@@ -20,8 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage, open_lake
+from resources.engines.engine import SparkEngine
+from resources.engines.s3a import s3a_settings
 from resources.locations import StorageSettings
 
 LOCAL_S3 = "s3"
@@ -62,7 +63,7 @@ def open_engine(spec: str, root: str, storage: dict[str, Any], config: dict[str,
         return SparkEngine.embedded(storage_environment=lake.engine_environment())
     if spec == "spark":
         return SparkEngine.managed_spark(
-            {**lake.spark_settings(), **(config or {})}, storage_environment=lake.engine_environment()
+            {**s3a_settings(lake), **(config or {})}, storage_environment=lake.engine_environment()
         )
     if spec.startswith("sc://"):
         return SparkEngine.remote(spec)

@@ -49,9 +49,9 @@ import pyarrow.compute as pc
 from bench.lakes import open_engine
 from resources.config import DEFAULT_TARGET_ROWS, parse_config, PgcdcConfig
 from resources.delta import merge
-from resources.delta.engine import SparkEngine
 from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
+from resources.engines.engine import SparkEngine
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres

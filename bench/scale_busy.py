@@ -37,9 +37,10 @@ from bench.lakes import bench_lake, lake_storage
 from bench.scale_idle import create_tables
 from pgcdc_assets.builder import build_definitions
 from resources.config import parse_config, PgcdcConfig
-from resources.delta.engine import SparkEngine
-from resources.delta.kept_spark import SERVERS_DIR_ENV, stop_all
 from resources.delta.spark_destination import lake_destination
+from resources.engines.engine import SparkEngine
+from resources.engines.kept_spark import SERVERS_DIR_ENV, stop_all
+from resources.engines.s3a import s3a_settings
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.dagster_instance import sqlite_instance
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
@@ -74,7 +75,7 @@ def snapshot_engine(engine: str, root: str, storage: dict) -> Iterator[SparkEngi
             yield sail
         return
     spark = SparkEngine.managed_spark(
-        lake.spark_settings(), storage_environment=lake.engine_environment(), keep_alive_s=KEEP_ALIVE_S
+        s3a_settings(lake), storage_environment=lake.engine_environment(), keep_alive_s=KEEP_ALIVE_S
     )
     with spark:
         yield spark

@@ -48,8 +48,8 @@ from dagster import AssetKey, DagsterInstance
 from bench.lakes import add_arguments, bench_lake, lake_storage
 from pgcdc_assets.builder import build_definitions
 from resources.config import parse_config, PgcdcConfig
-from resources.delta.engine import EMBEDDED_ENVIRONMENT, SparkEngine
 from resources.delta.spark_destination import lake_destination
+from resources.engines.engine import EMBEDDED_ENVIRONMENT, SparkEngine
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance
@@ -136,9 +136,9 @@ def dagster_drains(config_file: Path, instance: DagsterInstance, count: int) -> 
 
 @contextmanager
 def sail_url(environment: dict[str, str]) -> Iterator[str]:
-    """A Sail server (``resources.delta.sail_server``) for every drain of the benchmark."""
+    """A Sail server (``resources.engines.sail_server``) for every drain of the benchmark."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "resources.delta.sail_server"],
+        [sys.executable, "-m", "resources.engines.sail_server"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**EMBEDDED_ENVIRONMENT, **os.environ, **environment},

@@ -46,11 +46,11 @@ import psycopg
 
 from resources.config import parse_config
 from resources.delta.deletion_vectors import deleted_rows
-from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.maintenance import maintain_table
 from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import state_path
+from resources.engines.engine import SparkEngine
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import start_local_postgres

@@ -49,9 +49,9 @@ import pyarrow as pa
 
 from bench.lakes import add_arguments, bench_lake, lake_storage, open_engine
 from resources.config import parse_config
-from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
-from resources.delta.engine import SparkEngine
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
+from resources.engines.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
+from resources.engines.engine import SparkEngine
 from resources.locations import join_location
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot

@@ -32,8 +32,8 @@ from pathlib import Path
 import psycopg
 
 from resources.config import parse_config, PgcdcConfig
-from resources.delta.engine import process_memory_mib, SparkEngine
 from resources.delta.spark_destination import lake_destination
+from resources.engines.engine import process_memory_mib, SparkEngine
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import bin_dir_for, start_local_postgres

@@ -21,11 +21,12 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.pipelines_file import load_pipeline_config
 from resources.config import DEFAULT_KEEP_ALIVE_S, load_config, PgcdcConfig
-from resources.delta.capabilities import SAIL_CAPABILITIES
-from resources.delta.engine import classic_delta_config, classic_session_builder, SparkEngine
 from resources.delta.lake_storage import LakeStorage, open_lake
-from resources.delta.lazy_session import deferred_session
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.engines.capabilities import SAIL_CAPABILITIES
+from resources.engines.engine import classic_delta_config, classic_session_builder, SparkEngine
+from resources.engines.lazy_session import deferred_session
+from resources.engines.s3a import s3a_settings
 from resources.errors import ConfigurationError, explain, mask_dsn
 from resources.locations import StorageSettings
 from resources.lsn import LSN
@@ -42,7 +43,7 @@ class SparkDeltaResource(PySparkResource):
 
     ``embedded`` starts a Sail Spark Connect server in a child process on a free loopback
     port, so a laptop needs no cluster or JVM; ``spark`` starts a Spark Connect server with
-    Delta on ``local[N]`` the same way (``resources.delta.spark_server``); ``remote`` connects to
+    Delta on ``local[N]`` the same way (``resources.engines.spark_server``); ``remote`` connects to
     ``sc://host:port``. All three are Spark Connect: one client code path. ``classic`` builds an
     in-process JVM session with Delta's jars, for code that needs the classic API; it cannot
     share a process with Spark Connect sessions. ``spark_config`` goes to the session (to the
@@ -110,7 +111,7 @@ class SparkDeltaResource(PySparkResource):
         if self.mode == "spark":
             lake = self._lake()
             return SparkEngine.managed_spark(
-                {**lake.spark_settings(), **self.session_config()},
+                {**s3a_settings(lake), **self.session_config()},
                 storage_environment=lake.engine_environment(),
                 keep_alive_s=self.keep_alive_s,
             )
@@ -148,7 +149,7 @@ class SparkDeltaResource(PySparkResource):
     def snapshot_destination(self) -> SparkDeltaDestination:
         """What a snapshot step writes through: for the embedded engine, a session started on first
         use (its snapshots are written by delta-rs, so most steps never start it:
-        ``resources/delta/lazy_session.py``); for the others, the session, started now (their
+        ``resources/engines/lazy_session.py``); for the others, the session, started now (their
         snapshots are the engine's writes)."""
         lake = self._checked_lake()
         if self.mode == "embedded" and self._engine is None:

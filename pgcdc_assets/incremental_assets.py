@@ -19,6 +19,11 @@ Decisions:
   latest materialization is its latest change, and the slot asset's is the latest drain. A table
   that keeps history (docs/history.md) has a history asset downstream of it, materialized the same
   way by the drains that wrote to its history (``history_metadata``).
+* **A table that left the publication** (dropped, renamed, removed from it) keeps its Delta table and
+  its asset while the code location defines it (a pipeline that lists ``tables``; one that takes the
+  whole publication defines it until the code location reloads): the drain that applies its last
+  changes materializes it with ``pgcdc/departed`` (why it left, the fix), later drains record that as
+  an ``AssetObservation``, and the slot asset lists such tables (``pgcdc/departed_tables``).
 * **Tables without a snapshot are not materialized.** The drain skips their changes
   (nothing to apply them to); the step logs them and records an ``AssetObservation`` with
   ``pgcdc/skipped`` so the asset page says why, instead of a materialization claiming data.
@@ -78,6 +83,7 @@ from resources.errors import PgcdcError
 from resources.lsn import LSN
 from resources.names import PipelineNames, QUARANTINE_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, slot_pool, SNAPSHOT_JOB
 from resources.postgres.catalog import TableName
+from resources.postgres.table_locks import RUN_NAME
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.quarantine import read_quarantines
 
@@ -177,6 +183,10 @@ def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKe
     }
     if result.tables_without_snapshot:
         metadata["pgcdc/tables_without_snapshot"] = MetadataValue.text(", ".join(result.tables_without_snapshot))
+    if result.departed:  # no longer published, their Delta tables kept (resources/runs/drain_tables.py)
+        metadata["pgcdc/departed_tables"] = MetadataValue.md(
+            "\n".join(f"- {line}" for line in result.departed.values())
+        )
     metadata["pgcdc/tables_quarantined"] = MetadataValue.int(len(result.quarantined))
     if result.quarantined:
         metadata["pgcdc/quarantined_tables"] = MetadataValue.md(
@@ -248,14 +258,20 @@ def drain_events(
     changed = {table: key_of[table] for table in changed_tables(result, tables, recorded)}
     for table in tables:
         reason = _skip_reason(result, table, names)
+        departed = result.departed.get(str(table))
         if reason:
             log_warning(reason)
             yield AssetObservation(asset_key=key_of[table], metadata={"pgcdc/skipped": reason})
         elif table in changed:
-            yield materialization(selected, key_of[table], drain_metadata(result, table))
+            metadata = drain_metadata(result, table)
+            if departed is not None:  # its last changes, drained after it left the publication
+                metadata["pgcdc/departed"] = MetadataValue.text(departed)
+            yield materialization(selected, key_of[table], metadata)
             history_key = (history_key_of or {}).get(table)
             if history_key is not None and result.tables[str(table)].history_rows:
                 yield materialization(selected, history_key, history_metadata(result, table))
+        elif departed is not None:
+            yield AssetObservation(asset_key=key_of[table], metadata={"pgcdc/departed": departed})
     yield materialization(selected, slot_key, slot_metadata(result, changed))
 
 
@@ -294,6 +310,7 @@ def build_incremental_assets(
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = context.selected_asset_keys
         checked = set(context.selected_asset_check_keys)
+        RUN_NAME.set(f"run {context.run.run_id}")  # named in its table locks' sessions
         with user_facing():
             if selected:
                 recorded = recorded_position(context.instance, slot_key)

@@ -46,6 +46,7 @@ from resources.delta.state_table import PGCDC_TABLES_DIRECTORY
 from resources.delta.table_files import delta_tables_under, is_delta_table
 from resources.locations import join_location
 from resources.names import MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, PipelineNames, slot_pool
+from resources.postgres.table_locks import RUN_NAME, TableLocks
 
 
 def maintenance_metadata(result: TableMaintenance) -> dict[str, Any]:
@@ -91,6 +92,7 @@ def build_maintenance(
         postgres: PostgresResource = getattr(context.resources, names.postgres_key)
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         settings = postgres.config
+        RUN_NAME.set(f"run {context.run.run_id}")  # named in its table locks' sessions
         with user_facing():
             lake = open_lake(settings.delta.root, settings.delta.storage)
             paths: Sequence[str] = [
@@ -105,22 +107,24 @@ def build_maintenance(
                 *delta_tables_under(lake, join_location(settings.delta.root, PGCDC_TABLES_DIRECTORY)),
             ]
             # The embedded engine (Sail) has no maintenance commands: delta-rs does the work, and no
-            # engine needs to start. Any other engine is asked (resources/delta/capabilities.py).
+            # engine needs to start. Any other engine is asked (resources/engines/capabilities.py).
             session = None if spark.mode == "embedded" else spark.spark_session
             failed = []
+            locks = TableLocks(settings.postgres.dsn, settings.slot, "maintenance")
             for path in paths:
                 if not is_delta_table(lake, path):
                     context.log.info(f"{path}: no Delta table yet (not snapshotted): nothing to maintain")
                     continue
                 try:
-                    result = maintain_table(
-                        path,
-                        lake,
-                        retention_hours=settings.maintenance.retention_hours,
-                        target_file_bytes=settings.maintenance.target_file_bytes,
-                        max_deleted_rows_ratio=settings.maintenance.max_deleted_rows_ratio,
-                        spark=session,
-                    )
+                    with locks.holding(path):  # no drain or snapshot writes it meanwhile
+                        result = maintain_table(
+                            path,
+                            lake,
+                            retention_hours=settings.maintenance.retention_hours,
+                            target_file_bytes=settings.maintenance.target_file_bytes,
+                            max_deleted_rows_ratio=settings.maintenance.max_deleted_rows_ratio,
+                            spark=session,
+                        )
                 except Exception as error:  # noqa: BLE001 - one table's failure must not stop the others'
                     context.log.error(f"{path}: maintenance failed: {' '.join(str(error).split())[:500]}")
                     failed.append(path)
@@ -128,6 +132,7 @@ def build_maintenance(
                 context.log.info(describe(result))
                 if path in table_keys:
                     yield AssetObservation(asset_key=table_keys[path], metadata=maintenance_metadata(result))
+            locks.close()
         if failed:
             raise Failure(
                 description=f"maintenance failed for {', '.join(failed)}: see the step's log for each cause, fix, run again",

@@ -34,15 +34,16 @@ from pgcdc_assets.named_outputs import NamedOutputs
 from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import PgcdcConfig
 from resources.delta.layout import BUCKET_COLUMN
-from resources.delta.lazy_session import engine_start_seconds
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.engines.lazy_session import engine_start_seconds
 from resources.errors import ConfigurationError, ConnectionFailure, explain, SlotError
 from resources.names import PipelineNames, RESNAPSHOT_JOB, slot_pool
-from resources.phases import describe_phases, phase_metadata, Phases
 from resources.postgres.catalog import TableName
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
+from resources.postgres.table_locks import RUN_NAME
+from resources.runs.phases import describe_phases, phase_metadata, Phases
 from resources.runs.slot_guard import record_created
 from resources.runs.snapshot import refuse_partial_recopy, snapshot_each, SnapshotProgress, SnapshotResult
 
@@ -185,6 +186,7 @@ def build_snapshot_assets(
         spark: SparkDeltaResource = getattr(context.resources, names.spark_key)
         selected = [table for table in tables if key_of[table] in context.selected_asset_keys]
         step = Phases()
+        RUN_NAME.set(f"run {context.run.run_id}")  # named in its table locks' sessions
         with user_facing():
             to_copy = _requested_tables(config, selected, tables, names)
             with step.timed("configuration"):

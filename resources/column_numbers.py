@@ -18,10 +18,21 @@ class ColumnNumbers:
 
     attnums: dict[str, int]
     count: int
+    #: The copied relation's OID (pg_class.oid): a Relation message of another OID under the table's name
+    #: is another table (dropped and created again, or renamed to this name). None: not recorded.
+    relid: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"attnums": dict(self.attnums), "count": self.count}
+        value: dict[str, Any] = {"attnums": dict(self.attnums), "count": self.count}
+        if self.relid is not None:
+            value["relid"] = self.relid
+        return value
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> ColumnNumbers:
-        return cls({str(name): int(attnum) for name, attnum in value["attnums"].items()}, int(value["count"]))
+        relid = value.get("relid")
+        return cls(
+            {str(name): int(attnum) for name, attnum in value["attnums"].items()},
+            int(value["count"]),
+            None if relid is None else int(relid),
+        )

@@ -27,10 +27,10 @@ import pytest
 import requests
 
 from resources.config import parse_config, PgcdcConfig
-from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.spark_destination import lake_destination
 from resources.delta.staging import STAGING_DIRECTORY
+from resources.engines.engine import SparkEngine
 from resources.errors import PgcdcError
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables

@@ -20,9 +20,9 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
-from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.delta.spark_destination import lake_destination
 from resources.delta.table_log import read_table_log
+from resources.engines.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.errors import DeltaLogError, StorageFault
 from resources.names import TableName
 from resources.runs.incremental import run_incremental

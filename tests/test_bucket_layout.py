@@ -21,11 +21,11 @@ from pyspark.sql import SparkSession
 
 from pgcdc_assets.checks import table_log_reader
 from resources.config import parse_config, PgcdcConfig
-from resources.delta.engine import SparkEngine
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
 from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import state_path
+from resources.engines.engine import SparkEngine
 from resources.errors import ConfigurationError
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental

@@ -14,8 +14,8 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.cdc.schema import ChangeValueError, SchemaChangeError
-from resources.column_overrides import ColumnChoice, ColumnClashError
 from resources.config import parse_config, PgcdcConfig
+from resources.config.columns import ColumnChoice, ColumnClashError
 from resources.delta.reads import delta_rs_rows
 from resources.delta.spark_destination import lake_destination
 from resources.errors import ConfigurationError, SnapshotError

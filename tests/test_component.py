@@ -34,8 +34,8 @@ from dagster import (
 from dagster.components.resolved.errors import ResolutionException
 
 from pgcdc_assets.pipelines_file import PipelineKeys, validate_pipeline
-from resources.column_overrides import ColumnChoice
-from resources.delta.engine import EMBEDDED_ENVIRONMENT
+from resources.config.columns import ColumnChoice
+from resources.engines.engine import EMBEDDED_ENVIRONMENT
 from resources.errors import SlotError
 from resources.names import ROW_COUNT_CHECK, ROWS_MATCH_CHECK, SCHEMA_CHECK, SLOT_LAG_CHECK, TableName
 from resources.testing.local_postgres import LocalPostgres
@@ -120,13 +120,13 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="module")
 def sail_url() -> Iterator[str]:
-    """One Sail server (the embedded engine's, ``resources.delta.sail_server``) for every run of this module.
+    """One Sail server (the embedded engine's, ``resources.engines.sail_server``) for every run of this module.
 
     The pipelines reach it in remote mode: an engine started per run would dominate the
     module's time. ``make demo`` and tests/test_demo.py run pipelines on embedded engines.
     """
     server = subprocess.Popen(
-        [sys.executable, "-m", "resources.delta.sail_server"],
+        [sys.executable, "-m", "resources.engines.sail_server"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**EMBEDDED_ENVIRONMENT, **os.environ},

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from resources.column_overrides import as_text_fix, ColumnChoice
 from resources.config import load_config, parse_config
+from resources.config.columns import as_text_fix, ColumnChoice
 from resources.errors import ConfigurationError, mask_dsn
 from resources.names import TableName
 

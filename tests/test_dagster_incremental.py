@@ -27,7 +27,7 @@ from dagster import (
 
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource
-from resources.delta.engine import process_memory_mib
+from resources.engines.engine import process_memory_mib
 from resources.errors import SlotError
 from resources.lsn import LSN
 from resources.testing.dagster_instance import postgres_instance, sqlite_instance

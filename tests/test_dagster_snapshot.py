@@ -22,8 +22,8 @@ import resources.runs.snapshot as snapshot_module
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
 from resources.config import parse_config
-from resources.delta.lazy_session import engine_start_seconds
 from resources.delta.table_log import read_table_log
+from resources.engines.lazy_session import engine_start_seconds
 from resources.errors import ConnectionFailure, SnapshotError
 from resources.lsn import LSN
 from resources.runs.key_range_copy import copy_key_range, RangeCopy
@@ -223,7 +223,7 @@ def test_snapshot_job_copies_every_table_with_metadata(
         ]
     )  # fmt: skip
     assert orders["pgcdc/layout"] == "range buckets of 1,000,000 keys of id"
-    # where the step's time went: its own phases before the copies, then the table's (resources/phases.py)
+    # where the step's time went: its own phases before the copies, then the table's (resources/runs/phases.py)
     phases = {
         key.removeprefix("pgcdc/phase_seconds/"): value
         for key, value in orders.items()

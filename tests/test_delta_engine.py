@@ -15,14 +15,14 @@ from pyspark.sql import SparkSession
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from resources.delta.batch_columns import OP_COLUMN, unchanged_flag_column
-from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.delta.dataframes import nullable_schema
-from resources.delta.engine import classic_delta_config, SparkEngine
 from resources.delta.layout import TableLayout
 from resources.delta.merge import delete_all_rows, merge_batch, replace_rows
 from resources.delta.schema_changes import add_columns, table_schema
 from resources.delta.snapshot_writes import write_snapshot
 from resources.delta.staging import STAGING_DIRECTORY
+from resources.engines.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
+from resources.engines.engine import classic_delta_config, SparkEngine
 from resources.pgtypes import arrow_schema, PgColumnType, TIMESTAMP_POSITIVE_INFINITY, to_arrow
 from resources.testing.memory_destination import InMemoryDestination
 from tests.support.engine_fixtures import assert_delta_jars

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dagster import DagsterInstance
 
 from pgcdc_assets.demo import inventory, shop
+from pgcdc_assets.demo.project import write_dagster_yaml
 from resources.testing.verify import assert_delta_equals_postgres
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +99,12 @@ def test_demo_runs_and_verifies_every_run(demo_dir: Path) -> None:
                 assert rows > 0, (pipeline, table)
     finally:
         subprocess.run(stop, check=True, capture_output=True, timeout=60)
+
+
+def test_the_demo_instance_limits_drains_and_shows_no_onboarding_dialog(tmp_path: Path) -> None:
+    """Dagster's onboarding dialog ("nux") would open over the asset page the demo sends its user to."""
+    write_dagster_yaml(tmp_path)
+    with DagsterInstance.from_config(str(tmp_path)) as instance:
+        assert instance.nux_enabled is False
+        assert instance.telemetry_enabled is False
+        assert instance.get_concurrency_config().pool_config.default_pool_limit == 1

@@ -42,15 +42,7 @@ import yaml
 
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
-from resources.delta.capabilities import (
-    DELTA_SPARK_CAPABILITIES,
-    engine_capabilities,
-    EngineCapabilities,
-    set_engine_capabilities,
-)
 from resources.delta.deletion_vectors import file_deletions
-from resources.delta.engine import SparkEngine
-from resources.delta.kept_spark import SERVERS_DIR_ENV
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.maintenance import (
     describe,
@@ -61,9 +53,17 @@ from resources.delta.maintenance import (
 )
 from resources.delta.markers import layout_from_property, LAYOUT_PROPERTY, pgcdc_marker
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
-from resources.delta.spark_server import DELTA_PACKAGE, DELTA_VERSION, free_port
 from resources.delta.table_files import storage_files
 from resources.delta.table_log import read_table_log, read_table_metadata, unfinished_create
+from resources.engines.capabilities import (
+    DELTA_SPARK_CAPABILITIES,
+    engine_capabilities,
+    EngineCapabilities,
+    set_engine_capabilities,
+)
+from resources.engines.engine import SparkEngine
+from resources.engines.kept_spark import SERVERS_DIR_ENV
+from resources.engines.spark_server import DELTA_PACKAGE, DELTA_VERSION, free_port
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental

@@ -278,9 +278,12 @@ def test_second_run_while_one_drains_fails_fast_and_the_first_finishes_exactly(
         # succeed once the first finished; the message names the first run's walsender.
         with pytest.raises(SlotError) as busy:
             run_incremental(config, lake_destination(spark, config))
-        assert str(busy.value) == (
-            f'replication slot "{SLOT}" is in use by PID {pid}: another run or consumer is reading it;'
-            " stop the other consumer or wait for it to finish"
+        assert str(busy.value).startswith(
+            f'replication slot "{SLOT}" is in use by PID {pid} (pgcdc_incremental pid {child.process.pid} on '
+        ), busy.value
+        assert str(busy.value).endswith(
+            ": another run or consumer is reading it (a second drain of one slot cannot run beside the first):"
+            " wait for it to finish and retry, or stop the other consumer"
         )
         assert child.wait() == 0, child.output()
     finally:
@@ -404,7 +407,7 @@ def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path:
 def test_embedded_sail_killed_mid_drain_fails_with_one_line_and_rerun_is_exact(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """The default engine (Sail in a child process of the drain, ``resources/delta/sail_server.py``)
+    """The default engine (Sail in a child process of the drain, ``resources/engines/sail_server.py``)
     SIGKILLed while the drain applies chunks: the drain fails with one line naming the engine, the
     slot stays where the last durable chunk put it, and a re-run (with a new engine) is exact."""
     config = setup(pg, tmp_path, spark)

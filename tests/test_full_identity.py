@@ -273,3 +273,41 @@ def test_a_full_table_with_a_primary_key_is_merged_per_key(pg: PgDatabase, tmp_p
     assert same(pg, config, "public.docs") == 5
     operations = [entry["operation"] for entry in deltalake.DeltaTable(config.table_path("public", "docs")).history()]
     assert operations[0] == "MERGE" and operations.count("WRITE") == 1  # the snapshot's, and no rewrite after it
+
+
+def test_nan_beside_one_other_value_in_a_file_survives_every_rewrite(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """A file whose float column holds NaN and one other value: Sail 0.7.2 reads such a column as that value
+    when the log's statistics say minimum = maximum (NaN is in neither), so the FULL table's replacement, the
+    copy-on-write MERGE and the changelog read it back wrong unless floats stay out of the statistics."""
+    pg.execute("""
+        CREATE TABLE full_t (a int, f real, g float8);
+        ALTER TABLE full_t REPLICA IDENTITY FULL;
+        CREATE TABLE keyed (id int PRIMARY KEY, f real, g float8);
+        INSERT INTO full_t VALUES (1, 'NaN', 'NaN'), (2, 8632.4, 2.5), (3, 'NaN', 'NaN');
+        INSERT INTO keyed VALUES (1, 'NaN', 'NaN'), (2, 8632.4, 2.5), (3, 'NaN', 'NaN');
+        CREATE PUBLICATION pub FOR TABLE full_t, keyed;
+    """)
+    config = parse_config({
+        **settings(pg, tmp_path / "lake"),
+        "delta": {"root": str(tmp_path / "lake"), "deletion_vectors_tables": {"public.keyed": False}},
+        "history": {"tables": {"public.keyed": "changelog"}},
+    })  # fmt: skip
+    snapshot_tables(config, lake_destination(spark, config))
+    pg.execute(
+        "INSERT INTO full_t VALUES (4, 'NaN', 1.5), (5, 7.5, 'NaN'); INSERT INTO keyed VALUES (4, 'NaN', 1.5), (5, 7.5, 'NaN')"
+    )
+    drain(config, spark)
+    pg.execute("DELETE FROM full_t WHERE a IN (3, 5); UPDATE keyed SET g = 0 WHERE id IN (3, 5)")
+    drain(config, spark)
+    same(pg, config, "public.full_t", key=())
+    same(pg, config, "public.keyed")
+    for path in (
+        config.table_path("public", "full_t"),
+        config.table_path("public", "keyed"),
+        config.history_path("public", "keyed"),
+    ):
+        statistics = deltalake.DeltaTable(path).get_add_actions(flatten=True).column_names
+        assert "min.a" in statistics or "min.id" in statistics
+        assert not [name for name in statistics if name.split(".")[-1] in ("f", "g")], statistics

@@ -34,7 +34,6 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
-from resources.delta import versions as delta_versions
 from resources.delta.lake_storage import open_lake
 from resources.delta.layout import HASH, RANGE, TableLayout
 from resources.delta.maintenance import maintain_table
@@ -42,8 +41,9 @@ from resources.delta.markers import layout_from_property
 from resources.delta.reads import read_rows
 from resources.delta.spark_destination import lake_destination
 from resources.delta.table_log import read_table_metadata
-from resources.delta.versions import finer_layout
-from resources.history import read_as_of
+from resources.history import scd2_merge as delta_versions
+from resources.history.as_of import read_as_of
+from resources.history.scd2_merge import finer_layout
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.cli import main as cli_main

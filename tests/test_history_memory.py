@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from resources.cdc.applier import ChangeApplier
-from resources.cdc.history import OP_COLUMN
 from resources.cdc.tables import TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
 from resources.errors import PgcdcError
-from resources.history import fold_changelog, versions_as_of
+from resources.history.as_of import fold_changelog, versions_as_of
+from resources.history.changelog import OP_COLUMN
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
 from tests.support.memory_applier import (
     destination_with_snapshot,

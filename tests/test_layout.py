@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def imports(package: str) -> dict[str, set[str]]:
-    """Module path -> the modules it imports (top level or inside functions), for a package or one ``.py`` file."""
+    """Module path -> the modules it imports (top level or inside functions), for a dotted package or module."""
     found: dict[str, set[str]] = {}
-    target = ROOT / package if package.endswith(".py") else ROOT / package.replace(".", "/")
-    for path in [target] if package.endswith(".py") else target.rglob("*.py"):
+    target = ROOT / package.replace(".", "/")
+    single = target.with_suffix(".py")
+    for path in [single] if single.is_file() else target.rglob("*.py"):
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module:
@@ -42,36 +43,90 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 VOCABULARY = (
-    "resources.column_overrides",
+    "resources.column_numbers",
     "resources.config",
+    "resources.crash_points",
     "resources.errors",
     "resources.locations",
     "resources.lsn",
     "resources.names",
     "resources.sql",
-    "resources.storage_faults",
 )
 """The shared vocabulary at the top of ``resources/``: every layer may import it, it imports only itself."""
 
+ENGINE_STARTERS = tuple(
+    f"resources.engines.{module}"
+    for module in (
+        "engine",
+        "kept_spark",
+        "lazy_session",
+        "s3a",
+        "sail_server",
+        "spark_connect",
+        "spark_server",
+        "spark_service",
+    )
+)
+"""What starts, reaches, keeps or stops an engine. The lake uses the session it is handed and may ask what the
+engine can do (``resources.engines.capabilities``), never start one."""
+
+#: What the lake may not import: the layers above it, and the engines' starters.
+LAKE_FORBIDS = (
+    "resources.postgres",
+    "resources.pgoutput",
+    "resources.cdc",
+    "resources.runs",
+    "dagster",
+    *ENGINE_STARTERS,
+)
+#: What the change applier and the history folds beside it may not import: an engine, pyspark, the lake's
+#: Spark implementation, the runs.
+CDC_FORBIDS = (
+    "resources.engines",
+    "resources.delta.spark_destination",
+    "resources.delta.snapshot_writes",
+    "resources.history.scd2_merge",
+    "resources.history.as_of",
+    "resources.runs",
+    "pyspark",
+    "dagster",
+)
+
 LAYERS: dict[str, tuple[str, ...]] = {
-    "resources.postgres": ("resources.cdc", "resources.delta", "resources.runs", "pyspark", "dagster"),
+    "resources.postgres": (
+        "resources.cdc",
+        "resources.delta",
+        "resources.engines",
+        "resources.history",
+        "resources.runs",
+        "pyspark",
+        "dagster",
+    ),
     "resources.pgoutput": (
         "resources.postgres",
         "resources.cdc",
         "resources.delta",
+        "resources.engines",
+        "resources.history",
         "resources.runs",
         "pyspark",
         "dagster",
     ),
-    "resources.delta": ("resources.postgres", "resources.pgoutput", "resources.cdc", "resources.runs", "dagster"),
-    "resources.cdc": (
-        "resources.delta.engine",
-        "resources.delta.spark_destination",
-        "resources.delta.snapshot_writes",
+    "resources.delta": LAKE_FORBIDS,
+    "resources.engines": (
+        "resources.postgres",
+        "resources.pgoutput",
+        "resources.cdc",
+        "resources.history",
         "resources.runs",
-        "pyspark",
         "dagster",
     ),
+    "resources.cdc": CDC_FORBIDS,
+    "resources.history.changelog": CDC_FORBIDS,
+    "resources.history.scd2": CDC_FORBIDS,
+    "resources.history.apply": CDC_FORBIDS,
+    "resources.history.scd2_merge": LAKE_FORBIDS,
+    "resources.history.as_of": ("dagster", *ENGINE_STARTERS),
     "resources": ("pgcdc_assets", "sensors"),
 }
 """Package -> what no module in it may import, directly or through what it imports (docs/architecture.md,
@@ -82,9 +137,9 @@ def test_the_vocabulary_imports_only_the_vocabulary() -> None:
     below = sorted(
         f"{module} imports {name}"
         for vocabulary in VOCABULARY
-        for module, names in imports(vocabulary.replace(".", "/") + ".py").items()
+        for module, names in imports(vocabulary).items()
         for name in names
-        if name.startswith("resources") and name not in VOCABULARY
+        if name.startswith("resources") and not any(name == word or name.startswith(word + ".") for word in VOCABULARY)
     )
     assert below == []
 
@@ -189,6 +244,20 @@ def test_no_runtime_function_is_longer_than_the_limit() -> None:
     assert too_long == []
 
 
+LONGEST_MODULE_LINES = 500
+"""A runtime module longer than this holds more than one concern (docs/architecture.md)."""
+
+
+def test_no_runtime_module_is_longer_than_the_limit() -> None:
+    too_long = sorted(
+        f"{path.relative_to(ROOT)} ({lines} lines)"
+        for package in ("resources", "pgcdc_assets", "sensors")
+        for path in (ROOT / package).rglob("*.py")
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > LONGEST_MODULE_LINES
+    )
+    assert too_long == []
+
+
 def test_no_test_module_imports_another() -> None:
     """What test modules share lives in tests/support/: importing a test module from another runs
     its module-level set-up twice and ties the two files' fixtures together."""
@@ -199,3 +268,77 @@ def test_no_test_module_imports_another() -> None:
         if name.startswith(("tests.test_", "test_"))  # ``from .test_x import`` records "test_x"
     )
     assert crossing == []
+
+
+def runtime_import_graph() -> dict[str, set[str]]:
+    """Runtime module -> the runtime modules it imports (``from package import module`` names the module)."""
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for package in ("resources", "pgcdc_assets", "sensors")
+        for path in (ROOT / package).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets.update(
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    for alias in node.names
+                )
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {target for target in targets if target in modules and target != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    lowest: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = lowest[root] = len(index)
+        stack.append(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = lowest[successor] = len(index)
+                    stack.append(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in stack:
+                    lowest[node] = min(lowest[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    lowest[work[-1][0]] = min(lowest[work[-1][0]], lowest[node])
+                if lowest[node] == index[node]:
+                    component = stack[stack.index(node) :]
+                    del stack[stack.index(node) :]
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_runtime_modules_import_each_other_in_a_cycle() -> None:
+    """A cycle, even through an import inside a function, means a constant or helper lives away from the
+    module that owns its meaning; the modules of a cycle cannot be read, tested or moved one at a time."""
+    assert import_cycles(runtime_import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_top_of_resources_holds_only_the_vocabulary() -> None:
+    """Everything else sits in the package of its concern, so a newcomer finds it by the data flow."""
+    top = {f"resources.{path.stem}" for path in (ROOT / "resources").glob("*.py") if path.stem != "__init__"}
+    packages = {f"resources.{path.parent.name}" for path in (ROOT / "resources").glob("*/__init__.py")}
+    assert top | (packages & set(VOCABULARY)) == set(VOCABULARY)

@@ -37,7 +37,7 @@ from resources.delta.snapshot_writes import ROW_GROUP_BYTES, ROW_GROUP_ROWS
 from resources.delta.spark_destination import lake_destination
 from resources.delta.table_files import delta_tables_under
 from resources.delta.table_log import read_table_log
-from resources.history import read_as_of
+from resources.history.as_of import read_as_of
 from resources.names import INCREMENTAL_JOB, MAINTENANCE_JOB, MAINTENANCE_SCHEDULE, slot_pool
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.delta import capabilities
-from resources.delta.capabilities import CONNECT_CLIENT_LOGGER
+from resources.engines import capabilities
+from resources.engines.capabilities import CONNECT_CLIENT_LOGGER
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 

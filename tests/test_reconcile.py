@@ -26,7 +26,7 @@ import pgcdc_assets.checks
 import resources.cdc.apply_batches
 import resources.runs.reconcile
 from pgcdc_assets.builder import build_definitions
-from resources.column_overrides import ColumnOverrides
+from resources.config.columns import ColumnOverrides
 from resources.lsn import LSN
 from resources.names import TableName
 from resources.pgtypes import PgColumnType, to_arrow

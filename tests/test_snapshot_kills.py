@@ -30,7 +30,6 @@ from pyspark.sql import SparkSession
 
 from resources.config import CONFIG_ENV_VAR, load_config, parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
-from resources.delta.capabilities import engine_capabilities, set_engine_capabilities
 from resources.delta.lake_storage import open_lake
 from resources.delta.layout import BUCKET_COLUMN, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property, snapshot_marker
@@ -39,6 +38,7 @@ from resources.delta.spark_destination import lake_destination, SparkDeltaDestin
 from resources.delta.staging import STAGING_DIRECTORY
 from resources.delta.state_table import read_state, state_path
 from resources.delta.table_log import read_table_log, table_exists, unfinished_create
+from resources.engines.capabilities import engine_capabilities, set_engine_capabilities
 from resources.errors import ConfigurationError
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName

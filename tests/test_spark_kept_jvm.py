@@ -1,4 +1,4 @@
-"""The managed Spark JVM kept between runs (``spark.keep_alive_s``, ``resources/delta/kept_spark.py``).
+"""The managed Spark JVM kept between runs (``spark.keep_alive_s``, ``resources/engines/kept_spark.py``).
 
 Real processes throughout: runs in this process and in child processes, a JVM started by the first
 run and reused by the next ones, leases the kernel releases when a run is SIGKILLed, a supervisor
@@ -25,9 +25,9 @@ from dagster import build_init_resource_context
 
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.config import parse_config, PgcdcConfig, SparkSettings
-from resources.delta.engine import SparkEngine
-from resources.delta.kept_spark import SERVERS_DIR_ENV, stop_all
 from resources.delta.spark_destination import lake_destination
+from resources.engines.engine import SparkEngine
+from resources.engines.kept_spark import SERVERS_DIR_ENV, stop_all
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
@@ -49,7 +49,7 @@ DDL = """
 RUN_CHILD = """
 import sys
 from resources.config import load_config
-from resources.delta.engine import SparkEngine
+from resources.engines.engine import SparkEngine
 engine = SparkEngine.from_config(load_config(sys.argv[1]).spark)
 engine.spark.sql("SELECT 1").collect()
 print("engine up", engine.server_pid, flush=True)

@@ -108,6 +108,8 @@ def write_project(directory: Path, pipelines: Sequence[DemoPipeline]) -> Path:
 
 
 def write_dagster_yaml(dagster_home: Path) -> Path:
+    """The demo instance: one drain per slot, no telemetry, and no onboarding dialog (Dagster's ``nux``), which
+    would open over the asset page the demo points to."""
     dagster_home.mkdir(parents=True, exist_ok=True)
     path = dagster_home / "dagster.yaml"
     path.write_text(
@@ -116,6 +118,8 @@ def write_dagster_yaml(dagster_home: Path) -> Path:
         "  pools:\n"
         "    default_limit: 1\n"
         "telemetry:\n"
+        "  enabled: false\n"
+        "nux:\n"
         "  enabled: false\n"
     )
     return path

@@ -33,6 +33,11 @@ decides whether it is confined to that table and records the quarantine before r
 confirm passes the table's unapplied changes unrecorded). Confined, the table's pending changes
 are dropped and its later ones skipped, while every other table is applied and the slot moves on.
 
+A Relation message under a table's name with another relation OID than the one its snapshot copied
+(recorded in the snapshot marker) is another table, dropped and created again or renamed to the name:
+the old table's pending changes are written, then the new one is refused as a fault of the table
+(:meth:`ChangeApplier._adopt`), so the two never mix.
+
 TRUNCATE flushes the table's pending batch, then empties the Delta table, in order with
 the other changes. A Relation message that changes a table's columns flushes its batch
 first, then adds new columns to Delta, widens safely widened ones (int2->int4->int8,
@@ -53,9 +58,9 @@ from datetime import datetime
 
 import numpy as np
 
-from resources.cdc.apply_relations import RelationHandling
+from resources.cdc.apply_relations import OtherRelationError, RelationHandling
 from resources.cdc.row_batches import RowBatch
-from resources.cdc.schema import SchemaReconciler
+from resources.cdc.schema import RESNAPSHOT_FIX, SchemaReconciler
 from resources.cdc.tables import APPEND, MARKED_MODES, TableTarget
 from resources.cdc.transactions import CommittedTransaction
 from resources.cdc.writer import OrderedWriter
@@ -104,6 +109,7 @@ class ChangeApplier(RelationHandling):
         recopy_range: Callable[[TableName, str, TableLog, int], None] | None = None,
         set_aside: Callable[[TableName, int, Exception], bool] | None = None,
         write_concurrency: int = 1,
+        claim: tuple[Callable[[str], None], Callable[[str], None]] | None = None,
     ) -> None:
         """``heartbeat`` is called about every :data:`~resources.cdc.writer.HEARTBEAT_SECONDS` while this thread waits
         for Delta (e.g. ``ReplicationStream.keepalive``, so the walsender does not time out).
@@ -116,6 +122,11 @@ class ChangeApplier(RelationHandling):
         ``set_aside(table, lsn, error)`` hears a fault of one table (``lsn``: the commit end LSN of its
         first change not applied); it returns whether the fault is confined to that table, having
         recorded the quarantine durably. Without it every fault fails the run.
+
+        ``claim`` = (take, give back), by Delta path: the table's lock against other runs that write it
+        (``resources/postgres/table_locks.py``), taken when the run first meets a change of the table (it may
+        wait while a snapshot or maintenance of it runs), given back at once when the table has no snapshot
+        (this run writes nothing to it). The run holds the rest until it ends.
 
         ``write_concurrency``: how many tables' writes run at once (:class:`~resources.cdc.writer.OrderedWriter`:
         each table's in order, the durable position behind all of them)."""
@@ -136,6 +147,7 @@ class ChangeApplier(RelationHandling):
         self._transactions: dict[int, tuple[int, datetime]] = {}
         self._writer = OrderedWriter(heartbeat, write_concurrency)
         self._set_aside_table = set_aside
+        self._claim = claim
         self._writer.on_failure = self._write_failed
         self._schema = SchemaReconciler(destination, self._writer, types, log, before_fill=self._write_fill_history)
         self.pending_changes = 0
@@ -181,7 +193,9 @@ class ChangeApplier(RelationHandling):
                     for oid in subject:
                         target = self._target_by_oid.get(oid)
                         if target is not None and not self._skips(target, end):
-                            self._confined(target, end, self._truncate, target, self._relations[oid], end, seq)
+                            relation = self._relations[oid]
+                            if target.relation is relation or self._adopt(target, relation, end, seq):
+                                self._confined(target, end, self._truncate, target, relation, end, seq)
                     seq += 1
         finally:
             txn.discard()
@@ -202,7 +216,7 @@ class ChangeApplier(RelationHandling):
                 continue
             relation = self._relations[oid]
             if target.relation is not relation:
-                if not self._confined(target, end, self._use_relation, target, relation, end, seq):
+                if not self._adopt(target, relation, end, seq):
                     self.changes_skipped += len(index)
                     target.stats.quarantine_skipped += len(index)
                     continue
@@ -252,9 +266,15 @@ class ChangeApplier(RelationHandling):
             if not self._writes_prepared:  # the run's first changes: its engine gets ready beside their decoding
                 self._writer.write(self._destination.prepare_writes)
                 self._writes_prepared = True
-            if target.log is None:
+            if self._claim is not None:
+                self._claim[0](target.path)
+            if target.log is None or (self._claim is not None and not target.log.being_snapshotted):
+                # Read under the claim: a first snapshot that held the table is committed by now.
                 target.log = self._destination.read_table_log(target.path, target.known)
                 target.stats.version_read = target.log.version
+            if self._claim is not None and not target.log.being_snapshotted:
+                # Not written by this run, and a snapshot of it starting from now on begins past this run's end.
+                self._claim[1](target.path)
             target.applied_marker = target.log.applied_marker
             if target.history_path is not None:
                 self._start_history(target)
@@ -268,6 +288,30 @@ class ChangeApplier(RelationHandling):
         self._writer.durable_after_queued(self._complete_end)
 
     # -- one table's fault
+
+    def _adopt(self, target: TableTarget, relation: Relation, end: int, seq: int) -> bool:
+        """Adopt ``relation`` for ``target`` (:meth:`_use_relation`), confined to the table; False when the
+        table was set aside instead.
+
+        pgoutput names a table by its OID in every change and by its name in the Relation message; pgcdc
+        maps names to Delta tables, as PostgreSQL's subscriber maps them to its tables. A relation of
+        another OID than the one the table's snapshot copied (or than this run met under the name) is
+        another table: the old one's pending changes are written first, then the table is refused
+        (quarantined, with the re-snapshot fix), so neither table's rows land in the other's."""
+        expected = target.relation.oid if target.relation is not None else None
+        if expected is None and target.log is not None and target.log.columns is not None:
+            expected = target.log.columns.relid
+        if expected is None or relation.oid == expected:
+            return self._confined(target, end, self._use_relation, target, relation, end, seq)
+        if target.pending and not self._confined(target, end, self._flush_target, target):
+            return False
+        error = OtherRelationError(
+            f"{target.table} is another table than the one its Delta table holds (relation OID {relation.oid}, "
+            f"its rows are of OID {expected}): it was dropped and created again, or another table was renamed "
+            "to its name; its changes are not mixed into the old table's rows",
+            RESNAPSHOT_FIX,
+        )
+        return self._confined(target, end, _raise, error)
 
     def _confined(self, target: TableTarget, end: int, action: Callable[..., None], *args: object) -> bool:
         """Run ``action(*args)`` for ``target`` (its writes tagged with it); returns False when a fault of the
@@ -322,3 +366,7 @@ class ChangeApplier(RelationHandling):
     def close(self) -> None:
         """Wait for a write in flight (it cannot be cancelled), then stop the writer thread."""
         self._writer.close()
+
+
+def _raise(error: Exception) -> None:
+    raise error

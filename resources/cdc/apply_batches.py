@@ -7,7 +7,7 @@ import pyarrow as pa
 from resources.cdc.apply_state import ApplierState
 from resources.cdc.schema import ChangeValueError
 from resources.cdc.tables import TableTarget
-from resources.column_overrides import as_text_fix
+from resources.config.columns import as_text_fix
 from resources.delta.batch_columns import OLD_KEY_PREFIX, unchanged_flag_column
 from resources.delta.layout import BUCKET_COLUMN, row_buckets
 from resources.delta.markers import LSN_COLUMN

@@ -3,13 +3,13 @@ rule decides the pieces), the keyed fold, the append or the FULL rewrite its wri
 
 from __future__ import annotations
 
-from resources.cdc.apply_history import HistoryHandOff
 from resources.cdc.apply_key_ranges import KeyRangeRule
 from resources.cdc.apply_keyed import KeyedFold
 from resources.cdc.apply_marked import MarkedWrites
 from resources.cdc.row_batches import gather
 from resources.cdc.tables import APPEND, FULL, TableTarget
 from resources.crash_points import fault_point
+from resources.history.apply import HistoryHandOff
 from resources.lsn import LSN
 
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from resources.cdc import scd2
 from resources.cdc.apply_flush import TableFlush
-from resources.cdc.history import (
-    history_position,
-)
 from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
 from resources.cdc.tables import APPEND, FULL, KEYED, MARKED_MODES, TableTarget
-from resources.column_overrides import refuse_excluded_keys
+from resources.config.columns import refuse_excluded_keys
 from resources.crash_points import fault_point
 from resources.delta.layout import BUCKET_COLUMN
 from resources.errors import ConfigurationError
+from resources.history import scd2
+from resources.history.changelog import (
+    history_position,
+)
 from resources.lsn import LSN
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import arrow_type, PgColumnType
@@ -33,6 +33,11 @@ def _refuse_unsupported_exclusion(target: TableTarget, columns: list[PgColumnTyp
             "(REPLICA IDENTITY FULL without a primary key) or it keeps a history",
             "leave the column out with the publication's column list instead, then re-snapshot the table",
         )
+
+
+class OtherRelationError(SchemaChangeError):
+    """A Relation message under a table's name carries another relation OID than the one its Delta table
+    was copied from: another table now has the name (dropped and created again, or renamed to it)."""
 
 
 class RelationHandling(TableFlush):

@@ -10,7 +10,7 @@ import pyarrow as pa
 from resources.cdc.renames import added_again, behind_new_columns, unproven_addition
 from resources.cdc.tables import MARKED_MODES, TableTarget
 from resources.cdc.writer import OrderedWriter
-from resources.column_overrides import as_text_fix, refuse_case_clash
+from resources.config.columns import as_text_fix, refuse_case_clash
 from resources.delta.delta_types import delta_type_name, is_safe_widening
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN

@@ -74,11 +74,14 @@ class TableTarget:
     warned: bool = False
     #: The run met a change of the table: its applied marker and history are taken from its log.
     met: bool = False
+    #: No longer published under its name (dropped, renamed, removed from the publication): the slot's
+    #: changes from before that still land (``resources/runs/drain_tables.py``).
+    departed: bool = False
     #: Set aside by a fault of its own (quarantined): its changes are skipped until a re-snapshot lifts it.
     quarantined: bool = False
     #: Where the table's changelog (or SCD type 2 table) lives (docs/history.md); None: no history kept.
     history_path: str | None = None
-    #: The history is an SCD type 2 table (``resources/cdc/scd2.py``) rather than a changelog.
+    #: The history is an SCD type 2 table (``resources/history/scd2.py``) rather than a changelog.
     history_scd2: bool = False
     #: SCD type 2: the key columns its versions are per (set with the relation).
     history_key: tuple[str, ...] = ()

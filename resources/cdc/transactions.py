@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from resources.cdc.row_batches import Change, RowBatch
-from resources.errors import ProtocolError
+from resources.errors import DRAIN_RESUMES, ProtocolError, storage_fault
 from resources.lsn import LSN
 from resources.pgoutput.decoder import PgOutputDecoder
 from resources.pgoutput.messages import (
@@ -57,7 +57,6 @@ from resources.pgoutput.messages import (
 )
 from resources.pgoutput.relations import RelationCache
 from resources.pgoutput.tags import DELETE, INSERT, UPDATE
-from resources.storage_faults import DRAIN_RESUMES, storage_fault
 
 __all__ = [
     "ChangeLog",

@@ -21,7 +21,7 @@ def unchanged_flag_column(column: str) -> str:
     return f"{UNCHANGED_PREFIX}{column}"
 
 
-# The columns of an SCD type 2 table's MERGE source and rows besides the table's own (resources/delta/versions.py).
+# The columns of an SCD type 2 table's MERGE source and rows besides the table's own (resources/history/scd2_merge.py).
 
 CURRENT_COLUMN = "_pgcdc_is_current"
 """Whether a version is its key's current one."""

@@ -58,3 +58,22 @@ def is_safe_widening(old: pa.DataType, new: pa.DataType) -> bool:
     if (delta_type_name(old), delta_type_name(new)) in _SAFE_WIDENINGS:
         return True
     return types.is_decimal(old) and types.is_decimal(new) and new.scale == old.scale and new.precision >= old.precision
+
+
+STATISTICS_COLUMNS_PROPERTY = "delta.dataSkippingStatsColumns"
+
+
+def statistics_columns(schema: pa.Schema) -> dict[str, str]:
+    """The table property that leaves floating-point columns out of the Delta log's file statistics.
+
+    Sail 0.7.2 reads a file's column as one constant when the log says its minimum equals its maximum,
+    and no minimum or maximum holds NaN: a file of ``NaN, 8.0, NaN`` reads as ``8.0, 8.0, 8.0``, and
+    every rewrite of the file (a copy-on-write MERGE, a REPLICA IDENTITY FULL replacement, a widening)
+    stores it so (docs/engine-notes.md, "NaN and a file's statistics on Sail"). pgcdc never prunes by a
+    float column (tables prune by their bucket and key lists; a float key only loses its key-list
+    pruning), so the floats' statistics buy nothing. Delta on Spark, delta-rs and Sail all honour the
+    property in every file they write; columns added later are outside the list, so they get none."""
+    kept = [field.name for field in schema if not types.is_floating(field.type)]
+    if not kept:
+        return {"delta.dataSkippingNumIndexedCols": "0"}
+    return {STATISTICS_COLUMNS_PROPERTY: ",".join("`" + name.replace("`", "``") + "`" for name in kept)}

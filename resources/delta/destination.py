@@ -117,7 +117,7 @@ class Destination(Protocol):
         """Replace every row that may equal a row of ``probe`` by ``rewrite``'s answer (REPLICA IDENTITY FULL)."""
 
     def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
-        """One MERGE of an SCD type 2 table's close rows, new versions and marker row (``resources/delta/versions.py``)."""
+        """One MERGE of an SCD type 2 table's close rows, new versions and marker row (``resources/history/scd2_merge.py``)."""
 
     def replace_versions(
         self,

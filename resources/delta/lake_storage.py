@@ -40,13 +40,13 @@ REQUEST_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
-class _Credentials:
+class Credentials:
     access_key_id: str
     secret_access_key: str
     session_token: str | None
 
     def __repr__(self) -> str:  # never the values
-        return "_Credentials(<hidden>)"
+        return "Credentials(<hidden>)"
 
 
 class LakeStorage:
@@ -65,13 +65,13 @@ class LakeStorage:
     def is_object_store(self) -> bool:
         return self.location is not None
 
-    def _region(self) -> str | None:
+    def region(self) -> str | None:
         return self.settings.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
 
-    def _endpoint(self) -> str | None:
+    def endpoint(self) -> str | None:
         return self.settings.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
-    def _credentials(self) -> _Credentials | None:
+    def credentials(self) -> Credentials | None:
         """The configured key pair (from its environment variables), else AWS_* from the
         environment, else None (another credential source)."""
         references = {
@@ -93,7 +93,7 @@ class LakeStorage:
                 )
             values[key] = value
         if values["access_key_id"] and values["secret_access_key"]:
-            return _Credentials(values["access_key_id"], values["secret_access_key"], values["session_token"])
+            return Credentials(values["access_key_id"], values["secret_access_key"], values["session_token"])
         return None
 
     def _has_other_credential_source(self) -> bool:
@@ -109,7 +109,7 @@ class LakeStorage:
         if self.location is None:
             return {}
         options: dict[str, str] = {}
-        endpoint, region = self._endpoint(), self._region()
+        endpoint, region = self.endpoint(), self.region()
         if endpoint:
             options["AWS_ENDPOINT_URL"] = endpoint
         if region:
@@ -117,7 +117,7 @@ class LakeStorage:
         if self.settings.allow_http:
             options["AWS_ALLOW_HTTP"] = "true"
         options["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] = "false" if self.settings.path_style else "true"
-        credentials = self._credentials()
+        credentials = self.credentials()
         if credentials is not None:
             options["AWS_ACCESS_KEY_ID"] = credentials.access_key_id
             options["AWS_SECRET_ACCESS_KEY"] = credentials.secret_access_key
@@ -129,33 +129,6 @@ class LakeStorage:
         """What an embedded Sail server's environment needs: Sail reads its storage settings
         only from its own process environment, never from the Spark session's settings."""
         return self.object_store_options()
-
-    def spark_settings(self) -> dict[str, str]:
-        """Settings for a JVM Spark (Hadoop's S3A client) to reach the store under the same
-        ``s3://`` URL as the other clients: S3A's jars (:func:`s3a_jars`, fetched once into the jar
-        cache) and ``fs.s3.impl`` pointing at S3A. Credentials are not among them: S3A takes them
-        from the server's environment (``engine_environment``), never from its command line."""
-        if self.location is None:
-            return {}
-        settings = {
-            "spark.jars": ",".join(str(path) for path in s3a_jars()),
-            "spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
-            "spark.hadoop.fs.s3a.path.style.access": str(self.settings.path_style).lower(),
-            "spark.hadoop.fs.s3a.connection.establish.timeout": f"{CONNECT_TIMEOUT_S:.0f}s",
-            "spark.hadoop.fs.s3a.attempts.maximum": "2",
-            "spark.hadoop.fs.s3a.retry.limit": "2",
-        }
-        endpoint, region = self._endpoint(), self._region()
-        if endpoint:
-            settings["spark.hadoop.fs.s3a.endpoint"] = endpoint
-            settings["spark.hadoop.fs.s3a.connection.ssl.enabled"] = str(endpoint.startswith("https://")).lower()
-        if region:
-            settings["spark.hadoop.fs.s3a.endpoint.region"] = region
-        if self._credentials() is not None:
-            settings["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
-                "software.amazon.awssdk.auth.credentials.EnvironmentVariableCredentialsProvider"
-            )
-        return settings
 
     def filesystem(self) -> object:
         """A ``pyarrow.fs.S3FileSystem`` on the store, with short time-outs so a wrong endpoint
@@ -170,18 +143,18 @@ class LakeStorage:
         if self.location is None:
             return fs.LocalFileSystem()
         arguments: dict[str, object] = {
-            "region": self._region(),
+            "region": self.region(),
             "connect_timeout": CONNECT_TIMEOUT_S,
             "request_timeout": REQUEST_TIMEOUT_S,
             "force_virtual_addressing": not self.settings.path_style,
             "retry_strategy": fs.AwsStandardS3RetryStrategy(max_attempts=2),
         }
-        endpoint = self._endpoint()
+        endpoint = self.endpoint()
         if endpoint:
             parts = urlsplit(endpoint)
             arguments["endpoint_override"] = parts.netloc
             arguments["scheme"] = parts.scheme
-        credentials = self._credentials()
+        credentials = self.credentials()
         if credentials is not None:
             arguments["access_key"] = credentials.access_key_id
             arguments["secret_key"] = credentials.secret_access_key
@@ -196,18 +169,18 @@ class LakeStorage:
             return
         from pyarrow import fs
 
-        if not self._region():
+        if not self.region():
             raise ConfigurationError(
                 f"no S3 region for delta.root {self.root}", "set delta.storage.region (or AWS_REGION)"
             )
-        if self._credentials() is None and not self._has_other_credential_source():
+        if self.credentials() is None and not self._has_other_credential_source():
             raise ConfigurationError(
                 f"no S3 credentials for delta.root {self.root}",
                 "set delta.storage.access_key_id and secret_access_key to ${ENV_VAR} references, export "
                 "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or set delta.storage.instance_credentials: true",
             )
         filesystem = self.filesystem()
-        endpoint = self._endpoint() or "AWS S3"
+        endpoint = self.endpoint() or "AWS S3"
         try:
             bucket = filesystem.get_file_info(self.location.bucket)  # type: ignore[attr-defined]
             if bucket.type == fs.FileType.NotFound:
@@ -232,39 +205,6 @@ class LakeStorage:
             self.filesystem().delete_dir(parse_object_location(location).store_path)  # type: ignore[attr-defined]
         except FileNotFoundError:
             pass
-
-
-S3A_JARS = (
-    "org/apache/hadoop/hadoop-aws/3.4.2/hadoop-aws-3.4.2.jar",
-    "software/amazon/awssdk/bundle/2.29.52/bundle-2.29.52.jar",
-    "software/amazon/s3/analyticsaccelerator/analyticsaccelerator-s3/1.2.1/analyticsaccelerator-s3-1.2.1.jar",
-)
-"""Hadoop's S3A client for the Hadoop 3.4.2 inside pyspark 4.1, the AWS SDK v2 bundle that Hadoop
-release is built against (612 MiB) and S3A's one further compile dependency. Passed as plain
-jars: resolving hadoop-aws through Ivy or Maven fails on a ``provided`` dependency that is not
-on Maven Central (docs/engine-notes.md)."""
-MAVEN_CENTRAL = "https://repo1.maven.org/maven2/"
-
-
-def s3a_jars() -> list[Path]:
-    """The S3A jars in the jar cache (``$PGCDC_JAR_CACHE/s3a``), downloaded from Maven Central the
-    first time: a fresh machine pays the bundle's download once."""
-    from urllib.request import urlopen
-
-    from resources.delta.spark_server import jar_cache_dir
-
-    directory = jar_cache_dir() / "s3a"
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for relative in S3A_JARS:
-        path = directory / relative.rsplit("/", 1)[1]
-        if not path.is_file():
-            partial = path.with_suffix(".part")
-            with urlopen(MAVEN_CENTRAL + relative, timeout=60) as response, open(partial, "wb") as out:
-                shutil.copyfileobj(response, out, 1024 * 1024)
-            partial.rename(path)
-        paths.append(path)
-    return paths
 
 
 def _remove_local_tree(location: str, keep_parent: bool = False) -> None:

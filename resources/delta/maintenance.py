@@ -59,7 +59,6 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import session_settings
 from resources.delta.deletion_vectors import deleted_rows, DeletedRows, table_file_deletions
 from resources.delta.lake_storage import LakeStorage
@@ -73,6 +72,8 @@ from resources.delta.table_files import (
     log_files,
     storage_files,
 )
+from resources.delta.table_log import MAINTENANCE_OPERATIONS
+from resources.engines.capabilities import engine_capabilities
 from resources.locations import join_location
 
 RETENTION_PROPERTIES = ("delta.logRetentionDuration", "delta.deletedFileRetentionDuration")
@@ -364,12 +365,6 @@ class _SparkMaintenance:
             files_written=files_written,
             properties_set=_property_changes(configuration, changed),
         )
-
-
-MAINTENANCE_OPERATIONS = frozenset({"SET TBLPROPERTIES", "OPTIMIZE", "VACUUM START", "VACUUM END"})
-"""The commits maintenance writes (delta-rs and Delta on Spark name them alike). A property commit
-is one: were it a writer's, every maintenance run that sets a property would pin the log's
-clean-up horizon to itself, and an idle table's log would never be cleaned."""
 
 
 def _newest_writer_commit(lake: LakeStorage, path: str) -> int:

@@ -9,11 +9,12 @@ import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.batch_columns import OLD_KEY_PREFIX, OP_COLUMN, unchanged_flag_column, UNCHANGED_PREFIX
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes, spark_dataframe
+from resources.delta.delta_types import statistics_columns
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_source_sql, STAGING_DIRECTORY
+from resources.engines.capabilities import engine_capabilities
 
 DELETE_ROW_COLUMN = "_pgcdc_delete_row"
 """Column a delete-and-insert MERGE adds to its source (:func:`merge_statement`): True on the row that
@@ -343,10 +344,13 @@ def append_rows(
     remove_tree(staged, lake)  # what a crashed append left where it cannot be removed (object stores)
     stage_parquet(rows, rows.schema, staged, STAGE_FILE_BYTES, lake)
     prepare_writes(spark)
+    writer = spark.sql(staged_source_sql(rows.schema, staged)).write.format("delta").mode("append")
+    if not engine_capabilities(spark).delta_commands:
+        # Sail records delta.* writer options as the properties of a table the append creates (a changelog)
+        for name, value in statistics_columns(rows.schema).items():
+            writer = writer.option(name, value)
     try:
-        spark.sql(staged_source_sql(rows.schema, staged)).write.format("delta").mode("append").option(
-            "userMetadata", user_metadata
-        ).save(path)
+        writer.option("userMetadata", user_metadata).save(path)
     finally:
         remove_tree(staged, lake)
 

@@ -10,12 +10,12 @@ from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import StructType
 
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes, spark_dataframe
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.layout import BUCKET_COLUMN
 from resources.delta.merge import quote_column
 from resources.delta.table_log import read_table_metadata
+from resources.engines.capabilities import engine_capabilities
 
 
 def table_schema(path: str, lake: LakeStorage | None = None) -> pa.Schema:

@@ -18,13 +18,14 @@ from pyspark.sql import DataFrame, functions as F, SparkSession
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from resources.crash_points import fault_point
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
+from resources.delta.delta_types import statistics_columns
 from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import LAYOUT_PROPERTY, layout_property, SNAPSHOT_CREATE_METADATA
 from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_frame, STAGING_DIRECTORY
 from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
+from resources.engines.capabilities import engine_capabilities
 from resources.locations import is_object_store
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ def _write_with_engine(
         fault_point("after_snapshot_staged")
         _overwrite(
             staged_frame(spark, schema, staging),
+            schema,
             path,
             user_metadata,
             layout,
@@ -241,7 +243,7 @@ def _write_with_delta_rs(
         # OSError naming the cause (delta-rs says only "Could not create local directory").
         filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
     if created:
-        configuration = {LAYOUT_PROPERTY: layout_property(layout)}
+        configuration = {LAYOUT_PROPERTY: layout_property(layout), **statistics_columns(schema)}
         if deletion_vectors:
             configuration[DELETION_VECTORS_PROPERTY] = "true"
         fault_point("before_snapshot_create")
@@ -376,7 +378,9 @@ def _write_into_engine_table(
     if created:
         prepare_writes(spark)
         empty = spark.createDataFrame([], spark_schema)
-        _overwrite(empty, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False)
+        _overwrite(
+            empty, schema, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False
+        )
         fault_point("after_snapshot_create")
     table = DeltaTable(path, storage_options=storage_options)
     if not _delta_rs_keeps(table, spark_schema.jsonValue(), partition_by):
@@ -411,6 +415,7 @@ def _delta_rs_keeps(table: DeltaTable, schema: dict[str, object], partition_by: 
 
 def _overwrite(
     frame: DataFrame,
+    schema: pa.Schema,
     path: str,
     user_metadata: str,
     layout: TableLayout | None,
@@ -419,7 +424,7 @@ def _overwrite(
     rows_outside_where: bool = False,
     arranged: bool = True,
 ) -> None:
-    """Overwrite the table (schema too), or only the rows ``replace_where`` selects; bucketed by
+    """Overwrite the table (schema too, ``schema`` as Arrow), or only the rows ``replace_where`` selects; bucketed by
     ``layout``: one task, so one file, per bucket, sorted by key (unless not ``arranged``: a frame
     without rows needs no shuffle). ``deletion_vectors``: the write
     creates the table, with :data:`DELETION_VECTORS_PROPERTY` on (a writer option every engine
@@ -451,6 +456,8 @@ def _overwrite(
         # property names it does not know, so there the layout lives in the marker only.
         # (Sail creates tables through here only when told to: bench.snapshot --writers engine.)
         writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))
+        for name, value in statistics_columns(schema).items():
+            writer = writer.option(name, value)
     if replace_where is not None and delta_commands:
         # Delta on Spark skips the commit of a write that adds and removes nothing unless told not
         # to (a session setting: the session's writes are serialised while a range is replaced).

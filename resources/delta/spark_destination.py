@@ -9,12 +9,13 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig
-from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log, versions
+from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, prepare_writes
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeySpan
 from resources.delta.lake_storage import LakeStorage, open_lake
 from resources.delta.layout import TableLayout
+from resources.history import scd2_merge
 
 
 class SparkDeltaDestination:
@@ -65,7 +66,7 @@ class SparkDeltaDestination:
         merge.replace_rows(self.spark, path, probe, rewrite, user_metadata)
 
     def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
-        versions.merge_versions(self.spark, path, source, key_columns, prune_buckets, self.lake)
+        scd2_merge.merge_versions(self.spark, path, source, key_columns, prune_buckets, self.lake)
 
     def replace_versions(
         self,
@@ -74,10 +75,10 @@ class SparkDeltaDestination:
         deletion_vectors: bool,
         layout: TableLayout | None,
     ) -> None:
-        versions.replace_versions(self.spark, path, rewrite, deletion_vectors, layout, self.lake)
+        scd2_merge.replace_versions(self.spark, path, rewrite, deletion_vectors, layout, self.lake)
 
     def versions_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
-        return versions.read_versions_marker(self.spark, path, self.lake)
+        return scd2_merge.read_versions_marker(self.spark, path, self.lake)
 
     def delete_all_rows(self, path: str) -> None:
         merge.delete_all_rows(self.spark, path)

@@ -87,14 +87,16 @@ def newest_marker(path: str, lake: LakeStorage | None = None) -> tuple[int | Non
     return newest, None
 
 
+MAINTENANCE_OPERATIONS = frozenset({"SET TBLPROPERTIES", "OPTIMIZE", "VACUUM START", "VACUUM END"})
+"""The commits maintenance writes (delta-rs and Delta on Spark name them alike). A property commit
+is one: were it a writer's, every maintenance run that sets a property would pin the log's
+clean-up horizon to itself, and an idle table's log would never be cleaned."""
+
+
 def rows_unchanged_after(path: str, version: int, newest: int, lake: LakeStorage | None = None) -> bool:
     """Whether every commit after ``version`` up to ``newest`` only maintains the table (table
-    properties, compaction, vacuum: :data:`~resources.delta.maintenance.MAINTENANCE_OPERATIONS`),
+    properties, compaction, vacuum: :data:`MAINTENANCE_OPERATIONS`),
     so its rows are those of ``version``; reads those commits only."""
-    from resources.delta.maintenance import (
-        MAINTENANCE_OPERATIONS,  # maintenance imports the snapshot writes, which import this
-    )
-
     log = _Log(path, lake)
     for later in range(version + 1, newest + 1):
         infos = log.actions(later, "commitInfo")

@@ -16,7 +16,7 @@ Decisions a data engineer should know (also tabulated in ``docs/type-mapping.md`
   Spark decimal can represent: converting one raises :class:`PgValueError` naming the
   column, instead of writing a null or a clamp that nobody would notice. The remedy is to
   replicate that column as text (``PgColumnType.as_text``, set by the configuration's
-  ``columns: {"schema.table.column": text}``: ``resources/column_overrides.py``). Unconstrained ``numeric`` and
+  ``columns: {"schema.table.column": text}``: ``resources/config/columns.py``). Unconstrained ``numeric`` and
   precisions above 38 become ``string`` holding PostgreSQL's exact text: nothing is lost.
 * **timestamp / timestamptz** keep their type. ``infinity`` / ``-infinity`` become the largest /
   smallest int64 microsecond values (year 294247 / -290308): no finite PostgreSQL value maps

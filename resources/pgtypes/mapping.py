@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
-from resources.column_overrides import ColumnChoice
+from resources.config.columns import ColumnChoice
 
 SESSION_SETTINGS: dict[str, str] = {
     "TimeZone": "UTC",
@@ -68,7 +68,7 @@ class PgColumnType:
     as_text: bool = False
     """Replicate as PostgreSQL's text whatever the type: the escape hatch for values the
     typed mapping refuses (numeric NaN, infinite dates, multi-dimensional arrays), set by the
-    configuration's ``columns`` (``resources/column_overrides.py``)."""
+    configuration's ``columns`` (``resources/config/columns.py``)."""
     source: str | None = None
     """The PostgreSQL name when ``column``, the Delta name, was renamed by the configuration."""
     excluded: bool = False

@@ -53,7 +53,7 @@ class TableInfo:
         """The published columns' attnums and the attribute count (None: the count was not read)."""
         if self.attribute_count is None:
             return None
-        return ColumnNumbers({column.name: column.attnum for column in self.columns}, self.attribute_count)
+        return ColumnNumbers({column.name: column.attnum for column in self.columns}, self.attribute_count, self.oid)
 
     @property
     def key_columns(self) -> tuple[str, ...]:
@@ -123,6 +123,29 @@ def _relation(conn: psycopg.Connection, table: TableName) -> tuple[int, str, str
 
 def table_oid(conn: psycopg.Connection, table: TableName) -> int:
     return _relation(conn, table)[0]
+
+
+def relation_oid(conn: psycopg.Connection, table: TableName) -> int | None:
+    """The OID of the relation named ``table`` now; None when no relation has that name."""
+    try:
+        return table_oid(conn, table)
+    except ConfigurationError:
+        return None
+
+
+def relation_name(conn: psycopg.Connection, oid: int) -> TableName | None:
+    """The name of the relation with ``oid`` now; None when there is none (dropped)."""
+    row = (
+        client_cursor(conn)
+        .execute(
+            "SELECT n.nspname::pg_catalog.text, c.relname::pg_catalog.text FROM pg_catalog.pg_class c"
+            " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+            " WHERE c.oid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid",
+            {"oid": oid},
+        )
+        .fetchone()
+    )
+    return None if row is None else TableName(str(row[0]), str(row[1]))
 
 
 def read_table(conn: psycopg.Connection, publication: str, table: TableName) -> TableInfo:

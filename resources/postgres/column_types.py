@@ -6,7 +6,7 @@ from typing import Protocol
 
 import psycopg
 
-from resources.column_overrides import ColumnOverrides, NO_OVERRIDES, refuse_case_clash
+from resources.config.columns import ColumnOverrides, NO_OVERRIDES, refuse_case_clash
 from resources.names import TableName
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import (

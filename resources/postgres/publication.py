@@ -26,8 +26,9 @@ def publication_exists(conn: psycopg.Connection, publication: str) -> bool:
     return row is not None
 
 
-def published_tables(conn: psycopg.Connection, publication: str) -> list[TableName]:
-    """The tables a publication publishes, as pg_publication_tables lists them."""
+def published_tables(conn: psycopg.Connection, publication: str, *, allow_empty: bool = False) -> list[TableName]:
+    """The tables a publication publishes, as pg_publication_tables lists them; none is refused
+    unless ``allow_empty`` (a drain whose tables all left the publication still drains their changes)."""
     if not publication_exists(conn, publication):
         raise ConfigurationError(
             f'publication "{publication}" does not exist',
@@ -42,7 +43,7 @@ def published_tables(conn: psycopg.Connection, publication: str) -> list[TableNa
         )
         .fetchall()
     )
-    if not rows:
+    if not rows and not allow_empty:
         # Draining an empty publication would confirm the slot past every change for nothing.
         raise ConfigurationError(
             f'publication "{publication}" publishes no tables',
@@ -60,12 +61,17 @@ def resolve_tables(conn: psycopg.Connection, publication: str, configured: Seque
     wanted = [TableName.parse(name) for name in configured]
     missing = [table for table in wanted if table not in published]
     if missing:
-        raise ConfigurationError(
-            f'{", ".join(str(table) for table in missing)} not published by "{publication}"',
-            f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE {', '.join(t.quoted for t in missing)}, "
-            "or remove them from 'tables' (a partitioned table needs publish_via_partition_root = true)",
-        )
+        raise unpublished_error(publication, missing)
     return wanted
+
+
+def unpublished_error(publication: str, missing: Sequence[TableName]) -> ConfigurationError:
+    """Configured tables the publication does not publish."""
+    return ConfigurationError(
+        f'{", ".join(str(table) for table in missing)} not published by "{publication}"',
+        f"ALTER PUBLICATION {quote_ident(publication)} ADD TABLE {', '.join(t.quoted for t in missing)}, "
+        "or remove them from 'tables' (a partitioned table needs publish_via_partition_root = true)",
+    )
 
 
 def ensure_publication(config: PgcdcConfig) -> list[TableName]:

@@ -185,9 +185,39 @@ def read_slot(conn: psycopg.Connection, name: str) -> SlotState | None:
     return slot_state(conn.execute(slot_state_query(name, conn.info.server_version)).fetchall())
 
 
-def slot_in_use(slot: str, pid: object) -> SlotError:
-    """The error for a slot another consumer is reading (also when START_REPLICATION finds it so)."""
-    return SlotError(
-        f'replication slot "{slot}" is in use by PID {pid}',
-        "another run or consumer is reading it; stop the other consumer or wait for it to finish",
+class SlotInUseError(SlotError):
+    """Another consumer is reading the slot (``pid``: its walsender's)."""
+
+    def __init__(self, cause: str, fix: str, slot: str, pid: object) -> None:
+        super().__init__(cause, fix)
+        self.slot = slot
+        self.pid = pid
+
+
+def slot_in_use(slot: str, pid: object, holder: str | None = None) -> SlotInUseError:
+    """The error for a slot another consumer is reading (also when START_REPLICATION finds it so);
+    ``holder`` names it (:func:`slot_holder`)."""
+    return SlotInUseError(
+        f'replication slot "{slot}" is in use by PID {pid}' + (f" ({holder})" if holder else ""),
+        "another run or consumer is reading it (a second drain of one slot cannot run beside the first): wait "
+        "for it to finish and retry, or stop the other consumer",
+        slot,
+        pid,
     )
+
+
+def slot_holder(conn: psycopg.Connection, pid: object) -> str | None:
+    """Who a walsender serves, as pg_stat_activity says: its application name (a pgcdc drain names its
+    run there), client address and start; None when it is gone."""
+    try:
+        row = conn.execute(
+            "SELECT application_name, client_addr::pg_catalog.text, backend_start::pg_catalog.timestamptz(0)::pg_catalog.text"
+            " FROM pg_catalog.pg_stat_activity WHERE pid OPERATOR(pg_catalog.=) %s::pg_catalog.int4",
+            (int(str(pid)),),
+        ).fetchone()
+    except (ValueError, psycopg.Error):
+        return None
+    if row is None:
+        return None
+    name, address, since = row
+    return f"{name or 'an unnamed client'}" + (f" from {address}" if address else "") + f", since {since}"

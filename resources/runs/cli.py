@@ -133,9 +133,9 @@ def print_as_of(args: argparse.Namespace, out: TextIO) -> int:
 
     The engine and the lake are imported here: ``pgcdc changes`` needs neither."""
     from resources.config import load_config
-    from resources.delta.engine import SparkEngine
     from resources.delta.lake_storage import open_lake
-    from resources.history import drained_position, read_as_of
+    from resources.engines.engine import SparkEngine
+    from resources.history.as_of import drained_position, read_as_of
     from resources.postgres.catalog import TableName
 
     config = load_config(args.config)
@@ -200,12 +200,12 @@ def _csv_field(value: Any) -> str:
 
 
 def serve_spark(args: argparse.Namespace, out: TextIO) -> int:
-    """``pgcdc spark-server``: the managed Spark with Delta until SIGTERM or Ctrl-C (``resources/delta/spark_service.py``)."""
+    """``pgcdc spark-server``: the managed Spark with Delta until SIGTERM or Ctrl-C (``resources/engines/spark_service.py``)."""
     from resources.config import load_config
-    from resources.delta.spark_service import serve
+    from resources.engines.spark_service import serve
 
     if args.stop:
-        from resources.delta.kept_spark import stop_all
+        from resources.engines.kept_spark import stop_all
 
         stopped = stop_all()
         out.write(f"pgcdc: stopped {len(stopped)} kept Spark JVM(s){''.join(f' (pid {pid})' for pid in stopped)}\n")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
-from resources.column_overrides import ColumnOverrides, NO_OVERRIDES, refuse_case_clash, refuse_excluded_keys
+from resources.config.columns import ColumnOverrides, NO_OVERRIDES, refuse_case_clash, refuse_excluded_keys
 from resources.crash_points import fault_point
 from resources.delta.destination import Destination
 from resources.delta.key_ranges import KeySpan
@@ -29,10 +29,10 @@ from resources.delta.layout import TableLayout
 from resources.delta.markers import LSN_COLUMN
 from resources.lsn import LSN
 from resources.pgtypes import arrow_schema, PgColumnType, SESSION_SETTINGS, spark_ddl_type, with_choices
-from resources.phases import Phases
 from resources.postgres.catalog import read_table, table_oid, TableInfo, TableName
 from resources.postgres.copy import PieceParser, read_column_types
 from resources.postgres.replication import ReplicationConnection
+from resources.runs.phases import Phases
 
 __all__ = ["ConsistentCopy", "consistent_copy", "Pieces"]
 

@@ -27,15 +27,16 @@ past them is safe because their snapshot, taken later, starts at a consistent po
 
 While the run waits for Delta, nothing reads the replication stream: the waits call ``ReplicationStream.keepalive``
 (status updates with the same, durable position), so the walsender does not drop the connection after
-wal_sender_timeout during a long write. A full or unwritable lake fails the run in one line (``resources/storage_faults.py``).
+wal_sender_timeout during a long write. A full or unwritable lake fails the run in one line (``runs/storage_faults.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -49,12 +50,12 @@ from resources.cdc.writer import HEARTBEAT_SECONDS
 from resources.config import PgcdcConfig
 from resources.crash_points import fault_point
 from resources.delta.destination import Destination, TableLog
-from resources.delta.engine import process_memory_mib
-from resources.delta.spark_connect import reports_dead_engine
-from resources.delta.state_table import known_log, read_state, state_path, StateRow, write_state
-from resources.errors import ConfigurationError, explain, mask_dsn, PgcdcError, SlotError
+from resources.delta.state_table import read_state, state_path, StateRow, write_state
+from resources.engines.engine import process_memory_mib
+from resources.engines.spark_connect import reports_dead_engine
+from resources.errors import explain, mask_dsn, SlotError
 from resources.lsn import LSN
-from resources.names import RESNAPSHOT_JOB, slot_pool, SNAPSHOT_JOB
+from resources.names import RESNAPSHOT_JOB, slot_pool
 from resources.pgoutput.options import PgOutputOptions
 from resources.pgtypes import SESSION_SETTINGS
 from resources.postgres.catalog import TableName
@@ -64,12 +65,14 @@ from resources.postgres.failover import failover_problems
 from resources.postgres.preflight import check_server, check_slot, ensure_failover, idle_timeout_risk
 from resources.postgres.publication import check_publications, resolve_tables
 from resources.postgres.replication import ReplicationConnection
-from resources.postgres.slots import read_slot, SlotState, wal_position
+from resources.postgres.slots import read_slot, slot_holder, slot_in_use, SlotInUseError, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
+from resources.postgres.table_locks import TableLocks
+from resources.runs.drain_tables import drain_targets, read_log, wanted_tables
 from resources.runs.key_range_copy import copy_key_range
 from resources.runs.quarantine import Quarantine, Quarantines
 from resources.runs.slot_guard import check_slot_position
-from resources.storage_faults import reports_storage_faults
+from resources.runs.storage_faults import reports_storage_faults
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
@@ -127,6 +130,9 @@ class IncrementalResult:
     newly_quarantined: list[str] = field(default_factory=list)
     #: Tables whose quarantine a re-snapshot lifted, found at the run's start.
     lifted: list[str] = field(default_factory=list)
+    #: Tables no longer published under their name whose Delta tables remain, by name: why, and the fix
+    #: (resources/runs/drain_tables.py).
+    departed: dict[str, str] = field(default_factory=dict)
 
     @property
     def changes_per_second(self) -> float:
@@ -149,6 +155,8 @@ def run_incremental(
     hold: Callable[[], None] | None = None,
     warn: Callable[[str], None] | None = None,
     schedule_gap: timedelta | None = None,
+    held: frozenset[str] = frozenset(),
+    lock_wait: float | None = None,
 ) -> IncrementalResult:
     """Apply the slot's backlog up to the current WAL flush position to ``destination``, then confirm it.
 
@@ -162,32 +170,30 @@ def run_incremental(
     flush position (reconciliation fixes it as a temporary slot's consistent point); it must
     not lie behind the slot's confirmed position.
 
-    ``hold`` runs first, while the run holds the slot (streaming started, so no other reader can
-    take it; status updates keep it), before the tables' logs are read and the end position is
-    taken: a snapshot in key ranges copies its next range there (docs/contracts.md).
+    ``hold`` runs first, while the run holds the slot (streaming started, so no other reader can take it;
+    status updates keep it), before the tables' logs are read and the end position is taken: a
+    snapshot in key ranges copies its next range there (docs/contracts.md).
 
     ``warn`` (default: ``log``) hears what would lose the slot later without stopping this
     run: a failover slot no standby has synchronized yet (``slot_failover``), and an
     ``idle_replication_slot_timeout`` shorter than ``schedule_gap``, the longest gap between
     scheduled drains, allows.
-    """
+
+    Each table the run writes is locked against a snapshot or maintenance of it (``resources/postgres/table_locks.py``,
+    waiting ``lock_wait`` s at most), but the Delta paths in ``held``, whose locks the caller holds."""
     say = log or (lambda message: None)
     caution = warn or (lambda message: say(f"warning: {message}"))
     started = time.monotonic()
     dsn = config.postgres.dsn
-    conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
-    with (
-        conn,
-        ReplicationConnection(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS) as rc,
-    ):
+    with _sessions(dsn, config.slot, lock_wait) as (conn, rc, locks):
         start_lsn, tables = _checked_start(config, destination, conn, rc, end_lsn, schedule_gap, caution)
-        guard = check_slot_position(config, destination, tables, start_lsn, holding=hold is not None)
+        guard = check_slot_position(config, destination, tables[0], start_lsn, holding=hold is not None)
         stream = ReplicationStream(rc)
         options = PgOutputOptions([config.publication], streaming="on")
         if hold is not None:
             end_lsn = _held(stream, config.slot, options, start_lsn, hold, conn, end_lsn)
         state = read_state(state_path(config.delta.root, config.slot), destination.lake)
-        targets = _targets(config, destination, tables, state, start_lsn, say)
+        targets, gone = drain_targets(conn, config, destination, tables, state, start_lsn, (say, caution))
         end_lsn = rc.identify_system().xlogpos if end_lsn is None else end_lsn
         quarantines = Quarantines.start(config, destination, targets, (start_lsn, end_lsn), say)
         applier = ChangeApplier(
@@ -195,7 +201,7 @@ def run_incremental(
             max_bytes=max_chunk_bytes, log=say, heartbeat=stream.keepalive, max_merge_rows=max_merge_rows,
             max_replace_values=max_replace_values, recopy_range=functools.partial(_recopy_range, config, destination),
             set_aside=None if config.on_table_error == "stop" else quarantines.set_aside,
-            write_concurrency=config.spark.writes_at_once(),
+            write_concurrency=config.spark.writes_at_once(), claim=_claims(locks, held, stream.keepalive),
         )  # fmt: skip
         say(f"draining slot {config.slot} from {start_lsn} to {end_lsn} ({max(0, end_lsn - start_lsn)} bytes of WAL)")
         if not stream.streaming:
@@ -211,8 +217,41 @@ def run_incremental(
         confirmed, flush_now = _confirmed_flush(dsn, config.slot), wal_position(conn)
     return _summary(
         applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now, started,
-        say,
+        say, gone,
     )  # fmt: skip
+
+
+@contextmanager
+def _sessions(
+    dsn: str, slot: str, lock_wait: float | None
+) -> Iterator[tuple[psycopg.Connection, ReplicationConnection, TableLocks]]:
+    """The run's sessions: a normal one, the replication one (its name names the run) and its table locks';
+    a slot found in use (by the preflight, or by START_REPLICATION in a race) is refused naming its reader."""
+    conn = connect(dsn, application_name="pgcdc_incremental", session_settings=SESSION_SETTINGS)
+    locks = TableLocks(dsn, slot, "drain", lock_wait)
+    named = f"pgcdc_incremental {locks.run}"[:63]
+    with conn, ReplicationConnection(dsn, application_name=named, session_settings=SESSION_SETTINGS) as rc:
+        with closing(locks):
+            try:
+                yield conn, rc, locks
+            except SlotInUseError as busy:
+                holder = slot_holder(conn, busy.pid)
+                if holder is None:
+                    raise
+                raise slot_in_use(busy.slot, busy.pid, holder) from None
+
+
+def _claims(
+    locks: TableLocks, held: frozenset[str], heartbeat: Callable[[], None]
+) -> tuple[Callable[[str], None], Callable[[str], None]]:
+    """The change applier's ``claim``: a table's lock taken shared (keeping the stream alive while it
+    waits), but for the tables the caller holds."""
+
+    def take(path: str) -> None:
+        if path not in held:
+            locks.acquire(path, exclusive=False, heartbeat=heartbeat)
+
+    return take, locks.release
 
 
 def _summary(
@@ -226,6 +265,7 @@ def _summary(
     flush_now: LSN,
     started: float,
     say: Callable[[str], None],
+    departed: dict[str, str],
 ) -> IncrementalResult:
     """What the run did, reported in one line and returned."""
     start_lsn, end_lsn = drained
@@ -243,8 +283,11 @@ def _summary(
         peak_memory_mib=process_memory_mib()[1],
         # Read before the run (not listed by the state) or during it (a listed table whose log has no snapshot now).
         tables_without_snapshot=[
-            str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted
+            str(t.table)
+            for t in targets.values()
+            if t.log is not None and not t.log.being_snapshotted and not t.departed
         ],
+        departed=departed,
         quarantined=dict(quarantines.active),
         newly_quarantined=list(quarantines.new),
         lifted=list(quarantines.lifted),
@@ -266,9 +309,10 @@ def _checked_start(
     end_lsn: LSN | None,
     schedule_gap: timedelta | None,
     caution: Callable[[str], None],
-) -> tuple[LSN, list[TableName]]:
+) -> tuple[LSN, tuple[list[TableName], list[TableName]]]:
     """The checks before a drain touches anything (server, publication, slot, lake), the warnings that
-    do not stop it, and where it starts: the slot's confirmed position and the published tables."""
+    do not stop it, and where it starts: the slot's confirmed position, the published tables to replicate
+    and the configured ones not published now."""
     check_server(rc)
     check_publications(rc, [config.publication])
     if rc.read_slot(config.slot) is None:
@@ -278,10 +322,7 @@ def _checked_start(
     assert start_lsn is not None  # check_slot refuses a slot without one
     for warning in _slot_risks(config, conn, rc, slot_state, schedule_gap):
         caution(warning)
-    try:
-        tables = resolve_tables(conn, config.publication, config.tables)
-    except psycopg.Error as exc:
-        raise explain(exc, config.postgres.dsn) from None
+    tables = wanted_tables(conn, config)
     if end_lsn is not None and end_lsn < start_lsn:
         raise SlotError(
             f'replication slot "{config.slot}" is confirmed at {start_lsn}, beyond the requested end {end_lsn}',
@@ -324,53 +365,6 @@ def _recopy_range(
     )  # fmt: skip
 
 
-def _targets(
-    config: PgcdcConfig,
-    destination: Destination,
-    tables: list[TableName],
-    state: dict[str, StateRow],
-    start_lsn: LSN,
-    say: Callable[[str], None],
-) -> dict[TableName, TableTarget]:
-    """The run's tables; refuses when none has a snapshot. A table snapshotted after ``start_lsn`` (since
-    the previous drain) has its schema check due.
-
-    A table the state lists as snapshotted is not read here: its own log is read when the drain
-    meets a change for it. Any other table's log is read now (through the lake's storage client,
-    no engine round trip), so a table snapshotted since the state was last written, or a lake
-    written before the state existed, is seen as it is.
-    """
-    targets: dict[TableName, TableTarget] = {}
-    for table in tables:
-        path = config.table_path(table.schema, table.name)
-        known = known_log(state, str(table), path)
-        if known is not None:
-            targets[table] = TableTarget(table, path, known=known)
-        else:
-            targets[table] = TableTarget(table, path, log=_read_log(destination, path, config))
-            targets[table].stats.version_read = targets[table].log.version  # type: ignore[union-attr]
-        targets[table].history_path = config.history_path(table.schema, table.name)
-        targets[table].history_scd2 = config.history.mode(table) == "scd2"
-        targets[table].history_deletion_vectors = config.delta.deletion_vectors_for(table)
-        recorded = targets[table].log or targets[table].known
-        if recorded is not None and recorded.snapshot_lsn is not None and recorded.snapshot_lsn > start_lsn:
-            targets[table].stats.schema_changed = True
-    without_snapshot = [str(t.table) for t in targets.values() if t.log is not None and not t.log.being_snapshotted]
-    if targets and len(without_snapshot) == len(targets):
-        # Every change would be skipped and the slot confirmed past it: with a mistyped or
-        # unmounted delta.root the real lake would never get those changes.
-        raise ConfigurationError(
-            f"no replicated table has a snapshot under delta.root {config.delta.root}",
-            f"run the {SNAPSHOT_JOB} job first, or fix delta.root if it points to the wrong place",
-        )
-    if without_snapshot:
-        say(
-            f"no snapshot yet for {', '.join(without_snapshot)}: their changes are skipped "
-            "(their snapshot will start after this run's position)"
-        )
-    return targets
-
-
 def _record_state(
     config: PgcdcConfig,
     destination: Destination,
@@ -391,7 +385,7 @@ def _record_state(
             if str(table) in state:
                 gone.append(str(table))
             continue
-        log = _read_log(destination, target.path, config, target.log)
+        log = read_log(destination, target.path, config, target.log)
         previous = state.get(str(table))
         applied = target.stats.applied_lsn
         if applied is None and previous is not None and previous.log.snapshot_version == log.snapshot_version:
@@ -433,20 +427,6 @@ def _table_results(
             written,
         )
     return results
-
-
-def _read_log(destination: Destination, path: str, config: PgcdcConfig, known: TableLog | None = None) -> TableLog:
-    """The table's log, with a failure to read the location as one line naming delta.root."""
-    try:
-        return destination.read_table_log(path, known)
-    except PgcdcError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - storage errors are multi-line and name no fix
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
-        raise ConfigurationError(
-            f"cannot read the Delta table at {path} ({first_line})",
-            f"check delta.root ({config.delta.root}) and delta.storage: it must be a writable location holding the snapshots",
-        ) from None
 
 
 def _refuse_lost_slot(config: PgcdcConfig, destination: Destination, conn: psycopg.Connection) -> None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import psycopg
 import pyarrow as pa
 
-from resources.column_overrides import ColumnOverrides, NO_OVERRIDES
 from resources.config import BucketSettings, SnapshotSettings
+from resources.config.columns import ColumnOverrides, NO_OVERRIDES
 from resources.crash_points import fault_point
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import Destination, TableLog

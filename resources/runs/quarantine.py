@@ -34,8 +34,8 @@ from typing import Any
 
 from resources.cdc.schema import ChangeValueError, SchemaChangeError
 from resources.cdc.tables import TableTarget
-from resources.column_overrides import ColumnClashError
 from resources.config import PgcdcConfig
+from resources.config.columns import ColumnClashError
 from resources.crash_points import fault_point
 from resources.delta.destination import Destination
 from resources.delta.lake_records import delete_record, read_records, records_location, write_record

@@ -50,11 +50,11 @@ import psycopg
 import pyarrow as pa
 
 from resources.cdc.row_multiset import comparable_rows
-from resources.column_overrides import ColumnOverrides, NO_OVERRIDES
 from resources.config import PgcdcConfig
+from resources.config.columns import ColumnOverrides, NO_OVERRIDES
 from resources.delta.destination import Destination
 from resources.delta.markers import LSN_COLUMN
-from resources.delta.spark_connect import reports_dead_engine
+from resources.engines.spark_connect import reports_dead_engine
 from resources.errors import explain
 from resources.lsn import LSN
 from resources.names import SNAPSHOT_JOB

@@ -36,13 +36,12 @@ from resources.delta.destination import Destination, TableLog
 from resources.delta.lake_records import read_record, records_location, write_record
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.state_table import known_log, read_state, state_path
-from resources.errors import ConfigurationError, PgcdcError, SlotError, StorageFault
+from resources.errors import ConfigurationError, DRAIN_RESUMES, PgcdcError, SlotError, storage_fault, StorageFault
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
 from resources.postgres.catalog import TableName
 from resources.postgres.replication import CreatedSlot
 from resources.postgres.slots import SlotState
-from resources.storage_faults import DRAIN_RESUMES, storage_fault
 
 SLOT_RECORDS = "slots"
 """The kind of record below ``<delta.root>/_pgcdc/``: one directory per slot."""

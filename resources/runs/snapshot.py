@@ -15,6 +15,8 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import closing
+from typing import Any
 
 import psycopg
 
@@ -26,15 +28,16 @@ from resources.delta.state_table import known_log, read_state, state_path, State
 from resources.errors import ConfigurationError, explain, PgcdcError, SlotError, SnapshotError
 from resources.names import RESNAPSHOT_JOB
 from resources.pgtypes import SESSION_SETTINGS
-from resources.phases import Phases
 from resources.postgres.catalog import read_table, TableName
 from resources.postgres.connections import connect
 from resources.postgres.ctid_copy import heap_blocks
 from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.slots import read_slot
+from resources.postgres.table_locks import TableLocks
 from resources.runs.incremental import run_incremental
 from resources.runs.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
+from resources.runs.phases import Phases
 from resources.runs.slot_guard import record_created
 from resources.runs.table_snapshot import naming_table, snapshot_table, SnapshotProgress, SnapshotResult
 from resources.sql import quote_ident
@@ -150,9 +153,13 @@ def snapshot_each(
             yield table, error
     one_snapshot = [table for table, (plan, resume) in modes.items() if plan is None and not resume]
     workers = max(1, min(config.snapshot.parallel_tables, len(one_snapshot)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
+    locks = TableLocks(config.postgres.dsn, config.slot, "snapshot")
+    with closing(locks), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pgcdc-snapshot") as pool:
         pending = {
             pool.submit(
+                _locked,
+                locks,
+                config.table_path(table.schema, table.name),
                 snapshot_table,
                 config.postgres.dsn,
                 config.publication,
@@ -184,7 +191,7 @@ def snapshot_each(
         if plan is None and not resume:
             continue
         try:
-            result = snapshot_in_key_ranges(config, destination, table, plan, on_progress, known=known(table))
+            result = _locked_walk(config, destination, table, plan, on_progress, known(table))
         except Exception as error:  # noqa: BLE001 - a failing table does not stop the others
             yield table, naming_table(error, table) if isinstance(error, PgcdcError) else error
             continue
@@ -193,6 +200,26 @@ def snapshot_each(
     if finished:
         with clock.timed("state_write"):
             _record_snapshots(state, finished, destination)
+
+
+def _locked(
+    locks: TableLocks, path: str, copy: Callable[..., SnapshotResult], *args: Any, **kwargs: Any
+) -> SnapshotResult:
+    """``copy`` with the lock of the Delta table at ``path`` held exclusively (no drain writes it meanwhile,
+    nor another snapshot or maintenance of it), up to its commit; the state row written after is a cache."""
+    with locks.holding(path):
+        return copy(*args, **kwargs)
+
+
+def _locked_walk(
+    config: PgcdcConfig, destination: Destination, table: TableName, plan: KeyRanges | None,
+    on_progress: Callable[[SnapshotProgress], None] | None, known: TableLog | None,
+) -> SnapshotResult:  # fmt: skip
+    """:func:`snapshot_in_key_ranges` with the table's lock held exclusively for the whole walk (its own
+    drains, between its ranges, are told they hold it)."""
+    with closing(TableLocks(config.postgres.dsn, config.slot, "snapshot")) as locks:
+        locks.acquire(config.table_path(table.schema, table.name), exclusive=True)
+        return snapshot_in_key_ranges(config, destination, table, plan, on_progress, known=known)
 
 
 def _record_snapshots(state: str, finished: list[SnapshotResult], destination: Destination) -> None:
@@ -306,8 +333,9 @@ def snapshot_in_key_ranges(
     while True:
         copied = len(copies)
         run_incremental(
-            config, destination, hold=copy_next, log=lambda line: logger.info("snapshot %s: %s", table, line)
-        )
+            config, destination, hold=copy_next, log=lambda line: logger.info("snapshot %s: %s", table, line),
+            held=frozenset({path}),
+        )  # fmt: skip
         if len(copies) == copied:
             break
         copy = copies[-1]

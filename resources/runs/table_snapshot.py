@@ -37,23 +37,22 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from resources.column_overrides import as_text_fix, ColumnOverrides, NO_OVERRIDES
 from resources.config import BucketSettings, DEFAULT_CHUNK_MB, DEFAULT_WORKERS
+from resources.config.columns import as_text_fix, ColumnOverrides, NO_OVERRIDES
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES
 from resources.delta.destination import Destination, TableLog
 from resources.delta.layout import TableLayout
 from resources.delta.markers import snapshot_marker
 from resources.delta.table_log import read_table_metadata
-from resources.errors import explain, PgcdcError, SnapshotError
+from resources.errors import explain, PgcdcError, SnapshotError, storage_fault
 from resources.lsn import LSN
 from resources.pgtypes import PgValueError
-from resources.phases import Phases
 from resources.postgres.catalog import TableName
 from resources.postgres.copy import copied_batches, DEFAULT_CHUNK_ROWS, PARSE_BYTES
 from resources.postgres.ctid_copy import block_ranges, export_snapshot, heap_blocks, parallel_copy
 from resources.runs.consistent_copy import consistent_copy, Pieces
+from resources.runs.phases import Phases
 from resources.runs.snapshot_layout import existing_layout, table_layout
-from resources.storage_faults import storage_fault
 
 __all__ = ["naming_table", "SnapshotProgress", "SnapshotResult", "snapshot_table"]
 
@@ -115,7 +114,7 @@ class SnapshotResult:
     table_id: str | None = None  # Delta's metaData.id of the table written (what the state row's layout belongs to)
     key_ranges: bool = False  # copied in primary-key ranges, one short transaction each (``chunks`` of them)
     snapshot_version: int | None = None  # the version of the snapshot marker's commit, when not ``delta_version``
-    phases: dict[str, float] = field(default_factory=dict)  # where ``duration_s`` went (resources/phases.py)
+    phases: dict[str, float] = field(default_factory=dict)  # where ``duration_s`` went (resources/runs/phases.py)
 
     @property
     def rows_per_second(self) -> float:

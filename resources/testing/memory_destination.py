@@ -210,7 +210,7 @@ class InMemoryDestination:
         self._commit(path, pa.Table.from_pylist(kept + replacement.to_pylist(), schema=target.schema), user_metadata)
 
     def merge_versions(self, path: str, source: pa.Table, key_columns: Sequence[str], prune_buckets: bool) -> None:
-        """As the Delta MERGE of ``resources/delta/versions.py``, bucket pruning included."""
+        """As the Delta MERGE of ``resources/history/scd2_merge.py``, bucket pruning included."""
         target = self.tables[path]
         rows = target.to_pylist()
         closing = source.filter(source.column(CLOSE_COLUMN))  # the MERGE names the buckets of the rows that close

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import psycopg
 import pyarrow as pa
 
-from resources.column_overrides import ColumnChoice
+from resources.config.columns import ColumnChoice
 from resources.delta.layout import BUCKET_COLUMN, row_buckets, TableLayout
 from resources.delta.markers import LAYOUT_PROPERTY
 from resources.delta.reads import delta_rs_rows
@@ -87,7 +87,13 @@ def arrow_rows(table: pa.Table) -> tuple[pa.Schema, list[dict]]:
     for i, f in enumerate(schema):
         if pa.types.is_timestamp(f.type):
             table = table.set_column(i, f.name, table.column(i).cast(pa.int64()))
+        elif _is_list(f.type) and pa.types.is_timestamp(f.type.value_type):
+            table = table.set_column(i, f.name, table.column(i).cast(pa.list_(pa.int64())))
     return schema, table.to_pylist()
+
+
+def _is_list(arrow: pa.DataType) -> bool:
+    return pa.types.is_list(arrow) or pa.types.is_large_list(arrow) or pa.types.is_list_view(arrow)
 
 
 #: docs/type-mapping.md's table, written out here rather than taken from ``resources/pgtypes/``, so
@@ -161,25 +167,40 @@ def _as_read(arrow: pa.DataType) -> pa.DataType:
         return pa.string()
     if pa.types.is_large_binary(arrow) or pa.types.is_binary_view(arrow):
         return pa.binary()
-    if pa.types.is_list(arrow) or pa.types.is_large_list(arrow) or pa.types.is_list_view(arrow):
+    if _is_list(arrow):
         return pa.list_(_as_read(arrow.value_type))
     return arrow
 
 
 def _pg_expression(name: str, arrow: pa.DataType) -> str:
     """The SELECT expression giving PostgreSQL's value in the form Delta's column is compared in."""
-    column = quote_ident(name)
+    return _pg_value(quote_ident(name), arrow)
+
+
+def _pg_value(value: str, arrow: pa.DataType) -> str:
+    """``value`` (a column or an array element) in the form Delta's ``arrow`` type is compared in. Arrays
+    element by element, in order: their elements get the same treatment as a column of the element type."""
+    if pa.types.is_list(arrow):
+        element = _pg_value("element", arrow.value_type)
+        return (
+            f"CASE WHEN {value} IS NULL THEN NULL ELSE ARRAY(SELECT {element}"
+            f" FROM pg_catalog.unnest({value}) WITH ORDINALITY AS elements(element, position) ORDER BY position) END"
+        )
     if pa.types.is_string(arrow):
         # The type's output function, as COPY and pgoutput use it: a ::text cast would differ
         # for some types (char(n) loses its blank padding, inet gains a /32 mask).
-        return f"CASE WHEN {column} IS NULL THEN NULL ELSE pg_catalog.format('%s', {column}) END"
+        return f"CASE WHEN {value} IS NULL THEN NULL ELSE pg_catalog.format('%s', {value}) END"
     if pa.types.is_timestamp(arrow):
         return (
-            f"CASE WHEN {column} OPERATOR(pg_catalog.=) 'infinity' THEN 9223372036854775807"
-            f" WHEN {column} OPERATOR(pg_catalog.=) '-infinity' THEN -9223372036854775808"
-            f" ELSE (extract(epoch FROM {column}) OPERATOR(pg_catalog.*) 1000000)::bigint END"
+            f"CASE WHEN {value} OPERATOR(pg_catalog.=) 'infinity' THEN 9223372036854775807"
+            f" WHEN {value} OPERATOR(pg_catalog.=) '-infinity' THEN -9223372036854775808"
+            f" ELSE (extract(epoch FROM {value}) OPERATOR(pg_catalog.*) 1000000)::bigint END"
         )
-    return column
+    if pa.types.is_float32(arrow):
+        # Exact: every float4 is a float8. psycopg would read float4's shortest text ("0.1") as the double
+        # nearest to it, not as the float32 Delta holds.
+        return f"{value}::pg_catalog.float8"
+    return value
 
 
 def compare_table(

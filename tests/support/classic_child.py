@@ -21,10 +21,10 @@ from dagster import build_init_resource_context
 
 from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.config import load_config
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.maintenance import maintain_table
 from resources.delta.spark_destination import lake_destination
+from resources.engines.capabilities import engine_capabilities
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 

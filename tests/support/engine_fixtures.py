@@ -5,7 +5,7 @@ test modules over :data:`ENGINES`, so pytest runs every test of one engine befor
 the next and at most one JVM engine runs at a time (the suite shares two cores):
 
 * ``spark-local``: the managed engine pgcdc starts itself (``spark.engine: spark``): a Spark
-  Connect server with Delta on ``local[N]`` (``resources.delta.spark_server``), with Hadoop's S3A
+  Connect server with Delta on ``local[N]`` (``resources.engines.spark_server``), with Hadoop's S3A
   client reaching the session's local S3 server (``tests/support/s3_fixtures.py``), so one JVM serves the
   tests on local paths and on ``s3://``;
 * ``spark-cluster``: a Spark standalone master and one worker, and a Spark Connect server with
@@ -32,10 +32,11 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.spark_connect import connect_session, engine_address
-from resources.delta.spark_server import (
+from resources.engines.engine import SparkEngine
+from resources.engines.s3a import s3a_settings
+from resources.engines.spark_connect import connect_session, engine_address
+from resources.engines.spark_server import (
     delta_jar_config,
     DELTA_PACKAGE,
     free_port,
@@ -101,7 +102,7 @@ class EngineUnderTest:
             # (a run's own JVM gets the quick one only, spark_server.ONE_RUN_JVM_CONFIG; the walk's crash
             # child starts such a JVM). With the quick one alone these tests took 1.5-2x as long.
             settings = {
-                **(lake.spark_settings() if lake else {}),
+                **(s3a_settings(lake) if lake else {}),
                 "spark.driver.extraJavaOptions": "-XX:+TieredCompilation",
             }
             self._managed = SparkEngine.managed_spark(

@@ -20,9 +20,9 @@ import sys
 from pyspark.sql import SparkSession
 
 from resources.config import load_config
-from resources.delta.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
-from resources.delta.engine import SparkEngine
 from resources.delta.spark_destination import lake_destination
+from resources.engines.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
+from resources.engines.engine import SparkEngine
 from resources.errors import PgcdcError
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental

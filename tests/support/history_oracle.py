@@ -12,7 +12,7 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig
-from resources.history import read_as_of
+from resources.history.as_of import read_as_of
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.testing.verify import arrow_rows, compare_rows

@@ -10,8 +10,8 @@ import sys
 
 from resources.cdc.applier import DEFAULT_REPLACE_VALUES
 from resources.config import load_config
-from resources.delta.engine import SparkEngine
 from resources.delta.spark_destination import lake_destination
+from resources.engines.engine import SparkEngine
 from resources.runs.incremental import run_incremental
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, functions as F, SparkSession
 
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.layout import TableLayout
 from resources.delta.markers import (
     CommitRecord,
@@ -21,6 +20,7 @@ from resources.delta.markers import (
     marker_snapshot_lsn,
     pgcdc_marker,
 )
+from resources.engines.capabilities import engine_capabilities
 from resources.lsn import LSN
 
 _COMMIT_INFO_SCHEMA = "commitInfo STRUCT<timestamp: BIGINT, operation: STRING, userMetadata: STRING>"

@@ -30,8 +30,8 @@ import deltalake  # noqa: F401 - imported before the baseline: the work must not
 import pyarrow as pa
 
 from resources.config import load_config
-from resources.delta.engine import process_memory_mib, SparkEngine
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.engines.engine import process_memory_mib, SparkEngine
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_table, SnapshotProgress

@@ -26,8 +26,8 @@ import boto3
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.delta.engine import SparkEngine
 from resources.delta.lake_storage import LakeStorage
+from resources.engines.engine import SparkEngine
 from resources.locations import StorageSettings
 
 BUCKET = "lake"

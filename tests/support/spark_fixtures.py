@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.delta.engine import SparkEngine
+from resources.engines.engine import SparkEngine
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ SERVER_CALLS = {
     "start_local_postgres(": "pg",
     "LocalPostgres(": "pg",
     "SparkEngine.embedded(": "sail",
-    "resources.delta.sail_server": "sail",
+    "resources.engines.sail_server": "sail",
     "start_jvm(": "spark",
     "tests.support.classic_child": "spark",  # a classic Spark session: a JVM in the child
 }
@@ -96,7 +96,7 @@ def assign_tier(item: pytest.Item) -> None:
 
 def refuse_servers(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make starting PostgreSQL or the embedded engine fail in a ``unit`` test (this process only)."""
-    from resources.delta.engine import SparkEngine
+    from resources.engines.engine import SparkEngine
     from resources.testing.local_postgres import LocalPostgres
 
     def refuse(*args: object, **kwargs: object) -> None:

@@ -9,11 +9,13 @@ that concurrent transactions never share), so an error while executing is a find
 
 Tables (``TABLES``):
 
-* ``k_int``   int primary key, many types, ``body`` text with STORAGE EXTERNAL (TOASTed)
+* ``k_int``   int primary key, many types (float4, uuid[], jsonb[], numeric[] among them), ``body`` text with
+              STORAGE EXTERNAL (TOASTed)
 * ``k_comp``  composite (text, bigint) primary key, float8 / date / bytea
 * ``k_uuid``  uuid primary key
-* ``full_t``  no key, REPLICA IDENTITY FULL, TOASTable ``b`` (rows kept distinct: ``a`` is unique)
-* ``dup_t``   no key, REPLICA IDENTITY FULL, values from a small domain (NULLs, TOASTed ``b``), so
+* ``full_t``  no key, REPLICA IDENTITY FULL, TOASTable ``b``, float4 and float8 columns (rows kept distinct:
+              ``a`` is unique)
+* ``dup_t``   no key, REPLICA IDENTITY FULL, values from a small domain (NULLs, TOASTed ``b``, float4 0, -0, NaN), so
               most rows have identical copies; changes hit one copy (by ctid) or all of them
 * ``log_t``   no key, default identity: insert-only (appends) and TRUNCATE
 * ``late``    bigint key, added to the publication mid-stream, snapshotted later
@@ -75,12 +77,32 @@ VALUE_MAKERS = {
     "bytea": lambda r: r.choice(["'\\x'::bytea", f"'\\x00ff{r.randint(0, 255):02x}'::bytea"]),
     "toast": _toast,
     "uuid": lambda r: f"'{uuid.UUID(int=r.getrandbits(128))}'::uuid",
+    # float4 as Delta's float32: shortest texts that are not float8's, NaN, -0 and the infinities
+    "float4": lambda r: (
+        r.choice(["'NaN'", "'-0'", "'Infinity'", "'-Infinity'"] + [f"{r.randint(-(10**6), 10**6) / 10}"] * 6)
+        + "::float4"
+    ),
+    # arrays whose elements Delta holds as PostgreSQL's text: NULL elements, quoting, empty arrays
+    "uuidarr": lambda r: r.choice(
+        [
+            "'{}'::uuid[]",
+            f"ARRAY['{uuid.UUID(int=r.getrandbits(128))}'::uuid, NULL, '{uuid.UUID(int=r.getrandbits(128))}']",
+        ]
+    ),
+    "jsonbarr": lambda r: r.choice(
+        ["'{}'::jsonb[]", f"""ARRAY['{{"k": {r.randint(0, 9)}, "q": "a,b\\"c"}}'::jsonb, NULL, '[1, "x y"]']"""]
+    ),
+    "numarr": lambda r: r.choice(
+        ["'{}'::numeric[]", f"ARRAY[{r.randint(-999, 999)}.50, NULL, 'NaN', 1e-20, {r.randint(0, 9)}]::numeric[]"]
+    ),
 }
 
 DUPLICATE_DOMAINS = {
     "dup_k": ["NULL", "0", "1", "2"],
     "dup_b": ["NULL", "'x'", "repeat(md5('d1'), 200)", "repeat(md5('d2'), 300)"],  # 6-10 kB: TOASTed
     "dup_n": ["NULL", "1.00", "2.50"],
+    # equal in PostgreSQL, printed apart: REPLICA IDENTITY FULL must match the copy the change names
+    "dup_f": ["NULL", "0", "'-0'", "'NaN'", "0.1"],
 }
 """Values of dup_t's columns: few, so rows repeat."""
 
@@ -125,26 +147,28 @@ class Table:
 
 DDL = """
 CREATE TABLE k_int (id int PRIMARY KEY, name text, n bigint, amt numeric(12,3), ts timestamptz, flag boolean,
-                    doc jsonb, tags int[], body text);
+                    doc jsonb, tags int[], body text, f4 real, ids uuid[], docs jsonb[], nums numeric[]);
 ALTER TABLE k_int ALTER COLUMN body SET STORAGE EXTERNAL;
 CREATE TABLE k_comp (region text, code bigint, val float8, d date, payload bytea, note text, PRIMARY KEY (region, code));
 CREATE TABLE k_uuid (id uuid PRIMARY KEY, v int, note varchar(40));
-CREATE TABLE full_t (a int, b text, c numeric(8,2));
+CREATE TABLE full_t (a int, b text, c numeric(8,2), f real, g float8);
 ALTER TABLE full_t REPLICA IDENTITY FULL;
 ALTER TABLE full_t ALTER COLUMN b SET STORAGE EXTERNAL;
-CREATE TABLE dup_t (k int, b text, n numeric(8,2));
+CREATE TABLE dup_t (k int, b text, n numeric(8,2), f real);
 ALTER TABLE dup_t REPLICA IDENTITY FULL;
 ALTER TABLE dup_t ALTER COLUMN b SET STORAGE EXTERNAL;
 CREATE TABLE log_t (kind text, n int, at timestamptz);
 CREATE TABLE late (id bigint PRIMARY KEY, v text, body text);
 ALTER TABLE late ALTER COLUMN body SET STORAGE EXTERNAL;
 INSERT INTO k_int SELECT g, 'seed' || g, g::bigint * 1000000007, g / 7.0, '2024-01-01'::timestamptz + g * interval '1 hour',
-                         g % 2 = 0, jsonb_build_object('g', g), ARRAY[g], CASE WHEN g % 3 = 0 THEN repeat(md5(g::text), 200) END
+                         g % 2 = 0, jsonb_build_object('g', g), ARRAY[g], CASE WHEN g % 3 = 0 THEN repeat(md5(g::text), 200) END,
+                         g / 10.0, ARRAY[md5(g::text)::uuid], ARRAY[jsonb_build_object('g', g)], ARRAY[g / 3.0]
   FROM generate_series(0, 149) g;
 INSERT INTO k_comp SELECT r, g, g / 4.0, '2024-01-01'::date + g, '\\x0102', NULL
   FROM unnest(ARRAY['eu', 'us', 'ap']) r, generate_series(0, 19) g;
 INSERT INTO k_uuid SELECT md5(g::text)::uuid, g, 'seed' FROM generate_series(0, 39) g;
-INSERT INTO full_t SELECT g, CASE WHEN g % 4 = 0 THEN repeat(md5(g::text), 150) ELSE 'b' || g END, g FROM generate_series(0, 59) g;
+INSERT INTO full_t SELECT g, CASE WHEN g % 4 = 0 THEN repeat(md5(g::text), 150) ELSE 'b' || g END, g, g / 10.0, g / 3.0
+  FROM generate_series(0, 59) g;
 INSERT INTO dup_t SELECT NULLIF(g % 3, 2), CASE g % 4 WHEN 0 THEN repeat(md5('d1'), 200) WHEN 1 THEN 'x' END,
                          CASE WHEN g % 2 = 0 THEN 1.00 END
   FROM generate_series(0, 47) g;
@@ -172,6 +196,10 @@ def initial_tables() -> dict[str, Table]:
                 "doc": "jsonb",
                 "tags": "intarr",
                 "body": "toast",
+                "f4": "float4",
+                "ids": "uuidarr",
+                "docs": "jsonbarr",
+                "nums": "numarr",
             },
         ),
         "k_comp": Table(
@@ -181,8 +209,8 @@ def initial_tables() -> dict[str, Table]:
             {"region": "text", "code": "bigint", "val": "float", "d": "date", "payload": "bytea", "note": "text"},
         ),
         "k_uuid": Table("k_uuid", "keyed", ["id"], {"id": "uuid", "v": "int", "note": "text"}),
-        "full_t": Table("full_t", "full", [], {"a": "int", "b": "toast", "c": "numeric2"}),
-        "dup_t": Table("dup_t", "dups", [], {"k": "dup_k", "b": "dup_b", "n": "dup_n"}),
+        "full_t": Table("full_t", "full", [], {"a": "int", "b": "toast", "c": "numeric2", "f": "float4", "g": "float"}),
+        "dup_t": Table("dup_t", "dups", [], {"k": "dup_k", "b": "dup_b", "n": "dup_n", "f": "dup_f"}),
         "log_t": Table("log_t", "append", [], {"kind": "text", "n": "int", "at": "ts"}),
         "late": Table(
             "late", "keyed", ["id"], {"id": "bigint", "v": "text", "body": "toast"}, published=False, snapshotted=False

@@ -30,22 +30,22 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from resources.config import SparkSettings
-from resources.delta.capabilities import (
+from resources.engines.capabilities import (
     DELTA_SPARK_CAPABILITIES,
     expected_refusal,
     SAIL_CAPABILITIES,
     set_engine_capabilities,
 )
-from resources.delta.kept_spark import attach, KeptServer
-from resources.delta.spark_connect import connect_session
-from resources.delta.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
+from resources.engines.kept_spark import attach, KeptServer
+from resources.engines.spark_connect import connect_session
+from resources.engines.spark_server import DELTA_PACKAGE, managed_server_config, remember_resolved_jars
 from resources.errors import ConfigurationError
 
 
 class SparkEngine:
     """A Spark session and, for an engine pgcdc runs itself (embedded Sail, managed Spark), the
     server process behind it; close() stops both. Every session is a Spark Connect session
-    built by :func:`resources.delta.spark_connect.connect_session`, except a classic in-process one."""
+    built by :func:`resources.engines.spark_connect.connect_session`, except a classic in-process one."""
 
     def __init__(
         self, spark: SparkSession, server: subprocess.Popen[bytes] | None = None, kept: KeptServer | None = None
@@ -72,13 +72,13 @@ class SparkEngine:
     def embedded(
         cls, config: Mapping[str, str] | None = None, storage_environment: Mapping[str, str] | None = None
     ) -> SparkEngine:
-        """Start Sail in a child process (``resources.delta.sail_server``) on a free loopback port and connect.
+        """Start Sail in a child process (``resources.engines.sail_server``) on a free loopback port and connect.
 
         ``storage_environment`` (``LakeStorage.engine_environment``) reaches an object-store lake:
         Sail reads storage settings only from its process environment; they win over pgcdc's own.
         """
         server = subprocess.Popen(
-            [sys.executable, "-m", "resources.delta.sail_server"],
+            [sys.executable, "-m", "resources.engines.sail_server"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env={**EMBEDDED_ENVIRONMENT, **os.environ, **(storage_environment or {})},
@@ -107,12 +107,12 @@ class SparkEngine:
         storage_environment: Mapping[str, str] | None = None,
         keep_alive_s: int = 0,
     ) -> SparkEngine:
-        """Start a Spark Connect server with Delta on ``local[N]`` (``resources.delta.spark_server``) and connect.
+        """Start a Spark Connect server with Delta on ``local[N]`` (``resources.engines.spark_server``) and connect.
 
         ``config`` goes to the server (JVM settings such as ``spark.driver.memory`` can only be
         set there); ``master`` defaults to ``local[<cores>]``. ``storage_environment`` goes to the
         server's environment: object-store credentials reach the JVM there, not on its command line.
-        ``keep_alive_s`` > 0: the server is kept for the runs after this one (``resources.delta.kept_spark``),
+        ``keep_alive_s`` > 0: the server is kept for the runs after this one (``resources.engines.kept_spark``),
         started now only when none for the same settings answers; 0: this engine's own, stopped by close().
         """
         master = master or f"local[{len(os.sched_getaffinity(0))}]"
@@ -121,7 +121,7 @@ class SparkEngine:
         request: dict[str, Any] = {"master": master, "config": managed_server_config(config, one_run=True)}
         began = time.monotonic()
         server = subprocess.Popen(
-            [sys.executable, "-m", "resources.delta.spark_server", json.dumps(request)],
+            [sys.executable, "-m", "resources.engines.spark_server", json.dumps(request)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -10,13 +10,13 @@ current), their commit times ``_pgcdc_valid_from`` / ``_pgcdc_valid_to`` (NULL a
 a DELETE, a key moved away, a TRUNCATE, a row gone at a re-snapshot). The table as of an LSN X is
 its versions with ``valid_from_lsn <= X < valid_to_lsn`` (or no ``valid_to_lsn``).
 
-The batch of changes is the changelog's (``resources/cdc/history.py``: commit order, unchanged TOAST
+The batch of changes is the changelog's (``resources/history/changelog.py``: commit order, unchanged TOAST
 values resolved), so a key changed several times in a batch gets every version: the versions opened
-and closed within the batch are written closed. It is one MERGE (``resources/delta/versions.py``):
+and closed within the batch are written closed. It is one MERGE (``resources/history/scd2_merge.py``):
 the current version of each key the batch closes is closed (deleted and inserted again closed), the
 new versions are inserted and the marker row takes the changelog's marker (``changes_marker``), in
 one commit that reads and rewrites only the closed keys' buckets (the history table is partitioned
-by its table's key, finer: ``resources/delta/versions.py``) and, with deletion vectors, marks the deleted rows instead of rewriting their files. A replay skips exactly what the
+by its table's key, finer: ``resources/history/scd2_merge.py``) and, with deletion vectors, marks the deleted rows instead of rewriting their files. A replay skips exactly what the
 marker row says the table holds. A TRUNCATE, a fill and a snapshot's seed rewrite the current
 versions whole, with the marker row.
 
@@ -35,7 +35,14 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from resources.cdc.history import (
+from resources.cdc.row_multiset import comparable_rows
+from resources.cdc.tables import KEYED, TableTarget
+from resources.delta.batch_columns import CLOSE_COLUMN, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
+from resources.delta.destination import Destination
+from resources.delta.layout import BUCKET_COLUMN, row_buckets
+from resources.delta.markers import LSN_COLUMN
+from resources.errors import PgcdcError
+from resources.history.changelog import (
     COMMIT_TIME_COLUMN,
     COMMIT_TIME_TYPE,
     history_position,
@@ -45,13 +52,6 @@ from resources.cdc.history import (
     SEQ_COLUMN,
     with_schema,
 )
-from resources.cdc.row_multiset import comparable_rows
-from resources.cdc.tables import KEYED, TableTarget
-from resources.delta.batch_columns import CLOSE_COLUMN, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
-from resources.delta.destination import Destination
-from resources.delta.layout import BUCKET_COLUMN, row_buckets
-from resources.delta.markers import LSN_COLUMN
-from resources.errors import PgcdcError
 
 __all__ = [
     "CURRENT_COLUMN",
@@ -106,7 +106,7 @@ def write_seed(destination: Destination, target: TableTarget, snapshot_lsn: int,
 
 
 def write_versions(destination: Destination, target: TableTarget, changes: pa.Table, marker: str) -> None:
-    """(Writer thread.) Write a batch of changelog rows (``resources/cdc/history.py``) as versions: row
+    """(Writer thread.) Write a batch of changelog rows (``resources/history/changelog.py``) as versions: row
     changes (close the current version of each changed key, open the new ones, one MERGE), or one
     whole-table event (``truncate`` closes every current version; ``fill`` closes each and opens it
     again with the values PostgreSQL gave the columns added with a default)."""
@@ -155,7 +155,7 @@ def write_versions(destination: Destination, target: TableTarget, changes: pa.Ta
 
 
 def _marker_row(schema: pa.Schema, marker: str) -> pa.Table:
-    """The marker row (``resources/delta/versions.py``): NULL everywhere but its marker."""
+    """The marker row (``resources/history/scd2_merge.py``): NULL everywhere but its marker."""
     return pa.Table.from_arrays(
         [
             pa.array([marker], field.type) if field.name == MARKER_COLUMN else pa.nulls(1, field.type)
@@ -233,7 +233,7 @@ def _versions(
 
 def _buckets(target: TableTarget, values: pa.Table) -> pa.Array:
     """Each row's bucket, as the table's own layout puts its key (the MERGE puts it in the SCD type 2
-    table's finer one: ``resources/delta/versions.py``; NULL where it cannot be computed; the
+    table's finer one: ``resources/history/scd2_merge.py``; NULL where it cannot be computed; the
     history table is bucketed only when the layout is known, so only NULL's own rows lack it)."""
     layout = target.layout
     if layout is None or any(name not in values.column_names for name in layout.key):

@@ -93,7 +93,7 @@ DELTA_SPARK_CAPABILITIES = EngineCapabilities(
 
 def set_engine_capabilities(spark: SparkSession, capabilities: EngineCapabilities) -> None:
     """Use ``capabilities`` for ``spark`` instead of detecting them: an engine pgcdc starts itself
-    (``resources/delta/engine.py``) declares them; ``bench.snapshot`` measures both snapshot writers
+    (``resources/engines/engine.py``) declares them; ``bench.snapshot`` measures both snapshot writers
     on one engine this way."""
     _DETECTED[spark] = capabilities
 

@@ -18,7 +18,7 @@ left it.
 * A run holds a lease while it uses the server: a shared ``flock`` on ``lease``, which the kernel
   releases when the run ends, even by SIGKILL. A run takes it under ``start.lock``, so the server
   cannot be stopping meanwhile.
-* The supervisor, this module run as ``python -m resources.delta.kept_spark``, is detached from the
+* The supervisor, this module run as ``python -m resources.engines.kept_spark``, is detached from the
   run (its own session, reparented away from the run), starts the JVM in a process group of its own
   with SIGKILL on the supervisor's death (``PR_SET_PDEATHSIG``, as for a run's own JVM), and polls
   the lease: once nobody has held it for ``keep_alive_s`` it takes ``start.lock``, stops the JVM's
@@ -51,7 +51,7 @@ from typing import Any
 
 import pyspark
 
-from resources.delta.spark_server import (
+from resources.engines.spark_server import (
     DEFAULT_START_TIMEOUT_S,
     free_port,
     start_jvm,
@@ -313,7 +313,7 @@ def _start_supervisor(
 ) -> ServerState:
     request = {"directory": str(directory), "master": master, "config": dict(config), "keep_alive_s": keep_alive_s}
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "resources.delta.kept_spark", json.dumps(request)],
+        [sys.executable, "-m", "resources.engines.kept_spark", json.dumps(request)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

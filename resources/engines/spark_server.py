@@ -4,13 +4,13 @@
 jars on ``local[N]`` as a child of pgcdc, and pgcdc talks Spark Connect to it exactly as it does
 to Sail or to a remote cluster: one client code path for every engine.
 
-The server runs under a small watchdog, this module run as ``python -m resources.delta.spark_server``,
-with the protocol of ``resources.delta.sail_server``: it prints ``PORT PID`` once the JVM listens and
+The server runs under a small watchdog, this module run as ``python -m resources.engines.spark_server``,
+with the protocol of ``resources.engines.sail_server``: it prints ``PORT PID`` once the JVM listens and
 stops the JVM when its stdin closes, which also happens when pgcdc dies, even by SIGKILL. The JVM
 runs in a process group of its own (so its children go with it) and gets SIGKILL when the watchdog
 dies (``PR_SET_PDEATHSIG``): no way of ending pgcdc leaves a JVM behind. That is a run's own JVM
 (``spark.keep_alive_s: 0``); a JVM kept for later runs has a detached supervisor instead, with the same
-process group and death signal against it (``resources.delta.kept_spark``).
+process group and death signal against it (``resources.engines.kept_spark``).
 
 Versions (docs/engine-notes.md): Delta 4.4.0's Spark 4.1 build. Delta 4.1.0's jars fail every
 ``ALTER TABLE`` on pyspark 4.1.4 (``NoClassDefFoundError: IgnoreCachedData``), 4.2/4.3 on PyPI

@@ -1,6 +1,6 @@
 """As-of reads: a table as it was at an LSN, from its SCD type 2 table or folded from its changelog (docs/history.md).
 
-An SCD type 2 table (``resources/cdc/scd2.py``) holds the answer directly: the versions with
+An SCD type 2 table (``resources/history/scd2.py``) holds the answer directly: the versions with
 ``_pgcdc_valid_from_lsn <= X`` and no ``_pgcdc_valid_to_lsn`` or one above X (:func:`versions_as_of`).
 
 The changelog holds, in commit order, a seed (``reset``, then the table's rows as its snapshot
@@ -24,21 +24,28 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 
-from resources.cdc.history import COMMIT_TIME_COLUMN, COMMIT_TIME_TYPE, KEY_COLUMN, OLD_PREFIX, OP_COLUMN, SEQ_COLUMN
 from resources.cdc.row_multiset import comparable_rows
-from resources.cdc.scd2 import (
-    CURRENT_COLUMN,
-    VALID_FROM_COLUMN,
-    VALID_FROM_LSN_COLUMN,
-    VALID_TO_COLUMN,
-    VALID_TO_LSN_COLUMN,
-)
 from resources.config import PgcdcConfig
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.reads import read_rows
 from resources.delta.table_log import table_exists
 from resources.errors import ConfigurationError, PgcdcError
+from resources.history.changelog import (
+    COMMIT_TIME_COLUMN,
+    COMMIT_TIME_TYPE,
+    KEY_COLUMN,
+    OLD_PREFIX,
+    OP_COLUMN,
+    SEQ_COLUMN,
+)
+from resources.history.scd2 import (
+    CURRENT_COLUMN,
+    VALID_FROM_COLUMN,
+    VALID_FROM_LSN_COLUMN,
+    VALID_TO_COLUMN,
+    VALID_TO_LSN_COLUMN,
+)
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.slot_guard import SlotGuard

@@ -7,9 +7,14 @@ import functools
 import numpy as np
 import pyarrow as pa
 
-from resources.cdc import scd2
 from resources.cdc.apply_batches import BatchAssembly
-from resources.cdc.history import (
+from resources.cdc.row_batches import PendingRows
+from resources.cdc.tables import TableTarget
+from resources.crash_points import fault_point
+from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
+from resources.errors import PgcdcError
+from resources.history import scd2
+from resources.history.changelog import (
     changelog_rows,
     changes_marker,
     DeltaLookups,
@@ -21,11 +26,6 @@ from resources.cdc.history import (
     seed_rows,
     with_schema,
 )
-from resources.cdc.row_batches import PendingRows
-from resources.cdc.tables import TableTarget
-from resources.crash_points import fault_point
-from resources.delta.markers import EXPIRED_SNAPSHOT_LSN
-from resources.errors import PgcdcError
 
 
 class HistoryHandOff(BatchAssembly):

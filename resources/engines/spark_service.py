@@ -4,8 +4,8 @@ A fresh Spark JVM costs a run its start (15-45 s on two busy cores) and its firs
 warm-up (class loading, code generation and the JIT: a fresh JVM's first MERGE took 2-5x as long as
 the same MERGE on a JVM that had run one, docs/engine-notes.md, "The costs a user sees first").
 ``spark.engine: spark`` keeps the JVM it starts for the runs after it until it idles out
-(``spark.keep_alive_s``, ``resources.delta.kept_spark``); ``pgcdc spark-server`` runs the same
-server (the same jars and settings, ``resources.delta.spark_server``) until it is stopped, and runs
+(``spark.keep_alive_s``, ``resources.engines.kept_spark``); ``pgcdc spark-server`` runs the same
+server (the same jars and settings, ``resources.engines.spark_server``) until it is stopped, and runs
 reach it with ``spark.remote: sc://127.0.0.1:PORT``, as they reach any Spark Connect server: its
 lifecycle is the user's (a service manager, a container), not pgcdc's.
 
@@ -26,7 +26,8 @@ from typing import TextIO
 
 from resources.config import PgcdcConfig
 from resources.delta.lake_storage import LakeStorage
-from resources.delta.spark_server import (
+from resources.engines.s3a import s3a_settings
+from resources.engines.spark_server import (
     DEFAULT_START_TIMEOUT_S,
     managed_server_config,
     start_jvm,
@@ -43,7 +44,7 @@ def serve(config: PgcdcConfig, port: int, out: TextIO, stop: threading.Event | N
     managed engine of a run does."""
     lake = LakeStorage(config.delta.root, config.delta.storage)
     os.environ.update(lake.engine_environment())  # the JVM inherits it: credentials stay off its command line
-    settings = managed_server_config({**lake.spark_settings(), **config.spark.config})
+    settings = managed_server_config({**s3a_settings(lake), **config.spark.config})
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,8 +1,8 @@
 """Writing an SCD type 2 table: a batch's versions in one MERGE, whole-table events in one overwrite (docs/history.md).
 
-An SCD type 2 table (``resources/cdc/scd2.py``) changes by closing versions and adding new ones,
+An SCD type 2 table (``resources/history/scd2.py``) changes by closing versions and adding new ones,
 and its exactly-once discipline needs a marker in the same commit as the rows. A MERGE carries no
-``userMetadata`` on Sail (``resources/delta/engine.py``), so the marker is a row of the table: the
+``userMetadata`` on Sail (``resources/engines/engine.py``), so the marker is a row of the table: the
 **marker row**, all of whose columns are NULL but :data:`MARKER_COLUMN` (the changelog's marker
 JSON) and whose bucket is NULL. Every write updates it in the same commit as the versions. Queries
 of versions pass over it by themselves: its ``_pgcdc_is_current`` and ``_pgcdc_valid_from_lsn`` are
@@ -35,7 +35,6 @@ import pyarrow.compute as pc
 from pyspark.sql import functions as F, SparkSession
 
 from resources.delta.batch_columns import CLOSE_COLUMN, CLOSED_SET, CURRENT_COLUMN, MARKER_COLUMN, VALID_TO_LSN_COLUMN
-from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import prepare_writes
 from resources.delta.lake_storage import LakeStorage, remove_tree
 from resources.delta.layout import BUCKET_COLUMN, HASH, row_buckets, TableLayout
@@ -44,6 +43,7 @@ from resources.delta.merge import DELETE_ROW_COLUMN, key_lists, quote_column, ru
 from resources.delta.snapshot_writes import write_snapshot
 from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_source_sql, STAGING_DIRECTORY
 from resources.delta.table_log import read_table_metadata, table_exists
+from resources.engines.capabilities import engine_capabilities
 
 __all__ = [
     "CLOSE_COLUMN",

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, ValidationError
 
-from resources.column_overrides import ColumnChoice, ColumnOverrides, parse_column_key
+from resources.config.columns import ColumnChoice, ColumnOverrides, parse_column_key
 from resources.errors import ConfigurationError, mask_dsn
 from resources.locations import join_location, StorageSettings
 from resources.names import SLOT_NAME, TableName

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from pyspark.sql import SparkSession
 
-from resources.delta.capabilities import EngineCapabilities, set_engine_capabilities
+from resources.engines.capabilities import EngineCapabilities, set_engine_capabilities
 
 __all__ = ["deferred_session", "engine_start_seconds"]
 
