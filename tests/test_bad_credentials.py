@@ -1,0 +1,193 @@
+"""Wrong S3 credentials against a store that checks them: moto's server with its IAM checks on (every
+request signed by a known key whose policy allows it), real PostgreSQL 15 and 18, embedded Sail engines
+started with the credentials of each run, as a Dagster run starts its own.
+
+A wrong secret is refused by pgcdc's preflight before anything is written; a key that may read the lake
+but not write it passes the preflight and is refused at the first write, mid-drain or mid-snapshot.
+Either way: one line naming the credentials' keys (never the secret), nothing confirmed past Delta,
+nothing in the store a later run cannot take over, and exact once the right key is back. Credentials
+are no table's own fault: the whole run fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import requests
+
+from resources.config import parse_config, PgcdcConfig
+from resources.delta.lake_storage import LakeStorage
+from resources.delta.spark_destination import lake_destination
+from resources.delta.staging import STAGING_DIRECTORY
+from resources.engines.engine import SparkEngine
+from resources.errors import PgcdcError
+from resources.runs.incremental import run_incremental
+from resources.runs.snapshot import snapshot_tables
+from tests.support.bad_storage import (
+    assert_exact,
+    assert_nothing_confirmed_past_delta,
+    confirmed,
+    DDL,
+    one_line,
+    PENDING,
+    settings,
+)
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
+from tests.support.s3_fixtures import _free_port, _wait_for_port
+
+BUCKET, REGION = "lake", "us-east-1"
+KEY, SECRET = "PGCDC_TEST_IAM_KEY", "PGCDC_TEST_IAM_SECRET"
+READ_ONLY = {"s3:Get*", "s3:List*", "s3:Head*"}
+
+
+@dataclass(frozen=True)
+class CheckingStore:
+    """A moto server that refuses any request not signed by one of its IAM users' keys, or not allowed
+    by that user's policy. ``keys``: (access key id, secret) of a user allowed everything
+    (``writer``) and of one that may only read (``reader``)."""
+
+    endpoint: str
+    keys: dict[str, tuple[str, str]]
+
+    def storage(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint, "region": REGION, "allow_http": True,
+            "access_key_id": f"${{{KEY}}}", "secret_access_key": f"${{{SECRET}}}",
+        }  # fmt: skip
+
+    def objects(self, prefix: str) -> list[str]:
+        key, secret = self.keys["writer"]
+        client = boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name=REGION
+        )
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+
+def _user(iam: Any, name: str, actions: set[str] | str) -> tuple[str, str]:
+    iam.create_user(UserName=name)
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Allow", "Action": sorted(actions) if isinstance(actions, set) else actions, "Resource": "*"}
+        ],
+    }
+    iam.put_user_policy(UserName=name, PolicyName="lake", PolicyDocument=json.dumps(policy))
+    created = iam.create_access_key(UserName=name)["AccessKey"]
+    return created["AccessKeyId"], created["SecretAccessKey"]
+
+
+@pytest.fixture(scope="module")
+def checking_store() -> Iterator[CheckingStore]:
+    """Set up (bucket, users, keys) while moto accepts anything, then turn its checks on."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_for_port(port, server)
+        endpoint = f"http://127.0.0.1:{port}"
+        anyone = {
+            "endpoint_url": endpoint,
+            "aws_access_key_id": "setup",
+            "aws_secret_access_key": "setup",
+            "region_name": REGION,
+        }
+        boto3.client("s3", **anyone).create_bucket(Bucket=BUCKET)
+        iam = boto3.client("iam", **anyone)
+        keys = {"writer": _user(iam, "writer", "*"), "reader": _user(iam, "reader", READ_ONLY)}
+        requests.post(f"{endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()
+        yield CheckingStore(endpoint, keys)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def tables_and_commits(objects: list[str]) -> list[str]:
+    return [key for key in objects if not key.endswith((f"/{STAGING_DIRECTORY}/", "/position.json"))]
+
+
+@pytest.fixture
+def credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws/credentials to fall back on
+    yield
+
+
+Run = Callable[..., Any]
+
+
+@pytest.fixture
+def run_with(checking_store: CheckingStore, credentials: None) -> Iterator[Run]:
+    """``run_with(config, key, what, engine_key=key)``: a snapshot or a drain as a Dagster run makes it, the
+    key pair in pgcdc's environment and an engine started with ``engine_key`` (one engine per key pair)."""
+    engines: dict[tuple[str, str], SparkEngine] = {}
+    with ExitStack() as stack:
+
+        def run(config: PgcdcConfig, key: tuple[str, str], what: str, engine_key: tuple[str, str] | None = None) -> Any:
+            engine_key = engine_key or key
+            try:
+                if engine_key not in engines:
+                    os.environ[KEY], os.environ[SECRET] = engine_key
+                    environment = LakeStorage(config.delta.root, config.delta.storage).engine_environment()
+                    engines[engine_key] = stack.enter_context(SparkEngine.embedded(storage_environment=environment))
+                os.environ[KEY], os.environ[SECRET] = key
+                destination = lake_destination(engines[engine_key].spark, config)
+                if what == "snapshot":
+                    return snapshot_tables(config, destination)
+                return run_incremental(config, destination)
+            finally:  # the test's own reads use the writer's key
+                os.environ[KEY], os.environ[SECRET] = checking_store.keys["writer"]
+
+        yield run
+
+
+@NEWEST_POSTGRES_ONLY  # the store's answers do not depend on PostgreSQL's version
+def test_wrong_and_read_only_s3_keys_fail_in_one_line_and_the_right_key_is_exact(
+    checking_store: CheckingStore, run_with: Run, pg: PgDatabase
+) -> None:
+    prefix = uuid.uuid4().hex[:12]
+    root = f"s3://{BUCKET}/{prefix}"
+    pg.execute(DDL + "CREATE PUBLICATION pub FOR TABLE orders, notes, tally")
+    config = parse_config(settings(pg.dsn, root, delta={"root": root, "storage": checking_store.storage()}))
+    writer, reader = checking_store.keys["writer"], checking_store.keys["reader"]
+    wrong = (writer[0], "not-the-secret-Qp77")
+    refused = ("S3 refused access", "delta.storage.access_key_id / secret_access_key")
+    read_only = ("the object store refused a write", "delta.storage.access_key_id / secret_access_key", "s3:PutObject")
+    for key, fragments in ((wrong, refused), (reader, read_only)):
+        with pytest.raises(PgcdcError) as failure:
+            run_with(config, key, "snapshot")
+        one_line(failure.value, *fragments, "run the snapshot again" if key is reader else "", secret=key[1])
+        assert checking_store.objects(prefix) == []
+    run_with(config, writer, "snapshot")
+    pg.execute(PENDING)
+    before, objects = confirmed(pg), checking_store.objects(prefix)
+    # The last: pgcdc's key is right, its engine's (started with an older key, say) may only read.
+    for key, engine_key, fragments in (
+        (wrong, wrong, refused),
+        (reader, reader, read_only),
+        (writer, reader, read_only),
+    ):
+        with pytest.raises(PgcdcError) as failure:
+            run_with(config, key, "drain", engine_key)
+        one_line(failure.value, *fragments, secret=engine_key[1])
+        assert_nothing_confirmed_past_delta(pg, config, before)
+        # Beyond the slot's record (its position now, where no drain recorded one yet) and Arrow's empty
+        # marker of a removed staging directory, nothing was written.
+        assert tables_and_commits(checking_store.objects(prefix)) == tables_and_commits(objects)
+    run_with(config, writer, "drain")
+    options = LakeStorage(config.delta.root, config.delta.storage).object_store_options()
+    assert_exact(pg, config, storage_options=options)
