@@ -35,7 +35,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import LakeStorage, storage_client
@@ -54,7 +53,7 @@ from resources.delta.markers import (
 )
 from resources.errors import DeltaLogError
 from resources.lsn import LSN
-from resources.names import RESNAPSHOT_JOB
+from resources.names import ColumnNumbers, RESNAPSHOT_JOB
 
 LOG_DIRECTORY = "_delta_log"
 LAST_CHECKPOINT = "_last_checkpoint"

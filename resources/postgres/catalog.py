@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from resources.column_numbers import ColumnNumbers
 from resources.errors import ConfigurationError
-from resources.names import TableName
+from resources.names import ColumnNumbers, TableName
 from resources.sql import quote_ident
 
 
