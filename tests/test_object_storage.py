@@ -14,6 +14,7 @@ up in no log line, error, configuration repr or Delta commit.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from resources.errors import ConfigurationError
 from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from tests.support.object_storage_lifecycle import DDL, lifecycle, settings, SLOT, staged_objects
-from tests.support.postgres import PgDatabase
+from tests.support.incremental_runs import run_child
+from tests.support.object_storage_lifecycle import all_same, DDL, lifecycle, settings, SLOT, staged_objects
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
 
 pytest_plugins = ["tests.support.s3_fixtures"]
@@ -73,6 +75,28 @@ def test_lifecycle_on_s3_matches_postgres(
     pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession
 ) -> None:
     lifecycle(pg, s3_server, s3_root, s3_spark, copy_on_write="public.dups")
+
+
+@pytest.mark.slow  # drains in child processes, one SIGKILLed
+@NEWEST_POSTGRES_ONLY  # the store, not the server, is what this case adds to the crash tests
+def test_a_drain_killed_between_two_delta_writes_on_s3_replays_exactly(
+    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, tmp_path: Path
+) -> None:
+    """The crash matrix's case on an ``s3://`` lake: killed after the drain's second Delta write (the keyed
+    table's MERGE is in, the FULL and the keyless table's writes are not), the next drain is exact."""
+    pg.execute(DDL)
+    config = parse_config(settings(pg, s3_root, s3_server.storage()))
+    snapshot_tables(config, lake_destination(s3_spark, config))
+    for i in range(3):
+        pg.execute(
+            f"UPDATE orders SET amount = amount + 1 WHERE id <= {10 * (i + 1)}; INSERT INTO dups VALUES (1, 'x'), (3, 'y');"
+            f" DELETE FROM dups WHERE ctid = (SELECT min(ctid) FROM dups WHERE a = 2); INSERT INTO events VALUES ('new', {i})"
+        )
+    killed = run_child(config, tmp_path, "after_table_commit:2", 100_000)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr[-3000:]
+    finished = run_child(config, tmp_path, None, 100_000)
+    assert finished.returncode == 0, finished.stdout + finished.stderr[-3000:]
+    all_same(pg, s3_server, s3_root)
 
 
 def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
