@@ -21,6 +21,7 @@ their destination) and fold them with :func:`fold_table_log`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,27 @@ delta-rs then writes (Delta on Spark, ``resources/delta/snapshot_writes.py``): n
 ``pgcdc`` object, so every marker read passes over it), only what tells that create, left alone by a
 process killed before the snapshot commit, from an empty table another writer made
 (``resources/delta/table_log.py: unfinished_create``)."""
+
+
+STATS_COLUMNS_PROPERTY = "delta.dataSkippingStatsColumns"
+"""The Delta table property naming the columns whose min/max/null-count statistics writers record for
+each data file. pgcdc sets it, when a snapshot creates a bucketed table, to the layout's key columns
+(:func:`stats_columns`): the only columns a MERGE locates rows by (the bucket, a partition column,
+needs none). Without it every writer records statistics on the first 32 columns: work in each write
+and bytes in every log entry that each snapshot of the table parses again (docs/engine-notes.md,
+"A small table's MERGE on Delta on Spark"). Delta on Spark and delta-rs honour it; a table created
+without it (by an earlier pgcdc) keeps statistics on every column, which changes nothing else."""
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def stats_columns(layout: TableLayout | None) -> str | None:
+    """:data:`STATS_COLUMNS_PROPERTY`'s value for a table of ``layout``: its key columns, comma-separated;
+    None (the writers' default) for an unbucketed table, or a key column whose name the readers of the
+    property parse differently (Delta takes backquoted names, delta-rs splits on commas)."""
+    if layout is None or not all(_PLAIN_NAME.fullmatch(name) for name in layout.key):
+        return None
+    return ",".join(layout.key)
 
 
 def layout_property(layout: TableLayout | None) -> str:

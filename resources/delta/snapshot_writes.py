@@ -22,7 +22,13 @@ from resources.delta.capabilities import engine_capabilities
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, nullable_schema, prepare_writes, session_settings
 from resources.delta.lake_storage import LakeStorage, object_store_options, remove_tree, storage_client
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
-from resources.delta.markers import LAYOUT_PROPERTY, layout_property, SNAPSHOT_CREATE_METADATA
+from resources.delta.markers import (
+    LAYOUT_PROPERTY,
+    layout_property,
+    SNAPSHOT_CREATE_METADATA,
+    stats_columns,
+    STATS_COLUMNS_PROPERTY,
+)
 from resources.delta.staging import STAGE_FILE_BYTES, stage_parquet, staged_frame, STAGING_DIRECTORY
 from resources.delta.table_log import has_commit, LOG_DIRECTORY, table_exists, unfinished_create, version_with_metadata
 from resources.locations import is_object_store
@@ -117,7 +123,7 @@ def write_snapshot(
         and capabilities.delta_rs_snapshot_rows
         and _write_into_engine_table(spark, data, schema, path, user_metadata, layout, deletion_vectors, lake)
     ):
-        new_with_deletion_vectors = deletion_vectors and whole_table and not table_exists(path, lake)
+        creates = whole_table and not table_exists(path, lake)
         _write_with_engine(
             spark,
             data,
@@ -126,7 +132,8 @@ def write_snapshot(
             user_metadata,
             layout,
             replace_where,
-            new_with_deletion_vectors,
+            deletion_vectors and creates,
+            creates,
             rows_outside_where,
             max(1, min(chunk_bytes, STAGE_FILE_BYTES)),
             lake,
@@ -144,6 +151,7 @@ def _write_with_engine(
     layout: TableLayout | None,
     replace_where: str | None,
     new_with_deletion_vectors: bool,
+    creates: bool,
     rows_outside_where: bool,
     file_bytes: int,
     lake: LakeStorage | None,
@@ -173,6 +181,7 @@ def _write_with_engine(
             replace_where,
             new_with_deletion_vectors,
             rows_outside_where,
+            stats_property=stats_columns(layout) if creates else None,
         )
     finally:
         remove_tree(staging, lake)
@@ -244,6 +253,8 @@ def _write_with_delta_rs(
         configuration = {LAYOUT_PROPERTY: layout_property(layout)}
         if deletion_vectors:
             configuration[DELETION_VECTORS_PROPERTY] = "true"
+        if stats_columns(layout) is not None:
+            configuration[STATS_COLUMNS_PROPERTY] = str(stats_columns(layout))
         fault_point("before_snapshot_create")
         DeltaTable.create(
             path, nullable_schema(schema), partition_by=partition_by, configuration=configuration,
@@ -376,7 +387,10 @@ def _write_into_engine_table(
     if created:
         prepare_writes(spark)
         empty = spark.createDataFrame([], spark_schema)
-        _overwrite(empty, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False)
+        _overwrite(
+            empty, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False,
+            stats_property=stats_columns(layout),
+        )  # fmt: skip
         fault_point("after_snapshot_create")
     table = DeltaTable(path, storage_options=storage_options)
     if not _delta_rs_keeps(table, spark_schema.jsonValue(), partition_by):
@@ -418,13 +432,14 @@ def _overwrite(
     deletion_vectors: bool = False,
     rows_outside_where: bool = False,
     arranged: bool = True,
+    stats_property: str | None = None,
 ) -> None:
     """Overwrite the table (schema too), or only the rows ``replace_where`` selects; bucketed by
     ``layout``: one task, so one file, per bucket, sorted by key (unless not ``arranged``: a frame
     without rows needs no shuffle). ``deletion_vectors``: the write
     creates the table, with :data:`DELETION_VECTORS_PROPERTY` on (a writer option every engine
     records as the table property when it creates the table; never given for an existing table,
-    whose protocol stays as it is)."""
+    whose protocol stays as it is); ``stats_property`` likewise, as :data:`STATS_COLUMNS_PROPERTY`."""
     delta_commands = engine_capabilities(frame.sparkSession).delta_commands
     if replace_where is not None:
         # Through a union with the (empty) table scan: Sail's replaceWhere refuses type details the
@@ -446,6 +461,8 @@ def _overwrite(
     writer = writer.option("userMetadata", user_metadata)
     if deletion_vectors:
         writer = writer.option(DELETION_VECTORS_PROPERTY, "true")
+    if stats_property is not None:
+        writer = writer.option(STATS_COLUMNS_PROPERTY, stats_property)
     if not delta_commands:
         # Sail records delta.* writer options as table properties; Delta on Spark refuses
         # property names it does not know, so there the layout lives in the marker only.
