@@ -186,7 +186,9 @@ def test_a_bucketed_table_keeps_statistics_on_its_key_only(spark: SparkSession, 
         for delta_rs in (False, True):
             set_engine_capabilities(spark, EngineCapabilities(detected.delta_commands, delta_rs))
             path = tmp_path / ("delta-rs" if delta_rs else "engine")
-            write_snapshot(spark, rows([1, 2, 3, 4]), SCHEMA, str(path), '{"pgcdc": {"kind": "snapshot"}}', layout=layout)
+            write_snapshot(
+                spark, rows([1, 2, 3, 4]), SCHEMA, str(path), '{"pgcdc": {"kind": "snapshot"}}', layout=layout
+            )
             assert _log_actions(path)["metaData"]["configuration"][STATS_COLUMNS_PROPERTY] == "id"  # type: ignore[index]
             merge_batch(spark, str(path), bucketed, ["id"])
             assert _stats_columns(path) == {"id"}, delta_rs
