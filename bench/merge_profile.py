@@ -1,14 +1,15 @@
 """``python -m bench.merge_profile``: one small table's MERGE on a warm managed Spark, call by call.
 
-The fixed cost of a drain's table on Delta on Spark, counted: a table of 10 rows created as a snapshot
+The fixed cost of a drain's table on Delta on Spark, counted: a table of 100 rows created as a snapshot
 creates it (the engine's empty create, then delta-rs's rows: ``snapshot_writes``), bucketed and with
 deletion vectors as pgcdc's defaults make it, then ``--merges`` MERGEs of a batch of ``--changes``
-updates through the production destination (``SparkDeltaDestination.merge_batch``). The last
+updates (other keys each time) through the production destination (``SparkDeltaDestination.merge_batch``). The last
 ``--profiled`` MERGEs are profiled: every Spark Connect round trip from this process
 (``bench/engine_calls.py``) and every Spark SQL execution, job and stage the engine ran for them, from
-its event log. Counts do not depend on the machine's load; times do. ``--spark-conf KEY=VALUE`` adds
-settings to the engine (each setting a JVM of its own); ``--stats-columns`` creates the table with
-statistics on the key and bucket columns only (``resources/delta/snapshot_writes.py``).
+its event log. Counts do not depend on the machine's load; times do (the JVM's CPU time beside them is
+less bent by it). ``--spark-conf KEY=VALUE`` adds settings to the engine; ``--variants`` MERGEs into a
+table of each variant in turn, round after round (:data:`VARIANTS`: session settings around its MERGEs,
+or how its table is created).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from bench.engine_calls import engine_calls, spark_event_log_config, summary
+from bench.spark_variants import variant_set_up
 from resources.delta.batch_columns import OP_COLUMN
 from resources.delta.dataframes import session_settings
 from resources.delta.engine import SparkEngine
@@ -33,13 +35,13 @@ from resources.delta.layout import BUCKET_COLUMN, RANGE, TableLayout
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.spark_destination import SparkDeltaDestination
 
-ROWS = 10
+ROWS = 100
 LAYOUT = TableLayout(RANGE, ("id",), 100_000)
 
 
-def table_rows(values: list[int], lsn: int, op: str | None = None, width: int = 0) -> pa.Table:
-    """Rows ``id`` 1..len(values) with ``n`` = values and ``width`` text columns (a MERGE batch when ``op``)."""
-    ids = list(range(1, len(values) + 1))
+def table_rows(values: list[int], lsn: int, op: str | None = None, width: int = 0, first: int = 1) -> pa.Table:
+    """Rows ``id`` first.. with ``n`` = values and ``width`` text columns (a MERGE batch when ``op``)."""
+    ids = list(range(first, first + len(values)))
     columns: dict[str, pa.Array] = {
         "id": pa.array(ids, pa.int32()),
         "n": pa.array(values, pa.int32()),
@@ -116,8 +118,9 @@ VARIANTS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
         {"spark.sql.adaptive.enabled": "false", "spark.databricks.delta.merge.repartitionBeforeWrite.enabled": "false"},
         {},
     ),
-    "stats-key": ({}, {"create": {"spark.databricks.delta.properties.defaults.dataSkippingStatsColumns": "id"}}),
-    "fair": ({"spark.scheduler.pool": "pgcdc"}, {}),
+    "all-stats": ({}, {"all_stats": True}),
+    "inset": ({"spark.sql.optimizer.inSetConversionThreshold": "0"}, {}),
+    "no-aqe-inset": ({"spark.sql.adaptive.enabled": "false", "spark.sql.optimizer.inSetConversionThreshold": "0"}, {}),
 }
 """name -> (session settings around its MERGEs, table options): each variant MERGEs into a table of its own."""
 
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.merge_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--merges", type=int, default=6, help="MERGEs into each table (the first ones warm up)")
     parser.add_argument("--profiled", type=int, default=1, help="the last MERGEs profiled")
-    parser.add_argument("--changes", type=int, default=10, help="rows per MERGE batch (at most 10 rows exist)")
+    parser.add_argument("--changes", type=int, default=10, help="rows per MERGE batch, other keys each time")
     parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE", help="the engine's")
     parser.add_argument("--variants", default="base", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--width", type=int, default=0, help="text columns besides id and n")
@@ -147,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             marker = json.dumps({"pgcdc": {"kind": "snapshot", "lsn": 1, "layout": LAYOUT.to_json()}})
             for name in variants:
                 settings, options = VARIANTS[name]
-                with session_settings(engine.spark, {**settings, **options.get("create", {})}):  # type: ignore[dict-item]
+                with (
+                    session_settings(engine.spark, settings),
+                    variant_set_up("all-stats" if options.get("all_stats") else name),
+                ):
                     destination.write_snapshot(
                         table_rows([0] * ROWS, 1, width=args.width), table_rows([0] * ROWS, 1, width=args.width).schema, str(work / "lake" / name),
                         marker, layout=LAYOUT, deletion_vectors=bool(options.get("deletion_vectors", True)),
@@ -155,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             for merge in range(args.merges):
                 for name in variants:
                     settings, _ = VARIANTS[name]
-                    batch = table_rows([merge + 1] * min(ROWS, args.changes), 100 + merge, "U", args.width)
+                    changes = min(ROWS, args.changes)  # other keys in every MERGE, as drains bring
+                    first = 1 + (merge * changes) % (ROWS - changes + 1)
+                    batch = table_rows([merge + 1] * changes, 100 + merge, "U", args.width, first)
                     with session_settings(engine.spark, settings):
                         since = int(time.time() * 1000)
                         began, cpu_began = time.perf_counter(), jvm_cpu_s(engine.server_pid)
