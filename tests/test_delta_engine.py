@@ -19,7 +19,7 @@ from resources.delta.capabilities import engine_capabilities, EngineCapabilities
 from resources.delta.dataframes import nullable_schema
 from resources.delta.engine import classic_delta_config, SparkEngine
 from resources.delta.layout import TableLayout
-from resources.delta.markers import STATS_COLUMNS_PROPERTY
+from resources.delta.markers import stats_columns, STATS_COLUMNS_PROPERTY
 from resources.delta.merge import delete_all_rows, merge_batch, replace_rows
 from resources.delta.schema_changes import add_columns, table_schema
 from resources.delta.snapshot_writes import write_snapshot
@@ -202,6 +202,10 @@ def test_a_bucketed_table_keeps_statistics_on_its_key_only(spark: SparkSession, 
     merge_batch(spark, str(earlier), batch, ["id"])
     assert {"id", "name", "amount"} <= _stats_columns(earlier)
     assert read_back(earlier)["name"].to_pylist() == ["renamed", "n2", "n4", "new"]
+    flagged = pa.schema([("flag", pa.bool_()), ("id", pa.int64()), ("blob", pa.binary())])
+    assert stats_columns(TableLayout("hash", ("flag", "id"), 4), flagged) == "id"  # Delta on Spark refuses a bool's
+    assert stats_columns(TableLayout("hash", ("flag", "blob"), 4), flagged) is None
+    assert stats_columns(TableLayout("hash", ("odd name",), 4), pa.schema([("odd name", pa.int64())])) is None
 
 
 def test_empty_snapshot_keeps_schema(spark: SparkSession, tmp_path: Path) -> None:

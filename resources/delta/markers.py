@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
@@ -92,13 +94,26 @@ without it (by an earlier pgcdc) keeps statistics on every column, which changes
 _PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def stats_columns(layout: TableLayout | None) -> str | None:
-    """:data:`STATS_COLUMNS_PROPERTY`'s value for a table of ``layout``: its key columns, comma-separated;
-    None (the writers' default) for an unbucketed table, or a key column whose name the readers of the
-    property parse differently (Delta takes backquoted names, delta-rs splits on commas)."""
+def stats_columns(layout: TableLayout | None, schema: pa.Schema) -> str | None:
+    """:data:`STATS_COLUMNS_PROPERTY`'s value for a table of ``layout`` and ``schema``: its key columns of the
+    types Delta keeps statistics on (numbers, dates, timestamps, strings: Delta on Spark refuses the
+    property naming any other), comma-separated. None (the writers' default) for an unbucketed table, a
+    key with no such column, or a key column whose name the readers of the property parse differently
+    (Delta takes backquoted names, delta-rs splits on commas)."""
     if layout is None or not all(_PLAIN_NAME.fullmatch(name) for name in layout.key):
         return None
-    return ",".join(layout.key)
+    named = [name for name in layout.key if name in schema.names and _has_statistics(schema.field(name).type)]
+    return ",".join(named) or None
+
+
+def _has_statistics(kind: pa.DataType) -> bool:
+    return any(
+        check(kind)
+        for check in (
+            pa.types.is_integer, pa.types.is_floating, pa.types.is_decimal, pa.types.is_date,
+            pa.types.is_timestamp, pa.types.is_string, pa.types.is_large_string,
+        )
+    )  # fmt: skip
 
 
 def layout_property(layout: TableLayout | None) -> str:

@@ -181,7 +181,7 @@ def _write_with_engine(
             replace_where,
             new_with_deletion_vectors,
             rows_outside_where,
-            stats_property=stats_columns(layout) if creates else None,
+            stats_property=stats_columns(layout, schema) if creates else None,
         )
     finally:
         remove_tree(staging, lake)
@@ -253,8 +253,8 @@ def _write_with_delta_rs(
         configuration = {LAYOUT_PROPERTY: layout_property(layout)}
         if deletion_vectors:
             configuration[DELETION_VECTORS_PROPERTY] = "true"
-        if stats_columns(layout) is not None:
-            configuration[STATS_COLUMNS_PROPERTY] = str(stats_columns(layout))
+        if stats_columns(layout, schema) is not None:
+            configuration[STATS_COLUMNS_PROPERTY] = str(stats_columns(layout, schema))
         fault_point("before_snapshot_create")
         DeltaTable.create(
             path, nullable_schema(schema), partition_by=partition_by, configuration=configuration,
@@ -389,7 +389,7 @@ def _write_into_engine_table(
         empty = spark.createDataFrame([], spark_schema)
         _overwrite(
             empty, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False,
-            stats_property=stats_columns(layout),
+            stats_property=stats_columns(layout, schema),
         )  # fmt: skip
         fault_point("after_snapshot_create")
     table = DeltaTable(path, storage_options=storage_options)
