@@ -11,6 +11,7 @@ import deltalake
 import pytest
 from dagster import (
     AssetCheckKey,
+    AssetCheckSeverity,
     AssetKey,
     AssetSelection,
     DagsterInstance,
@@ -288,7 +289,7 @@ def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_p
 def test_lag_sensor_requests_a_drain_only_above_the_threshold(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
-    config = write_config(tmp_path, shop, sensors={"lag_bytes": 200_000})
+    config = write_config(tmp_path, shop, sensors={"lag_bytes": 200_000}, checks={"max_lag_bytes": 200_000})
     defs = build_definitions(config)
     run_job(defs, instance, "pgcdc_snapshot")
     run_job(defs, instance, "pgcdc_incremental")
@@ -309,6 +310,19 @@ def test_lag_sensor_requests_a_drain_only_above_the_threshold(
     pending = evaluate(defs, "pgcdc_slot_lag_sensor", instance, config)
     assert isinstance(pending, SkipReason)
     assert pending.skip_message.endswith(f"a pgcdc_incremental run is already pending: {running.run_id}")
+
+    # The slot_lag_within_bound check past checks.max_lag_bytes fails (an error), with the lag it measured;
+    # evaluated alone it does not drain; the drain's own evaluation after it confirmed passes again.
+    lag_check = AssetCheckKey(SLOT, "slot_lag_within_bound")
+    alone = materialize([defs.resolve_assets_def(SLOT)], selection=AssetSelection.checks(lag_check), instance=instance)
+    assert alone.success and materializations(alone) == {}
+    (failing,) = alone.get_asset_check_evaluations()
+    assert (failing.asset_key, failing.check_name, failing.passed) == (SLOT, "slot_lag_within_bound", False)
+    assert failing.severity == AssetCheckSeverity.ERROR
+    assert failing.metadata["slot_lag_bytes"].value > 200_000 and failing.metadata["max_lag_bytes"].value == 200_000
+    assert slot_position(shop) == confirmed_before
+    drained = run_job(defs, instance, "pgcdc_incremental")
+    assert check_outcomes(drained)[(SLOT, "slot_lag_within_bound")] is True
 
 
 def test_health_sensor_reports_a_missing_slot_with_the_fix(

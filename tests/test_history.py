@@ -465,4 +465,6 @@ def test_drop_column_and_truncate_in_a_changelog_and_in_scd2_versions(
     current = [row for row in versions if row["_pgcdc_is_current"]]
     assert [(row["id"], row["body"]) for row in current] == [(50, "after")]
     log = changelog(config, "public.dups", spark).to_pylist()
-    assert [row["b"] for row in log if row["a"] == 10] == [None] and [row["b"] for row in log if row["a"] == 9] == ["kept"]
+    assert [row["b"] for row in log if row["a"] == 10] == [None] and [row["b"] for row in log if row["a"] == 9] == [
+        "kept"
+    ]
