@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import deltalake
@@ -14,6 +14,7 @@ from dagster import (
     AssetCheckSeverity,
     AssetKey,
     AssetSelection,
+    build_schedule_context,
     DagsterInstance,
     DagsterRun,
     DagsterRunStatus,
@@ -389,7 +390,7 @@ def test_new_tables_sensor_snapshots_defined_tables_and_names_the_rest(
     assert request.run_requests[0].asset_selection == [AssetKey(["pgcdc", "snapshot", "public", "extra"])]
 
 
-def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
+def test_a_check_only_run_does_not_drain_and_a_schedule_tick_does(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     run_job(defs, instance, "pgcdc_snapshot")
     before = slot_position(shop)
@@ -403,6 +404,23 @@ def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instanc
     assert materializations(result) == {}
     assert check_outcomes(result) == {(ORDERS, "schema_matches_postgres"): True}  # evaluated without a drain
     assert slot_position(shop) == before
+
+    # The schedule's tick (Dagster's own evaluation at a time its cron names) requests one run of the
+    # incremental job; that run drains the changes exactly.
+    schedule = defs.resolve_schedule_def("pgcdc_incremental_schedule")
+    tick_time = datetime(2026, 1, 1, 12, 5, tzinfo=timezone.utc)  # on */5 * * * *
+    with build_schedule_context(instance=instance, scheduled_execution_time=tick_time) as context:
+        tick = schedule.evaluate_tick(context)
+    assert tick.skip_message is None
+    (request,) = tick.run_requests or []
+    assert (request.job_name or schedule.job_name) == "pgcdc_incremental"
+    drained = defs.resolve_job_def(schedule.job_name).execute_in_process(
+        instance=instance, run_config=request.run_config, tags=request.tags
+    )
+    assert drained.success and drained.dagster_run.tags["dagster/schedule_name"] == "pgcdc_incremental_schedule"
+    assert slot_position(shop) > before
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+    assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
 
 
 def test_materializing_one_table_drains_the_slot_and_records_what_changed(
