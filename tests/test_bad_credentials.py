@@ -191,3 +191,70 @@ def test_wrong_and_read_only_s3_keys_fail_in_one_line_and_the_right_key_is_exact
     run_with(config, writer, "drain")
     options = LakeStorage(config.delta.root, config.delta.storage).object_store_options()
     assert_exact(pg, config, storage_options=options)
+
+
+TOKEN = "PGCDC_TEST_IAM_TOKEN"
+
+
+def _assumed_role(store: CheckingStore) -> tuple[str, str, str]:
+    """Temporary credentials (key, secret, session token) of a role allowed everything, assumed by the writer."""
+    key, secret = store.keys["writer"]
+    signed = {"endpoint_url": store.endpoint, "aws_access_key_id": key, "aws_secret_access_key": secret}
+    iam, sts = boto3.client("iam", region_name=REGION, **signed), boto3.client("sts", region_name=REGION, **signed)
+    name = f"lake-{uuid.uuid4().hex[:8]}"
+    trust = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}],
+    }
+    role = iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))["Role"]
+    allowed = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+    iam.put_role_policy(RoleName=name, PolicyName="lake", PolicyDocument=json.dumps(allowed))
+    assumed = sts.assume_role(RoleArn=role["Arn"], RoleSessionName="pgcdc")["Credentials"]
+    return assumed["AccessKeyId"], assumed["SecretAccessKey"], assumed["SessionToken"]
+
+
+@NEWEST_POSTGRES_ONLY  # the store's answers do not depend on PostgreSQL's version
+def test_a_session_token_reaches_every_client_and_is_what_the_store_checks(
+    checking_store: CheckingStore, credentials: None, pg: PgDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delta.storage.session_token``: temporary credentials (an assumed role's key, secret and token) work
+    for pgcdc's preflight, the engine's writes and delta-rs's reads only with the token they belong to; the
+    same key pair with a wrong token, or without its token, is refused in one line before anything is written."""
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    key, secret, token = _assumed_role(checking_store)
+    monkeypatch.setenv(KEY, key)
+    monkeypatch.setenv(SECRET, secret)
+    prefix = uuid.uuid4().hex[:12]
+    root = f"s3://{BUCKET}/{prefix}"
+    pg.execute(DDL + "CREATE PUBLICATION pub FOR TABLE orders, notes, tally")
+    storage = {**checking_store.storage(), "session_token": f"${{{TOKEN}}}"}
+    config = parse_config(settings(pg.dsn, root, delta={"root": root, "storage": storage}))
+    without_token = parse_config(settings(pg.dsn, root, delta={"root": root, "storage": checking_store.storage()}))
+    monkeypatch.setenv(TOKEN, token)
+    lake = LakeStorage(root, config.delta.storage)
+    environment = lake.engine_environment()
+    assert (
+        environment["AWS_SESSION_TOKEN"] == token
+        and "AWS_SESSION_TOKEN" not in LakeStorage(root, without_token.delta.storage).engine_environment()
+    )
+    with SparkEngine.embedded(storage_environment=environment) as engine:
+        cases = (  # the key pair alone is no key the store knows; with a wrong token S3 answers a bare 400
+            (without_token, token, ("S3 refused access", "session_token for temporary ones")),
+            (
+                config,
+                "not-the-token-Vb51",
+                ("(HTTP 400): a wrong or expired session token", "delta.storage.session_token"),
+            ),
+        )
+        for wrong, token_value, fragments in cases:
+            monkeypatch.setenv(TOKEN, token_value)
+            with pytest.raises(PgcdcError) as failure:
+                snapshot_tables(wrong, lake_destination(engine.spark, wrong))
+            one_line(failure.value, *fragments, secret=secret)
+            assert token not in str(failure.value) and checking_store.objects(prefix) == []
+        monkeypatch.setenv(TOKEN, token)
+        snapshot_tables(config, lake_destination(engine.spark, config))
+        pg.execute(PENDING)
+        run_incremental(config, lake_destination(engine.spark, config))
+    assert_exact(pg, config, storage_options=lake.object_store_options())
+    assert tables_and_commits(checking_store.objects(prefix))

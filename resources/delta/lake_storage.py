@@ -232,7 +232,15 @@ def _explain_store_error(error: OSError, root: str, endpoint: str) -> Configurat
     if "ACCESS_DENIED" in text or "403" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
         return ConfigurationError(
             f"S3 refused access to delta.root {root}",
-            "fix the credentials (delta.storage.access_key_id / secret_access_key, or AWS_*)",
+            "fix the credentials (delta.storage.access_key_id / secret_access_key, and session_token for"
+            " temporary ones, or AWS_*)",
+        )
+    if "HTTP status 400" in text or "InvalidToken" in text or "ExpiredToken" in text:
+        # S3 answers a HEAD signed with a wrong or expired session token (or for the wrong region) with a bare 400
+        return ConfigurationError(
+            f"S3 refused the signed request for delta.root {root} as invalid (HTTP 400): a wrong or expired"
+            " session token, or a region the bucket is not in",
+            "fix delta.storage.session_token (or AWS_SESSION_TOKEN) with its key pair, or delta.storage.region",
         )
     return ConfigurationError(f"cannot reach delta.root {root} ({text[:200]})", "check delta.root and delta.storage")
 
