@@ -103,11 +103,22 @@ def test_spark_resource_modes() -> None:
 
 
 def test_embedded_spark_resource_starts_and_stops_sail() -> None:
-    with SparkDeltaResource().yield_for_execution(_init_context()) as ready:
+    """The resource a pipeline's configuration makes starts Sail on first use, with ``spark.config``
+    (docs/configuration.md) in the session the engine runs: the session time zone it names is the one
+    Sail's SQL reads, and a timestamp renders in it."""
+    settings = {"postgres": {"dsn": "host=x"}, "publication": "p"}
+    zone = {"spark.sql.session.timeZone": "Asia/Tokyo", "spark.sql.shuffle.partitions": "3"}
+    resource = SparkDeltaResource.from_pgcdc_config(parse_config({**settings, "spark": {"config": zone}}))
+    with resource.yield_for_execution(_init_context()) as ready:
         assert ready._engine is None  # nothing starts until a session is asked for
         session = ready.spark_session
         assert ready.spark_session is session
         assert session.range(5).count() == 5
+        assert session.conf.get("spark.sql.shuffle.partitions") == "3"
+        (row,) = session.sql(
+            "SELECT current_timezone() AS zone, CAST(TIMESTAMP '2024-01-01 00:00:00 UTC' AS STRING) AS local"
+        ).collect()
+        assert (row["zone"], row["local"]) == ("Asia/Tokyo", "2024-01-01 09:00:00")
     assert ready._engine is None
     with pytest.raises(Exception):
         session.range(1).count()
