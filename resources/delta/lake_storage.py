@@ -111,7 +111,9 @@ class LakeStorage:
         options: dict[str, str] = {}
         endpoint, region = self.endpoint(), self.region()
         if endpoint:
-            options["AWS_ENDPOINT_URL"] = endpoint
+            options["AWS_ENDPOINT_URL"] = (
+                endpoint if self.settings.path_style else _bucket_host(endpoint, self.location.bucket)
+            )
         if region:
             options["AWS_REGION"] = region
         if self.settings.allow_http:
@@ -205,6 +207,14 @@ class LakeStorage:
             self.filesystem().delete_dir(parse_object_location(location).store_path)  # type: ignore[attr-defined]
         except FileNotFoundError:
             pass
+
+
+def _bucket_host(endpoint: str, bucket: str) -> str:
+    """``endpoint`` with ``bucket`` in its host name: ``object_store`` (Sail, delta-rs) addresses
+    virtual-hosted requests to the endpoint as given, so with ``path_style: false`` the endpoint must
+    name the bucket's host (``http://lake.s3.example.com:9000``); Arrow's and S3A's clients add it themselves."""
+    parts = urlsplit(endpoint)
+    return parts._replace(netloc=f"{bucket}.{parts.netloc}").geturl()
 
 
 def _remove_local_tree(location: str, keep_parent: bool = False) -> None:
