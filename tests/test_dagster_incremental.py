@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 import deltalake
@@ -390,7 +390,9 @@ def test_new_tables_sensor_snapshots_defined_tables_and_names_the_rest(
     assert request.run_requests[0].asset_selection == [AssetKey(["pgcdc", "snapshot", "public", "extra"])]
 
 
-def test_a_check_only_run_does_not_drain_and_a_schedule_tick_does(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
+def test_a_check_only_run_does_not_drain_and_a_schedule_tick_does(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     run_job(defs, instance, "pgcdc_snapshot")
     before = slot_position(shop)
@@ -408,7 +410,7 @@ def test_a_check_only_run_does_not_drain_and_a_schedule_tick_does(shop: PgDataba
     # The schedule's tick (Dagster's own evaluation at a time its cron names) requests one run of the
     # incremental job; that run drains the changes exactly.
     schedule = defs.resolve_schedule_def("pgcdc_incremental_schedule")
-    tick_time = datetime(2026, 1, 1, 12, 5, tzinfo=timezone.utc)  # on */5 * * * *
+    tick_time = datetime(2026, 1, 1, 12, 5, tzinfo=UTC)  # on */5 * * * *
     with build_schedule_context(instance=instance, scheduled_execution_time=tick_time) as context:
         tick = schedule.evaluate_tick(context)
     assert tick.skip_message is None

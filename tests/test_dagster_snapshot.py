@@ -16,7 +16,6 @@ import deltalake
 import pytest
 import yaml
 from dagster import (
-    AssetCheckKey,
     AssetKey,
     AssetSpec,
     DagsterInstance,
