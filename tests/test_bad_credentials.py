@@ -11,10 +11,12 @@ are no table's own fault: the whole run fails.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import deltalake
+import pyarrow as pa
 import pytest
 import requests
 
@@ -32,6 +36,7 @@ from resources.delta.spark_destination import lake_destination
 from resources.delta.staging import STAGING_DIRECTORY
 from resources.engines.engine import SparkEngine
 from resources.errors import PgcdcError
+from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from tests.support.bad_storage import (
@@ -191,3 +196,141 @@ def test_wrong_and_read_only_s3_keys_fail_in_one_line_and_the_right_key_is_exact
     run_with(config, writer, "drain")
     options = LakeStorage(config.delta.root, config.delta.storage).object_store_options()
     assert_exact(pg, config, storage_options=options)
+
+
+TOKEN = "PGCDC_TEST_IAM_TOKEN"
+
+
+def _assumed_role(store: CheckingStore) -> tuple[str, str, str]:
+    """Temporary credentials (key, secret, session token) of a role allowed everything, assumed by the writer."""
+    key, secret = store.keys["writer"]
+    signed = {"endpoint_url": store.endpoint, "aws_access_key_id": key, "aws_secret_access_key": secret}
+    iam, sts = boto3.client("iam", region_name=REGION, **signed), boto3.client("sts", region_name=REGION, **signed)
+    name = f"lake-{uuid.uuid4().hex[:8]}"
+    trust = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Principal": {"AWS": "*"}, "Action": "sts:AssumeRole"}],
+    }
+    role = iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))["Role"]
+    allowed = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+    iam.put_role_policy(RoleName=name, PolicyName="lake", PolicyDocument=json.dumps(allowed))
+    assumed = sts.assume_role(RoleArn=role["Arn"], RoleSessionName="pgcdc")["Credentials"]
+    return assumed["AccessKeyId"], assumed["SecretAccessKey"], assumed["SessionToken"]
+
+
+@NEWEST_POSTGRES_ONLY  # the store's answers do not depend on PostgreSQL's version
+def test_a_session_token_reaches_every_client_and_is_what_the_store_checks(
+    checking_store: CheckingStore, credentials: None, pg: PgDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delta.storage.session_token``: temporary credentials (an assumed role's key, secret and token) work
+    for pgcdc's preflight, the engine's writes and delta-rs's reads only with the token they belong to; the
+    same key pair with a wrong token, or without its token, is refused in one line before anything is written."""
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    key, secret, token = _assumed_role(checking_store)
+    monkeypatch.setenv(KEY, key)
+    monkeypatch.setenv(SECRET, secret)
+    prefix = uuid.uuid4().hex[:12]
+    root = f"s3://{BUCKET}/{prefix}"
+    pg.execute(DDL + "CREATE PUBLICATION pub FOR TABLE orders, notes, tally")
+    storage = {**checking_store.storage(), "session_token": f"${{{TOKEN}}}"}
+    config = parse_config(settings(pg.dsn, root, delta={"root": root, "storage": storage}))
+    without_token = parse_config(settings(pg.dsn, root, delta={"root": root, "storage": checking_store.storage()}))
+    monkeypatch.setenv(TOKEN, token)
+    lake = LakeStorage(root, config.delta.storage)
+    environment = lake.engine_environment()
+    assert (
+        environment["AWS_SESSION_TOKEN"] == token
+        and "AWS_SESSION_TOKEN" not in LakeStorage(root, without_token.delta.storage).engine_environment()
+    )
+    with SparkEngine.embedded(storage_environment=environment) as engine:
+        cases = (  # the key pair alone is no key the store knows; with a wrong token S3 answers a bare 400
+            (without_token, token, ("S3 refused access", "session_token for temporary ones")),
+            (
+                config,
+                "not-the-token-Vb51",
+                ("(HTTP 400): a wrong or expired session token", "delta.storage.session_token"),
+            ),
+        )
+        for wrong, token_value, fragments in cases:
+            monkeypatch.setenv(TOKEN, token_value)
+            with pytest.raises(PgcdcError) as failure:
+                snapshot_tables(wrong, lake_destination(engine.spark, wrong))
+            one_line(failure.value, *fragments, secret=secret)
+            assert token not in str(failure.value) and checking_store.objects(prefix) == []
+        monkeypatch.setenv(TOKEN, token)
+        snapshot_tables(config, lake_destination(engine.spark, config))
+        pg.execute(PENDING)
+        run_incremental(config, lake_destination(engine.spark, config))
+    assert_exact(pg, config, storage_options=lake.object_store_options())
+    assert tables_and_commits(checking_store.objects(prefix))
+
+
+class InstanceMetadata:
+    """The EC2 instance metadata service's credential endpoints (IMDSv2), serving one role's temporary
+    credentials: what ``instance_credentials: true`` relies on. Records the paths asked for."""
+
+    def __init__(self, key: str, secret: str, token: str) -> None:
+        served = json.dumps({
+            "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": key, "SecretAccessKey": secret, "Token": token,
+            "LastUpdated": "2026-01-01T00:00:00Z", "Expiration": "2099-01-01T00:00:00Z",
+        }).encode()  # fmt: skip
+        asked: list[str] = []
+        self.asked = asked
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # the clients keep their connection to the service
+
+            def _answer(self, body: bytes | None) -> None:
+                asked.append(f"{self.command} {self.path}")
+                self.send_response(200 if body is not None else 404)
+                self.send_header("Content-Length", str(len(body or b"")))
+                self.end_headers()
+                self.wfile.write(body or b"")
+
+            def do_PUT(self) -> None:  # noqa: N802 - http.server's name
+                self._answer(b"imds-session" if self.path == "/latest/api/token" else None)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                roles, path = "/latest/meta-data/iam/security-credentials", self.path.rstrip("/")
+                self._answer(b"lake-role" if path == roles else served if path == roles + "/lake-role" else None)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_instance_credentials_come_from_the_machine_and_no_key_pair_is_asked_for(
+    checking_store: CheckingStore, credentials: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delta.storage.instance_credentials: true``: with no key pair anywhere, pgcdc's preflight and delta-rs
+    take a role's temporary credentials from the instance metadata service (a local one, named by the
+    clients' own endpoint variables) and the store, which checks every signature, accepts them; nothing
+    gives the clients a key pair. Without the setting, the preflight refuses in one line naming it."""
+    for variable in ("AWS_SESSION_TOKEN", "AWS_EC2_METADATA_DISABLED"):
+        monkeypatch.delenv(variable, raising=False)
+    metadata = InstanceMetadata(*_assumed_role(checking_store))
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", metadata.endpoint)  # Arrow's AWS SDK
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", metadata.endpoint)  # object_store: delta-rs and Sail
+    root = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+    store = {"endpoint": checking_store.endpoint, "region": REGION, "allow_http": True}
+    try:
+        with pytest.raises(PgcdcError) as refused:
+            LakeStorage(root, StorageSettings(**store)).check()
+        one_line(refused.value, "no S3 credentials", "delta.storage.instance_credentials: true")
+        lake = LakeStorage(root, StorageSettings(**store, instance_credentials=True))
+        lake.check()
+        options = lake.object_store_options()
+        assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} & set(options)
+        deltalake.write_deltalake(f"{root}/public/t", pa.table({"id": [1, 2]}), storage_options=options)
+        assert deltalake.DeltaTable(f"{root}/public/t", storage_options=options).to_pyarrow_table().num_rows == 2
+    finally:
+        metadata.close()
+    assert "GET /latest/meta-data/iam/security-credentials/lake-role" in metadata.asked
+    assert checking_store.objects(root.split("/", 3)[3])

@@ -232,9 +232,8 @@ def silent_host() -> Iterator[str]:
 def test_silent_host_fails_within_the_connect_timeout_not_after_minutes(
     silent_host: str, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """Shows: run_incremental connects without a connect_timeout, so a host that accepts TCP and never
-    answers holds the run for psycopg's 130 s default (ReplicationConnection and the Dagster resource
-    give up after 10 s). Expected: a ConnectionFailure within ~10 s, like the rest of pgcdc."""
+    """A host that accepts TCP and never answers fails the incremental run within pgcdc's connect_timeout
+    (not psycopg's 130 s default): a ConnectionFailure in one line naming the timeout."""
     config = parse_config(settings(silent_host, tmp_path / "lake"))
     outcome: list[BaseException] = []
     began = time.monotonic()
@@ -300,9 +299,8 @@ def test_wal_level_replica_fails_the_snapshot_job_naming_wal_level(
 def test_wal_level_replica_fails_the_incremental_job_naming_wal_level(
     replica_server: LocalPostgres, tmp_path: Path
 ) -> None:
-    """Shows: the incremental run does not check wal_level (run_incremental's preflight skips
-    resources/postgres/preflight.check_server), so at wal_level=replica it blames the missing slot and sends the
-    user to the snapshot job instead of naming wal_level. Expected: the wal_level line the CLI prints."""
+    """At wal_level=replica the incremental job's step fails with the wal_level line the CLI prints (naming
+    wal_level and logical), not with a missing slot and the snapshot job."""
     message = failed_step(write(tmp_path, settings(replica_server.dsn(), tmp_path / "lake")))
     one_line(message, "wal_level", "logical")
 
@@ -439,10 +437,8 @@ def test_unwritable_delta_root_fails_the_snapshot_naming_the_location(
 def test_unwritable_delta_root_fails_the_incremental_run_with_one_line(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """Shows: with delta.root under a regular file, run_incremental fails in read_snapshot_lsn with a raw
-    pyspark SparkRuntimeException ("Not a directory (os error 20)", gRPC details, no fix), not a
-    PgcdcError; the Dagster step shows that traceback. The slot does not move. Expected: one line
-    naming the location and delta.root."""
+    """With delta.root under a regular file, the incremental run fails with a PgcdcError in one line naming
+    the location and delta.root (not the engine's raw error), and the slot does not move."""
     good = prepare(pg, tmp_path, spark)
     state = State(pg, tmp_path / "lake")
     blocker = tmp_path / "a_file"
@@ -461,11 +457,9 @@ def test_unwritable_delta_root_fails_the_incremental_run_with_one_line(
 def test_delta_root_without_any_snapshot_does_not_advance_the_slot(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """Shows: delta.root pointing at the wrong (empty, writable) directory, e.g. a typo or an unmounted
-    volume, makes every table "not snapshotted yet": run_incremental skips all changes and confirms the
-    slot to the end, so when the root is fixed the real lake has silently lost the pending changes.
-    Expected: with no published table snapshotted under delta.root, refuse with one line naming
-    delta.root and the snapshot job, and leave the slot."""
+    """delta.root pointing at the wrong (empty, writable) directory, e.g. a typo or an unmounted volume,
+    where no published table was snapshotted: the incremental run refuses in one line naming delta.root
+    and the snapshot job, leaves the slot, and a run on the right root then applies the pending changes."""
     good = prepare(pg, tmp_path, spark)
     state = State(pg, tmp_path / "lake")
     (tmp_path / "empty").mkdir()

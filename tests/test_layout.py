@@ -351,3 +351,18 @@ def test_the_top_of_resources_holds_only_the_vocabulary() -> None:
     packages = {f"resources.{path.parent.name}" for path in (ROOT / "resources").glob("*/__init__.py")}
     assert top | (packages & set(VOCABULARY)) == set(VOCABULARY)
     assert len(top) <= 6, sorted(top)
+
+
+def test_every_crash_point_is_killed_at_by_some_test() -> None:
+    """docs/testing.md: every point of resources/crash_points.py is where some test's process is SIGKILLed
+    (named in a test module or a scenario of tests/support), so a new point comes with its test."""
+    from resources.crash_points import FAULT_POINTS
+
+    tests = Path(__file__).resolve().parent
+    sources = "".join(
+        path.read_text(encoding="utf-8")
+        for path in [*tests.glob("test_*.py"), *(tests / "support").glob("*.py")]
+        if path.name != "test_layout.py"
+    )
+    untested = [point for point in FAULT_POINTS if f'"{point}' not in sources and f"'{point}" not in sources]
+    assert untested == [], f"crash points no test kills at: {untested}"

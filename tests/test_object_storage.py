@@ -29,6 +29,7 @@ from resources.delta.lake_storage import LakeStorage, object_store_options, open
 from resources.delta.snapshot_writes import write_snapshot
 from resources.delta.spark_destination import lake_destination
 from resources.delta.staging import STAGING_DIRECTORY
+from resources.engines.s3a import s3a_settings
 from resources.errors import ConfigurationError
 from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental
@@ -36,7 +37,7 @@ from resources.runs.snapshot import snapshot_tables
 from tests.support.incremental_runs import run_child
 from tests.support.object_storage_lifecycle import all_same, DDL, lifecycle, settings, SLOT, staged_objects
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
-from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
+from tests.support.s3_fixtures import BUCKET, RecordingHttpProxy, S3Server, TEST_SECRET
 
 pytest_plugins = ["tests.support.s3_fixtures"]
 
@@ -221,3 +222,41 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
         assert all(fragment in message for fragment in fragments), message
         assert TEST_SECRET not in message
     assert state() == before, "the slot, a Delta table or the store changed on bad input"
+
+
+def test_path_style_false_addresses_the_bucket_in_the_host_name(
+    s3_server: S3Server, s3_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delta.storage.path_style: false`` (docs/configuration.md): pgcdc's preflight passes and delta-rs
+    (the snapshot writer, the oracle) writes and reads a table with every request naming the bucket in the
+    host (``lake.localhost``), none in the path; the engine is given the same endpoint and S3A
+    ``path.style.access`` false. The requests reach moto through a recording HTTP proxy (``lake.localhost``
+    resolves nowhere here), which shows the addressing the client really used."""
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    proxy = RecordingHttpProxy(port)
+    for name in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, proxy.url)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    lake = LakeStorage(
+        s3_root, StorageSettings(**s3_server.storage(endpoint=f"http://localhost:{port}", path_style=False))
+    )
+    assert lake.engine_environment()["AWS_ENDPOINT_URL"] == f"http://{BUCKET}.localhost:{port}"
+    assert lake.engine_environment()["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] == "true"
+    assert s3a_settings(lake)["spark.hadoop.fs.s3a.path.style.access"] == "false"
+    try:
+        lake.check()
+        path, options = f"{s3_root}/public/t", lake.object_store_options()
+        deltalake.write_deltalake(path, pa.table({"id": [1, 2, 3]}), storage_options=options)
+        deltalake.write_deltalake(path, pa.table({"id": [4]}), mode="append", storage_options=options)
+        assert sorted(
+            deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table().column("id").to_pylist()
+        ) == [1, 2, 3, 4]
+    finally:
+        proxy.close()
+    prefix = s3_root.split("/", 3)[3]
+    assert any(line.startswith("PUT ") for line, _ in proxy.requests)
+    assert {host for _, host in proxy.requests} == {f"{BUCKET}.localhost:{port}"}
+    paths = [line.split(" ")[1].removeprefix(f"http://{BUCKET}.localhost:{port}") for line, _ in proxy.requests]
+    assert all(path.startswith((f"/{prefix}/", "/?")) for path in paths), paths[:5]
+    assert sorted(s3_server.keys(prefix))[0].startswith(f"{prefix}/public/t/")  # in the bucket, at the prefix
