@@ -13,7 +13,10 @@ one publication and one slot, snapshotted into a lake of its own. Then, for each
 * **busy**: ``--changes`` rows of every table updated (a transaction per table), then a drain.
 
 Each ``--repeat`` times, median reported: the busy drain per changed table, and as a ratio against the
-one-table drain of the same engine and concurrency, and against concurrency 1 of the same engine. Each
+one-table drain of the same engine and concurrency, and against concurrency 1 of the same engine; with
+Sail measured, every Spark figure also as a ratio against Sail's same drain. ``--spark-variants``
+measures the managed engine in several variants, each with a database, lake and JVM of its own
+(``bench/spark_variants.py``: pgcdc as built, and each of its small-table choices undone). Each
 Dagster run asserts what it materialized; Delta is checked against PostgreSQL at the end.
 """
 
@@ -35,6 +38,7 @@ from dagster import AssetKey, DagsterInstance
 
 from bench.lakes import bench_lake, lake_storage
 from bench.scale_idle import create_tables
+from bench.spark_variants import variant_config, variant_set_up
 from pgcdc_assets.builder import build_definitions
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.spark_destination import lake_destination
@@ -59,15 +63,16 @@ def update_rows(dsn: str, tables: list[int], changes: int, value: int) -> None:
                     conn.execute(f"UPDATE t{table} SET n = %s WHERE id = %s", (value * 1000 + change, change % 10 + 1))
 
 
-def engine_settings(engine: str, writes: int) -> dict[str, object]:
-    """The ``spark`` section a user would write for ``engine``, with ``writes`` tables committed at once."""
+def engine_settings(engine: str, writes: int, extra: dict[str, str] | None = None) -> dict[str, object]:
+    """The ``spark`` section a user would write for ``engine``, with ``writes`` tables committed at once
+    (``extra``: settings of the managed engine's variant)."""
     if engine == "sail":
         return {"engine": "sail", "write_concurrency": writes}
-    return {"engine": "spark", "keep_alive_s": KEEP_ALIVE_S, "write_concurrency": writes}
+    return {"engine": "spark", "keep_alive_s": KEEP_ALIVE_S, "write_concurrency": writes, "config": extra or {}}
 
 
 @contextmanager
-def snapshot_engine(engine: str, root: str, storage: dict) -> Iterator[SparkEngine]:
+def snapshot_engine(engine: str, root: str, storage: dict, extra: dict[str, str]) -> Iterator[SparkEngine]:
     """The engine the set-up snapshots with: embedded Sail, or the managed Spark engine kept for the runs."""
     lake = lake_storage(root, storage)
     if engine == "sail":
@@ -75,38 +80,43 @@ def snapshot_engine(engine: str, root: str, storage: dict) -> Iterator[SparkEngi
             yield sail
         return
     spark = SparkEngine.managed_spark(
-        s3a_settings(lake), storage_environment=lake.engine_environment(), keep_alive_s=KEEP_ALIVE_S
+        {**s3a_settings(lake), **extra}, storage_environment=lake.engine_environment(), keep_alive_s=KEEP_ALIVE_S
     )
     with spark:
         yield spark
 
 
-def set_up(server: LocalPostgres, engine: str, count: int, root: str, storage: dict) -> PgcdcConfig:
-    """The engine's database (``count`` tables), publication, slot and snapshotted lake."""
+def set_up(
+    server: LocalPostgres, run: str, count: int, root: str, storage: dict, extra: dict[str, str], variant: str
+) -> PgcdcConfig:
+    """The run's database (``count`` tables), publication, slot and snapshotted lake (``run``: the engine,
+    or ``spark_<variant>``, whose settings ``extra`` are and whose set-up ``variant`` makes)."""
+    engine = run.split("_", 1)[0]
+    name = "busy_" + run.replace("-", "_")
     with psycopg.connect(server.dsn(), autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE busy_{engine}")
-    dsn = server.dsn(f"busy_{engine}")
+        admin.execute(f"CREATE DATABASE {name}")
+    dsn = server.dsn(name)
     create_tables(dsn, count)
     settings = {
-        "postgres": {"dsn": dsn}, "publication": "pub", "slot": f"busy_{engine}",
-        "delta": {"root": f"{root.rstrip('/')}/busy_{engine}", "storage": storage},
-        "snapshot": {"parallel_tables": 4}, "spark": engine_settings(engine, 1),
+        "postgres": {"dsn": dsn}, "publication": "pub", "slot": name,
+        "delta": {"root": f"{root.rstrip('/')}/{name}", "storage": storage},
+        "snapshot": {"parallel_tables": 4}, "spark": engine_settings(engine, 1, extra),
     }  # fmt: skip
     config = parse_config(settings)
     began = time.monotonic()
-    with snapshot_engine(engine, root, storage) as snapshotting:
+    with snapshot_engine(engine, root, storage, extra) as snapshotting, variant_set_up(variant):
         snapshot_tables(config, lake_destination(snapshotting.spark, config))
-    print(f"set-up: {engine}: {count} tables snapshotted in {time.monotonic() - began:.1f} s", flush=True)
+    print(f"set-up: {run}: {count} tables snapshotted in {time.monotonic() - began:.1f} s", flush=True)
     return config
 
 
 def measure(
-    config: PgcdcConfig, engine: str, writes: int, args: argparse.Namespace, instance: DagsterInstance, work: Path
+    config: PgcdcConfig, run_name: str, writes: int, args: argparse.Namespace, instance: DagsterInstance, work: Path
 ) -> tuple[float, float]:
     """Median one-table and busy drain times (s) through the incremental job, ``writes`` tables at once."""
     settings = config.model_dump()
-    settings["spark"] = engine_settings(engine, writes)
-    config_file = work / f"pgcdc_{engine}_{writes}.yaml"
+    settings["spark"] = {**settings["spark"], "write_concurrency": writes}
+    config_file = work / f"pgcdc_{run_name}_{writes}.yaml"
     config_file.write_text(yaml.safe_dump(settings), encoding="utf-8")
     job = build_definitions(config_file).resolve_job_def("pgcdc_incremental")
     everything = list(range(args.tables))
@@ -130,14 +140,20 @@ def measure(
 def report(figures: dict[tuple[str, int], tuple[float, float]], args: argparse.Namespace) -> None:
     print(
         f"\n{args.tables} tables x {args.changes} changes each (busy) against {args.changes} changes in one table; "
-        f"median of {args.repeat} runs of the incremental job (wall time of execute_in_process, SQLite instance)"
+        f"median of {args.repeat} runs of the incremental job (wall time of execute_in_process, SQLite instance); "
+        f"load average now {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'engine':<7} {'writes':>6} {'one s':>8} {'busy s':>8} {'per table':>10} {'vs one':>8} {'vs writes 1':>12}")
-    for (engine, writes), (one, busy) in figures.items():
-        serial = figures.get((engine, 1), (one, busy))[1]
+    print(
+        f"{'engine':<22} {'writes':>6} {'one s':>8} {'busy s':>8} {'per table':>10} {'vs one':>8} {'vs writes 1':>12}"
+        f" {'one/sail':>9} {'busy/sail':>10}"
+    )
+    for (run, writes), (one, busy) in figures.items():
+        serial = figures.get((run, 1), (one, busy))[1]
+        sail = figures.get(("sail", writes))
+        against = f" {one / sail[0]:>8.2f}x {busy / sail[1]:>9.2f}x" if sail else ""
         print(
-            f"{engine:<7} {writes:>6} {one:>8.2f} {busy:>8.2f} {busy / args.tables:>9.3f}s {busy / one:>7.2f}x "
-            f"{busy / serial:>11.2f}x"
+            f"{run:<22} {writes:>6} {one:>8.2f} {busy:>8.2f} {busy / args.tables:>9.3f}s {busy / one:>7.2f}x "
+            f"{busy / serial:>11.2f}x{against}"
         )
 
 
@@ -150,25 +166,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="drains per measurement (median reported)")
     parser.add_argument("--major", type=int, default=18, help="PostgreSQL major version (15 or 18)")
     parser.add_argument("--lake", default=None, help="directory, s3://bucket/prefix, or 's3' (default: a temp dir)")
+    parser.add_argument(
+        "--spark-variants",
+        default="pgcdc",
+        help="the managed engine's variants (bench/spark_variants.py), comma-separated",
+    )
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
     if not set(engines) <= {"sail", "spark"}:
         raise SystemExit("--engines: sail and/or spark")
+    variants = args.spark_variants.split(",")
+    runs = [
+        (run, variant)
+        for engine in engines
+        for run, variant in (
+            [("sail", "")] if engine == "sail" else [(f"spark_{v}" if v != "pgcdc" else "spark", v) for v in variants]
+        )
+    ]
     work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-scale-busy-"))
     os.environ[SERVERS_DIR_ENV] = str(work / "spark-servers")  # the kept JVM's state, stopped at the end
     server = start_local_postgres(args.major, {"max_wal_size": "1GB"}, base_dir=work / "pg")
     figures: dict[tuple[str, int], tuple[float, float]] = {}
     try:
         with bench_lake(args.lake, work) as (root, storage), sqlite_instance(work / "dagster") as instance:
-            for engine in engines:
-                config = set_up(server, engine, args.tables, root, storage)
+            for run, variant in runs:
+                extra = variant_config(variant, work) if variant else {}
+                config = set_up(server, run, args.tables, root, storage, extra, variant)
                 for writes in (int(value) for value in args.writes.split(",")):
-                    figures[engine, writes] = measure(config, engine, writes, args, instance, work)
-                    print(f"  {engine}, {writes} at once: measured", flush=True)
+                    figures[run, writes] = measure(config, run, writes, args, instance, work)
+                    print(f"  {run}, {writes} at once: measured", flush=True)
                 for table in (0, args.tables - 1):
                     assert_delta_equals_postgres(
                         config.postgres.dsn, f"public.t{table}", config.table_path("public", f"t{table}"), key=("id",)
                     )
+                stop_all()  # the variant's kept JVM: one at a time
         report(figures, args)
         return 0
     finally:

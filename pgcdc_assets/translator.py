@@ -141,7 +141,7 @@ class PgcdcTranslator:
             "pgcdc/publication": props.publication,
             "pgcdc/slot": props.slot,
             "pgcdc/delta_path": MetadataValue.path(props.delta_path),
-            "dagster/uri": f"file://{props.delta_path}" if "://" not in props.delta_path else props.delta_path,
+            **_table_location(props.delta_path),
         }
 
     def get_snapshot_asset_spec(self, props: PgcdcTableProps) -> AssetSpec:
@@ -196,9 +196,7 @@ class PgcdcTranslator:
                 **self._metadata(props),
                 "pgcdc/history_mode": props.history_mode,
                 "pgcdc/delta_path": MetadataValue.path(props.history_path),
-                "dagster/uri": f"file://{props.history_path}"
-                if "://" not in props.history_path
-                else props.history_path,
+                **_table_location(props.history_path),
             },
             skippable=True,
         )
@@ -219,3 +217,11 @@ class PgcdcTranslator:
             skippable=True,
             freshness_policy=self.get_freshness_policy(props),
         )
+
+
+def _table_location(path: str) -> dict[str, str]:
+    """What Dagster's UI shows, searches and links a table by: ``dagster/uri``, the Delta table's location as a
+    URI, and ``dagster/table_name``, its name for the people who query it. pgcdc registers no table in a
+    catalog, so that name is the location too (what ``delta.`<location>``` queries take)."""
+    uri = path if "://" in path else f"file://{path}"
+    return {"dagster/uri": uri, "dagster/table_name": path}

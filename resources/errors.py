@@ -7,8 +7,12 @@ specific subclasses; ``explain`` turns driver errors into them.
 
 from __future__ import annotations
 
+import errno
 import getpass
 import os
+import pwd
+import re
+from typing import Literal
 
 
 class PgcdcError(Exception):
@@ -46,6 +50,90 @@ class ConnectionFailure(PgcdcError):
 
 class ProtocolError(PgcdcError):
     """The replication stream carried something the client does not understand."""
+
+
+class DeltaLogError(PgcdcError):
+    """A Delta table's log cannot be read: a commit file truncated or holding other bytes."""
+
+
+class StorageFault(PgcdcError):
+    """A volume pgcdc writes (the lake, the spill directory) is full or not writable by the user pgcdc
+    runs as, or the object store refuses the credentials a write (:func:`storage_fault`). No table's own
+    fault: it fails the whole run.
+
+    Recognised in any exception chain by errno (Python's and pyarrow's ``OSError``) or by how the engine
+    and the storage clients spell it (Rust's ``(os error 28)``, the AWS SDK's ``ACCESS_DENIED``, delta-rs's
+    "lacked the necessary privileges"). PostgreSQL's own "permission denied" (a missing grant) is not a
+    volume's: psycopg errors are skipped."""
+
+
+DRAIN_RESUMES = "run the drain again: nothing was confirmed to the slot past what Delta holds, so it resumes exactly"
+"""What to do after fixing a volume a drain could not write (``storage_fault``'s ``then``)."""
+
+Kind = Literal["full", "unwritable", "denied"]
+
+_KINDS: dict[int, Kind] = {
+    errno.ENOSPC: "full", errno.EDQUOT: "full",
+    errno.EACCES: "unwritable", errno.EPERM: "unwritable", errno.EROFS: "unwritable",
+}  # fmt: skip
+_PHRASES: dict[str, tuple[Kind, str]] = {
+    "no space left on device": ("full", os.strerror(errno.ENOSPC)),
+    "disk quota exceeded": ("full", os.strerror(errno.EDQUOT)),
+    "read-only file system": ("unwritable", os.strerror(errno.EROFS)),
+    "permission denied": ("unwritable", os.strerror(errno.EACCES)),
+    "operation not permitted": ("unwritable", os.strerror(errno.EPERM)),
+    "access_denied": ("denied", "access denied"),
+    "accessdenied": ("denied", "access denied"),
+    "lacked the necessary privileges": ("denied", "access denied"),
+    "403 forbidden": ("denied", "403 Forbidden"),
+}
+
+
+def storage_fault_kind(error: BaseException) -> tuple[Kind, str] | None:
+    """(what kind of storage fault, how the system says it) under ``error`` and its chain, else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if not type(current).__module__.startswith("psycopg"):
+            if isinstance(current, OSError) and current.errno in _KINDS:
+                return _KINDS[current.errno], os.strerror(current.errno)
+            text = str(current).lower()
+            for phrase, found in _PHRASES.items():
+                if phrase in text:
+                    return found
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def storage_fault(error: BaseException, where: str, setting: str, then: str) -> StorageFault | None:
+    """The one line for ``error`` when a volume is full or not writable, or the store refused, else None.
+
+    ``where`` names what was being written, ``setting`` what points there (``delta.root``, ``TMPDIR``),
+    ``then`` what to do after the fix."""
+    found = storage_fault_kind(error)
+    if found is None:
+        return None
+    kind, said = found
+    if kind == "full":
+        return StorageFault(
+            f"no space left for {where} ({said})",
+            f"free space on that volume or grow it (or point {setting} at a larger one), then {then}",
+        )
+    if kind == "denied":
+        return StorageFault(
+            f"the object store refused a write to {where} ({said})",
+            "give the credentials (delta.storage.access_key_id / secret_access_key, or AWS_*) write access"
+            f" to {setting} (s3:PutObject, s3:DeleteObject), then {then}",
+        )
+    try:
+        name = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        name = "?"
+    return StorageFault(
+        f"cannot write {where} as user {name} (uid {os.geteuid()}) ({said})",
+        f"make {setting} writable by that user (or run pgcdc as its owner), then {then}",
+    )
 
 
 def mask_dsn(dsn: str) -> str:
@@ -98,9 +186,10 @@ def explain(error: BaseException, dsn: str | None = None, *, slot: str | None = 
 
 
 def explain_server_error(
-    sqlstate: str | None, message: str, *, dsn: str | None = None, slot: str | None = None
+    sqlstate: str | None, message: str, *, dsn: str | None = None, slot: str | None = None, user: str | None = None
 ) -> PgcdcError:
-    """The one place that maps a server error (SQLSTATE and message) to its cause and fix."""
+    """The one place that maps a server error (SQLSTATE and message) to its cause and fix (``user``: the
+    session's role, when no ``dsn`` names it)."""
     where = mask_dsn(dsn) if dsn else "the server"
     message = _scrub(message, dsn) or "unknown server error"
     lowered = message.lower()
@@ -122,6 +211,15 @@ def explain_server_error(
         return ConfigurationError(
             f"logical decoding is off on {where} ({message})",
             "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL",
+        )
+    denied = re.search(r"permission denied for (table|schema) (\S+)", message, re.IGNORECASE)
+    if denied is not None:
+        kind, name = denied.groups()
+        role = user or (mask_dsn(dsn).split("@", 1)[0] if dsn else "<user>")
+        grant = f"GRANT SELECT ON {name}" if kind.lower() == "table" else f"GRANT USAGE ON SCHEMA {name}"
+        return ConfigurationError(
+            f"missing privilege on {where} ({message})",
+            f"{grant} TO {role} (snapshots and reconciliation read every replicated table), then run again",
         )
     if sqlstate == "42501" or "replication role" in lowered or "permission denied" in lowered:
         return ConfigurationError(

@@ -1,6 +1,7 @@
 """Names: pgcdc's Dagster jobs, schedule, sensors, checks and pools (plain strings, no Dagster
 import), PostgreSQL table names as PostgreSQL reads them, the Dagster names derived from them
-(``dagster_name``), and what a slot name may be.
+(``dagster_name``), what a slot name may be, and the attribute numbers that identify a table's columns
+through renames (``ColumnNumbers``).
 
 Both pgcdc_assets/ and sensors/ define or target these, and the engines' error messages name
 the jobs in their fixes, so they live below all three.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from resources.errors import ConfigurationError
 from resources.sql import quote_ident
@@ -240,3 +242,35 @@ def written_identifier(name: str) -> str:
 
 #: A name ``written_identifier`` leaves unquoted: what PostgreSQL and ``split_identifiers`` read as itself.
 _UNQUOTED = re.compile(r"[a-z_][a-z0-9_$]*")
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnNumbers:
+    """The published columns' attribute numbers (attnum) and the table's attribute count, dropped
+    columns included (pg_class.relnatts), as of one consistent point.
+
+    A Relation message names columns but not their numbers. PostgreSQL never reuses an attnum:
+    RENAME COLUMN keeps it, DROP COLUMN leaves it dropped, ADD COLUMN takes ``count + 1``. So numbers
+    recorded at a snapshot tell a renamed column from a dropped one and an added one
+    (``resources/cdc/renames.py``)."""
+
+    attnums: dict[str, int]
+    count: int
+    #: The copied relation's OID (pg_class.oid): a Relation message of another OID under the table's name
+    #: is another table (dropped and created again, or renamed to this name). None: not recorded.
+    relid: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        value: dict[str, Any] = {"attnums": dict(self.attnums), "count": self.count}
+        if self.relid is not None:
+            value["relid"] = self.relid
+        return value
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> ColumnNumbers:
+        relid = value.get("relid")
+        return cls(
+            {str(name): int(attnum) for name, attnum in value["attnums"].items()},
+            int(value["count"]),
+            None if relid is None else int(relid),
+        )

@@ -62,7 +62,7 @@ def build_quarantine_sensor(
             for name, quarantine in quarantines.items()
             if quarantine.fault in FIXED_BY_RESNAPSHOT
             and requested.get(name) != quarantine.since
-            and TableName.parse(name) in snapshot_keys
+            and config.table_at(name, quarantine.path) in snapshot_keys
         }
         left = sorted(set(quarantines) - set(due))
         if not due:
@@ -75,7 +75,7 @@ def build_quarantine_sensor(
         return SensorResult(
             run_requests=[
                 RunRequest(
-                    asset_selection=[snapshot_keys[TableName.parse(name)] for name in sorted(due)],
+                    asset_selection=[snapshot_keys[config.table_at(name, due[name].path)] for name in sorted(due)],
                     tags={"pgcdc/trigger": "quarantine"},
                 )
             ],

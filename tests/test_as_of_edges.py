@@ -1,5 +1,5 @@
 """``pgcdc as-of`` at the edges: every value prints (timestamps at ±infinity as PostgreSQL writes them),
-in JSON lines or CSV; an LSN past what the lake has drained is refused in one line unless the user
+in JSON lines or CSV, by LSN and by the server's clock (`--time`); an LSN past what the lake has drained is refused in one line unless the user
 accepts the lake's position; any LSN parses; an LSN before the history and a table outside the
 pipeline are each named as such. Real PostgreSQL, the embedded engine, the command itself."""
 
@@ -64,6 +64,8 @@ def test_as_of_prints_every_value_and_refuses_what_it_cannot_answer(
     assert sorted(lines[1:]) == ['"1","infinity","y"', '"2","-infinity","x"', '"3","2024-05-01 10:00:00+00:00",']
     assert sorted(tuple(row) for row in csv.reader(io.StringIO(out)))[0] == ("1", "infinity", "y")
 
+    # The server's clock after 'y' committed and before 'z' does: --time reads the table there.
+    ((between,),) = pg.execute("SELECT clock_timestamp()")
     # Past what the lake has drained: a commit after the drain set v = 'z'; the lake cannot know it.
     pg.execute("UPDATE t SET v = 'z' WHERE id = 1")
     ((after,),) = pg.execute("SELECT pg_current_wal_flush_lsn()::text")
@@ -85,6 +87,18 @@ def test_as_of_prints_every_value_and_refuses_what_it_cannot_answer(
     run_incremental(config, lake_destination(spark, config))
     code, out, err = as_of(capsys, config_file, "--lsn", after)
     assert code == 0 and (1, "z") in [(row["id"], row["v"]) for row in map(json.loads, out.splitlines())]
+
+    # --time, from the command line: before the commit of 'z' the table held 'y'; after it, 'z'.
+    code, out, err = as_of(capsys, config_file, "--time", between.isoformat())
+    assert code == 0, err
+    assert sorted((row["id"], row["v"]) for row in map(json.loads, out.splitlines())) == [(1, "y"), (2, "x"), (3, None)]
+    ((now,),) = pg.execute("SELECT clock_timestamp()")
+    code, out, err = as_of(capsys, config_file, "--format", "csv", "--time", now.isoformat())
+    assert code == 0 and '"1","infinity","z"' in out.splitlines(), err
+    with pytest.raises(SystemExit) as refused:  # a time without its zone is refused by the parser, naming the fix
+        as_of(capsys, config_file, "--time", "2024-05-01T10:00:00")
+    assert refused.value.code == 2
+    assert "2024-05-01T10:00:00 has no time zone (write e.g. 2024-05-01T10:00:00+00:00)" in capsys.readouterr().err
 
     # Before the history begins: named as such, with where it begins.
     code, out, err = as_of(capsys, config_file, "--lsn", "0/1")

@@ -36,6 +36,7 @@ from resources.postgres.replication import ReplicationConnection
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
+from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -231,9 +232,8 @@ def silent_host() -> Iterator[str]:
 def test_silent_host_fails_within_the_connect_timeout_not_after_minutes(
     silent_host: str, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """Shows: run_incremental connects without a connect_timeout, so a host that accepts TCP and never
-    answers holds the run for psycopg's 130 s default (ReplicationConnection and the Dagster resource
-    give up after 10 s). Expected: a ConnectionFailure within ~10 s, like the rest of pgcdc."""
+    """A host that accepts TCP and never answers fails the incremental run within pgcdc's connect_timeout
+    (not psycopg's 130 s default): a ConnectionFailure in one line naming the timeout."""
     config = parse_config(settings(silent_host, tmp_path / "lake"))
     outcome: list[BaseException] = []
     began = time.monotonic()
@@ -299,9 +299,8 @@ def test_wal_level_replica_fails_the_snapshot_job_naming_wal_level(
 def test_wal_level_replica_fails_the_incremental_job_naming_wal_level(
     replica_server: LocalPostgres, tmp_path: Path
 ) -> None:
-    """Shows: the incremental run does not check wal_level (run_incremental's preflight skips
-    resources/postgres/preflight.check_server), so at wal_level=replica it blames the missing slot and sends the
-    user to the snapshot job instead of naming wal_level. Expected: the wal_level line the CLI prints."""
+    """At wal_level=replica the incremental job's step fails with the wal_level line the CLI prints (naming
+    wal_level and logical), not with a missing slot and the snapshot job."""
     message = failed_step(write(tmp_path, settings(replica_server.dsn(), tmp_path / "lake")))
     one_line(message, "wal_level", "logical")
 
@@ -337,24 +336,23 @@ def test_missing_publication_fails_naming_create_publication(
     state.assert_unmoved()
 
 
-def test_empty_publication_fails_instead_of_draining_nothing(
+def test_a_publication_emptied_with_changes_pending_drains_them_and_says_why_the_tables_left(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """Shows: a publication that exists but publishes no table is accepted; run_incremental drains
-    the slot, skips every change and confirms it to the end (the pending changes of the tables that
-    were published are gone from the slot). Expected: a one-line ConfigurationError naming the
-    publication and ALTER PUBLICATION ... ADD TABLE, and the slot left where it was."""
+    """Every table dropped from the publication while its changes wait in the slot: as PostgreSQL's subscriber
+    does, the changes committed before the ALTER land (pgoutput decodes them with the catalog of their time),
+    later ones are not published; the drain names each table and why it left, with the fix, in one line each."""
     good = prepare(pg, tmp_path, spark)
     pg.execute("ALTER PUBLICATION pub DROP TABLE orders, notes")  # the publication exists but publishes nothing
-    state = State(pg, tmp_path / "lake")
-    try:
-        run_incremental(parse_config(good), SparkDeltaDestination(spark, None))
-        outcome: BaseException | None = None
-    except BaseException as error:  # noqa: BLE001 - asserted below
-        outcome = error
-    state.assert_unmoved()
-    assert isinstance(outcome, ConfigurationError), f"no error: the run drained an empty publication ({outcome!r})"
-    one_line(str(outcome), '"pub"', "ALTER PUBLICATION")
+    pg.execute("INSERT INTO orders VALUES (1000, 7)")
+    said: list[str] = []
+    result = run_incremental(parse_config(good), SparkDeltaDestination(spark, None), log=said.append)
+    assert sorted(result.departed) == ["public.notes", "public.orders"], result.departed
+    left = [line for line in said if "removed from the publication" in line]
+    assert len(left) == 2 and all("\n" not in line and "ALTER PUBLICATION" in line for line in left), said
+    pg.execute("DELETE FROM orders WHERE id = 1000")  # the one change the publication no longer sends
+    for table in ("orders", "notes"):
+        assert_delta_equals_postgres(pg.dsn, f"public.{table}", parse_config(good).table_path("public", table))
 
 
 def test_table_in_config_but_not_published_fails_naming_it(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
@@ -439,10 +437,8 @@ def test_unwritable_delta_root_fails_the_snapshot_naming_the_location(
 def test_unwritable_delta_root_fails_the_incremental_run_with_one_line(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """Shows: with delta.root under a regular file, run_incremental fails in read_snapshot_lsn with a raw
-    pyspark SparkRuntimeException ("Not a directory (os error 20)", gRPC details, no fix), not a
-    PgcdcError; the Dagster step shows that traceback. The slot does not move. Expected: one line
-    naming the location and delta.root."""
+    """With delta.root under a regular file, the incremental run fails with a PgcdcError in one line naming
+    the location and delta.root (not the engine's raw error), and the slot does not move."""
     good = prepare(pg, tmp_path, spark)
     state = State(pg, tmp_path / "lake")
     blocker = tmp_path / "a_file"
@@ -461,11 +457,9 @@ def test_unwritable_delta_root_fails_the_incremental_run_with_one_line(
 def test_delta_root_without_any_snapshot_does_not_advance_the_slot(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
 ) -> None:
-    """Shows: delta.root pointing at the wrong (empty, writable) directory, e.g. a typo or an unmounted
-    volume, makes every table "not snapshotted yet": run_incremental skips all changes and confirms the
-    slot to the end, so when the root is fixed the real lake has silently lost the pending changes.
-    Expected: with no published table snapshotted under delta.root, refuse with one line naming
-    delta.root and the snapshot job, and leave the slot."""
+    """delta.root pointing at the wrong (empty, writable) directory, e.g. a typo or an unmounted volume,
+    where no published table was snapshotted: the incremental run refuses in one line naming delta.root
+    and the snapshot job, leaves the slot, and a run on the right root then applies the pending changes."""
     good = prepare(pg, tmp_path, spark)
     state = State(pg, tmp_path / "lake")
     (tmp_path / "empty").mkdir()

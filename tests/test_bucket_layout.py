@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 
 import deltalake
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from pyspark.sql import SparkSession
 
@@ -192,3 +194,50 @@ def test_a_width_for_a_key_that_is_not_one_integer_is_refused_before_writing(
     ):
         snapshot_tables(config, lake_destination(spark, config))
     assert not (tmp_path / "lake" / "public" / "fullpk" / "_delta_log").exists()
+
+
+@NEWEST_POSTGRES_ONLY  # the check reads Delta only
+def test_the_bucket_check_refuses_a_null_bucket_of_a_key_that_has_one(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """``assert_buckets_right`` (resources/testing/verify.py): a row of a bucketed table in the NULL bucket
+    although its key has a bucket is a row lost to pruning, refused unless the caller says it wrote such rows."""
+    pg.execute(DDL)
+    config = config_with(pg, tmp_path / "lake", {"public.acct": {"width": 10}})
+    snapshot_tables(config, lake_destination(spark, config), [TableName("public", "acct")])
+    path = config.table_path("public", "acct")
+    assert assert_buckets_right(path) == TableLayout(RANGE, ("id",), 10)
+    table = deltalake.DeltaTable(path)
+    moved = delta_rs_rows(path).filter(pc.equal(pc.field("id"), 15))
+    table.delete("id = 15")
+    nulled = moved.set_column(
+        moved.schema.get_field_index(BUCKET_COLUMN), BUCKET_COLUMN, pa.nulls(1, moved.schema.field(BUCKET_COLUMN).type)
+    )
+    deltalake.write_deltalake(
+        path, nulled.cast(pa.schema(table.schema().to_arrow())), mode="append"
+    )  # the same row, NULL bucket
+    with pytest.raises(
+        AssertionError, match=r"1 row\(s\) outside their key's bucket .*\[{'id': 15, '_pgcdc_bucket': None"
+    ):
+        assert_buckets_right(path)
+    assert assert_buckets_right(path, unbucketed_rows=True) == TableLayout(RANGE, ("id",), 10)
+
+
+@NEWEST_POSTGRES_ONLY  # the layout is pgcdc's choice from the server's estimate
+def test_target_rows_sizes_the_buckets_a_snapshot_chooses(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """``delta.buckets.target_rows`` (docs/configuration.md): a snapshot sizes a table's buckets to about
+    that many rows at its key density: range buckets of 10 keys for 60 dense integer keys, 2 hash buckets
+    for 20 text keys; the Delta tables are partitioned so, every row where its key puts it."""
+    pg.execute(DDL)
+    pg.execute("ANALYZE acct, fullpk")  # the estimate the layout is sized from
+    config = parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": f"layout_{pg.name}",
+        "delta": {"root": str(tmp_path / "lake"), "buckets": {"target_rows": 10}},
+    })  # fmt: skip
+    snapshot_tables(config, lake_destination(spark, config))
+    acct, fullpk = config.table_path("public", "acct"), config.table_path("public", "fullpk")
+    assert assert_buckets_right(acct) == TableLayout(RANGE, ("id",), 10)
+    assert assert_buckets_right(fullpk) == TableLayout(HASH, ("code",), 2)
+    assert sorted(set(delta_rs_rows(acct).column(BUCKET_COLUMN).to_pylist())) == [0, 1, 2, 3, 4, 5]
+    assert sorted(set(delta_rs_rows(fullpk).column(BUCKET_COLUMN).to_pylist())) == [0, 1]
+    assert assert_delta_equals_postgres(pg.dsn, "public.acct", acct, key=("id",)) == 60

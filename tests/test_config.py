@@ -136,3 +136,13 @@ def test_load_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     path.write_text("postgres: [unclosed\n")
     with pytest.raises(ConfigurationError, match="not valid YAML"):
         load_config(path)
+
+
+def test_a_table_key_with_dots_is_read_back_by_its_path(tmp_path: Path) -> None:
+    """``"a.b".c`` and ``a."b.c"`` share the key ``a.b.c`` in pgcdc's state and quarantine records; their
+    Delta paths tell them apart."""
+    config = parse_config(
+        {"postgres": {"dsn": "host=h"}, "publication": "p", "slot": "s", "delta": {"root": str(tmp_path)}}
+    )
+    for table in (TableName("a.b", "c"), TableName("a", "b.c"), TableName("sch", 'é$.say "hi"')):
+        assert config.table_at(str(table), config.table_path(table.schema, table.name)) == table

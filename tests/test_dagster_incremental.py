@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 import deltalake
 import pytest
 from dagster import (
     AssetCheckKey,
+    AssetCheckSeverity,
     AssetKey,
     AssetSelection,
+    build_schedule_context,
     DagsterInstance,
     DagsterRun,
     DagsterRunStatus,
@@ -299,7 +301,7 @@ def test_cli_drains_twice_and_the_second_changes_nothing(shop: PgDatabase, tmp_p
 def test_lag_sensor_requests_a_drain_only_above_the_threshold(
     shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
 ) -> None:
-    config = write_config(tmp_path, shop, sensors={"lag_bytes": 200_000})
+    config = write_config(tmp_path, shop, sensors={"lag_bytes": 200_000}, checks={"max_lag_bytes": 200_000})
     defs = build_definitions(config)
     run_job(defs, instance, "pgcdc_snapshot")
     run_job(defs, instance, "pgcdc_incremental")
@@ -320,6 +322,19 @@ def test_lag_sensor_requests_a_drain_only_above_the_threshold(
     pending = evaluate(defs, "pgcdc_slot_lag_sensor", instance, config)
     assert isinstance(pending, SkipReason)
     assert pending.skip_message.endswith(f"a pgcdc_incremental run is already pending: {running.run_id}")
+
+    # The slot_lag_within_bound check past checks.max_lag_bytes fails (an error), with the lag it measured;
+    # evaluated alone it does not drain; the drain's own evaluation after it confirmed passes again.
+    lag_check = AssetCheckKey(SLOT, "slot_lag_within_bound")
+    alone = materialize([defs.resolve_assets_def(SLOT)], selection=AssetSelection.checks(lag_check), instance=instance)
+    assert alone.success and materializations(alone) == {}
+    (failing,) = alone.get_asset_check_evaluations()
+    assert (failing.asset_key, failing.check_name, failing.passed) == (SLOT, "slot_lag_within_bound", False)
+    assert failing.severity == AssetCheckSeverity.ERROR
+    assert failing.metadata["slot_lag_bytes"].value > 200_000 and failing.metadata["max_lag_bytes"].value == 200_000
+    assert slot_position(shop) == confirmed_before
+    drained = run_job(defs, instance, "pgcdc_incremental")
+    assert check_outcomes(drained)[(SLOT, "slot_lag_within_bound")] is True
 
 
 def test_health_sensor_reports_a_missing_slot_with_the_fix(
@@ -388,7 +403,9 @@ def test_new_tables_sensor_snapshots_defined_tables_and_names_the_rest(
 
 
 @NEWEST_POSTGRES_ONLY
-def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instance: DagsterInstance) -> None:
+def test_a_check_only_run_does_not_drain_and_a_schedule_tick_does(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
     defs = build_definitions(write_config(tmp_path, shop))
     run_job(defs, instance, "pgcdc_snapshot")
     before = slot_position(shop)
@@ -402,6 +419,23 @@ def test_check_only_run_does_not_drain(shop: PgDatabase, tmp_path: Path, instanc
     assert materializations(result) == {}
     assert check_outcomes(result) == {(ORDERS, "schema_matches_postgres"): True}  # evaluated without a drain
     assert slot_position(shop) == before
+
+    # The schedule's tick (Dagster's own evaluation at a time its cron names) requests one run of the
+    # incremental job; that run drains the changes exactly.
+    schedule = defs.resolve_schedule_def("pgcdc_incremental_schedule")
+    tick_time = datetime(2026, 1, 1, 12, 5, tzinfo=UTC)  # on */5 * * * *
+    with build_schedule_context(instance=instance, scheduled_execution_time=tick_time) as context:
+        tick = schedule.evaluate_tick(context)
+    assert tick.skip_message is None
+    (request,) = tick.run_requests or []
+    assert (request.job_name or schedule.job_name) == "pgcdc_incremental"
+    drained = defs.resolve_job_def(schedule.job_name).execute_in_process(
+        instance=instance, run_config=request.run_config, tags=request.tags
+    )
+    assert drained.success and drained.dagster_run.tags["dagster/schedule_name"] == "pgcdc_incremental_schedule"
+    assert slot_position(shop) > before
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
+    assert delta_rows(tmp_path / "lake", "notes") == pg_notes(shop)
 
 
 @NEWEST_POSTGRES_ONLY

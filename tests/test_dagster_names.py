@@ -156,6 +156,10 @@ def test_definitions_of_the_twins_load_and_validate(tmp_path: Path, pipeline: st
     table = graph.get(AssetKey([*prefix, "My Schema", "Order Items"]))
     assert table.parent_keys == {AssetKey([*prefix, "snapshot", "My Schema", "Order Items"])}
     assert table.metadata["pgcdc/table"] == '"My Schema"."Order Items"'
+    location = _config(tmp_path).table_path("My Schema", "Order Items")
+    assert (table.metadata["dagster/table_name"], table.metadata["dagster/uri"]) == (location, f"file://{location}")
+    history = graph.get(AssetKey([*prefix, "history", "My Schema", "Order Items"])).metadata["dagster/table_name"]
+    assert history == _config(tmp_path).history_path("My Schema", "Order Items")
     assert 'PostgreSQL table "My Schema"."Order Items" at ' in (table.description or "")
     for job in ("snapshot", "resnapshot", "incremental", "reconcile", "maintenance"):
         assert defs.resolve_job_def(names.scoped(f"pgcdc_{job}")).name == names.scoped(f"pgcdc_{job}")

@@ -19,12 +19,21 @@ from typing import Any
 import deltalake
 import pytest
 import yaml
-from dagster import AssetKey, DagsterInstance, Definitions, ExecuteInProcessResult, TableColumn, TableSchema
+from dagster import (
+    AssetKey,
+    AssetSpec,
+    DagsterInstance,
+    Definitions,
+    ExecuteInProcessResult,
+    TableColumn,
+    TableSchema,
+)
 from pyspark.sql import SparkSession
 
 import resources.runs.snapshot as snapshot_module
 from pgcdc_assets.builder import build_definitions
 from pgcdc_assets.dagster_resources import PostgresResource, SparkDeltaResource
+from pgcdc_assets.translator import PgcdcSlotProps, PgcdcTableProps, PgcdcTranslator
 from resources.config import parse_config
 from resources.delta.table_log import read_table_log
 from resources.engines.lazy_session import engine_start_seconds
@@ -98,11 +107,22 @@ def test_spark_resource_modes() -> None:
 
 
 def test_embedded_spark_resource_starts_and_stops_sail() -> None:
-    with SparkDeltaResource().yield_for_execution(_init_context()) as ready:
+    """The resource a pipeline's configuration makes starts Sail on first use, with ``spark.config``
+    (docs/configuration.md) in the session the engine runs: the session time zone it names is the one
+    Sail's SQL reads, and a timestamp renders in it."""
+    settings = {"postgres": {"dsn": "host=x"}, "publication": "p"}
+    zone = {"spark.sql.session.timeZone": "Asia/Tokyo", "spark.sql.shuffle.partitions": "3"}
+    resource = SparkDeltaResource.from_pgcdc_config(parse_config({**settings, "spark": {"config": zone}}))
+    with resource.yield_for_execution(_init_context()) as ready:
         assert ready._engine is None  # nothing starts until a session is asked for
         session = ready.spark_session
         assert ready.spark_session is session
         assert session.range(5).count() == 5
+        assert session.conf.get("spark.sql.shuffle.partitions") == "3"
+        (row,) = session.sql(
+            "SELECT current_timezone() AS zone, CAST(TIMESTAMP '2024-01-01 00:00:00 UTC' AS STRING) AS local"
+        ).collect()
+        assert (row["zone"], row["local"]) == ("Asia/Tokyo", "2024-01-01 09:00:00")
     assert ready._engine is None
     with pytest.raises(Exception):
         session.range(1).count()
@@ -174,6 +194,60 @@ def test_assets_jobs_and_specs_from_the_publication(shop: PgDatabase, tmp_path: 
     assert schedule.cron_schedule == "*/5 * * * *"
     for name in ("pgcdc_slot_lag_sensor", "pgcdc_new_tables_sensor", "pgcdc_slot_health_sensor"):
         assert defs.resolve_sensor_def(name).name == name
+
+
+class WarehouseTranslator(PgcdcTranslator):
+    """A deployment's own keys, group, owners and metadata (pgcdc_assets/translator.py's subclass hook)."""
+
+    def get_snapshot_asset_key(self, props: PgcdcTableProps) -> AssetKey:
+        return AssetKey(["warehouse", "copy", props.table.schema, props.table.name])
+
+    def get_table_asset_key(self, props: PgcdcTableProps) -> AssetKey:
+        return AssetKey(["warehouse", props.table.schema, props.table.name])
+
+    def get_slot_asset_key(self, props: PgcdcSlotProps) -> AssetKey:
+        return AssetKey(["warehouse", "slot"])
+
+    def get_group_name(self, props: PgcdcTableProps | PgcdcSlotProps) -> str:
+        return "warehouse"
+
+    def get_table_asset_spec(self, props: PgcdcTableProps) -> AssetSpec:
+        spec = super().get_table_asset_spec(props)
+        return spec.merge_attributes(metadata={"team": "billing"}, owners=["team:billing"])
+
+
+@NEWEST_POSTGRES_ONLY  # Dagster's wiring does not depend on the server's version
+def test_a_translator_subclass_names_the_assets_of_definitions_and_runs(
+    shop: PgDatabase, tmp_path: Path, instance: DagsterInstance
+) -> None:
+    """The keys, group, owners and metadata a translator subclass gives reach the Definitions (deps, jobs,
+    checks) and what a snapshot and a drain materialize; the tables are exact."""
+    defs = build_definitions(write_config(tmp_path, shop), translator=WarehouseTranslator())
+    graph = defs.resolve_asset_graph()
+    orders, copy, slot = (
+        AssetKey(["warehouse", "public", "orders"]),
+        AssetKey(["warehouse", "copy", "public", "orders"]),
+        AssetKey(["warehouse", "slot"]),
+    )
+    assert not any(key.path[0] == "pgcdc" for key in graph.get_all_asset_keys())
+    table = graph.get(orders)
+    assert table.parent_keys == {copy} and table.group_name == "warehouse" and table.owners == ["team:billing"]
+    assert table.metadata["team"] == "billing" and table.metadata["pgcdc/slot"] == "pgcdc_slot"
+    assert graph.get(slot).group_name == "warehouse"
+    assert graph.get(copy).group_name == "pgcdc_snapshot"  # get_snapshot_group_name, not overridden
+    snapshot = defs.resolve_job_def("pgcdc_snapshot").execute_in_process(instance=instance)
+    assert snapshot.success
+    assert set(materializations(snapshot)) == {copy, AssetKey(["warehouse", "copy", "public", "notes"])}
+    shop.execute("UPDATE orders SET customer = 'translated' WHERE id = 1")
+    drained = defs.resolve_job_def("pgcdc_incremental").execute_in_process(instance=instance)
+    assert drained.success
+    assert set(materializations(drained)) == {slot, orders}
+    assert {(e.asset_key, e.check_name) for e in drained.get_asset_check_evaluations()} >= {
+        (slot, "slot_lag_within_bound"),
+        (orders, "schema_matches_postgres"),
+    }
+    assert instance.get_latest_materialization_event(orders) is not None
+    assert delta_rows(tmp_path / "lake", "orders") == pg_orders(shop)
 
 
 # --------------------------------------------------------------------------- snapshot

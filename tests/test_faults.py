@@ -387,10 +387,8 @@ def test_sigkill_after_the_final_confirm_before_dagster_records_metadata(
 
 
 def test_oracle_compares_char_n_with_its_blank_padding(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
-    """Shows: resources/testing/verify.py compares string columns as ``column::text``; PostgreSQL's cast of
-    char(n) to text strips the blank padding that pgcdc keeps by design (docs/type-mapping.md), so the
-    oracle reports a difference for every char(n) value shorter than n although Delta holds exactly
-    PostgreSQL's value (found by the soak: pgbench_accounts.filler is char(84)). Expected: equal."""
+    """Delta keeps char(n)'s blank padding (PostgreSQL's output, docs/type-mapping.md) and the oracle
+    (resources/testing/verify.py) compares it with the padding, not through ``::text``, which strips it."""
     pg.execute("CREATE TABLE padded (id int PRIMARY KEY, code char(5)); INSERT INTO padded VALUES (1, 'a'), (2, NULL)")
     pg.execute("CREATE PUBLICATION pub FOR TABLE padded")
     config = parse_config({"postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT,

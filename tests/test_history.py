@@ -405,3 +405,67 @@ def test_an_scd2_table_created_before_the_finer_layout_keeps_its_tables_layout(
         compare_rows(conn, "public.item", *arrow_rows(read_as_of(spark, config, TableName("public", "item"))))
     placed = spark.sql(f"SELECT _pgcdc_bucket, count_if(_pgcdc_is_current) FROM delta.`{path}` GROUP BY 1").collect()
     assert sorted((row[0], row[1]) for row in placed if row[0] is not None) == [(0, 290)]  # every key in bucket 0
+
+
+def assert_as_of_without_dropped(
+    pg: PgDatabase, spark: SparkSession, config: PgcdcConfig, table: str, lsn: LSN, copy: str, dropped: str
+) -> None:
+    """The as-of read at ``lsn`` equals ``copy`` in every column ``copy`` has; ``dropped``, gone from
+    PostgreSQL by then, is a column the history keeps (its older values stay), so it is not compared."""
+    rows = read_as_of(spark, config, TableName.parse(table), lsn)
+    assert dropped in rows.column_names
+    with pg.connect() as conn:
+        compare_rows(conn, copy, *arrow_rows(rows.drop_columns([dropped])))
+
+
+@NEWEST_POSTGRES_ONLY
+def test_drop_column_and_truncate_in_a_changelog_and_in_scd2_versions(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """docs/history.md: a dropped column keeps its values in the older versions and changelog rows and is
+    NULL from the drop on; a TRUNCATE closes every current version of an SCD type 2 table (deleted) at
+    its LSN. The as-of reads before the drop, between the drop and the TRUNCATE, and after it equal
+    PostgreSQL's copies (``orders`` keeps versions, ``dups`` a changelog)."""
+    pg.execute(DDL)
+    config = history_config(pg, tmp_path, orders="scd2")
+    snapshot_tables(config, lake_destination(spark, config), None)
+    with pg.connect() as conn:
+        conn.execute("UPDATE orders SET status = 'paid' WHERE id <= 5")
+        conn.execute("INSERT INTO dups VALUES (9, 'kept')")
+        before = capture(conn, 0, TABLES)
+        run_incremental(config, lake_destination(spark, config))
+        conn.execute("ALTER TABLE orders DROP COLUMN status")
+        conn.execute("ALTER TABLE dups DROP COLUMN b")
+        conn.execute("UPDATE orders SET body = 'short' WHERE id IN (1, 6)")
+        conn.execute("INSERT INTO orders VALUES (40, 'new')")
+        conn.execute("INSERT INTO dups VALUES (10)")
+        dropped = capture(conn, 1, TABLES)
+        conn.execute("TRUNCATE orders")
+        conn.execute("INSERT INTO orders VALUES (50, 'after')")
+        truncated = capture(conn, 2, TABLES)
+    run_incremental(config, lake_destination(spark, config))
+    for table in ("public.orders", "public.dups"):
+        name = table.split(".")[1]
+        column = "status" if name == "orders" else "b"
+        assert_as_of_equals(pg, spark, config, table, before[0], f"public.past_0_{name}")
+        assert_as_of_without_dropped(pg, spark, config, table, dropped[0], f"public.past_1_{name}", column)
+        assert_as_of_without_dropped(pg, spark, config, table, truncated[0], f"public.past_2_{name}", column)
+        assert_delta_equals_postgres(pg.dsn, table, config.table_path("public", name), extra_delta_columns=[column])
+    assert_versions_once(config, "public.orders", spark)
+    versions = changelog(config, "public.orders", spark).to_pylist()
+    versions = [row for row in versions if row["_pgcdc_marker"] is None]
+    after_drop = [row for row in versions if row["_pgcdc_valid_from_lsn"] > before[0]]
+    # versions opened after the drop: id 1 and 6 updated, 40 and 50 inserted; status NULL in each
+    assert sorted(row["id"] for row in after_drop) == [1, 6, 40, 50]
+    assert all(row["status"] is None for row in after_drop)
+    paid = [row for row in versions if row["status"] == "paid"]  # opened before the drop, values kept
+    assert sorted(row["id"] for row in paid) == [1, 2, 3, 4, 5]
+    # the TRUNCATE closed every version current before it, deleted, at one LSN between the two moments
+    closed = {row["_pgcdc_valid_to_lsn"] for row in versions if row["id"] != 50 and row["_pgcdc_is_deleted"]}
+    assert len(closed) == 1 and dropped[0] < closed.pop() <= truncated[0]
+    current = [row for row in versions if row["_pgcdc_is_current"]]
+    assert [(row["id"], row["body"]) for row in current] == [(50, "after")]
+    log = changelog(config, "public.dups", spark).to_pylist()
+    assert [row["b"] for row in log if row["a"] == 10] == [None] and [row["b"] for row in log if row["a"] == 9] == [
+        "kept"
+    ]

@@ -696,6 +696,10 @@ def kill_and_rerun(pg: PgDatabase, tmp_path: Path, spark: SparkSession, fault: s
 DRAIN_PEAK_MIB = 150
 #: How much more that peak may be for a backlog four times larger (117 MiB more).
 DRAIN_GROWTH_MIB = 32
+#: The embedded Sail server's own peak resident memory over such a drain (its MERGEs run there), and how much
+#: more for the backlog four times larger. Measured on 2 cores: 176 and 197 MiB.
+ENGINE_PEAK_MIB = 320
+ENGINE_GROWTH_MIB = 64
 
 
 @pytest.mark.slow  # two backlogs drained in children to measure memory
@@ -719,6 +723,7 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     config_file = tmp_path / "pgcdc.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump()))
     held: dict[int, float] = {}
+    engine: dict[int, float] = {}
     written = 0
     for changes in (20_000, 80_000):
         with pg.connect() as conn:
@@ -734,10 +739,58 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
         # the peak the run reports (its log line, Dagster's pgcdc/peak_memory_mib) is the work's: nothing runs after
         assert memory["peak_mib"] - 1 <= memory["run_peak_mib"] <= memory["peak_mib"], memory
         held[changes] = memory["peak_mib"] - memory["baseline_mib"]
+        engine[changes] = memory["engine_peak_mib"]
     assert DRAIN_PEAK_MIB < 80_000 * 2048 / 2**20
     assert held[80_000] < DRAIN_PEAK_MIB, held
     assert held[80_000] - held[20_000] < DRAIN_GROWTH_MIB, held
+    assert engine[80_000] < ENGINE_PEAK_MIB and engine[80_000] - engine[20_000] < ENGINE_GROWTH_MIB, engine
     assert same(pg, config, "public.wide") == written + 1
+
+
+#: The byte bound of the wide-row drain below, and what a drain of such chunks may hold at its worst: a few
+#: chunks (as received, as Arrow, as staged Parquet, one written while the next is built) over the fixed
+#: part of DRAIN_PEAK_MIB. Measured on 2 cores: 84 MiB with the bound, 146 MiB with the 40 MB backlog in one chunk.
+WIDE_CHUNK_BYTES = 2 << 20
+WIDE_PEAK_MIB = 110
+#: The embedded Sail server's peak over the same drains, whose MERGE sources are those chunks: 178-189 MiB with
+#: the bound, 262-297 MiB with the backlog in one chunk.
+WIDE_ENGINE_PEAK_MIB = 235
+
+
+@pytest.mark.slow  # two backlogs drained in children to measure memory
+def test_a_drain_of_wide_rows_is_cut_by_bytes_and_holds_about_one_chunk(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """Rows of 10 KB, a change count that never binds: the byte bound cuts the chunks, and the drain's peak
+    stays within a chunk's worth over the fixed part; the same backlog drained in one chunk (the bound
+    lifted) holds several times more, so the bound is what keeps the first one small."""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
+        CREATE TABLE wide (id int PRIMARY KEY, pad text);
+        INSERT INTO wide VALUES (-1, 'seed');
+        CREATE PUBLICATION pub FOR TABLE wide;
+    """,
+    )
+    config_file = tmp_path / "pgcdc.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump()))
+    held: dict[str, float] = {}
+    engine: dict[str, float] = {}
+    for bound, start in (("bytes", 0), ("lifted", 4000)):
+        pg.execute(
+            f"INSERT INTO wide SELECT g, repeat(md5(g::text), 320) FROM generate_series({start}, {start + 3999}) g"
+        )
+        chunk_bytes = WIDE_CHUNK_BYTES if bound == "bytes" else 1 << 40
+        memory = measured("drain", str(config_file), "1000000", str(chunk_bytes))
+        assert memory["changes"] == 4000
+        held[bound] = memory["peak_mib"] - memory["baseline_mib"]
+        engine[bound] = memory["engine_peak_mib"]
+    assert 4000 * 10240 > 4 * WIDE_CHUNK_BYTES  # the backlog is several chunks
+    assert held["bytes"] < WIDE_PEAK_MIB < held["lifted"], held
+    assert engine["bytes"] < WIDE_ENGINE_PEAK_MIB < engine["lifted"], engine
+    assert same(pg, config, "public.wide") == 8001
 
 
 def test_float4_widened_to_float8_keeps_every_value(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:

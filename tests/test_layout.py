@@ -43,7 +43,6 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 VOCABULARY = (
-    "resources.column_numbers",
     "resources.config",
     "resources.crash_points",
     "resources.errors",
@@ -92,6 +91,22 @@ CDC_FORBIDS = (
     "dagster",
 )
 
+#: What the engines may not import: the layers above the lake, and the lake's own reads and writes (the Delta
+#: log, markers, MERGE, snapshots): an engine is started with the lake's storage settings, nothing more.
+ENGINES_FORBID = (
+    "resources.postgres",
+    "resources.pgoutput",
+    "resources.cdc",
+    "resources.history",
+    "resources.runs",
+    "dagster",
+    *(
+        f"resources.delta.{path.stem}"
+        for path in sorted((ROOT / "resources" / "delta").glob("*.py"))
+        if path.stem not in ("__init__", "lake_storage")
+    ),
+)
+
 LAYERS: dict[str, tuple[str, ...]] = {
     "resources.postgres": (
         "resources.cdc",
@@ -113,14 +128,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "dagster",
     ),
     "resources.delta": LAKE_FORBIDS,
-    "resources.engines": (
-        "resources.postgres",
-        "resources.pgoutput",
-        "resources.cdc",
-        "resources.history",
-        "resources.runs",
-        "dagster",
-    ),
+    "resources.engines": ENGINES_FORBID,
     "resources.cdc": CDC_FORBIDS,
     "resources.history.changelog": CDC_FORBIDS,
     "resources.history.scd2": CDC_FORBIDS,
@@ -342,3 +350,19 @@ def test_the_top_of_resources_holds_only_the_vocabulary() -> None:
     top = {f"resources.{path.stem}" for path in (ROOT / "resources").glob("*.py") if path.stem != "__init__"}
     packages = {f"resources.{path.parent.name}" for path in (ROOT / "resources").glob("*/__init__.py")}
     assert top | (packages & set(VOCABULARY)) == set(VOCABULARY)
+    assert len(top) <= 6, sorted(top)
+
+
+def test_every_crash_point_is_killed_at_by_some_test() -> None:
+    """docs/testing.md: every point of resources/crash_points.py is where some test's process is SIGKILLed
+    (named in a test module or a scenario of tests/support), so a new point comes with its test."""
+    from resources.crash_points import FAULT_POINTS
+
+    tests = Path(__file__).resolve().parent
+    sources = "".join(
+        path.read_text(encoding="utf-8")
+        for path in [*tests.glob("test_*.py"), *(tests / "support").glob("*.py")]
+        if path.name != "test_layout.py"
+    )
+    untested = [point for point in FAULT_POINTS if f'"{point}' not in sources and f"'{point}" not in sources]
+    assert untested == [], f"crash points no test kills at: {untested}"

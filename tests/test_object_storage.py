@@ -15,6 +15,7 @@ up in no log line, error, configuration repr or Delta commit.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -29,13 +30,15 @@ from resources.delta.lake_storage import LakeStorage, object_store_options, open
 from resources.delta.snapshot_writes import write_snapshot
 from resources.delta.spark_destination import lake_destination
 from resources.delta.staging import STAGING_DIRECTORY
+from resources.engines.s3a import s3a_settings
 from resources.errors import ConfigurationError
 from resources.locations import StorageSettings
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
-from tests.support.object_storage_lifecycle import DDL, lifecycle, settings, SLOT, staged_objects
+from tests.support.incremental_runs import run_child
+from tests.support.object_storage_lifecycle import all_same, DDL, lifecycle, settings, SLOT, staged_objects
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, one_version_each, PgDatabase
-from tests.support.s3_fixtures import BUCKET, S3Server, TEST_SECRET
+from tests.support.s3_fixtures import BUCKET, RecordingHttpProxy, S3Server, TEST_SECRET
 
 pytest_plugins = ["tests.support.s3_fixtures"]
 
@@ -75,6 +78,28 @@ def test_lifecycle_on_s3_matches_postgres(
     pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession
 ) -> None:
     lifecycle(pg, s3_server, s3_root, s3_spark, copy_on_write="public.dups")
+
+
+@pytest.mark.slow  # drains in child processes, one SIGKILLed
+@NEWEST_POSTGRES_ONLY  # the store, not the server, is what this case adds to the crash tests
+def test_a_drain_killed_between_two_delta_writes_on_s3_replays_exactly(
+    pg: PgDatabase, s3_server: S3Server, s3_root: str, s3_spark: SparkSession, tmp_path: Path
+) -> None:
+    """The crash matrix's case on an ``s3://`` lake: killed after the drain's second Delta write (the keyed
+    table's MERGE is in, the FULL and the keyless table's writes are not), the next drain is exact."""
+    pg.execute(DDL)
+    config = parse_config(settings(pg, s3_root, s3_server.storage()))
+    snapshot_tables(config, lake_destination(s3_spark, config))
+    for i in range(3):
+        pg.execute(
+            f"UPDATE orders SET amount = amount + 1 WHERE id <= {10 * (i + 1)}; INSERT INTO dups VALUES (1, 'x'), (3, 'y');"
+            f" DELETE FROM dups WHERE ctid = (SELECT min(ctid) FROM dups WHERE a = 2); INSERT INTO events VALUES ('new', {i})"
+        )
+    killed = run_child(config, tmp_path, "after_table_commit:2", 100_000)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr[-3000:]
+    finished = run_child(config, tmp_path, None, 100_000)
+    assert finished.returncode == 0, finished.stdout + finished.stderr[-3000:]
+    all_same(pg, s3_server, s3_root)
 
 
 def test_chunked_snapshot_on_s3_leaves_no_staging_objects(
@@ -199,3 +224,41 @@ def test_bad_storage_is_one_line_naming_the_key_and_moves_nothing(
         assert all(fragment in message for fragment in fragments), message
         assert TEST_SECRET not in message
     assert state() == before, "the slot, a Delta table or the store changed on bad input"
+
+
+def test_path_style_false_addresses_the_bucket_in_the_host_name(
+    s3_server: S3Server, s3_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``delta.storage.path_style: false`` (docs/configuration.md): pgcdc's preflight passes and delta-rs
+    (the snapshot writer, the oracle) writes and reads a table with every request naming the bucket in the
+    host (``lake.localhost``), none in the path; the engine is given the same endpoint and S3A
+    ``path.style.access`` false. The requests reach moto through a recording HTTP proxy (``lake.localhost``
+    resolves nowhere here), which shows the addressing the client really used."""
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    proxy = RecordingHttpProxy(port)
+    for name in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, proxy.url)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    lake = LakeStorage(
+        s3_root, StorageSettings(**s3_server.storage(endpoint=f"http://localhost:{port}", path_style=False))
+    )
+    assert lake.engine_environment()["AWS_ENDPOINT_URL"] == f"http://{BUCKET}.localhost:{port}"
+    assert lake.engine_environment()["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] == "true"
+    assert s3a_settings(lake)["spark.hadoop.fs.s3a.path.style.access"] == "false"
+    try:
+        lake.check()
+        path, options = f"{s3_root}/public/t", lake.object_store_options()
+        deltalake.write_deltalake(path, pa.table({"id": [1, 2, 3]}), storage_options=options)
+        deltalake.write_deltalake(path, pa.table({"id": [4]}), mode="append", storage_options=options)
+        assert sorted(
+            deltalake.DeltaTable(path, storage_options=options).to_pyarrow_table().column("id").to_pylist()
+        ) == [1, 2, 3, 4]
+    finally:
+        proxy.close()
+    prefix = s3_root.split("/", 3)[3]
+    assert any(line.startswith("PUT ") for line, _ in proxy.requests)
+    assert {host for _, host in proxy.requests} == {f"{BUCKET}.localhost:{port}"}
+    paths = [line.split(" ")[1].removeprefix(f"http://{BUCKET}.localhost:{port}") for line, _ in proxy.requests]
+    assert all(path.startswith((f"/{prefix}/", "/?")) for path in paths), paths[:5]
+    assert sorted(s3_server.keys(prefix))[0].startswith(f"{prefix}/public/t/")  # in the bucket, at the prefix

@@ -15,11 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+import yaml
 from dagster import AssetCheckEvaluation, AssetKey, DagsterInstance, ExecuteInProcessResult, instance_for_test
 from pyspark.sql import SparkSession
 
@@ -27,11 +29,14 @@ import pgcdc_assets.checks
 import resources.cdc.apply_batches
 import resources.runs.reconcile
 from pgcdc_assets.builder import build_definitions
+from resources.config import parse_config
 from resources.config.columns import ColumnOverrides
+from resources.delta.spark_destination import lake_destination
 from resources.lsn import LSN
 from resources.names import TableName
 from resources.pgtypes import PgColumnType, to_arrow
-from resources.runs.reconcile import HashBuckets, IntegerRanges, RangeSums, TableReconciliation
+from resources.runs.reconcile import HashBuckets, IntegerRanges, RangeSums, reconcile, TableReconciliation
+from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import compare_table
 from tests.support.dagster_runs import create_shop, slot_position, write_config
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
@@ -288,3 +293,35 @@ def test_range_fingerprints_ignore_order_and_catch_one_changed_value() -> None:
     assert (forward.counts == backward.counts).all() and (forward.sums == backward.sums).all()
     assert forward.counts.sum() == len(rows)
     assert (forward.sums != changed.sums).sum() >= 1
+
+
+@NEWEST_POSTGRES_ONLY  # the order of pgcdc's own reads; no stream of the server's version is involved
+def test_a_table_re_snapshotted_while_it_is_compared_is_reported_not_compared(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/operating.md: a table re-snapshotted while the reconcile job runs is reported as not compared
+    (its Delta table no longer holds the changes up to the reconcile LSN); the other tables are compared.
+    The re-snapshot is a real one, run right as the comparison of ``notes`` begins."""
+    create_shop(pg)
+    config = parse_config(yaml.safe_load(write_config(tmp_path, pg).read_text(encoding="utf-8")))
+    destination = lake_destination(spark, config)
+    snapshot_tables(config, destination)
+    pg.execute("UPDATE orders SET customer = 'x' WHERE id = 9; INSERT INTO notes VALUES ('n')")
+    compare = resources.runs.reconcile._compare_table
+    re_snapshots: list[LSN | None] = []
+
+    def re_snapshot_first(reader: psycopg.Connection, publication: str, lake: Any, table: TableName, *rest: Any) -> Any:
+        if table == TableName("public", "notes"):
+            snapshot_tables(config, destination, [table])
+            re_snapshots.append(destination.read_table_log(config.table_path("public", "notes"), None).snapshot_lsn)
+        return compare(reader, publication, lake, table, *rest)
+
+    monkeypatch.setattr(resources.runs.reconcile, "_compare_table", re_snapshot_first)
+    result = reconcile(config, destination)
+    (snapshot_lsn,) = re_snapshots
+    assert snapshot_lsn is not None and snapshot_lsn > result.lsn
+    assert result.skipped == {"public.notes": "re-snapshotted while it was compared: run it again"}
+    assert set(result.tables) == {"public.orders"} and result.tables["public.orders"].passed
+    monkeypatch.setattr(resources.runs.reconcile, "_compare_table", compare)
+    again = reconcile(config, destination)  # run again, as the reason says: both compared, exact
+    assert again.skipped == {} and all(outcome.passed for outcome in again.tables.values())

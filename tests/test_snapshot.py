@@ -375,10 +375,11 @@ def test_resnapshot_replaces_rows_and_moves_the_snapshot_lsn(
     assert second.snapshot_lsn > first.snapshot_lsn and second.delta_version == first.delta_version + 1
     assert read_snapshot_lsn(spark, path) == second.snapshot_lsn
     history = deltalake.DeltaTable(path).history()
+    ((relid,),) = pg.execute("SELECT 'items'::regclass::oid::int8")
     assert history[0]["userMetadata"] == (
         f'{{"pgcdc": {{"kind": "snapshot", "snapshot_lsn": "{second.snapshot_lsn}", "slot": "{SLOT}",'
         ' "table": "public.items", "layout": {"bucket_column": "_pgcdc_bucket", "kind": "range", "key": ["id"],'
-        ' "size": 1000000}, "columns": {"attnums": {"id": 1, "name": 2}, "count": 2}}}'
+        f' "size": 1000000}}, "columns": {{"attnums": {{"id": 1, "name": 2}}, "count": 2, "relid": {relid}}}}}}}'
     )
     state = ensure_slot(pg.dsn, SLOT)  # exists now: returned as it is
     assert not isinstance(state, CreatedSlot) and state.plugin == "pgoutput"

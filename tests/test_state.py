@@ -23,7 +23,6 @@ import pytest
 import yaml
 from pyspark.sql import SparkSession
 
-from resources.column_numbers import ColumnNumbers
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
 from resources.delta import table_log
@@ -32,6 +31,7 @@ from resources.delta.layout import HASH, TableLayout
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from resources.delta.state_table import read_state, state_path, StateRow, write_state
 from resources.lsn import LSN
+from resources.names import ColumnNumbers
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_table, snapshot_tables

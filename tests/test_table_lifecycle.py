@@ -20,7 +20,7 @@ from dagster import AssetKey, AssetMaterialization, AssetObservation
 from pyspark.sql import SparkSession
 
 from pgcdc_assets.incremental_assets import drain_events
-from resources.config import parse_config, PgcdcConfig
+from resources.config import parse_config
 from resources.delta.spark_destination import lake_destination
 from resources.delta.state_table import read_state, state_path
 from resources.lsn import LSN
@@ -28,6 +28,7 @@ from resources.names import PipelineNames, TableName
 from resources.runs.incremental import IncrementalResult, run_incremental, TableResult
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres, compare_table
+from tests.support.incremental_runs import settings
 from tests.support.postgres import PgDatabase
 from tests.support.subscriber_oracle import Subscriber
 
@@ -35,18 +36,6 @@ pytest_plugins = ["tests.support.spark_fixtures", "tests.support.subscriber_orac
 pytestmark = pytest.mark.slow  # a PostgreSQL subscriber beside the drains; tiers: docs/testing.md
 
 TABLES = ("gone", "moved", "again", "hidden", "other")
-
-
-def _config(pg: PgDatabase, tmp_path: Path) -> PgcdcConfig:
-    return parse_config(
-        {
-            "postgres": {"dsn": pg.dsn},
-            "publication": "pub",
-            "slot": f"pgcdc_{pg.name}",
-            "tables": [],
-            "delta": {"root": str(tmp_path / "lake")},
-        }
-    )
 
 
 def _current_lsn(pg: PgDatabase) -> LSN:
@@ -61,7 +50,7 @@ def test_tables_that_leave_the_publication_keep_their_drained_changes_and_a_recr
         pg.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text); INSERT INTO {name} VALUES (1, 'a'), (2, 'b')")
     pg.execute(f"CREATE PUBLICATION pub FOR TABLE {', '.join(TABLES)}")
     subscriber = subscribe("pub")
-    config = _config(pg, tmp_path)
+    config = parse_config(settings(pg, tmp_path / "lake"))
     destination = lake_destination(spark, config)
     snapshot_tables(config, destination)
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from resources.config import parse_config, PgcdcConfig
+from resources.config import parse_config
 from resources.delta.spark_destination import lake_destination, SparkDeltaDestination
 from resources.names import TableName
 from resources.postgres import table_locks
@@ -26,6 +26,7 @@ from resources.postgres.table_locks import TableBusyError, TableLocks
 from resources.runs.incremental import IncrementalResult, run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
+from tests.support.incremental_runs import settings
 from tests.support.postgres import PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
@@ -50,18 +51,6 @@ class PausedMerges:
         self._destination.merge_batch(*args, **kwargs)
 
 
-def _config(pg: PgDatabase, tmp_path: Path) -> PgcdcConfig:
-    return parse_config(
-        {
-            "postgres": {"dsn": pg.dsn},
-            "publication": "pub",
-            "slot": f"pgcdc_{pg.name}",
-            "tables": [],
-            "delta": {"root": str(tmp_path / "lake")},
-        }
-    )
-
-
 def _sessions(pg: PgDatabase, prefix: str) -> int:
     ((count,),) = pg.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s", (prefix + "%",))
     return int(count)
@@ -74,7 +63,7 @@ def test_a_snapshot_of_a_table_a_drain_writes_waits_for_it_or_refuses_naming_it(
         "CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE u (id int PRIMARY KEY);"
         " INSERT INTO t VALUES (1, 'a'), (2, 'b'); INSERT INTO u VALUES (1); CREATE PUBLICATION pub FOR TABLE t, u"
     )
-    config = _config(pg, tmp_path)
+    config = parse_config(settings(pg, tmp_path / "lake"))
     lake = lake_destination(spark, config)
     snapshot_tables(config, lake)
     pg.execute("UPDATE t SET v = 'drained' WHERE id = 1; INSERT INTO t VALUES (3, 'c')")

@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hypothesis import given, settings, strategies as st
 
-from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.layout import BUCKET_COLUMN, HASH, RANGE, TableLayout
 from resources.delta.markers import (
@@ -33,6 +32,7 @@ from resources.delta.markers import (
 )
 from resources.delta.table_log import read_table_log
 from resources.lsn import LSN
+from resources.names import ColumnNumbers
 
 #: One commit: ("snapshot", lsn) | ("append", lsn, seq) | ("merge",) | ("foreign",) | ("schema",) (a metaData action)
 commit_kinds = st.one_of(

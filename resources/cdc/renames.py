@@ -13,7 +13,7 @@ Either way the known columns taken for added again count as gone and new at once
 rows Delta has get what PostgreSQL gave them (``SchemaReconciler._added_again``).
 
 The catalog tells them apart, with the numbers the table's snapshot recorded
-(:class:`~resources.column_numbers.ColumnNumbers`). PostgreSQL never reuses an attnum: a renamed
+(:class:`~resources.names.ColumnNumbers`). PostgreSQL never reuses an attnum: a renamed
 column keeps its number, a dropped one stays in pg_attribute as dropped, an added one takes a number
 above every number the table had. But the catalog is read now, not at the Relation message's position
 in the WAL, so a rule may only rely on facts later DDL cannot undo: a number dropped now was either
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from resources.column_numbers import ColumnNumbers
+from resources.names import ColumnNumbers
 
 Attributes = list[tuple[int, str, bool]]
 """(attnum, name, dropped) of every user column of the table, as the catalog holds them now."""

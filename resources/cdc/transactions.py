@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from resources.cdc.row_batches import Change, RowBatch
-from resources.errors import ProtocolError
+from resources.errors import DRAIN_RESUMES, ProtocolError, storage_fault
 from resources.lsn import LSN
 from resources.pgoutput.decoder import PgOutputDecoder
 from resources.pgoutput.messages import (
@@ -67,6 +67,12 @@ __all__ = [
 
 DEFAULT_SPILL_BYTES = 16 * 1024 * 1024
 """In-memory bytes per transaction before its changes go to disk."""
+
+
+def spill_fault(error: OSError, directory: Path) -> Exception:
+    """A spill file that cannot be written, in one line naming the directory and ``TMPDIR`` when the
+    volume is full or not writable (else ``error`` itself): the drain fails there, nothing confirmed past it."""
+    return storage_fault(error, f"the drain's spill files in {directory}", "TMPDIR", DRAIN_RESUMES) or error
 
 
 class ChangeLog:
@@ -142,10 +148,13 @@ class ChangeLog:
         """Write the in-memory part to disk (called at each Stream Stop and past the threshold)."""
         if not self._buffer:
             return
-        if self._file is None:
-            self._path = self._directory / f"{self._name}.pickle"
-            self._file = open(self._path, "wb")  # noqa: SIM115 - lives as long as the log
-        pickle.dump(self._buffer, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            if self._file is None:
+                self._path = self._directory / f"{self._name}.pickle"
+                self._file = open(self._path, "wb")  # noqa: SIM115 - lives as long as the log
+            pickle.dump(self._buffer, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+        except OSError as error:
+            raise spill_fault(error, self._directory.parent) from None
         self._buffer = []
         self._buffer_bytes = 0
 
@@ -158,7 +167,10 @@ class ChangeLog:
 
     def _chunks(self) -> Iterator[list[list[bytes] | tuple[int | None, Change]]]:
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as error:
+                raise spill_fault(error, self._directory.parent) from None
             with open(self._path, "rb") as stored:  # type: ignore[arg-type]
                 while True:
                     try:
@@ -257,7 +269,10 @@ class TransactionAssembler:
         spill_bytes: int = DEFAULT_SPILL_BYTES,
     ) -> None:
         self.decoder = PgOutputDecoder(proto_version)
-        self._directory = Path(tempfile.mkdtemp(prefix="pgcdc-txn-", dir=spill_dir))
+        try:
+            self._directory = Path(tempfile.mkdtemp(prefix="pgcdc-txn-", dir=spill_dir))
+        except OSError as error:
+            raise spill_fault(error, Path(spill_dir or tempfile.gettempdir())) from None
         self._spill_bytes = spill_bytes
         self._current: ChangeLog | None = None
         self._current_begin: Begin | None = None

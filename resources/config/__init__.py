@@ -415,6 +415,14 @@ class PgcdcConfig(_Section):
         """
         return join_location(self.delta.root, _path_component(schema), _path_component(table))
 
+    def table_at(self, key: str, path: str) -> TableName:
+        """The table whose key (``str(TableName)``: ``schema.table`` unquoted, as pgcdc's state and quarantine
+        records hold it) is ``key`` and whose Delta table is at ``path``. The key alone splits at a dot
+        either name may hold (``"a.b".c``, ``a."b.c"``); :meth:`table_path` encodes both names apart, so the
+        split whose path it is names the table (the first split when none is: a path under another root)."""
+        splits = [TableName(key[:at], key[at + 1 :]) for at, char in enumerate(key) if char == "."]
+        return next((t for t in splits if self.table_path(t.schema, t.name) == path), splits[0])
+
     def history_path(self, schema: str, table: str) -> str | None:
         """Where the history of ``schema.table`` lives: its changelog (``<table path>__changes``) or its SCD
         type 2 table (``<table path>__history``); None: no history kept."""

@@ -7,6 +7,8 @@ computed here so that the applier loads no engine client.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyarrow as pa
 import pyarrow.types as types
 
@@ -62,18 +64,37 @@ def is_safe_widening(old: pa.DataType, new: pa.DataType) -> bool:
 
 STATISTICS_COLUMNS_PROPERTY = "delta.dataSkippingStatsColumns"
 
+_WITH_STATISTICS = (
+    types.is_integer,
+    types.is_decimal,
+    types.is_date,
+    types.is_timestamp,
+    types.is_string,
+    types.is_large_string,
+)
+"""The types Delta keeps statistics on that pgcdc lets it: Delta on Spark refuses the property naming any other
+(a boolean, a binary, an array), and floats are left out (below)."""
 
-def statistics_columns(schema: pa.Schema) -> dict[str, str]:
-    """The table property that leaves floating-point columns out of the Delta log's file statistics.
 
-    Sail 0.7.2 reads a file's column as one constant when the log says its minimum equals its maximum,
-    and no minimum or maximum holds NaN: a file of ``NaN, 8.0, NaN`` reads as ``8.0, 8.0, 8.0``, and
-    every rewrite of the file (a copy-on-write MERGE, a REPLICA IDENTITY FULL replacement, a widening)
-    stores it so (docs/engine-notes.md, "NaN and a file's statistics on Sail"). pgcdc never prunes by a
-    float column (tables prune by their bucket and key lists; a float key only loses its key-list
-    pruning), so the floats' statistics buy nothing. Delta on Spark, delta-rs and Sail all honour the
-    property in every file they write; columns added later are outside the list, so they get none."""
-    kept = [field.name for field in schema if not types.is_floating(field.type)]
+def statistics_columns(schema: pa.Schema, key: Sequence[str] | None) -> dict[str, str]:
+    """The table property naming the columns whose min/max statistics writers record for each data file:
+    a bucketed table's ``key`` (the only columns a MERGE locates rows by; the bucket, a partition column,
+    needs none), else every column; of those, the ones of :data:`_WITH_STATISTICS` types.
+
+    Statistics on every column cost each write and every log read of the table (docs/engine-notes.md, "A
+    small table's MERGE on Delta on Spark"). Floats never get them: Sail 0.7.2 reads a file's float column as
+    one constant when the log says its minimum equals its maximum, and no minimum or maximum holds NaN, so a
+    file of ``NaN, 8.0, NaN`` reads as ``8.0, 8.0, 8.0``, and every rewrite of it stores that
+    (docs/engine-notes.md, "NaN and a file's statistics on Sail"); a float key only loses its key-list
+    pruning. Delta on Spark, delta-rs and Sail honour the property in every file they write, names
+    backquoted; columns added later are outside the list. A table created by an older pgcdc keeps
+    statistics on its first 32 columns."""
+    names = key if key is not None else schema.names
+    kept = [
+        name
+        for name in names
+        if name in schema.names and any(check(schema.field(name).type) for check in _WITH_STATISTICS)
+    ]
     if not kept:
         return {"delta.dataSkippingNumIndexedCols": "0"}
     return {STATISTICS_COLUMNS_PROPERTY: ",".join("`" + name.replace("`", "``") + "`" for name in kept)}

@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from resources.column_numbers import ColumnNumbers
 from resources.delta.key_ranges import KeyRanges, KeySpan
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.layout import TableLayout
 from resources.lsn import LSN
+from resources.names import ColumnNumbers
 
 
 @dataclass(frozen=True, slots=True)

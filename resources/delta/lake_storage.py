@@ -111,7 +111,9 @@ class LakeStorage:
         options: dict[str, str] = {}
         endpoint, region = self.endpoint(), self.region()
         if endpoint:
-            options["AWS_ENDPOINT_URL"] = endpoint
+            options["AWS_ENDPOINT_URL"] = (
+                endpoint if self.settings.path_style else _bucket_host(endpoint, self.location.bucket)
+            )
         if region:
             options["AWS_REGION"] = region
         if self.settings.allow_http:
@@ -207,6 +209,14 @@ class LakeStorage:
             pass
 
 
+def _bucket_host(endpoint: str, bucket: str) -> str:
+    """``endpoint`` with ``bucket`` in its host name: ``object_store`` (Sail, delta-rs) addresses
+    virtual-hosted requests to the endpoint as given, so with ``path_style: false`` the endpoint must
+    name the bucket's host (``http://lake.s3.example.com:9000``); Arrow's and S3A's clients add it themselves."""
+    parts = urlsplit(endpoint)
+    return parts._replace(netloc=f"{bucket}.{parts.netloc}").geturl()
+
+
 def _remove_local_tree(location: str, keep_parent: bool = False) -> None:
     local = location.removeprefix("file://")
     if "://" in local:
@@ -232,7 +242,15 @@ def _explain_store_error(error: OSError, root: str, endpoint: str) -> Configurat
     if "ACCESS_DENIED" in text or "403" in text or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
         return ConfigurationError(
             f"S3 refused access to delta.root {root}",
-            "fix the credentials (delta.storage.access_key_id / secret_access_key, or AWS_*)",
+            "fix the credentials (delta.storage.access_key_id / secret_access_key, and session_token for"
+            " temporary ones, or AWS_*)",
+        )
+    if "HTTP status 400" in text or "InvalidToken" in text or "ExpiredToken" in text:
+        # S3 answers a HEAD signed with a wrong or expired session token (or for the wrong region) with a bare 400
+        return ConfigurationError(
+            f"S3 refused the signed request for delta.root {root} as invalid (HTTP 400): a wrong or expired"
+            " session token, or a region the bucket is not in",
+            "fix delta.storage.session_token (or AWS_SESSION_TOKEN) with its key pair, or delta.storage.region",
         )
     return ConfigurationError(f"cannot reach delta.root {root} ({text[:200]})", "check delta.root and delta.storage")
 

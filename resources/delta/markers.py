@@ -25,11 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.layout import TableLayout
 from resources.lsn import LSN
+from resources.names import ColumnNumbers
 
 LSN_COLUMN = "_pgcdc_lsn"
 """The column every Delta table gets: the commit end LSN of the change that wrote the row (the snapshot LSN for copied rows)."""

@@ -347,7 +347,7 @@ def append_rows(
     writer = spark.sql(staged_source_sql(rows.schema, staged)).write.format("delta").mode("append")
     if not engine_capabilities(spark).delta_commands:
         # Sail records delta.* writer options as the properties of a table the append creates (a changelog)
-        for name, value in statistics_columns(rows.schema).items():
+        for name, value in statistics_columns(rows.schema, None).items():
             writer = writer.option(name, value)
     try:
         writer.option("userMetadata", user_metadata).save(path)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal, TYPE_CHECKING
 
 import pandas  # noqa: F401 (imported with the code location, not in a snapshot step: see below)
@@ -118,7 +118,7 @@ def write_snapshot(
         and capabilities.delta_rs_snapshot_rows
         and _write_into_engine_table(spark, data, schema, path, user_metadata, layout, deletion_vectors, lake)
     ):
-        new_with_deletion_vectors = deletion_vectors and whole_table and not table_exists(path, lake)
+        creates = whole_table and not table_exists(path, lake)
         _write_with_engine(
             spark,
             data,
@@ -127,7 +127,8 @@ def write_snapshot(
             user_metadata,
             layout,
             replace_where,
-            new_with_deletion_vectors,
+            deletion_vectors and creates,
+            creates,
             rows_outside_where,
             max(1, min(chunk_bytes, STAGE_FILE_BYTES)),
             lake,
@@ -145,6 +146,7 @@ def _write_with_engine(
     layout: TableLayout | None,
     replace_where: str | None,
     new_with_deletion_vectors: bool,
+    creates: bool,
     rows_outside_where: bool,
     file_bytes: int,
     lake: LakeStorage | None,
@@ -175,6 +177,7 @@ def _write_with_engine(
             replace_where,
             new_with_deletion_vectors,
             rows_outside_where,
+            statistics=statistics_columns(schema, _key(layout)) if creates else None,
         )
     finally:
         remove_tree(staging, lake)
@@ -243,7 +246,7 @@ def _write_with_delta_rs(
         # OSError naming the cause (delta-rs says only "Could not create local directory").
         filesystem.create_dir(directory, recursive=True)  # type: ignore[attr-defined]
     if created:
-        configuration = {LAYOUT_PROPERTY: layout_property(layout), **statistics_columns(schema)}
+        configuration = {LAYOUT_PROPERTY: layout_property(layout), **statistics_columns(schema, _key(layout))}
         if deletion_vectors:
             configuration[DELETION_VECTORS_PROPERTY] = "true"
         fault_point("before_snapshot_create")
@@ -379,8 +382,9 @@ def _write_into_engine_table(
         prepare_writes(spark)
         empty = spark.createDataFrame([], spark_schema)
         _overwrite(
-            empty, schema, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False
-        )
+            empty, schema, path, SNAPSHOT_CREATE_METADATA, layout, deletion_vectors=deletion_vectors, arranged=False,
+            statistics=statistics_columns(schema, _key(layout)),
+        )  # fmt: skip
         fault_point("after_snapshot_create")
     table = DeltaTable(path, storage_options=storage_options)
     if not _delta_rs_keeps(table, spark_schema.jsonValue(), partition_by):
@@ -423,13 +427,15 @@ def _overwrite(
     deletion_vectors: bool = False,
     rows_outside_where: bool = False,
     arranged: bool = True,
+    statistics: Mapping[str, str] | None = None,
 ) -> None:
     """Overwrite the table (schema too, ``schema`` as Arrow), or only the rows ``replace_where`` selects; bucketed by
     ``layout``: one task, so one file, per bucket, sorted by key (unless not ``arranged``: a frame
     without rows needs no shuffle). ``deletion_vectors``: the write
     creates the table, with :data:`DELETION_VECTORS_PROPERTY` on (a writer option every engine
     records as the table property when it creates the table; never given for an existing table,
-    whose protocol stays as it is)."""
+    whose protocol stays as it is); ``statistics`` likewise (``delta_types.statistics_columns``), which Sail
+    is given on every overwrite, as it is the layout property."""
     delta_commands = engine_capabilities(frame.sparkSession).delta_commands
     if replace_where is not None:
         # Through a union with the (empty) table scan: Sail's replaceWhere refuses type details the
@@ -451,13 +457,16 @@ def _overwrite(
     writer = writer.option("userMetadata", user_metadata)
     if deletion_vectors:
         writer = writer.option(DELETION_VECTORS_PROPERTY, "true")
+    for name, value in (statistics or {}).items():
+        writer = writer.option(name, value)
     if not delta_commands:
         # Sail records delta.* writer options as table properties; Delta on Spark refuses
         # property names it does not know, so there the layout lives in the marker only.
         # (Sail creates tables through here only when told to: bench.snapshot --writers engine.)
         writer = writer.option(LAYOUT_PROPERTY, layout_property(layout))
-        for name, value in statistics_columns(schema).items():
-            writer = writer.option(name, value)
+        if statistics is None:
+            for name, value in statistics_columns(schema, _key(layout)).items():
+                writer = writer.option(name, value)
     if replace_where is not None and delta_commands:
         # Delta on Spark skips the commit of a write that adds and removes nothing unless told not
         # to (a session setting: the session's writes are serialised while a range is replaced).
@@ -479,3 +488,8 @@ select (by default it fails with DELTA_VIOLATE_CONSTRAINT_WITH_VALUES); Sail nev
 DELETION_VECTORS_PROPERTY = "delta.enableDeletionVectors"
 """The Delta table property that makes MERGE, UPDATE and DELETE write deletion vectors (Sail, Delta on
 Spark 3.1+); set when pgcdc creates a table, never later: Sail cannot set a property on a path."""
+
+
+def _key(layout: TableLayout | None) -> list[str] | None:
+    """The columns a bucketed table keeps statistics on (``statistics_columns``); None: every column."""
+    return list(layout.key) if layout is not None else None

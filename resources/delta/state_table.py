@@ -37,7 +37,6 @@ from datetime import datetime, UTC
 
 import pyarrow as pa
 
-from resources.column_numbers import ColumnNumbers
 from resources.delta.dataframes import nullable_schema
 from resources.delta.destination import TableLog
 from resources.delta.lake_storage import LakeStorage, object_store_options
@@ -46,6 +45,7 @@ from resources.delta.reads import delta_rs_rows
 from resources.delta.table_log import table_exists
 from resources.locations import join_location
 from resources.lsn import LSN
+from resources.names import ColumnNumbers
 
 PGCDC_TABLES_DIRECTORY = "_pgcdc"
 """``<delta.root>/_pgcdc/``: pgcdc's own Delta tables (its state), maintained with the replicated ones;

@@ -35,7 +35,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from resources.column_numbers import ColumnNumbers
 from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.lake_storage import LakeStorage, storage_client
@@ -52,7 +51,9 @@ from resources.delta.markers import (
     pgcdc_marker,
     SNAPSHOT_CREATE_METADATA,
 )
+from resources.errors import DeltaLogError
 from resources.lsn import LSN
+from resources.names import ColumnNumbers, RESNAPSHOT_JOB
 
 LOG_DIRECTORY = "_delta_log"
 LAST_CHECKPOINT = "_last_checkpoint"
@@ -112,7 +113,7 @@ def bytes_added(path: str, version: int, newest: int, lake: LakeStorage | None =
     log = _Log(path, lake)
     total = 0
     for later in range(version + 1, newest + 1):
-        actions = [json.loads(line) for line in (log.read(f"{later:020d}.json") or "").splitlines() if line.strip()]
+        actions = log.parse(f"{later:020d}.json", (log.read(f"{later:020d}.json") or "").splitlines())
         removed = {action["remove"]["path"] for action in actions if "remove" in action}
         for add in (action["add"] for action in actions if "add" in action):
             if add["path"] not in removed:
@@ -205,7 +206,7 @@ def unfinished_create(path: str, lake: LakeStorage | None = None) -> bool:
     text = log.read(f"{0:020d}.json")
     if text is None:
         return False
-    actions = [json.loads(line) for line in text.splitlines() if line.strip()]
+    actions = log.parse(f"{0:020d}.json", text.splitlines())
     if any("add" in action or "remove" in action for action in actions):
         return False
     if any(
@@ -242,9 +243,31 @@ class _Log:
         """The file ``name`` of the log directory as text; None when it does not exist."""
         try:
             with self.filesystem.open_input_stream(f"{self.directory}/{name}") as stream:  # type: ignore[attr-defined]
-                return stream.read().decode("utf-8")
+                data = stream.read()
         except (FileNotFoundError, NotADirectoryError):
             return None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise self.corrupt(name, error) from None
+
+    def parse(self, name: str, lines: Iterable[str]) -> list[dict[str, Any]]:
+        """The JSON actions of ``lines`` of the log file ``name`` (blank lines skipped)."""
+        try:
+            return [json.loads(line) for line in lines if line.strip()]
+        except ValueError as error:
+            raise self.corrupt(name, error) from None
+
+    def corrupt(self, name: str, error: ValueError) -> DeltaLogError:
+        """A log file that is not what Delta writes (truncated, or other bytes): one line naming it and the fix.
+        The table cannot be read by any engine until then, so the drain fails as a whole, confirming nothing."""
+        table = self.directory.rsplit("/", 1)[0]
+        detail = (str(error).splitlines() or [type(error).__name__])[0][:120]
+        return DeltaLogError(
+            f"the Delta log of {table} is corrupt: {self.directory}/{name} is not a whole commit ({detail})",
+            f"restore that file from a backup, or move {table} aside and re-snapshot the table (its snapshot asset,"
+            f" or the {RESNAPSHOT_JOB} job naming it); nothing was confirmed to the slot past what Delta holds",
+        )
 
     def commit(self, version: int) -> list[str | None] | None:
         """The userMetadata of the commit file ``version`` (a list: Delta allows one commitInfo,
@@ -258,7 +281,12 @@ class _Log:
         if text is None:
             return None
         prefix = '{"' + kind + '"'
-        return [json.loads(line)[kind] for line in text.splitlines() if line.startswith(prefix)]
+        return [
+            action[kind]
+            for action in self.parse(
+                f"{version:020d}.json", (line for line in text.splitlines() if line.startswith(prefix))
+            )
+        ]
 
     def metadata(self) -> TableMetadata | None:
         """The newest ``metaData`` action: the newest commit after the newest checkpoint that has one,

@@ -57,11 +57,16 @@ SMALL_TABLE_CONFIG: dict[str, str] = {
     "spark.sql.shuffle.partitions": "2",
     "spark.databricks.delta.snapshotPartitions": "2",
     "spark.sql.sources.parallelPartitionDiscovery.parallelism": "2",
+    "spark.sql.adaptive.enabled": "false",
 }
 """Spark's defaults are sized for clusters and cost seconds per statement on small tables:
 200 shuffle partitions per MERGE, a 50-task log replay on every Delta snapshot, and a
-10,000-task listing job in VACUUM (225 s for a 5-file table, 22.9 s with 2). Users override
-any of them through ``spark.config``."""
+10,000-task listing job in VACUUM (225 s for a 5-file table, 22.9 s with 2). Adaptive execution
+re-plans a query at each shuffle and runs every stage as a job of its own: a small table's MERGE ran
+15 jobs (24 stages) with it, 9 (16) without, and took about a quarter less of the JVM's CPU
+(docs/engine-notes.md, "A small table's MERGE on Delta on Spark"); on ``local[N]`` with 2 shuffle
+partitions it has nothing to coalesce, and big MERGEs took as long either way. Users override any
+of them through ``spark.config``."""
 
 
 DELTA_MERGE_CONFIG: dict[str, str] = {"spark.databricks.delta.merge.materializeSource": "none"}

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from resources.column_numbers import ColumnNumbers
 from resources.errors import ConfigurationError
-from resources.names import TableName
+from resources.names import ColumnNumbers, TableName
 from resources.sql import quote_ident
 
 
@@ -226,14 +225,16 @@ def primary_key_columns(conn: psycopg.Connection, oid: int) -> tuple[str, ...]:
 
 def size_estimate(conn: psycopg.Connection, oid: int) -> tuple[float, int]:
     """PostgreSQL's estimate of the table's rows (negative: never counted) and its heap pages,
-    summed over its leaf partitions (a partitioned table's own entry holds neither)."""
+    summed over its leaf partitions (a partitioned table's own entry holds neither). An ordinary table is
+    its own entry: ``pg_partition_tree`` lists nothing for a table outside any partition tree."""
     row = (
         client_cursor(conn)
         .execute(
             "SELECT pg_catalog.sum(c.reltuples::pg_catalog.float8), pg_catalog.sum(c.relpages)::pg_catalog.int8,"
             " pg_catalog.bool_or(c.reltuples OPERATOR(pg_catalog.<) 0)"
-            " FROM pg_catalog.pg_partition_tree(%(oid)s::pg_catalog.oid::pg_catalog.regclass) p"
-            " JOIN pg_catalog.pg_class c ON c.oid OPERATOR(pg_catalog.=) p.relid WHERE p.isleaf",
+            " FROM pg_catalog.pg_class c WHERE (c.oid OPERATOR(pg_catalog.=) %(oid)s::pg_catalog.oid"
+            " AND c.relkind OPERATOR(pg_catalog.<>) 'p') OR c.oid OPERATOR(pg_catalog.=) ANY (SELECT p.relid"
+            " FROM pg_catalog.pg_partition_tree(%(oid)s::pg_catalog.oid::pg_catalog.regclass) p WHERE p.isleaf)",
             {"oid": oid},
         )
         .fetchone()

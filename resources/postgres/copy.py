@@ -26,7 +26,14 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 from psycopg import pq
 
-from resources.errors import ConfigurationError, ConnectionFailure, PgcdcError, ProtocolError, SnapshotError
+from resources.errors import (
+    ConfigurationError,
+    ConnectionFailure,
+    explain_server_error,
+    PgcdcError,
+    ProtocolError,
+    SnapshotError,
+)
 from resources.lsn import LSN
 from resources.pgtypes import (
     column_type_from_catalog,
@@ -236,7 +243,7 @@ def copy_pieces(
     pgconn.send_query(query.encode())
     result = _next_result(pgconn)
     if result is None or result.status != pq.ExecStatus.COPY_OUT:
-        error = _result_error(result, query)
+        error = _result_error(result, query, pgconn.user)
         _drain_results(pgconn)
         raise error
     get_copy_data = pgconn.get_copy_data
@@ -284,11 +291,11 @@ def _drain_results(pgconn: pq.abc.PGconn) -> PgcdcError | None:
     error: PgcdcError | None = None
     while (result := _next_result(pgconn)) is not None:
         if result.status == pq.ExecStatus.FATAL_ERROR and error is None:
-            error = _result_error(result, "COPY")
+            error = _result_error(result, "COPY", pgconn.user)
     return error
 
 
-def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
+def _result_error(result: pq.abc.PGresult | None, query: str, user: bytes | None = None) -> PgcdcError:
     if result is None:
         return ProtocolError(f"no result for {query[:80]}", "check the server log")
     if result.status != pq.ExecStatus.FATAL_ERROR:
@@ -296,6 +303,9 @@ def _result_error(result: pq.abc.PGresult | None, query: str) -> PgcdcError:
             f"unexpected {pq.ExecStatus(result.status).name} answer to {query[:80]}", "check the server version"
         )
     primary = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or result.error_message or b""
+    if result.error_field(pq.DiagnosticField.SQLSTATE) == b"42501":  # no SELECT on the table: the grant to run
+        role = None if user is None else user.decode("utf-8", "replace")
+        return explain_server_error("42501", primary.decode("utf-8", "replace"), user=role)
     if result.error_field(pq.DiagnosticField.SQLSTATE) == b"22021":  # only a SQL_ASCII database's bytes get here
         return SnapshotError(
             f"COPY failed: {primary.decode('utf-8', 'replace')}: text in the database is not UTF-8"

@@ -115,6 +115,27 @@ def _create_publication(conn: psycopg.Connection, publication: str, tables: Sequ
         ) from None
     except psycopg.errors.DuplicateObject:
         pass  # created concurrently by another run: use it as it is
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise _not_allowed_to_create(conn, publication, tables, exc.diag.message_primary or str(exc)) from None
+
+
+def _not_allowed_to_create(
+    conn: psycopg.Connection, publication: str, tables: Sequence[TableName], message: str
+) -> ConfigurationError:
+    """``create_publication: true`` for a role PostgreSQL does not let create it: no CREATE on the
+    database, or not the owner of every table (only a table's owner may add it to a publication)."""
+    role = conn.info.user
+    statement = f"CREATE PUBLICATION {quote_ident(publication)} FOR TABLE {', '.join(t.quoted for t in tables)}"
+    if "must be owner" in message:
+        return ConfigurationError(
+            f'cannot create publication "{publication}" as {role} ({message}): only a table\'s owner may publish it',
+            f"run {statement} as the tables' owner and set create_publication: false, or make {role} own the tables",
+        )
+    return ConfigurationError(
+        f'cannot create publication "{publication}" as {role} ({message})',
+        f"GRANT CREATE ON DATABASE {quote_ident(conn.info.dbname)} TO {quote_ident(role)}, or run {statement}"
+        " as the tables' owner and set create_publication: false",
+    )
 
 
 def check_publications(conn: ReplicationConnection, publications: Sequence[str]) -> None:

@@ -86,7 +86,7 @@ def departed_tables(
         if never:
             raise unpublished_error(config.publication, never)
     else:
-        departed = sorted((TableName.parse(name) for name in listed), key=str)
+        departed = sorted((config.table_at(row.table, row.path) for row in state.values()), key=str)
         departed = [t for t in departed if t not in published]
     if not published and not departed:
         published_tables_refusal(config.publication)

@@ -2,10 +2,9 @@
 
 The order that makes it exactly-once (argued in docs/contracts.md):
 
-1. Preflight, read-only (``resources/postgres/preflight.py``, shared with ``pgcdc changes``): server
-   (version, wal_level), publication, slot (exists, pgoutput, this database, not lost, not
-   in use). PostgreSQL 18 streams nothing for a missing publication instead of failing,
-   so that check is ours. Then the tables to replicate, the pgcdc state table (one read) and
+1. Preflight, read-only (``resources/postgres/preflight.py``, shared with ``pgcdc changes``): server (version,
+   wal_level), publication, slot (exists, pgoutput, this database, not lost, not in use). PostgreSQL 18
+   streams nothing for a missing publication instead of failing, so that check is ours. Then the tables to replicate, the pgcdc state table (one read) and
    the snapshot markers of the tables it does not list: when no table has a snapshot,
    delta.root is most likely wrong and the run refuses (confirming would skip every pending
    change for good). A listed table's own log is read only when a change for it arrives.
@@ -23,13 +22,12 @@ The order that makes it exactly-once (argued in docs/contracts.md):
    log the run read, then confirm max(last commit end, end_lsn), so an idle slot (or one
    whose changes are all for other tables) still advances.
 
-Tables whose Delta table has no snapshot marker yet are left alone and their changes
-skipped: confirming past them is safe because their snapshot, taken later, starts at a
-consistent point beyond everything confirmed now.
+Tables whose Delta table has no snapshot marker yet are left alone and their changes skipped: confirming
+past them is safe because their snapshot, taken later, starts at a consistent point beyond everything confirmed now.
 
-While the run waits for Delta, nothing reads the replication stream: the waits call
-``ReplicationStream.keepalive`` (status updates with the same, durable position), so the
-walsender does not drop the connection after wal_sender_timeout during a long write.
+While the run waits for Delta, nothing reads the replication stream: the waits call ``ReplicationStream.keepalive``
+(status updates with the same, durable position), so the walsender does not drop the connection after
+wal_sender_timeout during a long write. A full or unwritable lake fails the run in one line (``runs/storage_faults.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +72,7 @@ from resources.runs.drain_tables import drain_targets, read_log, wanted_tables
 from resources.runs.key_range_copy import copy_key_range
 from resources.runs.quarantine import Quarantine, Quarantines
 from resources.runs.slot_guard import check_slot_position
+from resources.runs.storage_faults import reports_storage_faults
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IncrementalResult", "TableResult", "run_incremental"]
 
@@ -140,6 +139,7 @@ class IncrementalResult:
         return self.changes / self.duration_s if self.duration_s > 0 else 0.0
 
 
+@reports_storage_faults
 @reports_dead_engine
 def run_incremental(
     config: PgcdcConfig,

@@ -36,7 +36,7 @@ from resources.delta.destination import Destination, TableLog
 from resources.delta.lake_records import read_record, records_location, write_record
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.state_table import known_log, read_state, state_path
-from resources.errors import ConfigurationError, SlotError
+from resources.errors import ConfigurationError, DRAIN_RESUMES, PgcdcError, SlotError, storage_fault, StorageFault
 from resources.lsn import LSN
 from resources.names import RESNAPSHOT_JOB
 from resources.postgres.catalog import TableName
@@ -97,8 +97,12 @@ class SlotGuard:
             raise self._unusable("write", error) from None
         self.record = record
 
-    def _unusable(self, doing: str, error: OSError) -> ConfigurationError:
+    def _unusable(self, doing: str, error: OSError) -> PgcdcError:
         """A storage error (multi-line, naming no fix) as one line naming the location and delta.root."""
+        if doing == "write":
+            fault = storage_fault(error, f"pgcdc's slot record at {self.location}", "delta.root", DRAIN_RESUMES)
+            if fault is not None:
+                return fault
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0].strip()
         return ConfigurationError(
             f"cannot {doing} pgcdc's slot record at {self.location} ({first_line})",
@@ -131,7 +135,7 @@ def record_created(config: PgcdcConfig, lake: LakeStorage | None, slot: CreatedS
         return
     try:
         SlotGuard(config.delta.root, config.slot, lake).created(slot.consistent_point)
-    except ConfigurationError:
+    except (ConfigurationError, StorageFault):
         # An unusable lake: the copies that follow fail naming it. Nothing is lost without this record:
         # a drain finds a slot created beyond an earlier record and refuses the same way (a first slot
         # gets its record from its first drain).

@@ -44,7 +44,7 @@ from resources.delta.destination import Destination, TableLog
 from resources.delta.layout import TableLayout
 from resources.delta.markers import snapshot_marker
 from resources.delta.table_log import read_table_metadata
-from resources.errors import explain, PgcdcError, SnapshotError
+from resources.errors import explain, PgcdcError, SnapshotError, storage_fault
 from resources.lsn import LSN
 from resources.pgtypes import PgValueError
 from resources.postgres.catalog import TableName
@@ -197,6 +197,9 @@ def snapshot_table(
     except psycopg.Error as exc:
         raise naming_table(explain(exc, dsn), table) from exc
     except Exception as exc:
+        fault = storage_fault(exc, f"the Delta table {path}", "delta.root", "run the snapshot again")
+        if fault is not None:
+            raise naming_table(fault, table) from exc
         if isinstance(exc, OSError) and exc.errno:  # the lake's storage client: the path is named below
             first_line = os.strerror(exc.errno)
         else:

@@ -56,6 +56,9 @@ SHAPES = [
     _one("int4", lambda i: f"{i * 1000}", layout=RANGE),
     _one("int8", lambda i: f"{i * 10**12}::int8", layout=RANGE),
     _one("numeric(12,3)", lambda i: f"{i / 8:.3f}"),
+    # floats, hashed by their bits: NaN, an infinity and 0 among the keys (PostgreSQL's = holds NaN equal to NaN)
+    _one("float8", lambda i: "'NaN'::float8" if i == KEYS - 1 else f"{i / 8 - 2}::float8"),
+    _one("float4", lambda i: "'-Infinity'::float4" if i == KEYS - 2 else f"{i / 4 - 3}::float4"),
     _one("text", lambda i: f"'key {i} ü'"),
     _one("varchar(20)", lambda i: f"'v{i:04d}'"),
     _one("citext", lambda i: f"'Key{i}'::citext"),

@@ -12,7 +12,7 @@ So the memory tests run the work here and read the operating system's account of
 * ``engine_peak_mib``: the embedded Sail server's own peak (VmHWM), for drains, whose MERGEs run there.
 
 Usage: python -m tests.support.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
-       python -m tests.support.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES
+       python -m tests.support.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES [MAX_CHUNK_BYTES]
 Prints one JSON line with the figures above and what the work did: ``rows``, ``chunks``, ``workers``,
 ``mode`` and the progress reports (snapshot), or ``changes`` and the drain's own reading of its peak,
 ``run_peak_mib`` (drain).
@@ -74,9 +74,11 @@ def main() -> None:
                 "last_progress": progress[-1].describe() if progress else None,
             }  # fmt: skip
         else:
+            bytes_bound = {"max_chunk_bytes": int(sys.argv[4])} if len(sys.argv) > 4 else {}
             drained = run_incremental(
-                load_config(sys.argv[2]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(sys.argv[3])
-            )
+                load_config(sys.argv[2]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(sys.argv[3]),
+                **bytes_bound,
+            )  # fmt: skip
             done = {"changes": drained.changes, "run_peak_mib": drained.peak_memory_mib}
         _, peak = process_memory_mib()
         _, engine_peak = engine.server_memory_mib()

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -129,3 +130,59 @@ def s3_spark_engine(s3_server: S3Server) -> Iterator[SparkEngine]:
 @pytest.fixture(scope="session")
 def s3_spark(s3_spark_engine: SparkEngine) -> SparkSession:
     return s3_spark_engine.spark
+
+
+class RecordingHttpProxy:
+    """A plain-HTTP forward proxy to one server (moto) that records each request's first line and Host
+    header: what addressing the clients really used. Clients reach it through ``HTTP_PROXY``/``http_proxy``;
+    moto takes the absolute-form request line and finds the bucket in the Host header or the path."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self._upstream = ("127.0.0.1", upstream_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.requests: list[tuple[str, str]] = []  # (request line, host)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client, socket.create_connection(self._upstream) as upstream:
+            threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
+            try:
+                while data := client.recv(65536):
+                    self._record(data)
+                    upstream.sendall(data)
+            except OSError:  # the server closed the connection: the pump has closed the client's
+                pass
+
+    def _record(self, data: bytes) -> None:
+        """Request heads in ``data`` (a keep-alive connection carries several; bodies hold none that parse)."""
+        for head in data.split(b"\r\n\r\n"):
+            lines = head.decode("latin-1").split("\r\n")
+            if len(lines) > 1 and lines[0].endswith(" HTTP/1.1") and " http://" in lines[0]:
+                host = next((line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("host:")), "")
+                self.requests.append((lines[0], host))
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    """The server's answers to the client; when the server closes, the client's connection closes too (a
+    client keeping it would send its next request into nothing)."""
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    try:
+        sink.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
