@@ -137,9 +137,12 @@ def test_stale_wrong_and_missing_state_rows_never_change_what_is_applied(
     first = drained(pg, config, spark, {"acct": 2, "journal": 2})
     assert first.tables["public.journal"].inserted == 0 and first.changes_skipped == 1  # applied before the crash
     # The drain's rows keep the column numbers the snapshot markers recorded (for once log cleanup removes them).
+    relids = dict(
+        pg.execute("SELECT 'public.' || relname, oid::int8 FROM pg_class WHERE relname IN ('acct', 'journal')")
+    )
     assert {t: r.log.columns for t, r in state_of(spark, config).items()} == {
-        "public.acct": ColumnNumbers({"id": 1, "n": 2}, 2),
-        "public.journal": ColumnNumbers({"entry": 1, "note": 2}, 2),
+        "public.acct": ColumnNumbers({"id": 1, "n": 2}, 2, relids["public.acct"]),
+        "public.journal": ColumnNumbers({"entry": 1, "note": 2}, 2, relids["public.journal"]),
     }
 
     # A re-snapshot whose state write was lost: the state names the old snapshot. The rows
