@@ -433,7 +433,7 @@ def crash_point(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None
 #: A short workload (17 steps, 5 runs of chunks of 100 and more) that covers unchanged TOAST, key
 #: changes, identical rows of a REPLICA IDENTITY FULL table, a keyless table, TRUNCATE, ADD COLUMN,
 #: re-snapshots, a table published mid-stream and timestamps at infinity; found with tests.support.workload.generate.
-SPARK_WORKLOAD = (16322, 16)
+SPARK_WORKLOAD = (16325, 16)
 
 
 def test_randomized_workload_on_spark_matches_postgres(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:

@@ -752,9 +752,10 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
 #: part of DRAIN_PEAK_MIB. Measured on 2 cores: 84 MiB with the bound, 146 MiB with the 40 MB backlog in one chunk.
 WIDE_CHUNK_BYTES = 2 << 20
 WIDE_PEAK_MIB = 110
-#: The embedded Sail server's peak over the same drains, whose MERGE sources are those chunks: 178-189 MiB with
-#: the bound, 262-297 MiB with the backlog in one chunk.
-WIDE_ENGINE_PEAK_MIB = 235
+#: How much more the embedded Sail server's peak is when the same drain's MERGE sources are one 40 MB chunk
+#: instead of 2 MiB ones: measured 109-127 MiB more (178-235 MiB against 294-345, the higher ones with the
+#: suite's other worker busy); the server's own baseline moves with the load, the difference does not.
+WIDE_ENGINE_GROWTH_MIB = 50
 
 
 @pytest.mark.slow  # two backlogs drained in children to measure memory
@@ -789,7 +790,7 @@ def test_a_drain_of_wide_rows_is_cut_by_bytes_and_holds_about_one_chunk(
         engine[bound] = memory["engine_peak_mib"]
     assert 4000 * 10240 > 4 * WIDE_CHUNK_BYTES  # the backlog is several chunks
     assert held["bytes"] < WIDE_PEAK_MIB < held["lifted"], held
-    assert engine["bytes"] < WIDE_ENGINE_PEAK_MIB < engine["lifted"], engine
+    assert engine["lifted"] - engine["bytes"] > WIDE_ENGINE_GROWTH_MIB, engine
     assert same(pg, config, "public.wide") == 8001
 
 
