@@ -702,6 +702,25 @@ ENGINE_PEAK_MIB = 320
 ENGINE_GROWTH_MIB = 64
 
 
+def wide_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession, storage: str = "") -> tuple[PgcdcConfig, Path]:
+    """The memory drains' published table ``wide`` (one seed row, snapshotted; ``storage``: its column's
+    storage DDL) and the pipeline's configuration file, which the measuring child reads."""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        f"""
+        CREATE TABLE wide (id int PRIMARY KEY, pad text);
+        {storage}
+        INSERT INTO wide VALUES (-1, 'seed');
+        CREATE PUBLICATION pub FOR TABLE wide;
+    """,
+    )
+    config_file = tmp_path / "pgcdc.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump()))
+    return config, config_file
+
+
 @pytest.mark.slow  # two backlogs drained in children to measure memory
 def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     pg: PgDatabase, tmp_path: Path, spark: SparkSession
@@ -709,19 +728,7 @@ def test_memory_stays_bounded_with_a_backlog_larger_than_a_chunk(
     """Two drains, of 20k and then 80k changes, each in a child process that reports its peak resident
     memory over its baseline and Arrow's pool maximum (tests/support/memory_child.py): below a stated bound
     smaller than the larger backlog, and about the same for both, so chunks, not backlogs, are held."""
-    config = setup(
-        pg,
-        tmp_path,
-        spark,
-        """
-        CREATE TABLE wide (id int PRIMARY KEY, pad text);
-        ALTER TABLE wide ALTER COLUMN pad SET STORAGE MAIN;
-        INSERT INTO wide VALUES (-1, 'seed');
-        CREATE PUBLICATION pub FOR TABLE wide;
-    """,
-    )
-    config_file = tmp_path / "pgcdc.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump()))
+    config, config_file = wide_table(pg, tmp_path, spark, "ALTER TABLE wide ALTER COLUMN pad SET STORAGE MAIN;")
     held: dict[int, float] = {}
     engine: dict[int, float] = {}
     written = 0
@@ -765,18 +772,7 @@ def test_a_drain_of_wide_rows_is_cut_by_bytes_and_holds_about_one_chunk(
     """Rows of 10 KB, a change count that never binds: the byte bound cuts the chunks, and the drain's peak
     stays within a chunk's worth over the fixed part; the same backlog drained in one chunk (the bound
     lifted) holds several times more, so the bound is what keeps the first one small."""
-    config = setup(
-        pg,
-        tmp_path,
-        spark,
-        """
-        CREATE TABLE wide (id int PRIMARY KEY, pad text);
-        INSERT INTO wide VALUES (-1, 'seed');
-        CREATE PUBLICATION pub FOR TABLE wide;
-    """,
-    )
-    config_file = tmp_path / "pgcdc.yaml"
-    config_file.write_text(yaml.safe_dump(config.model_dump()))
+    config, config_file = wide_table(pg, tmp_path, spark)
     held: dict[str, float] = {}
     engine: dict[str, float] = {}
     for bound, start in (("bytes", 0), ("lifted", 4000)):
