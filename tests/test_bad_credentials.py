@@ -11,12 +11,10 @@ are no table's own fault: the whole run fails.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -265,49 +263,68 @@ def test_a_session_token_reaches_every_client_and_is_what_the_store_checks(
     assert tables_and_commits(checking_store.objects(prefix))
 
 
+INSTANCE_METADATA_SERVER = """
+import http.server, sys
+served, log = sys.argv[1].encode(), open(sys.argv[2], "a", buffering=1)
+roles = "/latest/meta-data/iam/security-credentials"
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # the clients keep their connection to the service
+
+    def _answer(self, body):
+        log.write(f"{self.command} {self.path}\\n")
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def do_PUT(self):
+        self._answer(b"imds-session" if self.path == "/latest/api/token" else None)
+
+    def do_GET(self):
+        path = self.path.rstrip("/")
+        self._answer(b"lake-role" if path == roles else served if path == roles + "/lake-role" else None)
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
 class InstanceMetadata:
     """The EC2 instance metadata service's credential endpoints (IMDSv2), serving one role's temporary
-    credentials: what ``instance_credentials: true`` relies on. Records the paths asked for."""
+    credentials: what ``instance_credentials: true`` relies on. Records the paths asked for.
 
-    def __init__(self, key: str, secret: str, token: str) -> None:
+    In a process of its own: Arrow's AWS SDK asks it while building a filesystem, holding this process's
+    GIL, so a server thread here could not answer and each of the SDK's attempts would wait out its
+    one-second timeout."""
+
+    def __init__(self, key: str, secret: str, token: str, log: Path) -> None:
         served = json.dumps({
             "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": key, "SecretAccessKey": secret, "Token": token,
             "LastUpdated": "2026-01-01T00:00:00Z", "Expiration": "2099-01-01T00:00:00Z",
-        }).encode()  # fmt: skip
-        asked: list[str] = []
-        self.asked = asked
+        })  # fmt: skip
+        self._log = log
+        self._server = subprocess.Popen(
+            [sys.executable, "-c", INSTANCE_METADATA_SERVER, served, str(log)], stdout=subprocess.PIPE, text=True
+        )
+        assert self._server.stdout is not None
+        self.endpoint = f"http://127.0.0.1:{int(self._server.stdout.readline())}"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # the clients keep their connection to the service
-
-            def _answer(self, body: bytes | None) -> None:
-                asked.append(f"{self.command} {self.path}")
-                self.send_response(200 if body is not None else 404)
-                self.send_header("Content-Length", str(len(body or b"")))
-                self.end_headers()
-                self.wfile.write(body or b"")
-
-            def do_PUT(self) -> None:  # noqa: N802 - http.server's name
-                self._answer(b"imds-session" if self.path == "/latest/api/token" else None)
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                roles, path = "/latest/meta-data/iam/security-credentials", self.path.rstrip("/")
-                self._answer(b"lake-role" if path == roles else served if path == roles + "/lake-role" else None)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+    @property
+    def asked(self) -> list[str]:
+        return self._log.read_text().splitlines() if self._log.exists() else []
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.kill()
+        self._server.wait()
 
 
 def test_instance_credentials_come_from_the_machine_and_no_key_pair_is_asked_for(
-    checking_store: CheckingStore, credentials: None, monkeypatch: pytest.MonkeyPatch
+    checking_store: CheckingStore, credentials: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``delta.storage.instance_credentials: true``: with no key pair anywhere, pgcdc's preflight and delta-rs
     take a role's temporary credentials from the instance metadata service (a local one, named by the
@@ -315,7 +332,7 @@ def test_instance_credentials_come_from_the_machine_and_no_key_pair_is_asked_for
     gives the clients a key pair. Without the setting, the preflight refuses in one line naming it."""
     for variable in ("AWS_SESSION_TOKEN", "AWS_EC2_METADATA_DISABLED"):
         monkeypatch.delenv(variable, raising=False)
-    metadata = InstanceMetadata(*_assumed_role(checking_store))
+    metadata = InstanceMetadata(*_assumed_role(checking_store), tmp_path / "metadata-asked.log")
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", metadata.endpoint)  # Arrow's AWS SDK
     monkeypatch.setenv("AWS_METADATA_ENDPOINT", metadata.endpoint)  # object_store: delta-rs and Sail
     root = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
