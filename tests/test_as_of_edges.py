@@ -1,7 +1,12 @@
 """``pgcdc as-of`` at the edges: every value prints (timestamps at ±infinity as PostgreSQL writes them),
 in JSON lines or CSV, by LSN and by the server's clock (`--time`); an LSN past what the lake has drained is refused in one line unless the user
 accepts the lake's position; any LSN parses; an LSN before the history and a table outside the
-pipeline are each named as such. Real PostgreSQL, the embedded engine, the command itself."""
+pipeline are each named as such. Real PostgreSQL, the embedded engine, the command itself.
+
+The command reaches the suite's embedded Sail server by its address (``spark.remote``), each call in a session
+of its own, rather than starting a server per call: a dozen starts were most of the test's time, and the
+command starts its engine through the same ``SparkEngine.from_config`` as the runs, whose children start
+embedded Sail that way (tests/test_faults.py, tests/test_incremental.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config
 from resources.delta.spark_destination import lake_destination
+from resources.engines.spark_connect import engine_address
 from resources.runs.cli import main as cli_main
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
@@ -44,6 +50,7 @@ def test_as_of_prints_every_value_and_refuses_what_it_cannot_answer(
     config = parse_config({
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": "pgcdc_slot",
         "delta": {"root": str(tmp_path / "lake")}, "history": {"tables": {"public.t": "changelog"}},
+        "spark": {"remote": engine_address(spark)},
     })  # fmt: skip
     config_file = write_config(config, tmp_path)
     snapshot_tables(config, lake_destination(spark, config))
