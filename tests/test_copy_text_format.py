@@ -16,7 +16,7 @@ from hypothesis import given, HealthCheck, settings, strategies as st
 from resources.postgres.catalog import TableName
 from resources.postgres.copy import copy_pieces, PARSE_BLOCK_BYTES, PieceParser
 from resources.runs.consistent_copy import consistent_copy
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 HOSTILE = [
     "", "\\", "\\\\", "\\\\\\", "\\N", "\\\\N", "N", "\\n", "\\\\n", "\\t", "\\.", "\n", "\r", "\r\n", "\t",
@@ -64,6 +64,7 @@ def in_postgres(dsn: str, query: str) -> list[tuple[object, ...]]:
         return sorted(conn.execute(query).fetchall(), key=repr)
 
 
+@NEWEST_POSTGRES_ONLY  # the parser's pieces; both versions' escaping: the control-character and one-column tests
 def test_hostile_values_come_back_exactly(pg: PgDatabase) -> None:
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         conn.execute(DDL)
@@ -111,6 +112,7 @@ def test_every_control_character_comes_back(pg: PgDatabase) -> None:
     assert copied(pg.dsn, "controls", 64, 4) == in_postgres(pg.dsn, "SELECT id, t, a FROM controls")
 
 
+@NEWEST_POSTGRES_ONLY  # the parser's blocks; both versions' escaping: the control-character and one-column tests
 def test_pieces_of_many_parse_blocks_and_rows_longer_than_a_block(pg: PgDatabase) -> None:
     """A piece is parsed in blocks of :data:`PARSE_BLOCK_BYTES`; a row longer than a block makes its
     piece one block. Every value comes back as PostgreSQL has it, escapes included."""

@@ -24,7 +24,7 @@ from resources.delta.spark_destination import lake_destination
 from resources.runs.snapshot import snapshot_tables
 from tests.support.deletion_vectors import assert_deletion_vectors
 from tests.support.incremental_runs import drain, run_child, same, settings, setup, slot_confirmed
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -206,6 +206,7 @@ def test_values_equal_in_postgresql_or_spark_but_printed_apart_stay_apart(
     assert signs == Counter({(-1.0, "1.0"): 1, (1.0, "1.00"): 2})
 
 
+@NEWEST_POSTGRES_ONLY  # the replay is pgcdc's; both versions: test_incremental.py's kill at after_delta_commit
 def test_replayed_commits_add_and_remove_no_copy_twice(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """Killed between the Delta commits of a chunk and the slot confirm (``after_delta_commit``), then
     the same chunk replayed twice over: as committed, and as if the crash had come after only some of
