@@ -32,8 +32,9 @@ test: $(VENV)/.installed-dev
 	$(PYTEST) $(ALONE) $(PYTEST_ARGS)
 
 # No server at all: decoders, folds, layouts, configuration, the in-memory destination (docs/testing.md, "Tiers").
+# On two workers too: its time is CPU (imports in child interpreters, property tests), which a second core halves.
 test-unit: $(VENV)/.installed-dev
-	$(PYTEST) -m unit $(PYTEST_ARGS)
+	$(PYTEST) -m unit $(PARALLEL) $(PYTEST_ARGS)
 
 # PostgreSQL 15 and 18 and the embedded Sail engine, no JVM, none of the slow tier.
 test-fast: $(VENV)/.installed-dev
