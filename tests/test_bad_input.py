@@ -37,7 +37,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.local_postgres import LocalPostgres, start_local_postgres
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase, POSTGRES_VERSIONS, TEST_SERVER_SETTINGS
 
 pytest_plugins = ["tests.support.spark_fixtures"]
 
@@ -206,6 +206,7 @@ def test_role_without_replication_privilege_fails_naming_the_grant(
     state.assert_unmoved()
 
 
+@NEWEST_POSTGRES_ONLY  # nothing listens: libpq's failure, no server's; the server only holds the state
 def test_unreachable_host_is_a_connection_failure(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
     """Nothing listens: the run fails at once with a ConnectionFailure (the only error Dagster retries)."""
     prepare(pg, tmp_path, spark)
