@@ -122,15 +122,26 @@ def refuse_servers(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
 #: ``--dist loadgroup`` no longer sees the marks (it rewrites a node id pytest no longer reads).
 JVM_MODULES = ("tests/test_engines.py", "tests/test_spark_kept_jvm.py")
 JVM_GROUP = "jvm"
+#: Engines of ``tests/support/engine_fixtures.py`` that start no JVM (Sail's standalone server): their tests
+#: leave the JVM worker, the suite's long pole, for the other one (which starts its own instance of the engine).
+NO_JVM_ENGINES = ("sail-server",)
+
+
+def in_jvm_group(nodeid: str) -> bool:
+    """Whether the test runs on the JVM worker: a test of :data:`JVM_MODULES` not on an engine without a JVM."""
+    if nodeid.split("::", 1)[0] not in JVM_MODULES:
+        return False
+    parameters = nodeid.partition("[")[2]
+    return not any(parameters.startswith(f"{engine}-") for engine in NO_JVM_ENGINES)
 
 
 def jvm_scheduler(config: pytest.Config, log: object) -> object:
-    """xdist's ``loadgroup`` scheduler, with every test of :data:`JVM_MODULES` in one group (the largest, so
+    """xdist's ``loadgroup`` scheduler, with every test :func:`in_jvm_group` in one group (the largest, so
     it starts first); every other test is a unit of its own."""
     from xdist.scheduler import LoadGroupScheduling
 
     class JvmGroupScheduling(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return JVM_GROUP if nodeid.split("::", 1)[0] in JVM_MODULES else super()._split_scope(nodeid)
+            return JVM_GROUP if in_jvm_group(nodeid) else super()._split_scope(nodeid)
 
     return JvmGroupScheduling(config, log)
