@@ -127,6 +127,10 @@ JVM_GROUP = "jvm"
 NO_JVM_ENGINES = ("sail-server",)
 
 
+#: Modules whose tests share a module fixture that costs a child interpreter's imports: one worker runs them.
+ONE_WORKER_MODULES = ("tests/test_layout.py",)
+
+
 def in_jvm_group(nodeid: str) -> bool:
     """Whether the test runs on the JVM worker: a test of :data:`JVM_MODULES` not on an engine without a JVM."""
     if nodeid.split("::", 1)[0] not in JVM_MODULES:
@@ -137,11 +141,14 @@ def in_jvm_group(nodeid: str) -> bool:
 
 def jvm_scheduler(config: pytest.Config, log: object) -> object:
     """xdist's ``loadgroup`` scheduler, with every test :func:`in_jvm_group` in one group (the largest, so
-    it starts first); every other test is a unit of its own."""
+    it starts first), each module of :data:`ONE_WORKER_MODULES` in one group; every other test is a unit of its own."""
     from xdist.scheduler import LoadGroupScheduling
 
     class JvmGroupScheduling(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return JVM_GROUP if in_jvm_group(nodeid) else super()._split_scope(nodeid)
+            if in_jvm_group(nodeid):
+                return JVM_GROUP
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else super()._split_scope(nodeid)
 
     return JvmGroupScheduling(config, log)
