@@ -100,6 +100,8 @@ class TableResult:
     history_rows: int | None = None
     #: Bytes of data files and deletion vectors this run's commits to the table wrote (from its log).
     bytes_written: int = 0
+    #: The table itself: the result's key (``schema.table`` unquoted) splits ambiguously where a name holds a dot.
+    table: TableName | None = None
 
 
 @dataclass(frozen=True)
@@ -425,6 +427,7 @@ def _table_results(
             stats.unpruned,
             stats.history_rows if target.history_path is not None else None,
             written,
+            table,
         )
     return results
 
