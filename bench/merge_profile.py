@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from bench.engine_calls import engine_calls, spark_event_log_config, summary
+from bench.engine_calls import engine_calls, spark_event_log_config, spark_events, summary
 from bench.spark_variants import variant_set_up
 from resources.delta.batch_columns import OP_COLUMN
 from resources.delta.dataframes import session_settings
@@ -60,29 +60,25 @@ def sql_events(directory: Path, since_ms: int, until_ms: int) -> list[dict]:
     """The event log's SQL executions started in [since_ms, until_ms], with their jobs and stages."""
     executions: dict[int, dict] = {}
     jobs: dict[int, int] = {}
-    for log in sorted(path for path in directory.rglob("*") if path.is_file()):
-        for line in log.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            event = json.loads(line)
-            name = event.get("Event", "")
-            if name.endswith("SQLExecutionStart") and since_ms <= event["time"] <= until_ms:
-                executions[event["executionId"]] = {
+    for event in spark_events(directory):
+        name = event.get("Event", "")
+        if name.endswith("SQLExecutionStart") and since_ms <= event["time"] <= until_ms:
+            executions[event["executionId"]] = {
                     "id": event["executionId"], "root": event.get("rootExecutionId", event["executionId"]),
                     "start": event["time"], "end": event["time"], "jobs": 0, "stages": 0, "tasks": 0,
                     "description": event.get("description", "")[:70], "plan": _top(event.get("physicalPlanDescription", "")),
                 }  # fmt: skip
-            elif name.endswith("SQLExecutionEnd") and event["executionId"] in executions:
-                executions[event["executionId"]]["end"] = event["time"]
-            elif name == "SparkListenerJobStart":
-                execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
-                if execution is not None and int(execution) in executions:
-                    record = executions[int(execution)]
-                    record["jobs"] += 1
-                    record["stages"] += len(event.get("Stage Infos", []))
-                    record["tasks"] += sum(stage.get("Number of Tasks", 0) for stage in event.get("Stage Infos", []))
-                    record.setdefault("sites", []).append(_delta_site(event.get("Stage Infos", [])))
-                    jobs[event["Job ID"]] = int(execution)
+        elif name.endswith("SQLExecutionEnd") and event["executionId"] in executions:
+            executions[event["executionId"]]["end"] = event["time"]
+        elif name == "SparkListenerJobStart":
+            execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
+            if execution is not None and int(execution) in executions:
+                record = executions[int(execution)]
+                record["jobs"] += 1
+                record["stages"] += len(event.get("Stage Infos", []))
+                record["tasks"] += sum(stage.get("Number of Tasks", 0) for stage in event.get("Stage Infos", []))
+                record.setdefault("sites", []).append(_delta_site(event.get("Stage Infos", [])))
+                jobs[event["Job ID"]] = int(execution)
     return sorted(executions.values(), key=lambda record: record["start"])
 
 
