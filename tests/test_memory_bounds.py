@@ -1,0 +1,204 @@
+"""Memory bounds where they bind: each run below holds pieces of its input, never its input, and a leak of a
+quarter of the input fails it.
+
+Each run happens in a child process (tests/support/memory_child.py) that reports its peak resident memory over
+its baseline (``held``: Python, Arrow, Rust and libpq alike) and the most Arrow's pool held at once. The
+inputs are small (a few tens of MB) so that the tests stay cheap; so each bound is a measurement plus a
+stated margin, and the margin is below a quarter of the input, which is what a run that kept every fourth
+piece it read would add. Each bound was seen to fail against such a leak (docs/testing.md, "Mutations").
+
+The drains' byte bound (``max_chunk_bytes``) is what cuts their chunks here: a count bound that never binds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pyspark.sql import SparkSession
+
+from resources.config import parse_config, PgcdcConfig
+from resources.postgres.preflight import ensure_slot
+from resources.testing.verify import assert_delta_equals_postgres
+from tests.support.incremental_runs import setup, SLOT
+from tests.support.memory_child import measured
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
+from tests.support.snapshot_checks import assert_md5_payloads
+
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = [pytest.mark.slow, NEWEST_POSTGRES_ONLY]  # runs measured in child processes; tiers: docs/testing.md
+
+MIB = 2**20
+#: The byte bound of the drains' chunks: every backlog below is many of them.
+CHUNK_BYTES = 1 * MIB
+NO_COUNT_BOUND = "1000000"
+#: A row's payload: 1 KB of md5 text, which PostgreSQL keeps inline (``repeat(md5(g::text), 32)``).
+PAYLOAD = "repeat(md5(g::text), 32)"
+
+
+def config_file(config: PgcdcConfig, tmp_path: Path, **changes: object) -> Path:
+    data = config.model_dump()
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}  # type: ignore[dict-item]
+    path = tmp_path / "pgcdc.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def held(memory: dict) -> float:
+    return memory["peak_mib"] - memory["baseline_mib"]
+
+
+def assert_below(memory: dict, bounds: tuple[float, float]) -> None:
+    """The run held less than ``bounds``: resident memory over the baseline, Arrow's pool at its most."""
+    resident, arrow = bounds
+    assert held(memory) < resident and memory["arrow_max_mib"] < arrow, memory
+
+
+# --------------------------------------------------------------------------- drains
+
+HISTORY_DDL = """
+    CREATE TABLE wide (id int PRIMARY KEY, pad text);
+    CREATE TABLE feed (entry int, pad text);
+    INSERT INTO wide VALUES (-1, 'seed');
+    CREATE PUBLICATION pub FOR TABLE wide, feed;
+"""
+
+
+#: (resident, Arrow) bounds of the history drain, a 41 MB backlog: measured 80 and 8.4 MiB (2 cores, load 10-12,
+#: twice); a quarter of the backlog (10 MB) held on top of either crosses its bound.
+HISTORY_DRAIN_MIB = (88.0, 14.0)
+
+
+def test_a_drain_with_history_holds_chunks_not_its_backlog(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """A backlog of 40 MB into a table with SCD type 2 history and a keyless one with a changelog, cut into
+    1 MiB chunks: the drain writes each chunk's changelog and table rows and holds a few chunks at once."""
+    config = setup(pg, tmp_path, spark, HISTORY_DDL)
+    config = config.model_copy(
+        update={
+            "history": config.history.model_copy(update={"tables": {"public.wide": "scd2", "public.feed": "changelog"}})
+        }
+    )
+    path = config_file(config, tmp_path)
+    rows = 20_000
+    with pg.connect() as conn:
+        for start in range(0, rows, 2000):
+            conn.execute(f"INSERT INTO wide SELECT g, {PAYLOAD} FROM generate_series({start}, {start + 1999}) g")
+            conn.execute(f"INSERT INTO feed SELECT g, {PAYLOAD} FROM generate_series({start}, {start + 1999}) g")
+    memory = measured("drain", str(path), NO_COUNT_BOUND, str(CHUNK_BYTES))
+    assert memory["changes"] == 2 * rows
+    assert_below(memory, HISTORY_DRAIN_MIB)
+    assert_delta_equals_postgres(pg.dsn, "public.wide", config.table_path("public", "wide"), key=("id",))
+    assert_delta_equals_postgres(pg.dsn, "public.feed", config.table_path("public", "feed"))
+
+
+#: The chunk of the drain of one large transaction (30 MB: five chunks) and its (resident, Arrow) bounds:
+#: measured 107 and 15 MiB; a quarter of the transaction (7.5 MB) on top of either crosses its bound.
+BIG_TRANSACTION_CHUNK = 6 * MIB
+BIG_TRANSACTION_MIB = (114.0, 21.0)
+
+
+def test_one_transaction_five_chunks_long_is_written_in_pieces(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """One transaction of 30 MB into a keyless and a REPLICA IDENTITY FULL table, chunks of 1 MiB: the
+    transaction is written piece by piece (each with its marker) and held a few pieces at a time."""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
+        CREATE TABLE feed (entry int, pad text);
+        CREATE TABLE bag (k int, pad text);
+        ALTER TABLE bag REPLICA IDENTITY FULL;
+        CREATE PUBLICATION pub FOR TABLE feed, bag;
+        """,
+    )
+    path = config_file(config, tmp_path)
+    rows = 15_000
+    with pg.connect() as conn, conn.transaction():
+        conn.execute(f"INSERT INTO feed SELECT g, {PAYLOAD} FROM generate_series(1, {rows}) g")
+        conn.execute(f"INSERT INTO bag SELECT g % 100, {PAYLOAD} FROM generate_series(1, {rows}) g")
+    memory = measured("drain", str(path), NO_COUNT_BOUND, str(BIG_TRANSACTION_CHUNK))
+    assert memory["changes"] == 2 * rows
+    assert_below(memory, BIG_TRANSACTION_MIB)
+    assert_delta_equals_postgres(pg.dsn, "public.feed", config.table_path("public", "feed"))
+    assert_delta_equals_postgres(pg.dsn, "public.bag", config.table_path("public", "bag"))
+
+
+# --------------------------------------------------------------------------- snapshots and reconcile
+
+
+def md5_table(pg: PgDatabase, rows: int, name: str = "big") -> float:
+    """``name`` (id, payload) of ``rows`` 1 KB rows, published; its heap in MiB."""
+    pg.execute(f"""
+        CREATE TABLE {name} (id int PRIMARY KEY, payload text);
+        INSERT INTO {name} SELECT g, repeat(md5(g::text), 31) FROM generate_series(1, {rows}) g;
+    """)
+    ((heap,),) = pg.execute(f"SELECT pg_relation_size('{name}')")
+    return heap / MIB
+
+
+#: (resident, Arrow) bounds of a snapshot of a 40 MB table (heap; 34 MB of values) in eight key ranges: measured
+#: 110 and 10.5 MiB; a quarter of the table (8.5 MB of values) on top of either crosses its bound.
+KEY_RANGES_MIB = (118.0, 16.0)
+
+
+def test_a_snapshot_in_key_ranges_holds_a_range_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
+    """A 40 MB table copied in eight key ranges, each its own short transaction and commit."""
+    rows = 36_000
+    heap = md5_table(pg, rows)
+    pg.execute("CREATE PUBLICATION pub FOR TABLE big")
+    config = parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path / "lake")},
+        "snapshot": {"chunked_above_mb": 0, "key_chunk_mb": heap / 8},
+    })  # fmt: skip
+    ensure_slot(pg.dsn, SLOT)
+    memory = measured("snapshot-tables", str(config_file(config, tmp_path)))
+    assert memory["rows"] == {"public.big": rows} and memory["chunks"]["public.big"] >= 8
+    assert heap > 40 and (rows * 1000) / MIB > 34
+    assert_below(memory, KEY_RANGES_MIB)
+    assert_md5_payloads(config.table_path("public", "big"), rows)
+
+
+#: (resident, Arrow) bounds of reconciling a 40 MB table: measured 204 and 42.6 MiB. Reconciliation reads both
+#: sides in pieces of 16 MiB (``PARSE_BYTES``; the engine's batches) and turns each into rows to compare, so at
+#: this size it holds about the table; the bounds stop it from holding more: a quarter of the table (8.5 MB of
+#: values) on top of either crosses its bound.
+RECONCILE_MIB = (212.0, 50.0)
+
+
+def test_reconcile_holds_a_range_not_the_table(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """Reconciliation of a 40 MB table in ranges of 4000 rows."""
+    rows = 36_000
+    heap = md5_table(pg, rows)
+    config = setup(pg, tmp_path, spark, "CREATE PUBLICATION pub FOR TABLE big")
+    memory = measured("reconcile", str(config_file(config, tmp_path)), "4000")
+    assert memory["passed"] == {"public.big": True} and heap > 40
+    assert_below(memory, RECONCILE_MIB)
+
+
+#: How much more the parallel snapshot of a table twice as large (28 MB more heap, 25 MB more values) may hold,
+#: resident and in Arrow's pool: measured -5 and +4.5 MiB (168 and 163 MiB resident, 16 and 21 MiB in Arrow),
+#: about the same, so pieces are held, not tables; a quarter of the larger table kept crosses either bound.
+PARALLEL_GROWTH_MIB = (7.0, 7.0)
+
+
+def test_the_parallel_ctid_snapshot_holds_pieces_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
+    """Three ctid-range workers over a table, then over one twice its size: the peak stays about the same
+    (the fixed part, delta-rs's writer and the workers' pieces, is above either table: a bound of its own
+    would say nothing about the table, the growth does)."""
+    memory: dict[str, dict] = {}
+    for name, rows in (("small", 25_000), ("large", 50_000)):
+        md5_table(pg, rows, name)
+        pg.execute(f"CREATE PUBLICATION pub_{name} FOR TABLE {name}")
+        ensure_slot(pg.dsn, SLOT)
+        memory[name] = measured(
+            "snapshot", pg.dsn, f"pub_{name}", f"public.{name}", str(tmp_path / name), SLOT, str(MIB), "3", "2"
+        )
+        assert memory[name]["rows"] == rows and memory[name]["workers"] == 3
+        assert_md5_payloads(str(tmp_path / name), rows)
+    resident, arrow = PARALLEL_GROWTH_MIB
+    assert held(memory["large"]) - held(memory["small"]) < resident, memory
+    assert memory["large"]["arrow_max_mib"] - memory["small"]["arrow_max_mib"] < arrow, memory
