@@ -16,6 +16,7 @@ server in production): the JVM outlives the killed client, so a kill costs a chi
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,9 @@ def spark_url() -> Iterator[tuple[SparkSession, str]]:
         yield engine.spark, engine_address(engine.spark)
     finally:
         engine.close()
+    deadline = time.monotonic() + 20
+    while group is not None and group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert group is not None and not group_alive(group), "the module's JVM outlived it"
 
 
@@ -79,8 +83,18 @@ def killed_at(config: PgcdcConfig, tmp_path: Path, fault: str, chunk: int) -> st
     return child.out.read_text()
 
 
-def rerun(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, chunk: int) -> None:
-    result = run_incremental(config, lake_destination(spark, config), max_chunk_changes=chunk)
+def rerun(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, chunk: int, racing: bool = False) -> None:
+    """A drain in this process; the slot ends where it says. ``racing``: a write the killed client had sent may
+    still be running in the server, and the rerun's commit of that table then fails on Delta's conflict check
+    (a failed run, never a wrong table): it is retried, as the next scheduled run would be."""
+    for attempt in range(3):
+        try:
+            result = run_incremental(config, lake_destination(spark, config), max_chunk_changes=chunk)
+            break
+        except Exception as error:
+            if not racing or "ConcurrentAppendException" not in str(error) or attempt == 2:
+                raise
+            settle(config, {table: () for table in EACH_WAY})
     assert confirmed(pg) == result.confirmed_flush_lsn >= result.end_lsn
 
 
@@ -118,12 +132,12 @@ EACH_WAY = {"public.acct": ("id",), "public.ledger": (), "public.tally": ()}
 def test_a_kill_between_two_tables_commits_of_one_chunk_replays_exactly(
     spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
 ) -> None:
-    """One chunk commits three tables side by side: killed after the first of them (``after_table_commit:2``:
-    the drain's first write prepares the engine), the chunk is in some tables and not in others (a write the
+    """One chunk commits three tables, two at a time: killed after the first of them (``after_table_commit:2``:
+    the drain's first write prepares the engine), the chunk is in some tables and not in others (the write the
     dead client had sent lands meanwhile); the rerun is exact."""
     spark, url = spark_url
     pg.execute(ONE_TABLE_EACH_WAY)
-    config = spark_config(pg, tmp_path, url, writes=3)
+    config = spark_config(pg, tmp_path, url, writes=2)
     snapshot_tables(config, lake_destination(spark, config))
     versions = {table: delta_version(config, table) for table in EACH_WAY}
     start = confirmed(pg)
@@ -139,7 +153,7 @@ def test_a_kill_between_two_tables_commits_of_one_chunk_replays_exactly(
     written = [table for table, version in versions.items() if delta_version(config, table) > version]
     assert 1 <= len(written) < len(EACH_WAY), written  # the chunk is in some tables, not in all
     assert confirmed(pg) == start
-    rerun(pg, config, spark, 1000)
+    rerun(pg, config, spark, 1000, racing=True)
     exact(pg, config, EACH_WAY)
 
 
@@ -217,15 +231,18 @@ def test_kills_after_history_commits_replay_each_change_once(
 def test_kills_inside_a_schema_change_replay_exactly(
     spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
 ) -> None:
-    """One ALTER widens ``entry`` and adds ``extra`` with a default: the drain widens Delta's column (one
-    commit), then fills ``extra`` in the rows before it (another). Killed after the widening, then, on the
-    replay (which finds the column wide), after the fill; the rerun is exact, the fill in every old row."""
+    """ALTERs widen ``entry`` and add ``extra`` with a default, then rows come: at the Relation message before
+    them the drain widens Delta's column (one commit), then fills ``extra`` in the rows before it (another).
+    Killed after the widening, then, on the replay (which finds the column wide), after the fill; the rerun
+    is exact, the fill in every old row."""
     spark, url = spark_url
     pg.execute(ONE_TABLE_EACH_WAY)
     config = spark_config(pg, tmp_path, url)
     snapshot_tables(config, lake_destination(spark, config))
     pg.execute("INSERT INTO ledger VALUES (1, 'before'), (1, 'before')")
-    pg.execute("ALTER TABLE ledger ALTER COLUMN entry TYPE bigint, ADD COLUMN extra int DEFAULT 7")
+    # two statements: a column added in the statement that rewrites the table has no default to prove
+    pg.execute("ALTER TABLE ledger ALTER COLUMN entry TYPE bigint")
+    pg.execute("ALTER TABLE ledger ADD COLUMN extra int DEFAULT 7")
     pg.execute("INSERT INTO ledger VALUES (5000000000, 'wide', 8), (5000000000, 'wide', 8)")
     # the drain's writes: the engine prepared, the two rows before the ALTER, the widening, the fill
     first = killed_at(config, tmp_path, "after_table_commit:3", chunk=10)
