@@ -140,9 +140,9 @@ def md5_table(pg: PgDatabase, rows: int, name: str = "big") -> float:
 
 
 #: (resident, Arrow) bounds of a snapshot of a 40 MB table (heap; 34 MB of values) in eight key ranges: measured
-#: 110-115 and 10.5 MiB (three runs); with a quarter of each batch's rows (or every fourth batch) kept, 120-127
-#: and 19-20.
-KEY_RANGES_MIB = (121.0, 16.0)
+#: 110-124 and 10.5 MiB (four runs); with a quarter of each batch's rows (or every fourth batch) kept, 120-127
+#: and 19-20. The resident figure varies as much as the leak adds, so Arrow's bound is the one that binds here.
+KEY_RANGES_MIB = (135.0, 16.0)
 
 
 def test_a_snapshot_in_key_ranges_holds_a_range_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
@@ -180,26 +180,31 @@ def test_reconcile_holds_no_more_than_its_pieces(pg: PgDatabase, tmp_path: Path,
 
 
 #: How much more the parallel snapshot of a table twice as large (28 MB more heap, 25 MB more values) may hold,
-#: resident and in Arrow's pool: measured -5 and +15 MiB resident (the smaller copy's peak varies with its three
-#: workers' timing: 148-168 MiB), +4.4 in Arrow (16.5 and 21 MiB), so pieces are held, not tables; with every
-#: fourth batch the writer took (or a quarter of each batch's rows) kept, +40 to +41 resident.
-PARALLEL_GROWTH_MIB = (25.0, 7.0)
+#: resident and in Arrow's pool. One copy's peak varies with its three workers' timing and the machine's load
+#: (134-168 MiB for the smaller table, 148-198 for the larger, load 6-14), so each size is copied twice and its
+#: lower peak counts. Single copies measured -5 to +45 MiB resident, 0 to +4.6 in Arrow (16.5-19.5 and
+#: 19.1-21 MiB); with every fourth batch the writer took kept, +40 to +41; with a quarter of each batch's rows kept
+#: (lower of two copies), +25 and +7.9: Arrow's bound is the one that binds.
+PARALLEL_GROWTH_MIB = (28.0, 7.0)
 
 
 def test_the_parallel_ctid_snapshot_holds_pieces_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
-    """Three ctid-range workers over a table, then over one twice its size: the peak stays about the same
-    (the fixed part, delta-rs's writer and the workers' pieces, is above either table: a bound of its own
-    would say nothing about the table, the growth does)."""
-    memory: dict[str, dict] = {}
+    """Three ctid-range workers over a table, then over one twice its size (each twice): the peak grows less
+    than the table did (the fixed part, delta-rs's writer and the workers' pieces, is above either table: a
+    bound of its own would say nothing about the table, the growth does)."""
+    lowest: dict[str, tuple[float, float]] = {}
     for name, rows in (("small", 25_000), ("large", 50_000)):
         md5_table(pg, rows, name)
         pg.execute(f"CREATE PUBLICATION pub_{name} FOR TABLE {name}")
         ensure_slot(pg.dsn, SLOT)
-        memory[name] = measured(
-            "snapshot", pg.dsn, f"pub_{name}", f"public.{name}", str(tmp_path / name), SLOT, str(MIB), "3", "2"
-        )
-        assert memory[name]["rows"] == rows and memory[name]["workers"] == 3
-        assert_md5_payloads(str(tmp_path / name), rows)
+        copies = []
+        for copy in range(2):
+            path = str(tmp_path / f"{name}_{copy}")
+            memory = measured("snapshot", pg.dsn, f"pub_{name}", f"public.{name}", path, SLOT, str(MIB), "3", "2")
+            assert memory["rows"] == rows and memory["workers"] == 3
+            assert_md5_payloads(path, rows)
+            copies.append((held(memory), memory["arrow_max_mib"]))
+        lowest[name] = (min(c[0] for c in copies), min(c[1] for c in copies))
     resident, arrow = PARALLEL_GROWTH_MIB
-    assert held(memory["large"]) - held(memory["small"]) < resident, memory
-    assert memory["large"]["arrow_max_mib"] - memory["small"]["arrow_max_mib"] < arrow, memory
+    assert lowest["large"][0] - lowest["small"][0] < resident, lowest
+    assert lowest["large"][1] - lowest["small"][1] < arrow, lowest
