@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pgcdc_assets.translator import PgcdcTableProps, PgcdcTranslator
 from resources.config import parse_config, PgcdcConfig
 from resources.config.catalog import CatalogName
 from resources.delta.catalog_names import same_location, spark_literal
@@ -53,6 +54,22 @@ def test_names_follow_the_schema_template_and_the_history_suffixes() -> None:
     default = parse_config(settings(name="main"))
     assert catalog_targets(default, TableName("Mixed Case", "a`b"))[0].name == CatalogName("main", "Mixed Case", "a`b")
     assert catalog_targets(parse_config({**settings(), "catalog": None}), TableName("shop", "orders")) == []
+
+
+def test_dagster_names_a_table_by_its_catalog_name_when_it_has_one() -> None:
+    """``dagster/table_name`` is the catalog name with ``catalog:``, the location without; ``dagster/uri`` the location."""
+    translator, orders = PgcdcTranslator(), TableName("shop", "orders")
+    props = PgcdcTableProps.of(parse_config(settings(schema="pg_{schema}")), orders)
+    table, history = translator.get_table_asset_spec(props).metadata, translator.get_history_asset_spec(props).metadata
+    assert (table["dagster/table_name"], table["dagster/uri"]) == (
+        "spark_catalog.pg_shop.orders",
+        f"file://{props.delta_path}",
+    )
+    assert (history["dagster/table_name"], history["dagster/uri"]) == (
+        "spark_catalog.pg_shop.orders__history", f"file://{props.history_path}",
+    )  # fmt: skip
+    unnamed = PgcdcTableProps.of(parse_config({**settings(), "catalog": None}), orders)
+    assert translator.get_table_asset_spec(unnamed).metadata["dagster/table_name"] == unnamed.delta_path
 
 
 def test_names_are_quoted_as_spark_sql_reads_them() -> None:

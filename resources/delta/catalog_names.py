@@ -41,7 +41,7 @@ def register_table(spark: SparkSession, name: CatalogName, location: str, what: 
     details = {str(row[0]): str(row[1]) for row in rows}
     provider, registered_at = details.get("Provider", ""), details.get("Location", "")
     if provider.lower() != "delta" or not same_location(registered_at, location):
-        held = f"a {provider or details.get('Type', 'non-Delta')} table at {registered_at or 'no location'}"
+        held = f"a {provider.lower() or details.get('Type', 'non-Delta')} table at {registered_at or 'no location'}"
         raise CatalogRefusal(
             f"{what} cannot be registered in catalog {name.catalog} as {name}: the name holds {held}",
             f"drop or rename that table (DROP TABLE {name.sql} drops only the catalog entry of an external table), "
