@@ -51,6 +51,7 @@ def test_names_follow_the_schema_template_and_the_history_suffixes() -> None:
     assert [target.path for target in catalog_targets(config, TableName("shop", "orders"))] == [
         config.table_path("shop", "orders"), config.history_path("shop", "orders"),
     ]  # fmt: skip
+    assert parse_config(config.model_dump()) == config  # dumped under its keys (a child run's file reads back)
     default = parse_config(settings(name="main"))
     assert catalog_targets(default, TableName("Mixed Case", "a`b"))[0].name == CatalogName("main", "Mixed Case", "a`b")
     assert catalog_targets(parse_config({**settings(), "catalog": None}), TableName("shop", "orders")) == []

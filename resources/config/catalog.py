@@ -57,7 +57,8 @@ def _plain(part: str) -> bool:
 class CatalogSettings(BaseModel):
     """``catalog``: register every table pgcdc creates as an external Delta table (docs/configuration.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # ``schema`` is the key (``BaseModel.schema`` takes the attribute name); dumped under it too, so a dump reads back.
+    model_config = ConfigDict(extra="forbid", frozen=True, serialize_by_alias=True)
 
     name: str = Field(
         default=DEFAULT_CATALOG,

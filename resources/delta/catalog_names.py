@@ -18,9 +18,12 @@ from resources.engines.capabilities import expected_refusal
 from resources.errors import CatalogRefusal
 
 
-def register_table(spark: SparkSession, name: CatalogName, location: str, what: str) -> None:
+def register_table(
+    spark: SparkSession, name: CatalogName, location: str, what: str, *, new_schema: bool = True
+) -> None:
     """Register the Delta table at ``location`` as ``name``; nothing when it already is. ``what`` names the
-    table in the refusal (``shop.orders``, ``shop.orders (changelog)``).
+    table in the refusal (``shop.orders``, ``shop.orders (changelog)``); ``new_schema``: its namespace may not
+    exist yet (False: this session made it already, one statement fewer).
 
     Raises :class:`CatalogRefusal` when the catalog refuses the name or the name holds another table (not
     Delta, or at another location); any other failure (the engine gone, say) is raised as it is."""
@@ -28,7 +31,8 @@ def register_table(spark: SparkSession, name: CatalogName, location: str, what: 
 
     try:
         with expected_refusal():  # the refusal is said here, in one line; the client would log its traceback
-            spark.sql(f"CREATE SCHEMA IF NOT EXISTS {name.schema_sql}").collect()
+            if new_schema:
+                spark.sql(f"CREATE SCHEMA IF NOT EXISTS {name.schema_sql}").collect()
             spark.sql(f"CREATE TABLE IF NOT EXISTS {name.sql} USING DELTA LOCATION {spark_literal(location)}").collect()
             rows = spark.sql(f"DESCRIBE TABLE EXTENDED {name.sql}").collect()
     except AnalysisException as error:

@@ -28,6 +28,7 @@ class SparkDeltaDestination:
     def __init__(self, spark: SparkSession, lake: LakeStorage | None) -> None:
         self.spark = spark
         self.lake = lake
+        self._schemas: set[str] = set()  # the catalog namespaces this destination's registrations made sure of
 
     def write_snapshot(
         self,
@@ -111,7 +112,8 @@ class SparkDeltaDestination:
     def register_table(self, name: CatalogName, path: str, what: str) -> bool:
         if not table_log.table_exists(path, self.lake):  # the lake's client: no engine round trip
             return False
-        catalog_names.register_table(self.spark, name, path, what)
+        catalog_names.register_table(self.spark, name, path, what, new_schema=name.schema_sql not in self._schemas)
+        self._schemas.add(name.schema_sql)
         return True
 
 

@@ -114,7 +114,7 @@ def register_unnamed(
     except Exception as error:  # noqa: BLE001 - the data is confirmed; a name is retried by the next run
         line = f"registering tables in catalog {config.catalog.name} failed ({error}): the next drain tries again"
         warn(line)
-        return {"*": line}
+        return {"every table": line}
     for line in refused.values():
         warn(line)
     return refused
