@@ -198,3 +198,35 @@ def test_runs_register_every_table_they_create_and_refuse_a_taken_name_in_one_li
 
     again = snapshot_tables(config, destination, [TableName("shop", "orders")])
     assert again[0].catalog_name == "spark_catalog.pg_shop.orders" and len(destination.catalog) == 5
+
+
+class NamingWhen(InMemoryDestination):
+    """Records, at each registration, whether the table's snapshot was complete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.named_when: list[bool] = []
+
+    def register_table(self, name: CatalogName, path: str, what: str) -> bool:
+        self.named_when.append(self.read_table_log(path, None).snapshot_lsn is not None)
+        return super().register_table(name, path, what)
+
+
+@NEWEST_POSTGRES_ONLY
+def test_a_table_copied_in_key_ranges_is_named_when_its_walk_is_done(pg: PgDatabase, tmp_path: Path) -> None:
+    """The walk's drains hold the table (``held``) and leave its name alone; the snapshot names it once every
+    range is copied."""
+    pg.execute("""
+        CREATE SCHEMA shop; CREATE TABLE shop.big (id int PRIMARY KEY, v text);
+        INSERT INTO shop.big SELECT g, 'v' FROM generate_series(1, 300) g;
+        CREATE PUBLICATION pub FOR TABLE shop.big;
+    """)  # fmt: skip
+    config = parse_config({
+        **settings(schema="pg_{schema}"), "postgres": {"dsn": pg.dsn}, "delta": {"root": str(tmp_path / "lake")},
+        "snapshot": {"chunked_above_mb": 0, "key_chunk_mb": 0.004}, "history": {},
+    })  # fmt: skip
+    destination = NamingWhen()
+    (result,) = snapshot_tables(config, destination)
+    assert result.key_ranges and result.chunks > 1
+    assert destination.named_when == [True]  # once, with every range copied
+    assert result.catalog_name == "spark_catalog.pg_shop.big" and named(destination, "spark_catalog.pg_shop.big") == 300

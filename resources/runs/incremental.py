@@ -222,7 +222,10 @@ def run_incremental(
         applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now, started,
         say, gone,
     )  # fmt: skip
-    unregistered = register_unnamed(config, destination, targets, caution)  # the slot released: no hold on it
+    # The slot released: no hold on it. A table whose snapshot in key ranges this run walks (``held``) is named
+    # when its walk is done, by the snapshot: not part-way.
+    named = [table for table, target in targets.items() if target.path not in held]
+    unregistered = register_unnamed(config, destination, named, caution)
     return replace(result, unregistered=unregistered) if unregistered else result
 
 
