@@ -37,10 +37,15 @@ def register_table(
             rows = spark.sql(f"DESCRIBE TABLE EXTENDED {name.sql}").collect()
     except AnalysisException as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        condition = getattr(error, "getCondition", lambda: None)() or ""
+        fix = (
+            "set catalog.schema to a schema the catalog accepts, or rename the table in PostgreSQL"
+            if "NAME" in condition or "IDENTIFIER" in condition
+            else 'give the engine\'s identity what registering needs (docs/deployment.md, "Tables by name in a catalog")'
+        )
         raise CatalogRefusal(
             f"{what} cannot be registered in catalog {name.catalog} as {name} ({reason})",
-            "set catalog.schema to a schema the catalog accepts, or rename the table in PostgreSQL; "
-            f"it is written at {location} meanwhile",
+            f"{fix}; it is written at {location} meanwhile",
         ) from None
     details = {str(row[0]): str(row[1]) for row in rows}
     provider, registered_at = details.get("Provider", ""), details.get("Location", "")
