@@ -102,15 +102,22 @@ class Registrations:
 
 
 def register_unnamed(
-    config: PgcdcConfig, destination: Destination, tables: Iterable[TableName], warn: Callable[[str], None]
+    config: PgcdcConfig,
+    destination: Destination,
+    tables: Iterable[TableName],
+    warn: Callable[[str], None],
+    held: frozenset[str] = frozenset(),
 ) -> dict[str, str]:
     """A drain's part: register the tables of ``tables`` found without a record of their name (none without
     ``catalog:``), each refusal said through ``warn``; returns the refusals by table. A failure of the engine
-    here is said the same way: the drain's changes are confirmed already, and the next drain tries again."""
+    here is said the same way: the drain's changes are confirmed already, and the next drain tries again.
+    A table at a path of ``held``, whose snapshot in key ranges the drain is a step of, is left to that
+    snapshot, which names it when every range is copied, not part-way."""
     if config.catalog is None:
         return {}
+    unheld = [table for table in tables if config.table_path(table.schema, table.name) not in held]
     try:
-        refused = refusals(Registrations(config, destination).register(tables))
+        refused = refusals(Registrations(config, destination).register(unheld))
     except Exception as error:  # noqa: BLE001 - the data is confirmed; a name is retried by the next run
         line = f"registering tables in catalog {config.catalog.name} failed ({error}): the next drain tries again"
         warn(line)

@@ -222,10 +222,7 @@ def run_incremental(
         applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now, started,
         say, gone,
     )  # fmt: skip
-    # The slot released: no hold on it. A table whose snapshot in key ranges this run walks (``held``) is named
-    # when its walk is done, by the snapshot: not part-way.
-    named = [table for table, target in targets.items() if target.path not in held]
-    unregistered = register_unnamed(config, destination, named, caution)
+    unregistered = register_unnamed(config, destination, targets, caution, held)  # the slot released: no hold on it
     return replace(result, unregistered=unregistered) if unregistered else result
 
 
