@@ -10,12 +10,14 @@ event log ``bench.cdc --profile`` has a managed Spark write).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql.connect.client.core import SparkConnectClient
@@ -112,6 +114,14 @@ def spark_event_log_config(directory: str) -> dict[str, str]:
     }
 
 
+def spark_events(directory: str | Path) -> Iterator[dict[str, Any]]:
+    """Every event of the Spark event logs under ``directory`` (uncompressed: :func:`spark_event_log_config`)."""
+    for log in sorted(path for path in Path(directory).rglob("*") if path.is_file()):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                yield json.loads(line)
+
+
 def spark_sql_timings(directory: str) -> str:
     """Spark's own view from the event logs under ``directory``: every SQL execution in the order it
     started (a statement such as a MERGE, and the executions Delta runs inside it: log replay, file
@@ -120,40 +130,33 @@ def spark_sql_timings(directory: str) -> str:
     what is left is the driver's own work (analysis, planning, code generation, the commit).
 
     Over Spark Connect every job carries the session's description, so the plan names them."""
-    import json
-    from pathlib import Path
-
     executions: dict[int, dict[str, Any]] = {}
     job_execution: dict[int, int] = {}
     job_started: dict[int, int] = {}
     stage_job: dict[int, int] = {}
-    for log in sorted(path for path in Path(directory).rglob("*") if path.is_file()):
-        for line in log.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            event = json.loads(line)
-            name = event.get("Event", "")
-            if name.endswith("SQLExecutionStart"):
-                executions[event["executionId"]] = {
+    for event in spark_events(directory):
+        name = event.get("Event", "")
+        if name.endswith("SQLExecutionStart"):
+            executions[event["executionId"]] = {
                     "start": event["time"], "end": None, "label": _plan_label(event.get("physicalPlanDescription", "")),
                     "root": event.get("rootExecutionId", event["executionId"]), "jobs": 0, "job_ms": 0, "cpu_ns": 0,
                 }  # fmt: skip
-            elif name.endswith("SQLExecutionEnd") and event["executionId"] in executions:
-                executions[event["executionId"]]["end"] = event["time"]
-            elif name == "SparkListenerJobStart":
-                execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
-                if execution is not None and int(execution) in executions:
-                    job_execution[event["Job ID"]] = int(execution)
-                    job_started[event["Job ID"]] = event["Submission Time"]
-                    executions[int(execution)]["jobs"] += 1
-                    for stage in event.get("Stage Infos", []):
-                        stage_job[stage["Stage ID"]] = event["Job ID"]
-            elif name == "SparkListenerJobEnd" and event["Job ID"] in job_execution:
-                execution = executions[job_execution[event["Job ID"]]]
-                execution["job_ms"] += event["Completion Time"] - job_started[event["Job ID"]]
-            elif name == "SparkListenerTaskEnd" and stage_job.get(event["Stage ID"]) in job_execution:
-                execution = executions[job_execution[stage_job[event["Stage ID"]]]]
-                execution["cpu_ns"] += (event.get("Task Metrics") or {}).get("Executor CPU Time", 0)
+        elif name.endswith("SQLExecutionEnd") and event["executionId"] in executions:
+            executions[event["executionId"]]["end"] = event["time"]
+        elif name == "SparkListenerJobStart":
+            execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
+            if execution is not None and int(execution) in executions:
+                job_execution[event["Job ID"]] = int(execution)
+                job_started[event["Job ID"]] = event["Submission Time"]
+                executions[int(execution)]["jobs"] += 1
+                for stage in event.get("Stage Infos", []):
+                    stage_job[stage["Stage ID"]] = event["Job ID"]
+        elif name == "SparkListenerJobEnd" and event["Job ID"] in job_execution:
+            execution = executions[job_execution[event["Job ID"]]]
+            execution["job_ms"] += event["Completion Time"] - job_started[event["Job ID"]]
+        elif name == "SparkListenerTaskEnd" and stage_job.get(event["Stage ID"]) in job_execution:
+            execution = executions[job_execution[stage_job[event["Stage ID"]]]]
+            execution["cpu_ns"] += (event.get("Task Metrics") or {}).get("Executor CPU Time", 0)
     if not executions:
         return "Spark SQL executions: none logged"
     first = min(execution["start"] for execution in executions.values())

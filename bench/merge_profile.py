@@ -25,23 +25,25 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from bench.engine_calls import engine_calls, spark_event_log_config, summary
+from bench.engine_calls import engine_calls, spark_event_log_config, spark_events, summary
 from bench.spark_variants import variant_set_up
 from resources.delta.batch_columns import OP_COLUMN
 from resources.delta.dataframes import session_settings
-from resources.delta.engine import SparkEngine
-from resources.delta.kept_spark import SERVERS_DIR_ENV, stop_all
 from resources.delta.layout import BUCKET_COLUMN, RANGE, TableLayout
 from resources.delta.markers import LSN_COLUMN
 from resources.delta.spark_destination import SparkDeltaDestination
+from resources.engines.engine import SparkEngine
+from resources.engines.kept_spark import SERVERS_DIR_ENV, stop_all
 
 ROWS = 100
 LAYOUT = TableLayout(RANGE, ("id",), 100_000)
 
 
-def table_rows(values: list[int], lsn: int, op: str | None = None, width: int = 0, first: int = 1) -> pa.Table:
-    """Rows ``id`` first.. with ``n`` = values and ``width`` text columns (a MERGE batch when ``op``)."""
-    ids = list(range(first, first + len(values)))
+def table_rows(
+    values: list[int], lsn: int, op: str | None = None, width: int = 0, ids: list[int] | None = None
+) -> pa.Table:
+    """Rows ``ids`` (1.. by default) with ``n`` = values and ``width`` text columns (a MERGE batch when ``op``)."""
+    ids = ids or list(range(1, 1 + len(values)))
     columns: dict[str, pa.Array] = {
         "id": pa.array(ids, pa.int32()),
         "n": pa.array(values, pa.int32()),
@@ -58,29 +60,25 @@ def sql_events(directory: Path, since_ms: int, until_ms: int) -> list[dict]:
     """The event log's SQL executions started in [since_ms, until_ms], with their jobs and stages."""
     executions: dict[int, dict] = {}
     jobs: dict[int, int] = {}
-    for log in sorted(path for path in directory.rglob("*") if path.is_file()):
-        for line in log.read_text(errors="replace").splitlines():
-            if not line.startswith("{"):
-                continue
-            event = json.loads(line)
-            name = event.get("Event", "")
-            if name.endswith("SQLExecutionStart") and since_ms <= event["time"] <= until_ms:
-                executions[event["executionId"]] = {
+    for event in spark_events(directory):
+        name = event.get("Event", "")
+        if name.endswith("SQLExecutionStart") and since_ms <= event["time"] <= until_ms:
+            executions[event["executionId"]] = {
                     "id": event["executionId"], "root": event.get("rootExecutionId", event["executionId"]),
                     "start": event["time"], "end": event["time"], "jobs": 0, "stages": 0, "tasks": 0,
                     "description": event.get("description", "")[:70], "plan": _top(event.get("physicalPlanDescription", "")),
                 }  # fmt: skip
-            elif name.endswith("SQLExecutionEnd") and event["executionId"] in executions:
-                executions[event["executionId"]]["end"] = event["time"]
-            elif name == "SparkListenerJobStart":
-                execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
-                if execution is not None and int(execution) in executions:
-                    record = executions[int(execution)]
-                    record["jobs"] += 1
-                    record["stages"] += len(event.get("Stage Infos", []))
-                    record["tasks"] += sum(stage.get("Number of Tasks", 0) for stage in event.get("Stage Infos", []))
-                    record.setdefault("sites", []).append(_delta_site(event.get("Stage Infos", [])))
-                    jobs[event["Job ID"]] = int(execution)
+        elif name.endswith("SQLExecutionEnd") and event["executionId"] in executions:
+            executions[event["executionId"]]["end"] = event["time"]
+        elif name == "SparkListenerJobStart":
+            execution = (event.get("Properties") or {}).get("spark.sql.execution.id")
+            if execution is not None and int(execution) in executions:
+                record = executions[int(execution)]
+                record["jobs"] += 1
+                record["stages"] += len(event.get("Stage Infos", []))
+                record["tasks"] += sum(stage.get("Number of Tasks", 0) for stage in event.get("Stage Infos", []))
+                record.setdefault("sites", []).append(_delta_site(event.get("Stage Infos", [])))
+                jobs[event["Job ID"]] = int(execution)
     return sorted(executions.values(), key=lambda record: record["start"])
 
 
@@ -116,6 +114,8 @@ VARIANTS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "no-stats-skipping": ({"spark.databricks.delta.stats.skipping": "false"}, {}),
     "no-checksum": ({"spark.databricks.delta.writeChecksumFile.enabled": "false"}, {}),
     "snapshot-1": ({"spark.databricks.delta.snapshotPartitions": "1"}, {}),
+    "no-wholestage": ({"spark.sql.codegen.wholeStage": "false"}, {}),
+    "no-codegen": ({"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}, {}),
 }
 """name -> (session settings around its MERGEs, how its table is created): each variant MERGEs into a table of
 its own. ``base`` is pgcdc as built; ``with-aqe`` and ``all-stats`` undo its choices (docs/engine-notes.md,
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE", help="the engine's")
     parser.add_argument("--variants", default="base", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--width", type=int, default=0, help="text columns besides id and n")
+    parser.add_argument("--rows", type=int, default=ROWS, help="rows in each table (buckets of 100,000 keys)")
     parser.add_argument("--sites", action="store_true", help="print each job's Delta call site")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="pgcdc-merge-profile-"))
@@ -152,15 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                     variant_set_up("all-stats" if options.get("all_stats") else name),
                 ):
                     destination.write_snapshot(
-                        table_rows([0] * ROWS, 1, width=args.width), table_rows([0] * ROWS, 1, width=args.width).schema, str(work / "lake" / name),
+                        table_rows([0] * args.rows, 1, width=args.width), table_rows([0], 1, width=args.width).schema, str(work / "lake" / name),
                         marker, layout=LAYOUT, deletion_vectors=bool(options.get("deletion_vectors", True)),
                     )  # fmt: skip
             for merge in range(args.merges):
                 for name in variants:
                     settings, _ = VARIANTS[name]
-                    changes = min(ROWS, args.changes)  # other keys in every MERGE, as drains bring
-                    first = 1 + (merge * changes) % (ROWS - changes + 1)
-                    batch = table_rows([merge + 1] * changes, 100 + merge, "U", args.width, first)
+                    changes = min(args.rows, args.changes)  # other keys in every MERGE, spread, as drains bring
+                    stride = args.rows // changes
+                    ids = [1 + (merge % stride) + i * stride for i in range(changes)]
+                    batch = table_rows([merge + 1] * changes, 100 + merge, "U", args.width, ids)
                     with session_settings(engine.spark, settings):
                         since = int(time.time() * 1000)
                         began, cpu_began = time.perf_counter(), jvm_cpu_s(engine.server_pid)

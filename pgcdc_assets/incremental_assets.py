@@ -187,6 +187,10 @@ def slot_metadata(result: IncrementalResult, changed: Mapping[TableName, AssetKe
         metadata["pgcdc/departed_tables"] = MetadataValue.md(
             "\n".join(f"- {line}" for line in result.departed.values())
         )
+    if result.unregistered:  # written and confirmed, but not registered by name (resources/runs/catalog_names.py)
+        metadata["pgcdc/unregistered_tables"] = MetadataValue.md(
+            "\n".join(f"- {line}" for line in result.unregistered.values())
+        )
     metadata["pgcdc/tables_quarantined"] = MetadataValue.int(len(result.quarantined))
     if result.quarantined:
         metadata["pgcdc/quarantined_tables"] = MetadataValue.md(

@@ -89,6 +89,12 @@ def snapshot_metadata(result: SnapshotResult) -> dict[str, Any]:
         "pgcdc/workers": MetadataValue.int(result.workers),
         "pgcdc/layout": MetadataValue.text(result.layout.describe() if result.layout is not None else "not bucketed"),
         "pgcdc/mode": MetadataValue.text(result.mode),
+        **({} if result.catalog_name is None else {"dagster/table_name": MetadataValue.text(result.catalog_name)}),
+        **(
+            {}
+            if result.catalog_refusal is None
+            else {"pgcdc/catalog_refusal": MetadataValue.text(result.catalog_refusal)}
+        ),
     }
 
 
@@ -238,6 +244,8 @@ def _copy_all(
             f"snapshot {table}: {outcome.rows:,} rows at LSN {outcome.snapshot_lsn} in {outcome.duration_s:.1f} s"
             f" ({outcome.mode}; copied at {outcome.copy_rows_per_second:,.0f} rows/s) -> Delta version {outcome.delta_version}; {describe_phases(outcome.phases)}"
         )
+        if outcome.catalog_refusal is not None:
+            context.log.warning(outcome.catalog_refusal)
         metadata = {**snapshot_metadata(outcome), **phase_metadata({**step.as_dict(), **outcome.phases})}
         yield MaterializeResult(asset_key=key_of[table], metadata=metadata)
     started_later = engine_start_seconds(destination.spark)

@@ -33,6 +33,7 @@ from pgcdc_assets.dagster_private import cron_string_iterator
 from resources.config import PgcdcConfig
 from resources.names import PipelineNames
 from resources.postgres.catalog import TableName
+from resources.runs.catalog_names import catalog_targets
 
 KINDS = {"postgres", "delta", "spark"}
 SNAPSHOT_GROUP = "pgcdc_snapshot"
@@ -70,12 +71,17 @@ class PgcdcTableProps:
     history_path: str | None = None
     #: ``changelog`` or ``scd2`` (``none`` without history).
     history_mode: str = "none"
+    #: The table's name in the catalog (``catalog:``), as readers type it; None: registered nowhere.
+    catalog_name: str | None = None
+    #: Its history's name in the catalog; None: registered nowhere, or no history.
+    history_catalog_name: str | None = None
 
     @classmethod
     def of(cls, config: PgcdcConfig, table: TableName, names: PipelineNames = PipelineNames()) -> PgcdcTableProps:
+        catalog = [str(target.name) for target in catalog_targets(config, table)] + [None, None]
         return cls(
             table, config.table_path(table.schema, table.name), config.publication, config.slot, names.pipeline,
-            config.history_path(table.schema, table.name), config.history.mode(table),
+            config.history_path(table.schema, table.name), config.history.mode(table), catalog[0], catalog[1],
         )  # fmt: skip
 
 
@@ -141,7 +147,7 @@ class PgcdcTranslator:
             "pgcdc/publication": props.publication,
             "pgcdc/slot": props.slot,
             "pgcdc/delta_path": MetadataValue.path(props.delta_path),
-            **_table_location(props.delta_path),
+            **_table_location(props.delta_path, props.catalog_name),
         }
 
     def get_snapshot_asset_spec(self, props: PgcdcTableProps) -> AssetSpec:
@@ -196,7 +202,7 @@ class PgcdcTranslator:
                 **self._metadata(props),
                 "pgcdc/history_mode": props.history_mode,
                 "pgcdc/delta_path": MetadataValue.path(props.history_path),
-                **_table_location(props.history_path),
+                **_table_location(props.history_path, props.history_catalog_name),
             },
             skippable=True,
         )
@@ -219,9 +225,9 @@ class PgcdcTranslator:
         )
 
 
-def _table_location(path: str) -> dict[str, str]:
+def _table_location(path: str, catalog_name: str | None) -> dict[str, str]:
     """What Dagster's UI shows, searches and links a table by: ``dagster/uri``, the Delta table's location as a
-    URI, and ``dagster/table_name``, its name for the people who query it. pgcdc registers no table in a
-    catalog, so that name is the location too (what ``delta.`<location>``` queries take)."""
+    URI, and ``dagster/table_name``, its name for the people who query it: its name in the catalog with
+    ``catalog:`` (``spark_catalog.pg_shop.orders``), else the location (what ``delta.`<location>``` queries take)."""
     uri = path if "://" in path else f"file://{path}"
-    return {"dagster/uri": uri, "dagster/table_name": path}
+    return {"dagster/uri": uri, "dagster/table_name": catalog_name or path}

@@ -262,3 +262,8 @@ def explain_server_error(
 
 class SnapshotError(PgcdcError):
     """A table could not be copied: a value the mapping refuses, or the Delta write failed."""
+
+
+class CatalogRefusal(PgcdcError):
+    """A Delta table pgcdc wrote could not be registered under its name in the catalog (``catalog:``): a name
+    the catalog refuses, or the name held by another table. The table's data is written all the same."""

@@ -14,6 +14,7 @@ re-snapshot in place copies every range again the same way, the table exact afte
 from __future__ import annotations
 
 import random
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from resources.cdc.transactions import TransactionAssembler
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeyRanges
 from resources.delta.markers import LSN_COLUMN, snapshot_marker
+from resources.errors import ConfigurationError, explain_server_error, TableFault
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.testing.memory_destination import InMemoryDestination, StaticTypes
@@ -193,3 +195,43 @@ def test_a_change_is_applied_per_row_image_by_its_ranges_point() -> None:
     assert again.next_range() == 1 and again.done == 1 and again.redo == {1, 2}
     assert again.applies(keys, lsns).tolist() == [False, False, True, False, True]
     assert KeyRanges.from_json(again.to_json()) == again
+
+
+def test_a_range_that_cannot_be_copied_again_for_want_of_a_grant_sets_only_its_table_aside(tmp_path: Path) -> None:
+    """A drain needs no SELECT, a range's re-copy does: a grant missing when a TOAST-keeping move needs the
+    copy is the table's own fault (set aside, the fix naming the grant and the re-snapshot), not the run's."""
+    world = World(random.Random(0), tmp_path)
+    world.rows = {5: "kept"}
+    ranges = KeyRanges.split("id", 0, KEYS - 1, 5)
+    world.lake.write_snapshot(SCHEMA.empty_table(), SCHEMA, PATH, "{}")
+    world.copy_range(ranges, 1)  # keys 16-31 done; key 5's range not yet copied
+    world.lsn += 10
+    world.wal.append((world.lsn, [relation(OID, "t", [("id", 23, True), ("body", 25, False)]),
+                                  update(OID, (b"20", UNCHANGED), key=(b"5", None))]))  # fmt: skip
+    denied = explain_server_error("42501", "permission denied for table t", user="pgcdc")
+    assert isinstance(denied, ConfigurationError)
+    set_aside: list[tuple[TableName, int, Exception]] = []
+
+    def refused(*_: object) -> None:
+        raise denied
+
+    target = TableTarget(TABLE, PATH)
+    applier = ChangeApplier(
+        world.lake, StaticTypes(), {TABLE: target}, max_changes=10, max_bytes=1 << 20, log=lambda _: None,
+        recopy_range=refused, set_aside=lambda *fault: set_aside.append(fault) or True,
+    )  # fmt: skip
+    with TransactionAssembler(1, tmp_path) as assembler, closing(applier):
+        end, messages = world.wal[-1]
+        txn = None
+        for message in [begin(end - 1, 1000), *messages, commit(end - 1, end)]:
+            txn = assembler.feed(memoryview(message), end - 5) or txn
+        assert txn is not None
+        applier.add(txn)
+        applier.flush()
+        applier.finish()
+    ((table, lsn, error),) = set_aside
+    assert table == TABLE and lsn == end and target.quarantined
+    assert isinstance(error, TableFault) and "\n" not in str(error)
+    assert "key range 2 of public.t must be copied again" in error.cause
+    assert "GRANT SELECT ON t TO pgcdc" in error.fix and "re-snapshot the table" in error.fix
+    assert world.lake.rows(PATH) == []  # nothing of the move was written

@@ -416,3 +416,46 @@ def test_every_crash_point_is_killed_at_by_some_test() -> None:
     )
     untested = [point for point in FAULT_POINTS if f'"{point}' not in sources and f"'{point}" not in sources]
     assert untested == [], f"crash points no test kills at: {untested}"
+
+
+def _defined_names(module: Path) -> set[str]:
+    """The names a module defines or imports at its top level (what ``from module import name`` finds)."""
+    names: set[str] = set()
+    for node in ast.parse(module.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                names.update(name.id for name in ast.walk(target) if isinstance(name, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
+def test_every_name_the_benchmarks_import_from_the_runtime_exists() -> None:
+    """No test runs the benchmarks, so a module moved in the runtime would break them unnoticed: each
+    ``from resources... import name`` in bench/ must find its module and the name in it."""
+    missing = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[0] in ("resources", "pgcdc_assets", "sensors")
+            ):
+                continue
+            target = ROOT / node.module.replace(".", "/")
+            module = target / "__init__.py" if target.is_dir() else target.with_suffix(".py")
+            if not module.is_file():
+                missing.append(f"{path.name}: no module {node.module}")
+                continue
+            defined = _defined_names(module)
+            submodules = {child.stem for child in target.glob("*.py")} if target.is_dir() else set()
+            missing += [
+                f"{path.name}: {node.module} has no {alias.name}"
+                for alias in node.names
+                if alias.name not in defined | submodules
+            ]
+    assert missing == []

@@ -108,6 +108,9 @@ def test_a_whole_snapshot_and_incremental_runs_against_the_in_memory_destination
     idle = run_incremental(config, destination)
     assert idle.changes == 0 and idle.confirmed_flush_lsn >= again.confirmed_flush_lsn
     assert_same(pg, destination, config)
+    # Without catalog:, nothing is registered and no registration is recorded (tests/test_catalog_names.py has it set).
+    assert destination.catalog == {} and not (tmp_path / "lake" / "_pgcdc" / "catalog").exists()
+    assert not drained.unregistered and not any(result.catalog_name or result.catalog_refusal for result in results)
 
     # Reconciliation reads the tables through the destination too: equal, then one row lost.
     pg.execute("UPDATE acct SET owner = 'before reconcile' WHERE id = 5")

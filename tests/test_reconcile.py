@@ -325,3 +325,27 @@ def test_a_table_re_snapshotted_while_it_is_compared_is_reported_not_compared(
     monkeypatch.setattr(resources.runs.reconcile, "_compare_table", compare)
     again = reconcile(config, destination)  # run again, as the reason says: both compared, exact
     assert again.skipped == {} and all(outcome.passed for outcome in again.tables.values())
+
+
+@NEWEST_POSTGRES_ONLY  # names are pgcdc's reading, not the server's
+def test_tables_whose_names_hold_dots_are_found_and_compared(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """Without a list of tables, reconcile compares every replicated table, found by the table itself and not
+    by parsing its ``schema.table`` key: ``"a.b".c`` and ``a."b.c"`` split the same key two ways."""
+    create_shop(pg)
+    pg.execute(
+        'CREATE SCHEMA "a.b"; CREATE TABLE "a.b".c (id int PRIMARY KEY, v text); '
+        'CREATE SCHEMA a; CREATE TABLE a."b.d" (id int PRIMARY KEY, v text); '
+        "INSERT INTO \"a.b\".c VALUES (1, 'one'); INSERT INTO a.\"b.d\" VALUES (2, 'two'); "
+        'ALTER PUBLICATION pgcdc_pub ADD TABLE "a.b".c, a."b.d"'
+    )
+    config = parse_config(yaml.safe_load(write_config(tmp_path, pg).read_text(encoding="utf-8")))
+    destination = lake_destination(spark, config)
+    snapshot_tables(config, destination)
+    pg.execute('UPDATE "a.b".c SET v = \'uno\'; DELETE FROM a."b.d"')
+    result = reconcile(config, destination)
+    assert result.skipped == {}
+    assert set(result.tables) == {"public.orders", "public.notes", "a.b.c", "a.b.d"}
+    assert all(outcome.passed for outcome in result.tables.values())
+    assert result.tables["a.b.c"].delta_rows == 1 and result.tables["a.b.d"].delta_rows == 0

@@ -12,7 +12,7 @@ from resources.cdc.apply_state import ApplierState
 from resources.cdc.row_batches import PendingRows
 from resources.cdc.schema import RESNAPSHOT_FIX, SchemaChangeError
 from resources.cdc.tables import KEYED, TableTarget
-from resources.errors import PgcdcError
+from resources.errors import ConfigurationError, PgcdcError, TableFault
 from resources.lsn import LSN
 from resources.pgoutput.tags import DELETE
 from resources.pgoutput.tuples import tuple_columns_at
@@ -79,7 +79,13 @@ class KeyRangeRule(ApplierState):
                 "run the table's snapshot (pgcdc_snapshot) to continue its snapshot in key ranges",
             )
         self._log(f"{target.table}: copying key range {k + 1} of {target.log.chunks.count} again: {why}")
-        self._writer.commit(self._recopy_range, target.table, target.path, target.log, k)
+        try:
+            self._writer.commit(self._recopy_range, target.table, target.path, target.log, k)
+        except ConfigurationError as error:  # a grant missing on this table (the drain itself needs none): its fault
+            raise TableFault(
+                f"key range {k + 1} of {target.table} must be copied again ({why}) and cannot be: {error.cause}",
+                f"{error.fix.removesuffix(', then run again')}, then {RESNAPSHOT_FIX}",
+            ) from error
         target.log = self._writer.call(self._destination.read_table_log, target.path, target.log)
         chunks = target.log.chunks if target.log is not None else None
         point = chunks.points[k] if chunks is not None else None

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator, ValidationError
 
+from resources.config.catalog import CatalogSettings
 from resources.config.columns import ColumnChoice, ColumnOverrides, parse_column_key
 from resources.errors import ConfigurationError, mask_dsn
 from resources.locations import join_location, StorageSettings
@@ -363,6 +364,10 @@ class PgcdcConfig(_Section):
         description="schema.table.column -> text (PostgreSQL's text output) | {rename: name} (in Delta) | exclude; "
         'quote odd names as PostgreSQL does: public."Order Items"."Due.Date"',
     )
+    catalog: CatalogSettings | None = Field(
+        default=None,
+        description="register every table pgcdc creates in the engine's catalog (null: none, by path only)",
+    )
 
     @field_validator("columns", mode="before")
     @classmethod
@@ -395,6 +400,11 @@ class PgcdcConfig(_Section):
         if self.postgres.standby_dsn is not None and not self.slot_failover:
             raise ValueError(
                 "postgres.standby_dsn is only used to check a failover slot: set slot_failover: true or remove it"
+            )
+        if self.catalog is not None and self.spark.remote is None and self.spark.engine == "sail":
+            raise ValueError(
+                "catalog: the embedded engine (spark.engine: sail) keeps a table registered for one session only, gone"
+                " when the run ends: set spark.engine: spark (a Hive metastore) or spark.remote, or remove catalog"
             )
         return self
 

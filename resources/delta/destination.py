@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from resources.config.catalog import CatalogName
 from resources.delta.key_ranges import KeyRanges, KeySpan
 from resources.delta.lake_storage import LakeStorage
 from resources.delta.layout import TableLayout
@@ -161,3 +162,8 @@ class Destination(Protocol):
     def fill_columns(self, path: str, values: pa.Table, lsn_column: str, up_to_lsn: int) -> None:
         """Set added columns on the rows written at or below ``up_to_lsn`` (the values PostgreSQL gave them);
         a column the table has takes the type of ``values`` (dropped and added again with another type)."""
+
+    def register_table(self, name: CatalogName, path: str, what: str) -> bool:
+        """Register the Delta table at ``path`` in the engine's catalog as ``name``, an external table (nothing when
+        it is); False when no table is at ``path`` yet. Raises ``CatalogRefusal`` (naming ``what``) when the
+        catalog refuses the name or the name holds another table (``resources/delta/catalog_names.py``)."""

@@ -9,7 +9,8 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig
-from resources.delta import merge, reads, schema_changes, snapshot_writes, table_log
+from resources.config.catalog import CatalogName
+from resources.delta import catalog_names, merge, reads, schema_changes, snapshot_writes, table_log
 from resources.delta.dataframes import DEFAULT_CHUNK_BYTES, prepare_writes
 from resources.delta.destination import TableLog
 from resources.delta.key_ranges import KeySpan
@@ -27,6 +28,7 @@ class SparkDeltaDestination:
     def __init__(self, spark: SparkSession, lake: LakeStorage | None) -> None:
         self.spark = spark
         self.lake = lake
+        self._schemas: set[str] = set()  # the catalog namespaces this destination's registrations made sure of
 
     def write_snapshot(
         self,
@@ -106,6 +108,13 @@ class SparkDeltaDestination:
 
     def fill_columns(self, path: str, values: pa.Table, lsn_column: str, up_to_lsn: int) -> None:
         schema_changes.fill_columns(self.spark, path, values, lsn_column, up_to_lsn)
+
+    def register_table(self, name: CatalogName, path: str, what: str) -> bool:
+        if not table_log.table_exists(path, self.lake):  # the lake's client: no engine round trip
+            return False
+        catalog_names.register_table(self.spark, name, path, what, new_schema=name.schema_sql not in self._schemas)
+        self._schemas.add(name.schema_sql)
+        return True
 
 
 def lake_destination(spark: SparkSession, config: PgcdcConfig) -> SparkDeltaDestination:

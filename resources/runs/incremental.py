@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import psycopg
@@ -68,6 +68,7 @@ from resources.postgres.replication import ReplicationConnection
 from resources.postgres.slots import read_slot, slot_holder, slot_in_use, SlotInUseError, SlotState, wal_position
 from resources.postgres.stream import ReplicationStream
 from resources.postgres.table_locks import TableLocks
+from resources.runs.catalog_names import register_unnamed
 from resources.runs.drain_tables import drain_targets, read_log, wanted_tables
 from resources.runs.key_range_copy import copy_key_range
 from resources.runs.quarantine import Quarantine, Quarantines
@@ -100,6 +101,8 @@ class TableResult:
     history_rows: int | None = None
     #: Bytes of data files and deletion vectors this run's commits to the table wrote (from its log).
     bytes_written: int = 0
+    #: The table itself: the result's key (``schema.table`` unquoted) splits ambiguously where a name holds a dot.
+    table: TableName | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,8 @@ class IncrementalResult:
     #: Tables no longer published under their name whose Delta tables remain, by name: why, and the fix
     #: (resources/runs/drain_tables.py).
     departed: dict[str, str] = field(default_factory=dict)
+    #: Tables (or their history) a name could not be registered for in the catalog (``catalog:``), by name: the line.
+    unregistered: dict[str, str] = field(default_factory=dict)
 
     @property
     def changes_per_second(self) -> float:
@@ -215,10 +220,12 @@ def run_incremental(
             drain(stream, assembler, applier, end_lsn, say, started, record_state, before_confirm=guard.allow)
         rc.close()
         confirmed, flush_now = _confirmed_flush(dsn, config.slot), wal_position(conn)
-    return _summary(
+    result = _summary(
         applier, destination, targets, {**state, **written}, quarantines, (start_lsn, end_lsn), confirmed, flush_now, started,
         say, gone,
     )  # fmt: skip
+    unregistered = register_unnamed(config, destination, targets, caution, held)  # the slot released: no hold on it
+    return replace(result, unregistered=unregistered) if unregistered else result
 
 
 @contextmanager
@@ -425,6 +432,7 @@ def _table_results(
             stats.unpruned,
             stats.history_rows if target.history_path is not None else None,
             written,
+            table,
         )
     return results
 

@@ -144,16 +144,16 @@ def reconcile(
             raise explain(exc, dsn) from None
         say(f"reconciling at {lsn}: draining slot {config.slot} up to it")
         drained = run_incremental(config, destination, log=say, end_lsn=lsn)
-        wanted = [str(t) for t in tables] if tables is not None else list(drained.tables)
+        replicated = [result.table for result in drained.tables.values() if result.table is not None]
         compared: dict[str, TableReconciliation] = {}
         skipped = {name: f"no snapshot yet: run the {SNAPSHOT_JOB} job" for name in drained.tables_without_snapshot}
-        for name in wanted:
+        for table in tables if tables is not None else replicated:
+            name = str(table)
             if name in skipped:
                 continue
-            if name not in drained.tables:
+            if table not in replicated:
                 skipped[name] = "not replicated (not in the publication or 'tables')"
                 continue
-            table = TableName.parse(name)
             path = config.table_path(table.schema, table.name)
             snapshot_lsn = destination.read_table_log(path, None).snapshot_lsn
             if snapshot_lsn is not None and snapshot_lsn > lsn:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import closing
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -35,6 +36,7 @@ from resources.postgres.preflight import ensure_slot
 from resources.postgres.publication import ensure_publication
 from resources.postgres.slots import read_slot
 from resources.postgres.table_locks import TableLocks
+from resources.runs.catalog_names import catalog_targets, refusals, Registrations
 from resources.runs.incremental import run_incremental
 from resources.runs.key_range_copy import ColumnsChanged, copy_key_range, key_range_plan, RangeCopy
 from resources.runs.phases import Phases
@@ -145,6 +147,7 @@ def snapshot_each(
         return known_log(rows, str(table), config.table_path(table.schema, table.name))
 
     finished: list[SnapshotResult] = []
+    named = _Naming(config, destination)
     modes: dict[TableName, tuple[KeyRanges | None, bool]] = {}
     for table in tables:
         try:
@@ -184,7 +187,7 @@ def snapshot_each(
                 failure = future.exception()
                 if failure is None:
                     finished.append(future.result())
-                yield table, failure if failure is not None else future.result()
+                yield table, failure if failure is not None else named(future.result())
     # Only now, one at a time: each step of a walk drains the slot, which must not confirm past the
     # consistent point of a one-snapshot copy still in flight (its changes would be skipped for good).
     for table, (plan, resume) in modes.items():
@@ -196,10 +199,32 @@ def snapshot_each(
             yield table, naming_table(error, table) if isinstance(error, PgcdcError) else error
             continue
         finished.append(result)
-        yield table, result
+        yield table, named(result)
     if finished:
         with clock.timed("state_write"):
             _record_snapshots(state, finished, destination)
+
+
+class _Naming:
+    """A finished snapshot's tables registered by name (``catalog:``), right after its commit; a registration
+    that fails never fails the snapshot: its one line goes with the result, and the next drain tries again."""
+
+    def __init__(self, config: PgcdcConfig, destination: Destination) -> None:
+        self._config = config
+        self._registrations = Registrations(config, destination) if config.catalog is not None else None
+
+    def __call__(self, result: SnapshotResult) -> SnapshotResult:
+        if self._registrations is None:
+            return result
+        main = catalog_targets(self._config, result.table)[0]
+        try:
+            outcomes = self._registrations.register([result.table], again=True)
+        except Exception as error:  # noqa: BLE001 - the data is committed; the next drain registers the table
+            line = f"{result.table} could not be registered in the catalog ({error}): the next drain tries again"
+            logger.warning("%s", line)
+            return replace(result, catalog_refusal=line)
+        name = str(main.name) if main in outcomes and outcomes[main] is None else None
+        return replace(result, catalog_name=name, catalog_refusal=refusals(outcomes).get(str(result.table)))
 
 
 def _locked(

@@ -115,6 +115,8 @@ class SnapshotResult:
     key_ranges: bool = False  # copied in primary-key ranges, one short transaction each (``chunks`` of them)
     snapshot_version: int | None = None  # the version of the snapshot marker's commit, when not ``delta_version``
     phases: dict[str, float] = field(default_factory=dict)  # where ``duration_s`` went (resources/runs/phases.py)
+    catalog_name: str | None = None  # the name the table is registered under (``catalog:``), once it is
+    catalog_refusal: str | None = None  # why it (or its history) could not be registered: the one line said
 
     @property
     def rows_per_second(self) -> float:

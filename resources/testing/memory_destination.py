@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from resources.config.catalog import CatalogName
 from resources.delta.batch_columns import (
     CLOSE_COLUMN,
     CLOSED_SET,
@@ -30,6 +31,7 @@ from resources.delta.destination import NO_TABLE, TableLog
 from resources.delta.key_ranges import KeySpan
 from resources.delta.layout import BUCKET_COLUMN, TableLayout, with_buckets
 from resources.delta.markers import fold_table_log, pgcdc_marker
+from resources.errors import CatalogRefusal
 from resources.pgoutput.messages import Relation
 from resources.pgtypes import PgColumnType
 
@@ -87,6 +89,8 @@ class InMemoryDestination:
         self.log_reads: list[str] = []
         #: How many times a drain prepared the engine for writes (:meth:`prepare_writes`).
         self.writes_prepared = 0
+        #: The tables registered by name (:meth:`register_table`): name -> path, as a catalog holds them.
+        self.catalog: dict[CatalogName, str] = {}
 
     def _commit(self, path: str, table: pa.Table, user_metadata: str | None = None) -> int:
         self.tables[path] = table
@@ -278,6 +282,18 @@ class InMemoryDestination:
             return NO_TABLE
         newest = len(commits) - 1
         return fold_table_log(((version, [commits[version]]) for version in range(newest, -1, -1)), newest, None)
+
+    def register_table(self, name: CatalogName, path: str, what: str) -> bool:
+        """A catalog that takes any name once: the name held by another path is refused, as on Spark."""
+        if not self.commits.get(path):
+            return False
+        held = self.catalog.setdefault(name, path)
+        if held != path:
+            raise CatalogRefusal(
+                f"{what} cannot be registered in catalog {name.catalog} as {name}: the name holds a table at {held}",
+                "drop or rename that table, or set another catalog.schema",
+            )
+        return True
 
     def newest_marker(self, path: str) -> tuple[int | None, dict[str, Any] | None]:
         commits = self.commits.get(path)

@@ -13,9 +13,12 @@ So the memory tests run the work here and read the operating system's account of
 
 Usage: python -m tests.support.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
        python -m tests.support.memory_child drain CONFIG.yaml MAX_CHUNK_CHANGES [MAX_CHUNK_BYTES]
+       python -m tests.support.memory_child snapshot-tables CONFIG.yaml   (the configured run: key ranges, say)
+       python -m tests.support.memory_child reconcile CONFIG.yaml RANGE_ROWS
 Prints one JSON line with the figures above and what the work did: ``rows``, ``chunks``, ``workers``,
-``mode`` and the progress reports (snapshot), or ``changes`` and the drain's own reading of its peak,
-``run_peak_mib`` (drain).
+``mode`` and the progress reports (snapshot), ``changes`` and the drain's own reading of its peak,
+``run_peak_mib`` (drain), each table's ``rows`` and ``chunks`` (snapshot-tables), or whether every table
+``passed`` (reconcile).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from resources.delta.spark_destination import SparkDeltaDestination
 from resources.engines.engine import process_memory_mib, SparkEngine
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
-from resources.runs.snapshot import snapshot_table, SnapshotProgress
+from resources.runs.reconcile import reconcile
+from resources.runs.snapshot import snapshot_table, snapshot_tables, SnapshotProgress
 
 RESET_PEAK = "5"
 """Written to /proc/self/clear_refs: resets VmHWM to the current resident memory (Linux 4.0+)."""
@@ -52,34 +56,54 @@ def measured(*arguments: str) -> dict[str, Any]:
     return report
 
 
+def _snapshot(engine: SparkEngine, arguments: list[str]) -> dict[str, Any]:
+    dsn, publication, table, path, slot, chunk_bytes, workers, chunk_mb = arguments
+    progress: list[SnapshotProgress] = []
+    result = snapshot_table(
+        dsn, publication, TableName.parse(table), SparkDeltaDestination(engine.spark, None), path,
+        slot=slot, chunk_bytes=int(chunk_bytes), workers=int(workers), chunk_mb=int(chunk_mb),
+        on_progress=progress.append,
+    )  # fmt: skip
+    return {
+        "rows": result.rows, "chunks": result.chunks, "workers": result.workers, "mode": result.mode,
+        "progress_chunks": [p.chunks for p in progress],
+        "last_chunks_done": progress[-1].chunks_done if progress else None,
+        "last_eta_s": progress[-1].eta_s if progress else None,
+        "last_progress": progress[-1].describe() if progress else None,
+    }  # fmt: skip
+
+
+def _drain(engine: SparkEngine, arguments: list[str]) -> dict[str, Any]:
+    bytes_bound = {"max_chunk_bytes": int(arguments[2])} if len(arguments) > 2 else {}
+    drained = run_incremental(
+        load_config(arguments[0]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(arguments[1]),
+        **bytes_bound,
+    )  # fmt: skip
+    return {"changes": drained.changes, "run_peak_mib": drained.peak_memory_mib}
+
+
+def _snapshot_tables(engine: SparkEngine, arguments: list[str]) -> dict[str, Any]:
+    results = snapshot_tables(load_config(arguments[0]), SparkDeltaDestination(engine.spark, None))
+    return {"rows": {str(r.table): r.rows for r in results}, "chunks": {str(r.table): r.chunks for r in results}}
+
+
+def _reconcile(engine: SparkEngine, arguments: list[str]) -> dict[str, Any]:
+    checked = reconcile(
+        load_config(arguments[0]), SparkDeltaDestination(engine.spark, None), range_rows=int(arguments[1])
+    )
+    return {"passed": {name: outcome.passed for name, outcome in checked.tables.items()}, "skipped": checked.skipped}
+
+
+WORK = {"snapshot": _snapshot, "drain": _drain, "snapshot-tables": _snapshot_tables, "reconcile": _reconcile}
+
+
 def main() -> None:
-    mode = sys.argv[1]
+    work = WORK[sys.argv[1]]
     with SparkEngine.embedded() as engine:
         baseline, _ = process_memory_mib()
         with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
             clear.write(RESET_PEAK)
-        if mode == "snapshot":
-            dsn, publication, table, path, slot, chunk_bytes, workers, chunk_mb = sys.argv[2:10]
-            progress: list[SnapshotProgress] = []
-            result = snapshot_table(
-                dsn, publication, TableName.parse(table), SparkDeltaDestination(engine.spark, None), path,
-                slot=slot, chunk_bytes=int(chunk_bytes), workers=int(workers), chunk_mb=int(chunk_mb),
-                on_progress=progress.append,
-            )  # fmt: skip
-            done = {
-                "rows": result.rows, "chunks": result.chunks, "workers": result.workers, "mode": result.mode,
-                "progress_chunks": [p.chunks for p in progress],
-                "last_chunks_done": progress[-1].chunks_done if progress else None,
-                "last_eta_s": progress[-1].eta_s if progress else None,
-                "last_progress": progress[-1].describe() if progress else None,
-            }  # fmt: skip
-        else:
-            bytes_bound = {"max_chunk_bytes": int(sys.argv[4])} if len(sys.argv) > 4 else {}
-            drained = run_incremental(
-                load_config(sys.argv[2]), SparkDeltaDestination(engine.spark, None), max_chunk_changes=int(sys.argv[3]),
-                **bytes_bound,
-            )  # fmt: skip
-            done = {"changes": drained.changes, "run_peak_mib": drained.peak_memory_mib}
+        done = work(engine, sys.argv[2:])
         _, peak = process_memory_mib()
         _, engine_peak = engine.server_memory_mib()
     report = {

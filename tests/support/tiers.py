@@ -120,7 +120,12 @@ def refuse_servers(nodeid: str, monkeypatch: pytest.MonkeyPatch) -> None:
 #: so at most one JVM runs at a time (the engines are session fixtures, one at a time) while the other worker
 #: takes the tests without a JVM. By module, not by an ``xdist_group`` mark: with pytest 9.2, xdist 3.8's
 #: ``--dist loadgroup`` no longer sees the marks (it rewrites a node id pytest no longer reads).
-JVM_MODULES = ("tests/test_engines.py", "tests/test_spark_kept_jvm.py")
+JVM_MODULES = (
+    "tests/test_engines.py",
+    "tests/test_spark_kept_jvm.py",
+    "tests/test_spark_crashes.py",
+    "tests/test_spark_catalog.py",
+)
 JVM_GROUP = "jvm"
 #: Engines of ``tests/support/engine_fixtures.py`` that start no JVM (Sail's standalone server): their tests
 #: leave the JVM worker, the suite's long pole, for the other one (which starts its own instance of the engine).

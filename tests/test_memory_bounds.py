@@ -1,0 +1,210 @@
+"""Memory bounds where they bind: a drain with history, one transaction five chunks long, a snapshot in key
+ranges, reconciliation and the parallel ctid snapshot, each stopped from holding a quarter of its input more.
+
+Each run happens in a child process (tests/support/memory_child.py) that reports its peak resident memory over
+its baseline (``held``: Python, Arrow, Rust and libpq alike) and the most Arrow's pool held at once. The
+inputs are small (30-56 MB) so that the tests stay cheap, which leaves a fixed part (the engine's client,
+delta-rs, the threads' heaps) larger than the input: so each bound is a measurement plus a margin, and
+each was seen to fail when the run kept a quarter of what it handled (of every write's, batch's or piece's
+rows, every fourth; docs/testing.md, "Tests that would catch the bug"). The figures stand beside each bound.
+
+The drains' byte bound (``max_chunk_bytes``) is what cuts their chunks here: a count bound that never binds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pyspark.sql import SparkSession
+
+from resources.config import parse_config, PgcdcConfig
+from resources.postgres.preflight import ensure_slot
+from resources.testing.verify import assert_delta_equals_postgres
+from tests.support.incremental_runs import setup, SLOT
+from tests.support.memory_child import measured
+from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
+from tests.support.snapshot_checks import assert_md5_payloads
+
+pytest_plugins = ["tests.support.spark_fixtures"]
+pytestmark = [pytest.mark.slow, NEWEST_POSTGRES_ONLY]  # runs measured in child processes; tiers: docs/testing.md
+
+MIB = 2**20
+#: The byte bound of the drains' chunks: every backlog below is many of them.
+CHUNK_BYTES = 1 * MIB
+NO_COUNT_BOUND = "1000000"
+#: A row's payload: 1 KB of md5 text, which PostgreSQL keeps inline (``repeat(md5(g::text), 32)``).
+PAYLOAD = "repeat(md5(g::text), 32)"
+
+
+def config_file(config: PgcdcConfig, tmp_path: Path) -> Path:
+    """The configuration the measuring child reads."""
+    path = tmp_path / "pgcdc.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump()))
+    return path
+
+
+def held(memory: dict) -> float:
+    return memory["peak_mib"] - memory["baseline_mib"]
+
+
+def assert_below(memory: dict, bounds: tuple[float, float]) -> None:
+    """The run held less than ``bounds``: resident memory over the baseline, Arrow's pool at its most."""
+    resident, arrow = bounds
+    assert held(memory) < resident and memory["arrow_max_mib"] < arrow, memory
+
+
+# --------------------------------------------------------------------------- drains
+
+HISTORY_DDL = """
+    CREATE TABLE wide (id int PRIMARY KEY, pad text);
+    CREATE TABLE feed (entry int, pad text);
+    INSERT INTO wide VALUES (-1, 'seed');
+    CREATE PUBLICATION pub FOR TABLE wide, feed;
+"""
+
+
+#: (resident, Arrow) bounds of the history drain, a 41 MB backlog: measured 80.2-80.4 and 8.4 MiB (three runs, 2
+#: cores, load 10-14); with a quarter of every write's rows kept, 101-102 and 27.
+HISTORY_DRAIN_MIB = (88.0, 14.0)
+
+
+def test_a_drain_with_history_holds_chunks_not_its_backlog(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """A backlog of 40 MB into a table with SCD type 2 history and a keyless one with a changelog, cut into
+    1 MiB chunks: the drain writes each chunk's changelog and table rows and holds a few chunks at once."""
+    config = setup(pg, tmp_path, spark, HISTORY_DDL)
+    config = config.model_copy(
+        update={
+            "history": config.history.model_copy(update={"tables": {"public.wide": "scd2", "public.feed": "changelog"}})
+        }
+    )
+    path = config_file(config, tmp_path)
+    rows = 20_000
+    with pg.connect() as conn:
+        for start in range(0, rows, 2000):
+            conn.execute(f"INSERT INTO wide SELECT g, {PAYLOAD} FROM generate_series({start}, {start + 1999}) g")
+            conn.execute(f"INSERT INTO feed SELECT g, {PAYLOAD} FROM generate_series({start}, {start + 1999}) g")
+    memory = measured("drain", str(path), NO_COUNT_BOUND, str(CHUNK_BYTES))
+    assert memory["changes"] == 2 * rows
+    assert_below(memory, HISTORY_DRAIN_MIB)
+    assert_delta_equals_postgres(pg.dsn, "public.wide", config.table_path("public", "wide"), key=("id",))
+    assert_delta_equals_postgres(pg.dsn, "public.feed", config.table_path("public", "feed"))
+
+
+#: The chunk of the drain of one large transaction (30 MB: five chunks) and its (resident, Arrow) bounds:
+#: measured 107-114 and 13-15 MiB (two runs); with a quarter of every write's rows kept, 129-133 and 16.
+BIG_TRANSACTION_CHUNK = 6 * MIB
+BIG_TRANSACTION_MIB = (123.0, 21.0)
+
+
+def test_one_transaction_five_chunks_long_is_written_in_pieces(
+    pg: PgDatabase, tmp_path: Path, spark: SparkSession
+) -> None:
+    """One transaction of 30 MB into a keyless and a REPLICA IDENTITY FULL table, chunks of 6 MiB: the
+    transaction is written piece by piece (each with its marker) and held a few pieces at a time."""
+    config = setup(
+        pg,
+        tmp_path,
+        spark,
+        """
+        CREATE TABLE feed (entry int, pad text);
+        CREATE TABLE bag (k int, pad text);
+        ALTER TABLE bag REPLICA IDENTITY FULL;
+        CREATE PUBLICATION pub FOR TABLE feed, bag;
+        """,
+    )
+    path = config_file(config, tmp_path)
+    rows = 15_000
+    with pg.connect() as conn, conn.transaction():
+        conn.execute(f"INSERT INTO feed SELECT g, {PAYLOAD} FROM generate_series(1, {rows}) g")
+        conn.execute(f"INSERT INTO bag SELECT g % 100, {PAYLOAD} FROM generate_series(1, {rows}) g")
+    memory = measured("drain", str(path), NO_COUNT_BOUND, str(BIG_TRANSACTION_CHUNK))
+    assert memory["changes"] == 2 * rows
+    assert_below(memory, BIG_TRANSACTION_MIB)
+    assert_delta_equals_postgres(pg.dsn, "public.feed", config.table_path("public", "feed"))
+    assert_delta_equals_postgres(pg.dsn, "public.bag", config.table_path("public", "bag"))
+
+
+# --------------------------------------------------------------------------- snapshots and reconcile
+
+
+def md5_table(pg: PgDatabase, rows: int, name: str = "big") -> float:
+    """``name`` (id, payload) of ``rows`` 1 KB rows; its heap in MiB."""
+    pg.execute(f"""
+        CREATE TABLE {name} (id int PRIMARY KEY, payload text);
+        INSERT INTO {name} SELECT g, repeat(md5(g::text), 31) FROM generate_series(1, {rows}) g;
+    """)
+    ((heap,),) = pg.execute(f"SELECT pg_relation_size('{name}')")
+    return heap / MIB
+
+
+#: (resident, Arrow) bounds of a snapshot of a 40 MB table (heap; 34 MB of values) in eight key ranges: measured
+#: 110-124 and 10.5 MiB (four runs); with a quarter of each batch's rows (or every fourth batch) kept, 120-127
+#: and 19-20. The resident figure varies as much as the leak adds, so Arrow's bound is the one that binds here.
+KEY_RANGES_MIB = (135.0, 16.0)
+
+
+def test_a_snapshot_in_key_ranges_holds_a_range_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
+    """A 40 MB table copied in eight key ranges, each its own short transaction and commit."""
+    rows = 36_000
+    heap = md5_table(pg, rows)
+    pg.execute("CREATE PUBLICATION pub FOR TABLE big")
+    config = parse_config({
+        "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path / "lake")},
+        "snapshot": {"chunked_above_mb": 0, "key_chunk_mb": heap / 8},
+    })  # fmt: skip
+    ensure_slot(pg.dsn, SLOT)
+    memory = measured("snapshot-tables", str(config_file(config, tmp_path)))
+    assert memory["rows"] == {"public.big": rows} and memory["chunks"]["public.big"] >= 8
+    assert heap > 40
+    assert_below(memory, KEY_RANGES_MIB)
+    assert_md5_payloads(config.table_path("public", "big"), rows)
+
+
+#: (resident, Arrow) bounds of reconciling a 40 MB table: measured 203-204 and 42.6 MiB (three runs); with a
+#: quarter of each piece's rows kept, 217 and 48. Reconciliation reads both sides in pieces of 16 MiB
+#: (``PARSE_BYTES``; the engine's batches) and turns each into Python rows to compare, so at this size it holds
+#: about the table; the bounds stop it from holding more.
+RECONCILE_MIB = (212.0, 50.0)
+
+
+def test_reconcile_holds_no_more_than_its_pieces(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
+    """Reconciliation of a 40 MB table in ranges of 4000 rows."""
+    rows = 36_000
+    heap = md5_table(pg, rows)
+    config = setup(pg, tmp_path, spark, "CREATE PUBLICATION pub FOR TABLE big")
+    memory = measured("reconcile", str(config_file(config, tmp_path)), "4000")
+    assert memory["passed"] == {"public.big": True} and heap > 40
+    assert_below(memory, RECONCILE_MIB)
+
+
+#: How much more the parallel snapshot of a table twice as large (28 MB more heap, 25 MB more values) may hold,
+#: resident and in Arrow's pool. One copy's peak varies with its three workers' timing and the machine's load
+#: (134-168 MiB for the smaller table, 148-198 for the larger, load 6-14), so each size is copied twice and its
+#: lower peak counts. Single copies measured -5 to +45 MiB resident, 0 to +4.6 in Arrow (16.5-19.5 and
+#: 19.1-21 MiB); with every fourth batch the writer took kept, +40 to +41; with a quarter of each batch's rows kept
+#: (lower of two copies), +25 and +7.9: Arrow's bound is the one that binds.
+PARALLEL_GROWTH_MIB = (28.0, 7.0)
+
+
+def test_the_parallel_ctid_snapshot_holds_pieces_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
+    """Three ctid-range workers over a table, then over one twice its size (each twice): the peak grows less
+    than the table did (the fixed part, delta-rs's writer and the workers' pieces, is above either table: a
+    bound of its own would say nothing about the table, the growth does)."""
+    lowest: dict[str, tuple[float, float]] = {}
+    for name, rows in (("small", 25_000), ("large", 50_000)):
+        md5_table(pg, rows, name)
+        pg.execute(f"CREATE PUBLICATION pub_{name} FOR TABLE {name}")
+        ensure_slot(pg.dsn, SLOT)
+        copies = []
+        for copy in range(2):
+            path = str(tmp_path / f"{name}_{copy}")
+            memory = measured("snapshot", pg.dsn, f"pub_{name}", f"public.{name}", path, SLOT, str(MIB), "3", "2")
+            assert memory["rows"] == rows and memory["workers"] == 3
+            assert_md5_payloads(path, rows)
+            copies.append((held(memory), memory["arrow_max_mib"]))
+        lowest[name] = (min(c[0] for c in copies), min(c[1] for c in copies))
+    resident, arrow = PARALLEL_GROWTH_MIB
+    assert lowest["large"][0] - lowest["small"][0] < resident, lowest
+    assert lowest["large"][1] - lowest["small"][1] < arrow, lowest
