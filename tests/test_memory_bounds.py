@@ -162,11 +162,12 @@ def test_a_snapshot_in_key_ranges_holds_a_range_not_the_table(pg: PgDatabase, tm
     assert_md5_payloads(config.table_path("public", "big"), rows)
 
 
-#: (resident, Arrow) bounds of reconciling a 40 MB table: measured 203-204 and 42.6 MiB (three runs); with a
+#: (resident, Arrow) bounds of reconciling a 40 MB table: measured 203-215 and 42.6 MiB (four runs); with a
 #: quarter of each piece's rows kept, 217 and 48. Reconciliation reads both sides in pieces of 16 MiB
 #: (``PARSE_BYTES``; the engine's batches) and turns each into Python rows to compare, so at this size it holds
-#: about the table; the bounds stop it from holding more.
-RECONCILE_MIB = (212.0, 50.0)
+#: about the table; the bounds stop it from holding more. The resident figure varies as much as the leak adds,
+#: so Arrow's bound is the one that binds here (as for the key ranges).
+RECONCILE_MIB = (240.0, 45.0)
 
 
 def test_reconcile_holds_no_more_than_its_pieces(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
@@ -179,17 +180,17 @@ def test_reconcile_holds_no_more_than_its_pieces(pg: PgDatabase, tmp_path: Path,
     assert_below(memory, RECONCILE_MIB)
 
 
-#: How much more the parallel snapshot of a table twice as large (28 MB more heap, 25 MB more values) may hold,
-#: resident and in Arrow's pool. One copy's peak varies with its three workers' timing and the machine's load
-#: (134-168 MiB for the smaller table, 148-198 for the larger, load 6-14), so each size is copied twice and its
-#: lower peak counts. Single copies measured -5 to +45 MiB resident, 0 to +4.6 in Arrow (16.5-19.5 and
-#: 19.1-21 MiB); with every fourth batch the writer took kept, +40 to +41; with a quarter of each batch's rows kept
-#: (lower of two copies), +25 and +7.9: Arrow's bound is the one that binds.
-PARALLEL_GROWTH_MIB = (28.0, 7.0)
+#: How much more Arrow's pool may hold in the parallel snapshot of a table twice as large (28 MB more heap, 25 MB
+#: more values). One copy's resident peak varies with its three workers' timing and the machine's load (134-168
+#: MiB for the smaller table, 148-198 for the larger, load 6-14; the lower of two copies grew by 51 MiB once on a
+#: quiet machine), more than the table grows, so resident memory is reported, not bounded. Arrow's pool grew 0 to
+#: +4.6 MiB (16.5-21 MiB); with every fourth batch the writer took kept, +40 to +41; with a quarter of each
+#: batch's rows kept (lower of two copies), +7.9.
+PARALLEL_ARROW_GROWTH_MIB = 7.0
 
 
 def test_the_parallel_ctid_snapshot_holds_pieces_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
-    """Three ctid-range workers over a table, then over one twice its size (each twice): the peak grows less
+    """Three ctid-range workers over a table, then over one twice its size (each twice): Arrow's peak grows less
     than the table did (the fixed part, delta-rs's writer and the workers' pieces, is above either table: a
     bound of its own would say nothing about the table, the growth does)."""
     lowest: dict[str, tuple[float, float]] = {}
@@ -205,6 +206,4 @@ def test_the_parallel_ctid_snapshot_holds_pieces_not_the_table(pg: PgDatabase, t
             assert_md5_payloads(path, rows)
             copies.append((held(memory), memory["arrow_max_mib"]))
         lowest[name] = (min(c[0] for c in copies), min(c[1] for c in copies))
-    resident, arrow = PARALLEL_GROWTH_MIB
-    assert lowest["large"][0] - lowest["small"][0] < resident, lowest
-    assert lowest["large"][1] - lowest["small"][1] < arrow, lowest
+    assert lowest["large"][1] - lowest["small"][1] < PARALLEL_ARROW_GROWTH_MIB, lowest
