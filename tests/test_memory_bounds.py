@@ -1,12 +1,18 @@
 """Memory bounds where they bind: a drain with history, one transaction five chunks long, a snapshot in key
-ranges, reconciliation and the parallel ctid snapshot, each stopped from holding a quarter of its input more.
+ranges, reconciliation and the parallel ctid snapshot, each stopped from keeping a tenth of its input.
 
-Each run happens in a child process (tests/support/memory_child.py) that reports its peak resident memory over
-its baseline (``held``: Python, Arrow, Rust and libpq alike) and the most Arrow's pool held at once. The
-inputs are small (30-56 MB) so that the tests stay cheap, which leaves a fixed part (the engine's client,
-delta-rs, the threads' heaps) larger than the input: so each bound is a measurement plus a margin, and
-each was seen to fail when the run kept a quarter of what it handled (of every write's, batch's or piece's
-rows, every fourth; docs/testing.md, "Tests that would catch the bug"). The figures stand beside each bound.
+Each run happens in a child process (tests/support/memory_child.py) that reports what it kept once the work was
+done (Arrow's pool and Python's heap, after a garbage collection), the most each of them held at once, and its
+peak resident memory over its baseline (``held``: Python, Arrow, Rust and libpq alike).
+
+* Kept: every run here keeps 0 bytes of Arrow and under 1 MiB of Python once done (caches that fill on first
+  use), so a run that keeps a tenth of what it handled (1.5-4 MiB here) fails, whichever test it is
+  (``KEPT_MIB``; docs/testing.md, "Tests that would catch the bug").
+* At once: Arrow's pool and Python's heap at their most are measured figures that repeat to a few percent, so
+  they bound a run that holds its whole input before writing it.
+* Resident memory varies with threads and the machine's load by as much as 20 MiB between two runs of the same
+  work, so its bounds sit well above the measurements: they stop a run (or the engine it drives) from holding
+  its input, not a tenth of it.
 
 The drains' byte bound (``max_chunk_bytes``) is what cuts their chunks here: a count bound that never binds.
 """
@@ -45,14 +51,26 @@ def config_file(config: PgcdcConfig, tmp_path: Path) -> Path:
     return path
 
 
+#: What a run may keep once it is done, of Arrow's pool and of Python's heap (measured: 0 and 0.23-0.74 MiB).
+KEPT_MIB = (0.5, 1.5)
+
+
 def held(memory: dict) -> float:
     return memory["peak_mib"] - memory["baseline_mib"]
 
 
-def assert_below(memory: dict, bounds: tuple[float, float]) -> None:
-    """The run held less than ``bounds``: resident memory over the baseline, Arrow's pool at its most."""
-    resident, arrow = bounds
-    assert held(memory) < resident and memory["arrow_max_mib"] < arrow, memory
+def assert_kept_nothing(memory: dict) -> None:
+    """The run kept nothing of its input once done: no Arrow buffer, no more Python than first-use caches."""
+    arrow, python = KEPT_MIB
+    assert memory["arrow_kept_mib"] < arrow and memory["python_kept_mib"] < python, memory
+
+
+def assert_below(memory: dict, bounds: tuple[float, float, float]) -> None:
+    """The run kept nothing and held less than ``bounds`` at once: resident memory over the baseline, Arrow's
+    pool and Python's heap at their most."""
+    assert_kept_nothing(memory)
+    resident, arrow, python = bounds
+    assert held(memory) < resident and memory["arrow_max_mib"] < arrow and memory["python_peak_mib"] < python, memory
 
 
 # --------------------------------------------------------------------------- drains
@@ -65,9 +83,9 @@ HISTORY_DDL = """
 """
 
 
-#: (resident, Arrow) bounds of the history drain, a 41 MB backlog: measured 80.2-80.4 and 8.4 MiB (three runs, 2
-#: cores, load 10-14); with a quarter of every write's rows kept, 101-102 and 27.
-HISTORY_DRAIN_MIB = (88.0, 14.0)
+#: (resident, Arrow, Python) bounds of the history drain, a 41 MB backlog: measured 80-84, 8.4 and 3.6 MiB (five runs, 2
+#: cores, load 5-14).
+HISTORY_DRAIN_MIB = (110.0, 12.0, 6.0)
 
 
 def test_a_drain_with_history_holds_chunks_not_its_backlog(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
@@ -92,10 +110,10 @@ def test_a_drain_with_history_holds_chunks_not_its_backlog(pg: PgDatabase, tmp_p
     assert_delta_equals_postgres(pg.dsn, "public.feed", config.table_path("public", "feed"))
 
 
-#: The chunk of the drain of one large transaction (30 MB: five chunks) and its (resident, Arrow) bounds:
-#: measured 107-114 and 13-15 MiB (two runs); with a quarter of every write's rows kept, 129-133 and 16.
+#: The chunk of the drain of one large transaction (30 MB: five chunks) and its (resident, Arrow, Python) bounds:
+#: measured 107-124, 11.8-15 and 20.2 MiB (five runs, load 5-14).
 BIG_TRANSACTION_CHUNK = 6 * MIB
-BIG_TRANSACTION_MIB = (123.0, 21.0)
+BIG_TRANSACTION_MIB = (150.0, 21.0, 26.0)
 
 
 def test_one_transaction_five_chunks_long_is_written_in_pieces(
@@ -139,10 +157,9 @@ def md5_table(pg: PgDatabase, rows: int, name: str = "big") -> float:
     return heap / MIB
 
 
-#: (resident, Arrow) bounds of a snapshot of a 40 MB table (heap; 34 MB of values) in eight key ranges: measured
-#: 110-124 and 10.5 MiB (four runs); with a quarter of each batch's rows (or every fourth batch) kept, 120-127
-#: and 19-20. The resident figure varies as much as the leak adds, so Arrow's bound is the one that binds here.
-KEY_RANGES_MIB = (135.0, 16.0)
+#: (resident, Arrow, Python) bounds of a snapshot of a 40 MB table (heap; 34 MB of values) in eight key ranges:
+#: measured 109-124, 10.5 and 5.2 MiB (six runs, load 5-14).
+KEY_RANGES_MIB = (150.0, 16.0, 8.0)
 
 
 def test_a_snapshot_in_key_ranges_holds_a_range_not_the_table(pg: PgDatabase, tmp_path: Path) -> None:
@@ -162,12 +179,10 @@ def test_a_snapshot_in_key_ranges_holds_a_range_not_the_table(pg: PgDatabase, tm
     assert_md5_payloads(config.table_path("public", "big"), rows)
 
 
-#: (resident, Arrow) bounds of reconciling a 40 MB table: measured 203-215 and 42.6 MiB (four runs); with a
-#: quarter of each piece's rows kept, 217 and 48. Reconciliation reads both sides in pieces of 16 MiB
-#: (``PARSE_BYTES``; the engine's batches) and turns each into Python rows to compare, so at this size it holds
-#: about the table; the bounds stop it from holding more. The resident figure varies as much as the leak adds,
-#: so Arrow's bound is the one that binds here (as for the key ranges).
-RECONCILE_MIB = (240.0, 45.0)
+#: (resident, Arrow, Python) bounds of reconciling a 40 MB table: measured 189-215, 42.6 and 49 MiB (six runs, load
+#: 5-14). Reconciliation reads both sides in pieces of 16 MiB (``PARSE_BYTES``; the engine's batches) and turns each
+#: into Python rows to compare, so at this size it holds about the table; the bounds stop it from holding more.
+RECONCILE_MIB = (260.0, 46.0, 55.0)
 
 
 def test_reconcile_holds_no_more_than_its_pieces(pg: PgDatabase, tmp_path: Path, spark: SparkSession) -> None:
@@ -185,7 +200,7 @@ def test_reconcile_holds_no_more_than_its_pieces(pg: PgDatabase, tmp_path: Path,
 #: MiB for the smaller table, 148-198 for the larger, load 6-14; the lower of two copies grew by 51 MiB once on a
 #: quiet machine), more than the table grows, so resident memory is reported, not bounded. Arrow's pool grew 0 to
 #: +4.6 MiB (16.5-21 MiB); with every fourth batch the writer took kept, +40 to +41; with a quarter of each
-#: batch's rows kept (lower of two copies), +7.9.
+#: batch's rows kept (lower of two copies), +7.9. Every copy also keeps nothing once done (``KEPT_MIB``).
 PARALLEL_ARROW_GROWTH_MIB = 7.0
 
 
@@ -203,6 +218,7 @@ def test_the_parallel_ctid_snapshot_holds_pieces_not_the_table(pg: PgDatabase, t
             path = str(tmp_path / f"{name}_{copy}")
             memory = measured("snapshot", pg.dsn, f"pub_{name}", f"public.{name}", path, SLOT, str(MIB), "3", "2")
             assert memory["rows"] == rows and memory["workers"] == 3
+            assert_kept_nothing(memory)
             assert_md5_payloads(path, rows)
             copies.append((held(memory), memory["arrow_max_mib"]))
         lowest[name] = (min(c[0] for c in copies), min(c[1] for c in copies))

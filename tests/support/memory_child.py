@@ -9,6 +9,9 @@ So the memory tests run the work here and read the operating system's account of
 * ``peak_mib``: the peak resident memory (VmHWM) during the work, so ``peak_mib - baseline_mib``
   is what the work itself held at its worst, in Python, Arrow, Rust and libpq alike;
 * ``arrow_max_mib``: ``pa.default_memory_pool().max_memory()``, the most Arrow's pool held at once;
+* ``python_peak_mib``: the most Python's heap held at once during the work (tracemalloc);
+* ``arrow_kept_mib``, ``python_kept_mib``: what Arrow's pool and Python's heap still hold once the work is done
+  and garbage collected, over what they held before it: a leak, which resident memory is too noisy to see;
 * ``engine_peak_mib``: the embedded Sail server's own peak (VmHWM), for drains, whose MERGEs run there.
 
 Usage: python -m tests.support.memory_child snapshot DSN PUBLICATION SCHEMA.TABLE PATH SLOT CHUNK_BYTES WORKERS CHUNK_MB
@@ -23,9 +26,11 @@ Prints one JSON line with the figures above and what the work did: ``rows``, ``c
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +105,26 @@ WORK = {"snapshot": _snapshot, "drain": _drain, "snapshot-tables": _snapshot_tab
 def main() -> None:
     work = WORK[sys.argv[1]]
     with SparkEngine.embedded() as engine:
+        gc.collect()
         baseline, _ = process_memory_mib()
+        arrow_before = pa.total_allocated_bytes()
+        tracemalloc.start()
         with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
             clear.write(RESET_PEAK)
         done = work(engine, sys.argv[2:])
         _, peak = process_memory_mib()
+        gc.collect()
+        arrow_kept = pa.total_allocated_bytes() - arrow_before
+        python_kept, python_peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
         _, engine_peak = engine.server_memory_mib()
     report = {
         "baseline_mib": baseline,
         "peak_mib": peak,
         "arrow_max_mib": pa.default_memory_pool().max_memory() / 2**20,
+        "arrow_kept_mib": arrow_kept / 2**20,
+        "python_kept_mib": python_kept / 2**20,
+        "python_peak_mib": python_peak / 2**20,
         "engine_peak_mib": engine_peak,
         **done,
     }
