@@ -24,6 +24,7 @@ from resources.names import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres, delta_rows
+from tests.support.engine_fixtures import SUITE_SPARK_CONFIG
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytestmark = pytest.mark.spark  # Spark JVMs; tiers: docs/testing.md
@@ -59,6 +60,7 @@ def hive_config(pg: PgDatabase, tmp_path: Path) -> PgcdcConfig:
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": "pgcdc_catalog_slot",
         "delta": {"root": str(tmp_path / "lake")},
         "spark": {"engine": "spark", "keep_alive_s": 0, "config": {
+            **SUITE_SPARK_CONFIG,
             "spark.sql.catalogImplementation": "hive",
             "spark.hadoop.javax.jdo.option.ConnectionURL": f"jdbc:derby:;databaseName={metastore}/metastore_db;create=true",
             "spark.sql.warehouse.dir": str(tmp_path / "warehouse"),

@@ -36,7 +36,7 @@ from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.busy_drain import settle
-from tests.support.engine_fixtures import group_alive
+from tests.support.engine_fixtures import group_alive, SUITE_SPARK_CONFIG
 from tests.support.fault_runs import Child, confirmed, SLOT, write_config
 from tests.support.history_oracle import assert_as_of_equals
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
@@ -50,7 +50,9 @@ KILLED = -9
 def spark_url() -> Iterator[tuple[SparkSession, str]]:
     """The managed engine (a Spark Connect server with Delta on ``local[2]``), started once for the module:
     its session and its address, which the drains in child processes connect to."""
-    engine = SparkEngine.managed_spark({"spark.driver.extraJavaOptions": "-XX:+TieredCompilation"}, master="local[2]")
+    engine = SparkEngine.managed_spark(
+        {**SUITE_SPARK_CONFIG, "spark.driver.extraJavaOptions": "-XX:+TieredCompilation"}, master="local[2]"
+    )
     group = engine.server_pid
     try:
         yield engine.spark, engine_address(engine.spark)

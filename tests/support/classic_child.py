@@ -27,11 +27,12 @@ from resources.delta.spark_destination import lake_destination
 from resources.engines.capabilities import engine_capabilities
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
+from tests.support.engine_fixtures import SUITE_SPARK_CONFIG
 
 
 def main() -> None:
     config = load_config(sys.argv[1])
-    resource = SparkDeltaResource(mode="classic", spark_config={"spark.master": "local[1]"})
+    resource = SparkDeltaResource(mode="classic", spark_config={"spark.master": "local[1]", **SUITE_SPARK_CONFIG})
     with resource.yield_for_execution(build_init_resource_context()) as ready:
         spark = ready.spark_session
         assert ".connect." not in type(spark).__module__, "not a classic session"
