@@ -17,7 +17,6 @@ server in production): the JVM outlives the killed client, so a kill costs a chi
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,18 +26,16 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
-from resources.delta.reads import read_rows
 from resources.delta.spark_destination import lake_destination
 from resources.engines.engine import SparkEngine
 from resources.engines.spark_connect import engine_address
-from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.busy_drain import settle
 from tests.support.engine_fixtures import group_alive
 from tests.support.fault_runs import Child, confirmed, SLOT, write_config
-from tests.support.history_oracle import assert_as_of_equals
+from tests.support.history_oracle import assert_as_of_equals, assert_changes_once
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytestmark = [pytest.mark.spark, NEWEST_POSTGRES_ONLY]  # one Spark JVM for the module; tiers: docs/testing.md
@@ -182,24 +179,6 @@ def test_kills_after_pieces_of_a_transaction_five_chunks_long_replay_exactly(
     assert exact(pg, config, EACH_WAY) == {"public.acct": 60, "public.ledger": 32, "public.tally": 33}
 
 
-def changes_once(spark: SparkSession, config: PgcdcConfig, table: str) -> None:
-    """A changelog (or SCD type 2 table) holds each change (version) once and its seed once."""
-    rows = read_rows(spark, config.history_path(*table.split(".")), None).to_pylist()
-    if config.history.mode(TableName.parse(table)) == "scd2":
-        versions = Counter(
-            (r["id"], r["_pgcdc_valid_from_lsn"], r["_pgcdc_seq"]) for r in rows if not r["_pgcdc_marker"]
-        )
-        assert sum(1 for r in rows if r["_pgcdc_marker"]) == 1, table
-    else:
-        versions = Counter(
-            (r["_pgcdc_lsn"], r["_pgcdc_seq"], r["_pgcdc_op"] == "fill")
-            for r in rows
-            if r["_pgcdc_op"] not in ("reset", "snapshot")
-        )
-        assert Counter(r["_pgcdc_op"] for r in rows)["reset"] == 1, table
-    assert not {v: n for v, n in versions.items() if n > 1}, f"{table}: written twice"
-
-
 def test_kills_after_history_commits_replay_each_change_once(
     spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
 ) -> None:
@@ -224,7 +203,7 @@ def test_kills_after_history_commits_replay_each_change_once(
     rerun(pg, config, spark, 1000)
     exact(pg, config, EACH_WAY)
     for table in history:
-        changes_once(spark, config, table)
+        assert_changes_once(spark, config, table)
         assert_as_of_equals(pg, spark, config, table, None, table)
 
 
