@@ -9,6 +9,7 @@ same walk runs on Delta on Spark in tests/test_spark_crashes.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import product
 from pathlib import Path
 
@@ -19,13 +20,14 @@ from pyspark.sql import SparkSession
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.spark_destination import lake_destination
+from resources.lsn import LSN
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from tests.support.crash_matrix import (
     ARRIVALS,
-    BIG_CHANGES,
     assert_matrix_exact,
     assert_step_exact,
+    BIG_CHANGES,
     KILL_CHUNK,
     MATRIX_DDL,
     MATRIX_HISTORY,
@@ -53,7 +55,7 @@ def matrix_config(pg: PgDatabase, tmp_path: Path, writes: int | None = None) -> 
 FIRST_LEDGER_PIECE = 6
 
 
-def kill_at(config_file: Path, fault: str, ends: tuple = ()) -> None:
+def kill_at(config_file: Path, fault: str, ends: Sequence[LSN] = ()) -> None:
     """A drain child in chunks of :data:`KILL_CHUNK`, which must be SIGKILLed at ``fault`` (a point it does not
     reach there fails the step)."""
     child = Child(config_file, chunk=KILL_CHUNK, env={FAULT_POINT_ENV: fault}, ends=ends)

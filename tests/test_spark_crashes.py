@@ -1,14 +1,17 @@
 """Drains SIGKILLed on Delta on Spark (the managed engine on ``local[2]``) at the windows that are Spark's own,
 each replayed exactly: Delta equals PostgreSQL with multiplicity, changelogs hold each change once.
 
-Embedded Sail runs every crash point at many arrivals (tests/test_incremental.py, tests/test_faults.py);
+Embedded Sail runs every drain crash point at arrivals 1-3 and more (tests/test_crash_matrix.py, test_incremental.py);
 on Spark a table's commits go through a Spark Connect server, side by side from several threads, and
 a killed client's queries run on in the server. The windows killed here:
 
 * between two tables' commits of one chunk, written side by side (``write_concurrency``);
 * after piece k of a transaction five times larger than a chunk, in a keyless, a FULL and a keyed table;
 * after a changelog or SCD type 2 commit, before its table's commit;
-* inside a schema change: after the widening, before the fill of a column added with a default.
+* inside a schema change: after the widening, before the fill of a column added with a default;
+* the crash matrix's walk (tests/support/crash_matrix.py) at three of its steps: before the third piece of a
+  streamed transaction, after the whole of it before the confirm, after the second confirm (``SPARK_MATRIX`` says
+  why three, not the 21 embedded Sail runs).
 
 The drain is a child process connected to one JVM this module starts (as ``spark.remote`` finds a
 server in production): the JVM outlives the killed client, so a kill costs a child, not a JVM start.
@@ -17,7 +20,7 @@ server in production): the JVM outlives the killed client, so a kill costs a chi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import deltalake
@@ -29,10 +32,20 @@ from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.spark_destination import lake_destination
 from resources.engines.engine import SparkEngine
 from resources.engines.spark_connect import engine_address
+from resources.lsn import LSN
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.busy_drain import settle
+from tests.support.crash_matrix import (
+    assert_matrix_exact,
+    assert_step_exact,
+    KILL_CHUNK,
+    MATRIX_DDL,
+    MATRIX_HISTORY,
+    MATRIX_TABLES,
+    write_slice,
+)
 from tests.support.engine_fixtures import group_alive
 from tests.support.fault_runs import Child, confirmed, SLOT, write_config
 from tests.support.history_oracle import assert_as_of_equals, assert_changes_once
@@ -70,11 +83,13 @@ def spark_config(
     })  # fmt: skip
 
 
-def killed_at(config: PgcdcConfig, tmp_path: Path, fault: str, chunk: int) -> str:
-    """A drain in a child process, SIGKILLed at ``fault``; its standard output (the drain's log lines)."""
-    child = Child(write_config(config, tmp_path), chunk=chunk, env={FAULT_POINT_ENV: fault})
+def killed_at(config: PgcdcConfig, tmp_path: Path, fault: str, chunk: int, ends: Sequence[LSN] = ()) -> str:
+    """A drain in a child process (in runs ending at ``ends``, then to the end), which must be SIGKILLed at
+    ``fault``; its standard output (the drain's log lines)."""
+    child = Child(write_config(config, tmp_path), chunk=chunk, env={FAULT_POINT_ENV: fault}, ends=ends)
     try:
-        assert child.wait(timeout=300) == KILLED, child.output()
+        code = child.wait(timeout=300)
+        assert code == KILLED, f"the drain was not killed at {fault} (exit {code}):\n{child.output()}"
     finally:
         child.kill()
     return child.out.read_text()
@@ -230,3 +245,34 @@ def test_kills_inside_a_schema_change_replay_exactly(
     assert "setting extra" in second.splitlines()[-1], second
     rerun(pg, config, spark, 10)
     assert exact(pg, config, EACH_WAY)["public.ledger"] == 5
+
+
+#: The crash matrix's steps on Delta on Spark: the points whose replay reads what Delta on Spark committed in the
+#: middle of the slice, one arrival each, the arrivals 1, 2 and 3 each met (embedded Sail runs every drain point at
+#: all three, tests/test_crash_matrix.py). A table's commit here costs one to two seconds on quiet cores, so a step
+#: (a child that reaches its point, the drain that finishes the slice) costs about a minute: the whole matrix would
+#: be 21 of them. ``after_history_commit`` and ``after_table_commit`` are killed at Spark's own windows by the tests
+#: above; ``after_slot_record`` and ``before_state_write`` follow writes to the lake that are not the engine's.
+SPARK_MATRIX = (("before_merge", 3), ("after_delta_commit", 1), ("after_confirm", 2))
+#: Points the drain's main thread reaches while its writer thread may have a table's write in the server: that
+#: write runs on after the client is killed, so the step waits for the logs to settle before its drain.
+WRITES_IN_FLIGHT = ("before_merge", "after_delta_commit", "after_slot_record", "after_confirm")
+
+
+def test_the_crash_matrix_replays_exactly(spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path) -> None:
+    """The crash matrix's walk (tests/support/crash_matrix.py), one table written at a time so each arrival names
+    one write: each step a fresh slice, a drain killed at its point and arrival, the drain that finishes the
+    slice; the keyless and the FULL table exact after each step, every table and history exact at the end."""
+    spark, url = spark_url
+    pg.execute(MATRIX_DDL)
+    config = spark_config(pg, tmp_path, url, history=MATRIX_HISTORY)
+    snapshot_tables(config, lake_destination(spark, config))
+    for step, (point, n) in enumerate(SPARK_MATRIX):
+        written = write_slice(pg, step)
+        killed_at(config, tmp_path, f"{point}:{n}", KILL_CHUNK, written.marks if point == "before_state_write" else ())
+        if point in WRITES_IN_FLIGHT:
+            settle(config, MATRIX_TABLES, quiet=8.0, histories=list(MATRIX_HISTORY))
+        result = run_incremental(config, lake_destination(spark, config))
+        assert confirmed(pg) == result.confirmed_flush_lsn >= result.end_lsn
+        assert_step_exact(pg, config, f"{point}:{n}")
+    assert_matrix_exact(pg, config, spark)

@@ -5,6 +5,7 @@ engine's tests (tests/test_concurrent_drain.py) and the managed Spark engine's (
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import deltalake
@@ -71,12 +72,19 @@ def refuse_nulls_in(config: PgcdcConfig, table: str) -> None:
     delta.alter.add_columns([deltalake.Field("legacy", "long", nullable=False)])
 
 
-def settle(config: PgcdcConfig, tables: dict[str, tuple[str, ...]] = BUSY_TABLES, quiet: float = 15.0) -> None:
-    """Until no table's Delta log has grown for ``quiet`` seconds: the writes a killed client had sent to a
-    Spark Connect server run on in the server and may still commit. A run racing one fails on Delta's
-    conflict check (ConcurrentAppendException: a failed run, retried, never a wrong table); the next
-    scheduled run starts minutes later, but a test's re-run seconds later must wait for them."""
-    logs = [Path(config.table_path(*table.split("."))) / "_delta_log" for table in tables]
+def settle(
+    config: PgcdcConfig,
+    tables: dict[str, tuple[str, ...]] = BUSY_TABLES,
+    quiet: float = 15.0,
+    histories: Sequence[str] = (),
+) -> None:
+    """Until no table's Delta log (nor the history table of one of ``histories``) has grown for ``quiet`` seconds:
+    the writes a killed client had sent to a Spark Connect server run on in the server and may still commit. A
+    run racing one fails on Delta's conflict check (ConcurrentAppendException: a failed run, retried, never a
+    wrong table); the next scheduled run starts minutes later, but a test's re-run seconds later must wait."""
+    paths = [config.table_path(*table.split(".")) for table in tables]
+    paths += [path for table in histories if (path := config.history_path(*table.split("."))) is not None]
+    logs = [Path(path) / "_delta_log" for path in paths]
     seen: list[int] = []
     stable_since = time.monotonic()
     deadline = stable_since + 120

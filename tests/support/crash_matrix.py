@@ -8,8 +8,9 @@ starts with its largest window, so arrivals 1-3 of every point fall inside it:
 
 * one streamed transaction of :data:`BIG_CHANGES` changes (three chunks), rounds of inserts into ``ledger``
   (keyless) and ``tally`` (REPLICA IDENTITY FULL, identical rows) and updates of ``acct`` (keyed), so each of its
-  pieces writes all three tables and their history: ``after_table_commit:1..3`` and ``after_history_commit:1..3``
-  fall between the tables' and changelogs' commits of its first pieces, ``before_merge:n`` before its n-th;
+  pieces writes all three tables and their history: ``after_history_commit:1..3`` and ``after_table_commit:2..3``
+  fall between the tables' and histories' commits of its first pieces (``after_table_commit:1`` follows the
+  engine's preparation, the drain's first queued write), ``before_merge:n`` before its n-th piece;
 * then in later chunks a TRUNCATE of ``journal``, an ADD COLUMN with a default (``acct.a_<k>``, filled into the
   rows before it), a column added and widened (``ledger.w_<k>``, int to bigint), new names in every slice:
   ``after_delta_commit``, ``after_slot_record`` and ``after_confirm`` at arrival 1 follow the whole large
@@ -95,7 +96,9 @@ def write_slice(pg: PgDatabase, k: int) -> Slice:
     with pg.connect() as conn:
         with conn.transaction():
             for r in range(BIG_CHANGES // 9):
-                conn.execute("INSERT INTO ledger (entry, note) SELECT g %% 2, %s FROM generate_series(1, 3) g", (BIG_NOTE,))
+                conn.execute(
+                    "INSERT INTO ledger (entry, note) SELECT g %% 2, %s FROM generate_series(1, 3) g", (BIG_NOTE,)
+                )
                 conn.execute("INSERT INTO tally (k, note) SELECT 9, %s FROM generate_series(1, 3) g", (BIG_NOTE,))
                 conn.execute("UPDATE acct SET note = %s WHERE id %% 10 = %s AND id <= 30", (f"{BIG_NOTE} {k}.{r}", r))
         first = flush_position(conn)
@@ -104,10 +107,10 @@ def write_slice(pg: PgDatabase, k: int) -> Slice:
         conn.execute(f"ALTER TABLE acct ADD COLUMN a_{k} int DEFAULT {k}")
         conn.execute(f"ALTER TABLE ledger ADD COLUMN w_{k} int")
         small_transaction(conn, k, 1)
-        conn.execute("INSERT INTO ledger (entry, note, w_{0}) VALUES (1, 'same', {0}), (1, 'same', {0})".format(k))
+        conn.execute(f"INSERT INTO ledger (entry, note, w_{k}) VALUES (1, 'same', {k}), (1, 'same', {k})")
         second = flush_position(conn)
         conn.execute(f"ALTER TABLE ledger ALTER COLUMN w_{k} TYPE bigint")
-        conn.execute("INSERT INTO ledger (entry, note, w_{0}) VALUES (2, 'wide', 5000000000 + {0})".format(k))
+        conn.execute(f"INSERT INTO ledger (entry, note, w_{k}) VALUES (2, 'wide', 5000000000 + {k})")
         for i in range(2, 5):
             small_transaction(conn, k, i)
     return Slice((first, second))
