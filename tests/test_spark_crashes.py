@@ -9,8 +9,8 @@ a killed client's queries run on in the server. The windows killed here:
 * after piece k of a transaction five times larger than a chunk, in a keyless, a FULL and a keyed table;
 * after a changelog or SCD type 2 commit, before its table's commit;
 * inside a schema change: after the widening, before the fill of a column added with a default;
-* the crash matrix's walk (tests/support/crash_matrix.py) at one of its steps: after the whole of a streamed
-  transaction is in Delta, before the confirm (``SPARK_MATRIX`` says why one, not the 21 embedded Sail runs).
+* the crash matrix's walk (tests/support/crash_matrix.py) at one of its steps: before the second piece of a
+  streamed transaction (``SPARK_MATRIX`` says why one, not the 21 embedded Sail runs).
 
 The drain is a child process connected to one JVM this module starts (as ``spark.remote`` finds a
 server in production): the JVM outlives the killed client, so a kill costs a child, not a JVM start.
@@ -247,14 +247,13 @@ def test_kills_inside_a_schema_change_replay_exactly(
 
 
 #: The crash matrix's steps on Delta on Spark, one of its 21 (embedded Sail runs every drain point at arrivals 1, 2
-#: and 3, tests/test_crash_matrix.py): after the whole streamed transaction is in Delta, before the slot is confirmed,
-#: so the replay reads what Delta on Spark committed piece by piece. A table's commit costs here 2-10 s on two busy
-#: cores and a step some forty of them (its killed child's and the drain's that finishes the slice): two steps took
-#: over ten minutes, the whole matrix would take hours. ``after_history_commit`` and ``after_table_commit`` are
-#: killed at Spark's own windows by the tests above; ``before_merge`` reaches no Spark write; ``after_slot_record``,
-#: ``after_confirm`` and ``before_state_write`` follow what ``after_delta_commit`` does, then writes to the lake
-#: that are not the engine's.
-SPARK_MATRIX = (("after_delta_commit", 1),)
+#: and 3, tests/test_crash_matrix.py): before the streamed transaction's second piece, its first piece in the
+#: tables and histories, the slot not moved. A table's commit costs here 2-15 s on two busy cores and a step some
+#: forty of them (its killed child's and the drain's that finishes the slice): three steps did not end in ten minutes.
+#: The points reached once the whole transaction is durable come later still: a child to be killed at
+#: ``after_delta_commit:1`` wrote the transaction and the chunks after it (35 commits, five minutes), not there yet.
+#: ``after_history_commit`` and ``after_table_commit`` are killed at Spark's own windows by the tests above.
+SPARK_MATRIX = (("before_merge", 2),)
 #: Points the drain's main thread reaches while its writer thread may have a table's write in the server: that
 #: write runs on after the client is killed, so the step waits for the logs to settle before its drain.
 WRITES_IN_FLIGHT = ("before_merge", "after_delta_commit", "after_slot_record", "after_confirm")
