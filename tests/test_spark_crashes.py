@@ -1,7 +1,7 @@
 """Drains SIGKILLed on Delta on Spark (the managed engine on ``local[2]``) at the windows that are Spark's own,
 each replayed exactly: Delta equals PostgreSQL with multiplicity, changelogs hold each change once.
 
-Embedded Sail runs every crash point at many arrivals (tests/test_incremental.py, tests/test_faults.py);
+Embedded Sail runs every drain crash point at arrivals 1-3 and more (tests/test_crash_matrix.py, test_incremental.py);
 on Spark a table's commits go through a Spark Connect server, side by side from several threads, and
 a killed client's queries run on in the server. The windows killed here:
 
@@ -10,6 +10,10 @@ a killed client's queries run on in the server. The windows killed here:
 * after a changelog or SCD type 2 commit, before its table's commit;
 * inside a schema change: after the widening, before the fill of a column added with a default.
 
+The crash matrix's walk (tests/test_crash_matrix.py: every drain point at arrivals 1-3) runs on embedded Sail
+only: one of its steps took seven minutes here (a table's commit costs 2-15 s on two busy cores and a step
+writes about forty), the 21 steps would take hours.
+
 The drain is a child process connected to one JVM this module starts (as ``spark.remote`` finds a
 server in production): the JVM outlives the killed client, so a kill costs a child, not a JVM start.
 """
@@ -17,7 +21,6 @@ server in production): the JVM outlives the killed client, so a kill costs a chi
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,18 +30,16 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.crash_points import FAULT_POINT_ENV
-from resources.delta.reads import read_rows
 from resources.delta.spark_destination import lake_destination
 from resources.engines.engine import SparkEngine
 from resources.engines.spark_connect import engine_address
-from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support.busy_drain import settle
 from tests.support.engine_fixtures import group_alive, SUITE_SPARK_CONFIG
 from tests.support.fault_runs import Child, confirmed, SLOT, write_config
-from tests.support.history_oracle import assert_as_of_equals
+from tests.support.history_oracle import assert_as_of_equals, assert_changes_once
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytestmark = [pytest.mark.spark, NEWEST_POSTGRES_ONLY]  # one Spark JVM for the module; tiers: docs/testing.md
@@ -76,10 +77,12 @@ def spark_config(
 
 
 def killed_at(config: PgcdcConfig, tmp_path: Path, fault: str, chunk: int) -> str:
-    """A drain in a child process, SIGKILLed at ``fault``; its standard output (the drain's log lines)."""
+    """A drain in a child process, which must be SIGKILLed at ``fault``; its standard output (the drain's log
+    lines)."""
     child = Child(write_config(config, tmp_path), chunk=chunk, env={FAULT_POINT_ENV: fault})
     try:
-        assert child.wait(timeout=300) == KILLED, child.output()
+        code = child.wait(timeout=300)
+        assert code == KILLED, f"the drain was not killed at {fault} (exit {code}):\n{child.output()}"
     finally:
         child.kill()
     return child.out.read_text()
@@ -184,24 +187,6 @@ def test_kills_after_pieces_of_a_transaction_five_chunks_long_replay_exactly(
     assert exact(pg, config, EACH_WAY) == {"public.acct": 60, "public.ledger": 32, "public.tally": 33}
 
 
-def changes_once(spark: SparkSession, config: PgcdcConfig, table: str) -> None:
-    """A changelog (or SCD type 2 table) holds each change (version) once and its seed once."""
-    rows = read_rows(spark, config.history_path(*table.split(".")), None).to_pylist()
-    if config.history.mode(TableName.parse(table)) == "scd2":
-        versions = Counter(
-            (r["id"], r["_pgcdc_valid_from_lsn"], r["_pgcdc_seq"]) for r in rows if not r["_pgcdc_marker"]
-        )
-        assert sum(1 for r in rows if r["_pgcdc_marker"]) == 1, table
-    else:
-        versions = Counter(
-            (r["_pgcdc_lsn"], r["_pgcdc_seq"], r["_pgcdc_op"] == "fill")
-            for r in rows
-            if r["_pgcdc_op"] not in ("reset", "snapshot")
-        )
-        assert Counter(r["_pgcdc_op"] for r in rows)["reset"] == 1, table
-    assert not {v: n for v, n in versions.items() if n > 1}, f"{table}: written twice"
-
-
 def test_kills_after_history_commits_replay_each_change_once(
     spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
 ) -> None:
@@ -226,7 +211,7 @@ def test_kills_after_history_commits_replay_each_change_once(
     rerun(pg, config, spark, 1000)
     exact(pg, config, EACH_WAY)
     for table in history:
-        changes_once(spark, config, table)
+        assert_changes_once(spark, config, table)
         assert_as_of_equals(pg, spark, config, table, None, table)
 
 

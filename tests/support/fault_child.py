@@ -1,6 +1,6 @@
 """One incremental drain in its own process, for the fault tests (tests/test_faults.py).
 
-Usage: python -m tests.support.fault_child CONFIG.yaml MAX_CHUNK_CHANGES
+Usage: python -m tests.support.fault_child CONFIG.yaml MAX_CHUNK_CHANGES [LSN,LSN...]   (runs ending at each LSN, then one to the end)
        python -m tests.support.fault_child CONFIG.yaml snapshot[:schema.table]   (snapshot_tables instead, of that table only)
 
 ``FAULT_CHILD_SNAPSHOT_WRITER`` = ``engine`` | ``delta-rs`` picks the snapshot writer instead of the
@@ -24,6 +24,7 @@ from resources.delta.spark_destination import lake_destination
 from resources.engines.capabilities import engine_capabilities, EngineCapabilities, set_engine_capabilities
 from resources.engines.engine import SparkEngine
 from resources.errors import PgcdcError
+from resources.lsn import LSN
 from resources.postgres.catalog import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
@@ -50,12 +51,15 @@ def main() -> int:
                 for done in snapshot_tables(config, lake_destination(engine.spark, config), only):
                     print(f"snapshot {done.table} {done.mode} at {done.snapshot_lsn}", flush=True)
                 return 0
-            result = run_incremental(
-                config,
-                lake_destination(engine.spark, config),
-                log=lambda line: print(line, flush=True),
-                max_chunk_changes=int(sys.argv[2]),
-            )
+            ends = [LSN.parse(mark) for mark in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
+            for end in [*ends, None]:  # one process, several runs: a crash point's arrivals count across them
+                result = run_incremental(
+                    config,
+                    lake_destination(engine.spark, config),
+                    log=lambda line: print(line, flush=True),
+                    max_chunk_changes=int(sys.argv[2]),
+                    end_lsn=end,
+                )
         except PgcdcError as error:
             print(f"pgcdc: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             return EXIT_PGCDC_ERROR

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -136,13 +136,21 @@ def rerun_converges(
 class Child:
     """``tests.support.fault_child`` draining in the background, output in files (pipes could fill up)."""
 
-    def __init__(self, config_file: Path, chunk: int | str = SMALL_CHUNK, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config_file: Path,
+        chunk: int | str = SMALL_CHUNK,
+        env: dict[str, str] | None = None,
+        ends: Sequence[LSN] = (),
+    ) -> None:
+        """``ends``: the child drains in runs ending at each of these positions, then in one to the end."""
         self.out = config_file.with_suffix(".out")
         self.err = config_file.with_suffix(".err")
         environment = {k: v for k, v in os.environ.items() if k != FAULT_POINT_ENV}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.support.fault_child", str(config_file), str(chunk)],
+                [sys.executable, "-m", "tests.support.fault_child", str(config_file), str(chunk)]
+                + ([",".join(map(str, ends))] if ends else []),
                 stdout=out, stderr=err, cwd=REPO, env={**environment, **(env or {})},
             )  # fmt: skip
 

@@ -1,10 +1,12 @@
 """The oracle of the past for history tables (docs/history.md): PostgreSQL's state captured at quiet
 moments with the LSN it holds at, and the as-of read at that LSN compared with it value for value.
 
-Used by tests/test_history.py (embedded Sail) and tests/test_engines.py (Delta on Spark)."""
+Used by tests/test_history.py (embedded Sail), tests/test_engines.py and tests/test_spark_crashes.py (Delta on Spark)
+and the crash matrix (tests/support/crash_matrix.py)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -12,6 +14,7 @@ import psycopg
 from pyspark.sql import SparkSession
 
 from resources.config import PgcdcConfig
+from resources.delta.reads import read_rows
 from resources.history.as_of import read_as_of
 from resources.lsn import LSN
 from resources.postgres.catalog import TableName
@@ -50,3 +53,21 @@ def assert_as_of_equals(
             assert rows.column(name).null_count == rows.num_rows, f"{table} as of {lsn}: {name} before it existed"
         schema, values = arrow_rows(rows)
         compare_rows(conn, copy, schema, values, extra_delta_columns=later)
+
+
+def assert_changes_once(spark: SparkSession, config: PgcdcConfig, table: str) -> None:
+    """A changelog (or SCD type 2 table, keyed by ``id``) holds each change (version) once and its seed once."""
+    rows = read_rows(spark, config.history_path(*table.split(".")), None).to_pylist()
+    if config.history.mode(TableName.parse(table)) == "scd2":
+        versions = Counter(
+            (r["id"], r["_pgcdc_valid_from_lsn"], r["_pgcdc_seq"]) for r in rows if not r["_pgcdc_marker"]
+        )
+        assert sum(1 for r in rows if r["_pgcdc_marker"]) == 1, table
+    else:
+        versions = Counter(
+            (r["_pgcdc_lsn"], r["_pgcdc_seq"], r["_pgcdc_op"] == "fill")
+            for r in rows
+            if r["_pgcdc_op"] not in ("reset", "snapshot")
+        )
+        assert Counter(r["_pgcdc_op"] for r in rows)["reset"] == 1, table
+    assert not {v: n for v, n in versions.items() if n > 1}, f"{table}: written twice"
