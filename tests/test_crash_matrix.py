@@ -3,13 +3,12 @@ over a fresh slice of one workload (tests/support/crash_matrix.py says what each
 land), then exact: no change applied twice, none lost, each change once in its history.
 
 One walk on one set of tables keeps it cheap: every step costs a killed child (with its own embedded engine, which
-dies with it) and a drain in the test's process that finishes the backlog, not a new database and snapshot. The
-same walk runs on Delta on Spark in tests/test_spark_crashes.py.
+dies with it) and a drain in the test's process that finishes the backlog, not a new database and snapshot. On
+Delta on Spark one step took seven minutes, so Spark's kills are at its own windows (tests/test_spark_crashes.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from itertools import product
 from pathlib import Path
 
@@ -18,9 +17,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
-from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.spark_destination import lake_destination
-from resources.lsn import LSN
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from tests.support.crash_matrix import (
@@ -34,12 +31,10 @@ from tests.support.crash_matrix import (
     MATRIX_POINTS,
     write_slice,
 )
-from tests.support.fault_runs import Child, confirmed, SLOT, write_config
+from tests.support.fault_runs import confirmed, killed_at, SLOT, write_config
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytest_plugins = ["tests.support.spark_fixtures"]
-
-KILLED = -9
 
 
 def matrix_config(pg: PgDatabase, tmp_path: Path, writes: int | None = None) -> PgcdcConfig:
@@ -55,17 +50,6 @@ def matrix_config(pg: PgDatabase, tmp_path: Path, writes: int | None = None) -> 
 FIRST_LEDGER_PIECE = 6
 
 
-def kill_at(config_file: Path, fault: str, ends: Sequence[LSN] = ()) -> None:
-    """A drain child in chunks of :data:`KILL_CHUNK`, which must be SIGKILLed at ``fault`` (a point it does not
-    reach there fails the step)."""
-    child = Child(config_file, chunk=KILL_CHUNK, env={FAULT_POINT_ENV: fault}, ends=ends)
-    try:
-        code = child.wait(timeout=300)
-        assert code == KILLED, f"the drain was not killed at {fault} (exit {code}):\n{child.output()}"
-    finally:
-        child.kill()
-
-
 @NEWEST_POSTGRES_ONLY  # the windows are pgcdc's own; both versions' streams run test_incremental's crash points
 @pytest.mark.slow  # 21 drain children SIGKILLed
 def test_a_drain_killed_at_every_point_and_arrival_replays_exactly(
@@ -76,9 +60,9 @@ def test_a_drain_killed_at_every_point_and_arrival_replays_exactly(
     config_file = write_config(config, tmp_path)
     snapshot_tables(config, lake_destination(spark, config))
     for step, (point, n) in enumerate(product(MATRIX_POINTS, ARRIVALS)):
-        written = write_slice(pg, step)
+        marks = write_slice(pg, step)
         before = confirmed(pg)
-        kill_at(config_file, f"{point}:{n}", written.marks if point == "before_state_write" else ())
+        killed_at(config_file, f"{point}:{n}", KILL_CHUNK, marks if point == "before_state_write" else ())
         if point in ("before_merge", "after_history_commit", "after_table_commit"):
             assert confirmed(pg) == before, f"{point}:{n}: the slot was confirmed inside the large transaction"
         result = run_incremental(config, lake_destination(spark, config))
@@ -99,7 +83,7 @@ def test_a_drain_killed_between_two_pieces_of_a_streamed_transaction_replays_exa
     snapshot_tables(config, lake_destination(spark, config))
     write_slice(pg, 0)
     before = confirmed(pg)
-    kill_at(write_config(config, tmp_path), f"after_table_commit:{FIRST_LEDGER_PIECE}")
+    killed_at(write_config(config, tmp_path), f"after_table_commit:{FIRST_LEDGER_PIECE}", KILL_CHUNK)
     assert 1 < deltalake.DeltaTable(config.table_path("public", "ledger")).count() < 1 + BIG_CHANGES // 3
     assert confirmed(pg) == before
     run_incremental(config, lake_destination(spark, config))

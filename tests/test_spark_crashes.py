@@ -29,22 +29,20 @@ import pytest
 from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
-from resources.crash_points import FAULT_POINT_ENV
 from resources.delta.spark_destination import lake_destination
 from resources.engines.engine import SparkEngine
 from resources.engines.spark_connect import engine_address
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
+from tests.support import fault_runs
 from tests.support.busy_drain import settle
 from tests.support.engine_fixtures import group_alive, SUITE_SPARK_CONFIG
-from tests.support.fault_runs import Child, confirmed, SLOT, write_config
+from tests.support.fault_runs import confirmed, SLOT, write_config
 from tests.support.history_oracle import assert_as_of_equals, assert_changes_once
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
 pytestmark = [pytest.mark.spark, NEWEST_POSTGRES_ONLY]  # one Spark JVM for the module; tiers: docs/testing.md
-
-KILLED = -9
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +77,7 @@ def spark_config(
 def killed_at(config: PgcdcConfig, tmp_path: Path, fault: str, chunk: int) -> str:
     """A drain in a child process, which must be SIGKILLed at ``fault``; its standard output (the drain's log
     lines)."""
-    child = Child(write_config(config, tmp_path), chunk=chunk, env={FAULT_POINT_ENV: fault})
-    try:
-        code = child.wait(timeout=300)
-        assert code == KILLED, f"the drain was not killed at {fault} (exit {code}):\n{child.output()}"
-    finally:
-        child.kill()
-    return child.out.read_text()
+    return fault_runs.killed_at(write_config(config, tmp_path), fault, chunk)
 
 
 def rerun(pg: PgDatabase, config: PgcdcConfig, spark: SparkSession, chunk: int, racing: bool = False) -> None:

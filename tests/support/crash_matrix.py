@@ -1,4 +1,4 @@
-"""The crash matrix (tests/test_crash_matrix.py on embedded Sail, tests/test_spark_crashes.py on Delta on Spark): a
+"""The crash matrix (tests/test_crash_matrix.py, on embedded Sail): a
 drain killed at every drain crash point at its arrivals 1, 2 and 3, each kill over a fresh slice of one workload.
 
 Each step writes a slice (:func:`write_slice`), kills a drain child at ``point:n`` in chunks of :data:`KILL_CHUNK`
@@ -16,7 +16,7 @@ starts with its largest window, so arrivals 1-3 of every point fall inside it:
   ``after_delta_commit``, ``after_slot_record`` and ``after_confirm`` at arrival 1 follow the whole large
   transaction, at 2 and 3 the chunks of those windows;
 * ``before_state_write`` comes once per run: the child of that point drains the slice as three runs, up to the
-  slice's two :class:`Slice` marks and then to its end, in one process, so ``before_state_write:n`` kills the n-th
+  slice's two marks (:func:`write_slice`) and then to its end, in one process, so ``before_state_write:n`` kills the n-th
   run after its commits (the marks cut after the large transaction and after the ADD COLUMN).
 
 ``ledger``, ``tally`` and ``acct`` are never truncated, so a change applied twice anywhere stays visible; ``acct``
@@ -26,8 +26,6 @@ aside and re-snapshotted at every step; tests/test_quarantine.py kills there.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import psycopg
 from pyspark.sql import SparkSession
@@ -78,21 +76,15 @@ BIG_CHANGES = 45
 BIG_NOTE = "b" * 1800
 
 
-@dataclass(frozen=True)
-class Slice:
-    """The positions (after a commit) where a three-run child ends its first and second run."""
-
-    marks: tuple[LSN, LSN]
-
-
 def flush_position(conn: psycopg.Connection) -> LSN:
     ((value,),) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchall()
     return LSN.parse(value)
 
 
-def write_slice(pg: PgDatabase, k: int) -> Slice:
+def write_slice(pg: PgDatabase, k: int) -> tuple[LSN, LSN]:
     """Slice ``k`` of the workload: the large streamed transaction first, then small transactions around a TRUNCATE
-    of ``journal``, an ADD COLUMN with a default and a column added then widened (their names carry ``k``)."""
+    of ``journal``, an ADD COLUMN with a default and a column added then widened (their names carry ``k``). Its
+    marks: the positions (after a commit) where a three-run child ends its first and second run."""
     with pg.connect() as conn:
         with conn.transaction():
             for r in range(BIG_CHANGES // 9):
@@ -113,7 +105,7 @@ def write_slice(pg: PgDatabase, k: int) -> Slice:
         conn.execute(f"INSERT INTO ledger (entry, note, w_{k}) VALUES (2, 'wide', 5000000000 + {k})")
         for i in range(2, 5):
             small_transaction(conn, k, i)
-    return Slice((first, second))
+    return first, second
 
 
 def small_transaction(conn: psycopg.Connection, k: int, i: int) -> None:

@@ -5,6 +5,7 @@ the one-line failure, exact convergence on the rerun."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,18 @@ class Child:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def killed_at(config_file: Path, fault: str, chunk: int, ends: Sequence[LSN] = ()) -> str:
+    """A drain child (in runs ending at ``ends``, then to the end) that must be SIGKILLed at the crash point
+    ``fault`` (one it does not reach fails); its standard output (the drain's log lines)."""
+    child = Child(config_file, chunk=chunk, env={FAULT_POINT_ENV: fault}, ends=ends)
+    try:
+        code = child.wait(timeout=300)
+        assert code == -signal.SIGKILL, f"the drain was not killed at {fault} (exit {code}):\n{child.output()}"
+    finally:
+        child.kill()
+    return child.out.read_text()
 
 
 def wait_mid_drain(pg: PgDatabase, child: Child, start: LSN, timeout: float = 90) -> LSN:
