@@ -299,10 +299,23 @@ def assert_delta_equals_postgres(
         )  # fmt: skip
 
 
+#: A value's repr longer than this shows as its start and its length, so a diff of wide rows stays readable.
+SHOWN_VALUE_CHARS = 60
+
+
+def _shown(values: object) -> str:
+    """``values`` (a row, a key, a list of rows or None) as its repr with every long value cut to its start."""
+    if isinstance(values, (tuple, list)):
+        inner = ", ".join(_shown(value) for value in values)
+        return f"({inner}{',' if len(values) == 1 else ''})" if isinstance(values, tuple) else f"[{inner}]"
+    text = repr(values)
+    return text if len(text) <= SHOWN_VALUE_CHARS else f"{text[:SHOWN_VALUE_CHARS]}...({len(text)} chars)"
+
+
 def _diff(
     table: str | TableName, columns: list[str], key: Sequence[str], pg_rows: list[tuple], delta_rows_: list[tuple]
 ) -> str:
-    """A readable diff: rows per key that differ, or multiset differences without a key."""
+    """A readable diff: rows per key that differ, or multiset differences without a key; long values elided."""
     lines = [f"Delta differs from PostgreSQL for {table} (columns {columns}):"]
     if key:
         positions = [columns.index(name) for name in key]
@@ -313,14 +326,14 @@ def _diff(
         for k in sorted(set(by_key_pg) | set(by_key_delta), key=_sort_key):
             expected, got = by_key_pg.get(k), by_key_delta.get(k, [])
             if got != ([expected] if expected is not None else []):
-                lines.append(f"  key {k}: PostgreSQL {expected!r}")
-                lines.append(f"  {' ' * len(f'key {k}')}  Delta      {got!r}")
+                lines.append(f"  key {_shown(k)}: PostgreSQL {_shown(expected)}")
+                lines.append(f"  {' ' * len(f'key {_shown(k)}')}  Delta      {_shown(got)}")
     else:
         pg_count, delta_count = Counter(pg_rows), Counter(delta_rows_)
         for row in sorted((pg_count - delta_count).elements(), key=_sort_key):
-            lines.append(f"  only in PostgreSQL: {row!r}")
+            lines.append(f"  only in PostgreSQL: {_shown(row)}")
         for row in sorted((delta_count - pg_count).elements(), key=_sort_key):
-            lines.append(f"  only in Delta:      {row!r}")
+            lines.append(f"  only in Delta:      {_shown(row)}")
     if len(lines) > 41:
         lines = lines[:41] + [f"  ... {len(lines) - 41} more lines"]
     return "\n".join(lines)
