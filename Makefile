@@ -8,9 +8,6 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 # JVM_MODULES, tests/support/tiers.py), one JVM at a time. WORKERS=0 runs the suite in this process.
 WORKERS ?= 2
 PARALLEL := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
-# Runs alone after the others: its kept JVM must answer within seconds of being probed, which the other
-# worker's load can delay past its client's connect timeout.
-ALONE := tests/test_spark_kept_jvm.py
 # The runtime packages that lint and the type check cover.
 RUNTIME := resources pgcdc_assets sensors
 
@@ -28,8 +25,7 @@ demo: $(VENV)/.installed-demo
 
 # The whole suite (every tier; what .ci/run runs).
 test: $(VENV)/.installed-dev
-	$(PYTEST) $(PARALLEL) --ignore=$(ALONE) $(PYTEST_ARGS)
-	$(PYTEST) $(ALONE) $(PYTEST_ARGS)
+	$(PYTEST) $(PARALLEL) $(PYTEST_ARGS)
 
 # No server at all: decoders, folds, layouts, configuration, the in-memory destination (docs/testing.md, "Tiers").
 # On two workers too: its time is CPU (imports in child interpreters, property tests), which a second core halves.

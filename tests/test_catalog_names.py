@@ -1,7 +1,7 @@
 """Tables registered by name (``catalog:``): the configuration, the names, their quoting, and whole runs
 against the in-memory destination (real PostgreSQL, no engine), whose catalog refuses a name held by
-another table as Spark's does. The same walk on Delta on Spark with a Hive metastore, read back by a
-fresh JVM: tests/test_spark_catalog.py."""
+another table as Spark's does. The same walk on Delta on Spark with a Hive metastore, read back by name
+from a session of its own: tests/test_spark_catalog.py."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import pytest
 
 from resources.config import load_config, parse_config
 from resources.config.columns import as_text_fix, ColumnChoice
+from resources.engines.kept_spark import ANSWER_TIMEOUT_ENV, answer_timeout_s, attach, SERVERS_DIR_ENV
 from resources.errors import ConfigurationError, mask_dsn
 from resources.names import TableName
 
@@ -146,3 +147,24 @@ def test_a_table_key_with_dots_is_read_back_by_its_path(tmp_path: Path) -> None:
     )
     for table in (TableName("a.b", "c"), TableName("a", "b.c"), TableName("sch", 'é$.say "hi"')):
         assert config.table_at(str(table), config.table_path(table.schema, table.name)) == table
+
+
+def test_a_bad_kept_jvm_answer_timeout_is_one_line_before_any_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``$PGCDC_SPARK_ANSWER_TIMEOUT`` (how long a kept JVM may take to answer before a run replaces it):
+    a value that is not seconds above 0 fails the run in one line before it probes, stops or starts a server."""
+    monkeypatch.setenv(SERVERS_DIR_ENV, str(tmp_path / "servers"))
+    for value in ("soon", "0", "-5", "nan"):
+        monkeypatch.setenv(ANSWER_TIMEOUT_ENV, value)
+        with pytest.raises(ConfigurationError) as raised:
+            attach("local[2]", {}, {}, keep_alive_s=600)
+        assert str(raised.value) == (
+            f"$PGCDC_SPARK_ANSWER_TIMEOUT is {value!r}, not a number of seconds above 0: set it to the seconds a"
+            " kept Spark JVM may take to answer (say 60) or unset it (10 s)"
+        )
+    assert not (tmp_path / "servers").exists()
+    monkeypatch.setenv(ANSWER_TIMEOUT_ENV, "90")
+    assert answer_timeout_s() == 90
+    monkeypatch.delenv(ANSWER_TIMEOUT_ENV)
+    assert answer_timeout_s() == 10

@@ -5,10 +5,12 @@ persistent Hive metastore: embedded Derby in a directory the test owns (``spark.
 it). One walk, as the lifecycle walks of tests/test_engines.py: a snapshot (a table whose name the
 metastore refuses, another whose name a Parquet table holds: each refused in one line, both written
 all the same), a re-snapshot beside a table new to the publication, a drain that creates the changelog
-and the SCD type 2 table and adds a column. Then that JVM stops (Derby allows one JVM at a time) and a
-fresh one, started with the same metastore, counts every registered table by name: equal to
-PostgreSQL's. The in-memory runs of tests/test_catalog_names.py cover a lost registration repaired by
-the next drain, and drains after the first.
+and the SCD type 2 table and adds a column. Then a session of its own on that JVM, as a reader's on the kept
+JVM (embedded Derby admits one JVM at a time: docs/deployment.md), counts every registered table by name:
+equal to PostgreSQL's. It shares nothing with the writing session but the metastore (its temporary views
+and its cache of relations are its own), so what it finds by name is what the metastore holds; a fresh
+JVM on the same metastore would find the same and cost a JVM start. The in-memory runs of
+tests/test_catalog_names.py cover a lost registration repaired by the next drain, and drains after the first.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.spark_destination import lake_destination
 from resources.engines.engine import SparkEngine
+from resources.engines.spark_connect import connect_session, engine_address
 from resources.names import TableName
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
@@ -72,8 +76,8 @@ def hive_config(pg: PgDatabase, tmp_path: Path) -> PgcdcConfig:
 
 
 @NEWEST_POSTGRES_ONLY
-@pytest.mark.timeout(1200)  # 219-573 s at load 7-15 on two cores: two JVM starts, Derby, Delta on Spark
-def test_every_table_is_registered_and_a_fresh_jvm_counts_them_by_name(pg: PgDatabase, tmp_path: Path) -> None:
+@pytest.mark.timeout(1200)  # a JVM start, Derby, Delta on Spark: minutes on two busy cores
+def test_every_table_is_registered_and_another_session_counts_them_by_name(pg: PgDatabase, tmp_path: Path) -> None:
     pg.execute(DDL)
     config = hive_config(pg, tmp_path)
     with SparkEngine.from_config(config.spark) as engine:
@@ -118,33 +122,32 @@ def test_every_table_is_registered_and_a_fresh_jvm_counts_them_by_name(pg: PgDat
         """)  # fmt: skip
         drained = run_incremental(config, destination)  # creates the changelog and the SCD2 table: registered now
         assert drained.unregistered == {"shop.Odd Name": odd, "shop.clash": clash}
-    for table in ("orders", "items", "plain", "fresh"):
-        assert_delta_equals_postgres(pg.dsn, f"shop.{table}", config.table_path("shop", table))
-
-    with SparkEngine.from_config(config.spark) as engine:  # a fresh JVM: all it knows is the metastore
-        spark = engine.spark
-        listed = {row.tableName for row in spark.sql("SHOW TABLES IN spark_catalog.pg_shop").collect()}
-        assert listed == {
-            "orders",
-            "orders__history",
-            "items",
-            "items__changes",
-            "plain",
-            "fresh",
-            "clash",
-        }
-
-        def count(query: str) -> int:
-            return int(spark.sql(query).collect()[0][0])
-
         for table in ("orders", "items", "plain", "fresh"):
-            postgres = pg.execute(f"SELECT count(*) FROM shop.{table}")[0][0]
-            assert count(f"SELECT count(*) FROM spark_catalog.pg_shop.{table}") == postgres, table
-        current = "SELECT count(*) FROM pg_shop.orders__history WHERE _pgcdc_is_current"
-        assert count(current) == pg.execute("SELECT count(*) FROM shop.orders")[0][0]
-        assert (
-            count("SELECT count(note) FROM spark_catalog.pg_shop.orders") == 2
-        )  # a column added after the registration
-        for history in ("orders__history", "items__changes"):
-            at = config.delta.root + "/shop/" + history
-            assert count(f"SELECT count(*) FROM spark_catalog.pg_shop.{history}") == len(delta_rows(at)[1]), history
+            assert_delta_equals_postgres(pg.dsn, f"shop.{table}", config.table_path("shop", table))
+        reader = connect_session(engine_address(spark))
+        try:
+            assert reader.session_id != spark.session_id
+            assert_counted_by_name(reader, pg, config)
+        finally:
+            reader.stop()
+
+
+def assert_counted_by_name(reader: SparkSession, pg: PgDatabase, config: PgcdcConfig) -> None:
+    """``reader``, a session that shares only the Hive metastore with the writer, lists every registered table
+    and counts each by name: equal to PostgreSQL's, the history tables to their Delta tables'."""
+    assert reader.conf.get("spark.sql.catalogImplementation") == "hive"  # the catalog is the metastore, not memory
+    listed = {row.tableName for row in reader.sql("SHOW TABLES IN spark_catalog.pg_shop").collect()}
+    assert listed == {"orders", "orders__history", "items", "items__changes", "plain", "fresh", "clash"}
+
+    def count(query: str) -> int:
+        return int(reader.sql(query).collect()[0][0])
+
+    for table in ("orders", "items", "plain", "fresh"):
+        postgres = pg.execute(f"SELECT count(*) FROM shop.{table}")[0][0]
+        assert count(f"SELECT count(*) FROM spark_catalog.pg_shop.{table}") == postgres, table
+    current = "SELECT count(*) FROM pg_shop.orders__history WHERE _pgcdc_is_current"
+    assert count(current) == pg.execute("SELECT count(*) FROM shop.orders")[0][0]
+    assert count("SELECT count(note) FROM spark_catalog.pg_shop.orders") == 2  # a column added after the registration
+    for history in ("orders__history", "items__changes"):
+        at = config.delta.root + "/shop/" + history
+        assert count(f"SELECT count(*) FROM spark_catalog.pg_shop.{history}") == len(delta_rows(at)[1]), history

@@ -14,14 +14,14 @@ The crash matrix's walk (tests/test_crash_matrix.py: every drain point at arriva
 only: one of its steps took seven minutes here (a table's commit costs 2-15 s on two busy cores and a step
 writes about forty), the 21 steps would take hours.
 
-The drain is a child process connected to one JVM this module starts (as ``spark.remote`` finds a
-server in production): the JVM outlives the killed client, so a kill costs a child, not a JVM start.
+The drain is a child process connected to the session's managed engine (``engine``, ``spark-local``:
+tests/support/engine_fixtures.py, the JVM tests/test_engines.py's walks run on), as ``spark.remote`` finds a
+server in production: the JVM outlives the killed client, so a kill costs a child, not a JVM start, and the
+module none (the fixture's teardown fails if a process of the JVM's group is left).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import deltalake
@@ -30,43 +30,35 @@ from pyspark.sql import SparkSession
 
 from resources.config import parse_config, PgcdcConfig
 from resources.delta.spark_destination import lake_destination
-from resources.engines.engine import SparkEngine
-from resources.engines.spark_connect import engine_address
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
 from tests.support import fault_runs
 from tests.support.busy_drain import settle
-from tests.support.engine_fixtures import group_alive, SUITE_SPARK_CONFIG
+
+pytest.register_assert_rewrite(
+    "tests.support.engine_fixtures", "tests.support.s3_fixtures"
+)  # imported here before pytest loads them as plugins
+from tests.support.engine_fixtures import EngineUnderTest
 from tests.support.fault_runs import confirmed, SLOT, write_config
 from tests.support.history_oracle import assert_as_of_equals, assert_changes_once
 from tests.support.postgres import NEWEST_POSTGRES_ONLY, PgDatabase
 
-pytestmark = [pytest.mark.spark, NEWEST_POSTGRES_ONLY]  # one Spark JVM for the module; tiers: docs/testing.md
-
-
-@pytest.fixture(scope="module")
-def spark_url() -> Iterator[tuple[SparkSession, str]]:
-    """The managed engine (a Spark Connect server with Delta on ``local[2]``), started once for the module:
-    its session and its address, which the drains in child processes connect to."""
-    engine = SparkEngine.managed_spark(
-        {**SUITE_SPARK_CONFIG, "spark.driver.extraJavaOptions": "-XX:+TieredCompilation"}, master="local[2]"
-    )
-    group = engine.server_pid
-    try:
-        yield engine.spark, engine_address(engine.spark)
-    finally:
-        engine.close()
-    deadline = time.monotonic() + 20
-    while group is not None and group_alive(group) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert group is not None and not group_alive(group), "the module's JVM outlived it"
+pytest_plugins = ["tests.support.engine_fixtures", "tests.support.s3_fixtures"]
+#: The session's managed engine: the same parameter (and index) as tests/test_engines.py's, so pytest runs
+#: these tests beside that module's on one engine instance (a session fixture's instance is kept while the
+#: next test asks for the same parameter).
+pytestmark = [
+    pytest.mark.spark,  # tiers: docs/testing.md
+    pytest.mark.parametrize("engine", ["spark-local"], indirect=True, scope="session"),
+    NEWEST_POSTGRES_ONLY,
+]
 
 
 def spark_config(
     pg: PgDatabase, tmp_path: Path, url: str, writes: int = 1, history: dict[str, str] | None = None
 ) -> PgcdcConfig:
-    """pgcdc on the module's server; ``writes``: tables written side by side (1: the drain's order is fixed,
+    """pgcdc on the session's engine; ``writes``: tables written side by side (1: the drain's order is fixed,
     so ``after_table_commit:n`` names one write)."""
     return parse_config({
         "postgres": {"dsn": pg.dsn}, "publication": "pub", "slot": SLOT, "delta": {"root": str(tmp_path / "lake")},
@@ -127,12 +119,13 @@ EACH_WAY = {"public.acct": ("id",), "public.ledger": (), "public.tally": ()}
 
 
 def test_a_kill_between_two_tables_commits_of_one_chunk_replays_exactly(
-    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
 ) -> None:
     """One chunk commits three tables, two at a time: killed after the first of them (``after_table_commit:2``:
     the drain's first write prepares the engine), the chunk is in some tables and not in others (the write the
     dead client had sent lands meanwhile); the rerun is exact."""
-    spark, url = spark_url
+    spark, url = engine.spark, engine.url
+    assert spark is not None
     pg.execute(ONE_TABLE_EACH_WAY)
     config = spark_config(pg, tmp_path, url, writes=2)
     snapshot_tables(config, lake_destination(spark, config))
@@ -155,13 +148,14 @@ def test_a_kill_between_two_tables_commits_of_one_chunk_replays_exactly(
 
 
 def test_kills_after_pieces_of_a_transaction_five_chunks_long_replay_exactly(
-    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
 ) -> None:
     """One transaction of 90 changes (30 to each table) drained in chunks of 18, so it is written in pieces,
     each commit with its (end, seq) marker: killed after the keyless table's second piece (the drain's first
     write prepares the engine), part of the transaction in Delta; on the replay, which skips what the markers
     cover, between two pieces of the FULL table; the rerun applies every change once."""
-    spark, url = spark_url
+    spark, url = engine.spark, engine.url
+    assert spark is not None
     pg.execute(ONE_TABLE_EACH_WAY)
     config = spark_config(pg, tmp_path, url)
     snapshot_tables(config, lake_destination(spark, config))
@@ -180,12 +174,13 @@ def test_kills_after_pieces_of_a_transaction_five_chunks_long_replay_exactly(
 
 
 def test_kills_after_history_commits_replay_each_change_once(
-    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
+    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
 ) -> None:
     """Changelogs on the keyless and the FULL table, SCD type 2 on the keyed one: killed after a history
     table's seed, then after a changelog commit of changes whose table commit has not run; the rerun leaves
     every table exact, each change once in its history, and the as-of read of now equal to PostgreSQL."""
-    spark, url = spark_url
+    spark, url = engine.spark, engine.url
+    assert spark is not None
     pg.execute(ONE_TABLE_EACH_WAY)
     history = {"public.acct": "scd2", "public.ledger": "changelog", "public.tally": "changelog"}
     config = spark_config(pg, tmp_path, url, history=history)
@@ -207,14 +202,13 @@ def test_kills_after_history_commits_replay_each_change_once(
         assert_as_of_equals(pg, spark, config, table, None, table)
 
 
-def test_kills_inside_a_schema_change_replay_exactly(
-    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
-) -> None:
+def test_kills_inside_a_schema_change_replay_exactly(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
     """ALTERs widen ``entry`` and add ``extra`` with a default, then rows come: at the Relation message before
     them the drain widens Delta's column (one commit), then fills ``extra`` in the rows before it (another).
     Killed after the widening, then, on the replay (which finds the column wide), after the fill; the rerun
     is exact, the fill in every old row."""
-    spark, url = spark_url
+    spark, url = engine.spark, engine.url
+    assert spark is not None
     pg.execute(ONE_TABLE_EACH_WAY)
     config = spark_config(pg, tmp_path, url)
     snapshot_tables(config, lake_destination(spark, config))

@@ -27,7 +27,7 @@ from pgcdc_assets.dagster_resources import SparkDeltaResource
 from resources.config import parse_config, PgcdcConfig, SparkSettings
 from resources.delta.spark_destination import lake_destination
 from resources.engines.engine import SparkEngine
-from resources.engines.kept_spark import SERVERS_DIR_ENV, stop_all
+from resources.engines.kept_spark import ANSWER_TIMEOUT_ENV, SERVERS_DIR_ENV, stop_all
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
@@ -45,6 +45,9 @@ DDL = """
     INSERT INTO dup VALUES (1, 'a'), (1, 'a'), (2, 'b');
     CREATE PUBLICATION pub FOR TABLE acct, dup;
 """
+
+PATIENT_S = 120
+"""How long the test's runs wait for a live kept JVM to answer (``$PGCDC_SPARK_ANSWER_TIMEOUT``)."""
 
 RUN_CHILD = """
 import sys
@@ -144,6 +147,9 @@ def test_runs_share_a_kept_jvm_that_stops_when_idle(
     a drain on a fresh JVM costs a minute here and shows nothing the first ones do not)."""
     servers = tmp_path / "servers"
     monkeypatch.setenv(SERVERS_DIR_ENV, str(servers))
+    # The JVMs must answer the runs' probes until the one stopped on purpose: the suite's other worker loads the
+    # two cores, and a JVM taken for silent would be replaced under the runs using it.
+    monkeypatch.setenv(ANSWER_TIMEOUT_ENV, str(PATIENT_S))
     pg.execute(DDL)
     quick = kept_config(pg, tmp_path, keep_alive_s=3)
     children = [start_run_child(write_config(quick, tmp_path)) for _ in range(2)]
@@ -202,6 +208,7 @@ def test_runs_share_a_kept_jvm_that_stops_when_idle(
         assert group_alive(third)  # kept: 600 s
 
         os.kill(third, signal.SIGSTOP)  # alive, its port still taking connections, but silent
+        monkeypatch.setenv(ANSWER_TIMEOUT_ENV, "3")  # it never answers: no need to wait the default 10 s
         note = use_engine(kept)
         fourth = int(state_of(directory)["jvm_pid"])
         assert fourth not in (jvm, second, third) and note.startswith(f"started a Spark JVM (pid {fourth}) in ")

@@ -59,11 +59,16 @@ from resources.engines.spark_server import (
     stop_group,
     wait_listening,
 )
+from resources.errors import ConfigurationError
 
 SERVERS_DIR_ENV = "PGCDC_SPARK_SERVERS"
-ANSWER_TIMEOUT_S = 10.0
+ANSWER_TIMEOUT_ENV = "PGCDC_SPARK_ANSWER_TIMEOUT"
+DEFAULT_ANSWER_TIMEOUT_S = 10.0
 """How long a kept server may take to answer before a run stops it and starts another: far above a
-warm JVM's garbage-collection pauses (the parallel collector, a 1 GiB heap: well under a second)."""
+warm JVM's garbage-collection pauses (the parallel collector, a 1 GiB heap: well under a second). A
+host whose load starves the JVM for longer (a JVM just started, under many busy processes on few
+cores) raises it (``$PGCDC_SPARK_ANSWER_TIMEOUT``, seconds): a server taken for silent is stopped under
+the runs that use it, which then fail; a longer wait costs only a run that finds its server stuck."""
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 """An HTTP/2 client's connection preface, then its (empty) SETTINGS frame (RFC 9113, 3.4)."""
 FRAME_HEAD_BYTES = 9
@@ -92,6 +97,24 @@ def servers_dir() -> Path:
     """Where kept servers' state lives: ``$PGCDC_SPARK_SERVERS``, else ``~/.cache/pgcdc/spark-servers``."""
     configured = os.environ.get(SERVERS_DIR_ENV)
     return Path(configured) if configured else Path.home() / ".cache" / "pgcdc" / "spark-servers"
+
+
+def answer_timeout_s() -> float:
+    """:data:`DEFAULT_ANSWER_TIMEOUT_S`, or ``$PGCDC_SPARK_ANSWER_TIMEOUT`` when set (before any server is
+    touched: a bad value stops no server)."""
+    value = os.environ.get(ANSWER_TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_ANSWER_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigurationError(
+            f"${ANSWER_TIMEOUT_ENV} is {value!r}, not a number of seconds above 0",
+            f"set it to the seconds a kept Spark JVM may take to answer (say 60) or unset it ({DEFAULT_ANSWER_TIMEOUT_S:.0f} s)",
+        )
+    return seconds
 
 
 def _private_dir(path: Path) -> Path:
@@ -181,7 +204,7 @@ class ServerState:
 
     def answers(self) -> bool:
         """Both processes are the recorded ones and the server speaks HTTP/2, as gRPC does: it answers a
-        client's connection preface with its SETTINGS frame within :data:`ANSWER_TIMEOUT_S`.
+        client's connection preface with its SETTINGS frame within :func:`answer_timeout_s`.
 
         A port that takes connections is not enough: the kernel accepts them for a JVM that is stopped
         or stuck (collecting garbage it cannot free), and a run attached to it waits and fails, as does
@@ -189,7 +212,7 @@ class ServerState:
         if not (self.supervisor_alive() and self.jvm_alive()):
             return False
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=ANSWER_TIMEOUT_S) as connection:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=answer_timeout_s()) as connection:
                 connection.sendall(HTTP2_PREFACE)
                 head = b""
                 while len(head) < FRAME_HEAD_BYTES:
@@ -281,6 +304,7 @@ def attach(master: str, config: Mapping[str, str], environment: Mapping[str, str
     ``environment`` (the lake's credentials) reaches the JVM through its environment, never its
     command line. Raises ``RuntimeError`` with the server's one-line reason when it cannot start."""
     began = time.monotonic()
+    answer_timeout_s()  # a bad setting is one line before any server is probed
     directory = servers_dir() / server_key(master, config, environment)
     with _start_lock(directory):
         state = ServerState.read(directory)
