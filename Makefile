@@ -8,6 +8,9 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 # JVM_MODULES, tests/support/tiers.py), one JVM at a time. WORKERS=0 runs the suite in this process.
 WORKERS ?= 2
 PARALLEL := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+# Runs alone after the others: under the other worker's load its kept JVM answered the probe and then let
+# the client's connect (about 3 s of retries, resources/engines/spark_connect.py) run out.
+ALONE := tests/test_spark_kept_jvm.py
 # The runtime packages that lint and the type check cover.
 RUNTIME := resources pgcdc_assets sensors
 
@@ -25,7 +28,8 @@ demo: $(VENV)/.installed-demo
 
 # The whole suite (every tier; what .ci/run runs).
 test: $(VENV)/.installed-dev
-	$(PYTEST) $(PARALLEL) $(PYTEST_ARGS)
+	$(PYTEST) $(PARALLEL) --ignore=$(ALONE) $(PYTEST_ARGS)
+	$(PYTEST) $(ALONE) $(PYTEST_ARGS)
 
 # No server at all: decoders, folds, layouts, configuration, the in-memory destination (docs/testing.md, "Tiers").
 # On two workers too: its time is CPU (imports in child interpreters, property tests), which a second core halves.
