@@ -162,7 +162,8 @@ OPS = st.lists(st.tuples(st.sampled_from("IUDK"), st.integers(0, 4), st.integers
 LAYOUTS = st.sampled_from([None, TableLayout(RANGE, ("id",), 2), TableLayout(HASH, ("id",), 3)])
 
 
-@settings(max_examples=200, deadline=None)
+# 100 examples: five keys, four operations; faults seeded in the fold were found as often at 100 as at 200.
+@settings(max_examples=100, deadline=None)
 @given(
     OPS, st.lists(st.integers(1, 6), min_size=1, max_size=10), st.integers(1, 8), st.sets(st.integers(0, 4)), LAYOUTS
 )

@@ -119,7 +119,7 @@ def session(items: list) -> tuple[list[tuple[bytes, int]], list[tuple[int, int, 
     return messages, transactions
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(ITEMS, st.lists(st.integers(0, 400), max_size=8))
 def test_a_sequence_of_drains_hands_out_the_session_once_and_stops_at_boundaries(items: list, ends: list[int]) -> None:
     messages, transactions = session(items)

@@ -12,7 +12,9 @@ mid-stream and snapshotted later, and re-snapshots in the middle; runs use rando
 
 Modes:
 
-* default (CI): ``DEFAULT_SEEDS`` with ``DEFAULT_OPS`` operations each, per PostgreSQL version;
+* default (CI): ``DEFAULT_SEEDS`` with ``DEFAULT_OPS`` operations each, each seed on one PostgreSQL version
+  (the versions taken in turn): the workload does not depend on the version, so two seeds on two versions
+  cover both seeds and both servers (and their pgoutput protocol versions) in two runs rather than four;
 * long: ``PGCDC_LONG=1`` or ``pytest --pgcdc-long``: ``PGCDC_LONG_SEEDS`` (default 10) fresh
   random seeds with ``LONG_OPS`` operations each;
 * replay: ``PGCDC_SEED=<seed>[,<seed>...]`` (and ``PGCDC_OPS=<n>``, as printed on failure).
@@ -36,7 +38,7 @@ from resources.delta.spark_destination import lake_destination
 from resources.runs.incremental import run_incremental
 from resources.runs.snapshot import snapshot_tables
 from resources.testing.verify import assert_delta_equals_postgres
-from tests.support.postgres import PgDatabase
+from tests.support.postgres import PgDatabase, POSTGRES_VERSIONS
 from tests.support.randomized_replay import Replay
 from tests.support.workload import generate
 
@@ -64,10 +66,25 @@ def _cases(config: pytest.Config) -> list[tuple[int, int]]:
     return [(seed, ops) for seed in DEFAULT_SEEDS]
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "case" in metafunc.fixturenames:
-        cases = _cases(metafunc.config)
-        metafunc.parametrize("case", cases, ids=[f"seed{seed}-ops{ops}" for seed, ops in cases])
+    """Every seed on every version in the long and replay modes; in the default mode, each seed on one version:
+    a ``parametrize`` mark over ``pg_server`` too (added before pytest reads the marks), which takes
+    precedence over the fixture's own versions (``one_version_each`` in tests/support/postgres.py)."""
+    if "case" not in metafunc.fixturenames:
+        return
+    cases = _cases(metafunc.config)
+    ids = [f"seed{seed}-ops{ops}" for seed, ops in cases]
+    if _long(metafunc.config) or os.environ.get("PGCDC_SEED"):
+        metafunc.parametrize("case", cases, ids=ids)
+        return
+    versions = [POSTGRES_VERSIONS[i % len(POSTGRES_VERSIONS)] for i in range(len(cases))]
+    metafunc.definition.add_marker(
+        pytest.mark.parametrize(
+            ("pg_server", "case"), list(zip(versions, cases)), indirect=["pg_server"], scope="session",
+            ids=[f"pg{version}-{case_id}" for version, case_id in zip(versions, ids)],
+        )
+    )  # fmt: skip
 
 
 def test_randomized_workload_matches_postgres_after_every_run(

@@ -84,7 +84,9 @@ def apply_folded(start: list[tuple], changes: list[tuple], max_values: int) -> t
     return Counter(comparable_rows(current, ["x", "f"])), stops
 
 
-@settings(max_examples=300, deadline=None)
+# 100 examples: six row values and up to 25 changes; at this count a group bound loosened by one, deltas
+# removed only from two copies up and added copies capped at one each failed in every run.
+@settings(max_examples=100, deadline=None)
 @given(workloads(), st.integers(1, 6))
 def test_folded_batches_equal_changes_applied_one_by_one(workload: tuple, max_values: int) -> None:
     start, changes = workload

@@ -84,7 +84,7 @@ def test_tuple_end_matches_the_decoder_and_refuses_unknown_kinds() -> None:
 VALUES = st.one_of(st.none(), st.just(UNCHANGED), st.binary(max_size=40))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.integers(1, 6).flatmap(lambda ncols: st.lists(st.tuples(*[VALUES] * ncols), min_size=1, max_size=30)))
 def test_random_rows_round_trip(rows: list[tuple]) -> None:
     assert parse(rows) == decoded(rows)
