@@ -54,8 +54,8 @@ ENGINES = ["spark-local", "spark-cluster", "sail-server"]
 #: suite's tables are small, where compiling each statement's generated code is about half of a MERGE's CPU
 #: (docs/engine-notes.md, "A small table's MERGE on Delta on Spark"); the Spark kill tests took 28% less CPU
 #: with them. Spark computes the same results either way (its own tests run both); the kept JVM's test
-#: (tests/test_spark_kept_jvm.py) and the lifecycle walk's crash child, a run's own JVM, keep the engine's
-#: defaults, as a user's runs have them.
+#: (tests/test_spark_kept_jvm.py) and ``pgcdc spark-server``'s keep the engine's defaults, their drains
+#: as a user's runs have them.
 SUITE_SPARK_CONFIG = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 START_TIMEOUT_S = 600.0
 """Generous: the first start on a fresh machine downloads Delta's jars."""
