@@ -55,6 +55,13 @@ pytestmark = [
 ]
 
 
+@pytest.fixture
+def spark_url(engine: EngineUnderTest) -> tuple[SparkSession, str]:
+    """The session engine's own session and its address, which the drains in child processes connect to."""
+    assert engine.spark is not None
+    return engine.spark, engine.url
+
+
 def spark_config(
     pg: PgDatabase, tmp_path: Path, url: str, writes: int = 1, history: dict[str, str] | None = None
 ) -> PgcdcConfig:
@@ -119,13 +126,12 @@ EACH_WAY = {"public.acct": ("id",), "public.ledger": (), "public.tally": ()}
 
 
 def test_a_kill_between_two_tables_commits_of_one_chunk_replays_exactly(
-    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
 ) -> None:
     """One chunk commits three tables, two at a time: killed after the first of them (``after_table_commit:2``:
     the drain's first write prepares the engine), the chunk is in some tables and not in others (the write the
     dead client had sent lands meanwhile); the rerun is exact."""
-    spark, url = engine.spark, engine.url
-    assert spark is not None
+    spark, url = spark_url
     pg.execute(ONE_TABLE_EACH_WAY)
     config = spark_config(pg, tmp_path, url, writes=2)
     snapshot_tables(config, lake_destination(spark, config))
@@ -148,14 +154,13 @@ def test_a_kill_between_two_tables_commits_of_one_chunk_replays_exactly(
 
 
 def test_kills_after_pieces_of_a_transaction_five_chunks_long_replay_exactly(
-    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
 ) -> None:
     """One transaction of 90 changes (30 to each table) drained in chunks of 18, so it is written in pieces,
     each commit with its (end, seq) marker: killed after the keyless table's second piece (the drain's first
     write prepares the engine), part of the transaction in Delta; on the replay, which skips what the markers
     cover, between two pieces of the FULL table; the rerun applies every change once."""
-    spark, url = engine.spark, engine.url
-    assert spark is not None
+    spark, url = spark_url
     pg.execute(ONE_TABLE_EACH_WAY)
     config = spark_config(pg, tmp_path, url)
     snapshot_tables(config, lake_destination(spark, config))
@@ -174,13 +179,12 @@ def test_kills_after_pieces_of_a_transaction_five_chunks_long_replay_exactly(
 
 
 def test_kills_after_history_commits_replay_each_change_once(
-    engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path
+    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
 ) -> None:
     """Changelogs on the keyless and the FULL table, SCD type 2 on the keyed one: killed after a history
     table's seed, then after a changelog commit of changes whose table commit has not run; the rerun leaves
     every table exact, each change once in its history, and the as-of read of now equal to PostgreSQL."""
-    spark, url = engine.spark, engine.url
-    assert spark is not None
+    spark, url = spark_url
     pg.execute(ONE_TABLE_EACH_WAY)
     history = {"public.acct": "scd2", "public.ledger": "changelog", "public.tally": "changelog"}
     config = spark_config(pg, tmp_path, url, history=history)
@@ -202,13 +206,14 @@ def test_kills_after_history_commits_replay_each_change_once(
         assert_as_of_equals(pg, spark, config, table, None, table)
 
 
-def test_kills_inside_a_schema_change_replay_exactly(engine: EngineUnderTest, pg: PgDatabase, tmp_path: Path) -> None:
+def test_kills_inside_a_schema_change_replay_exactly(
+    spark_url: tuple[SparkSession, str], pg: PgDatabase, tmp_path: Path
+) -> None:
     """ALTERs widen ``entry`` and add ``extra`` with a default, then rows come: at the Relation message before
     them the drain widens Delta's column (one commit), then fills ``extra`` in the rows before it (another).
     Killed after the widening, then, on the replay (which finds the column wide), after the fill; the rerun
     is exact, the fill in every old row."""
-    spark, url = engine.spark, engine.url
-    assert spark is not None
+    spark, url = spark_url
     pg.execute(ONE_TABLE_EACH_WAY)
     config = spark_config(pg, tmp_path, url)
     snapshot_tables(config, lake_destination(spark, config))

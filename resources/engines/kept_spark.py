@@ -202,9 +202,9 @@ class ServerState:
     def jvm_alive(self) -> bool:
         return _process_start(self.jvm_pid) == self.jvm_start
 
-    def answers(self) -> bool:
+    def answers(self, timeout_s: float) -> bool:
         """Both processes are the recorded ones and the server speaks HTTP/2, as gRPC does: it answers a
-        client's connection preface with its SETTINGS frame within :func:`answer_timeout_s`.
+        client's connection preface with its SETTINGS frame within ``timeout_s`` (:func:`answer_timeout_s`).
 
         A port that takes connections is not enough: the kernel accepts them for a JVM that is stopped
         or stuck (collecting garbage it cannot free), and a run attached to it waits and fails, as does
@@ -212,7 +212,7 @@ class ServerState:
         if not (self.supervisor_alive() and self.jvm_alive()):
             return False
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=answer_timeout_s()) as connection:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=timeout_s) as connection:
                 connection.sendall(HTTP2_PREFACE)
                 head = b""
                 while len(head) < FRAME_HEAD_BYTES:
@@ -304,11 +304,11 @@ def attach(master: str, config: Mapping[str, str], environment: Mapping[str, str
     ``environment`` (the lake's credentials) reaches the JVM through its environment, never its
     command line. Raises ``RuntimeError`` with the server's one-line reason when it cannot start."""
     began = time.monotonic()
-    answer_timeout_s()  # a bad setting is one line before any server is probed
+    timeout_s = answer_timeout_s()  # a bad setting is one line before any server is probed
     directory = servers_dir() / server_key(master, config, environment)
     with _start_lock(directory):
         state = ServerState.read(directory)
-        if state is not None and state.answers():
+        if state is not None and state.answers(timeout_s):
             return KeptServer(state, False, time.monotonic() - began, _take_lease(directory))
         if state is not None or (directory / WORK).exists():
             _clean_stale(directory, state)
